@@ -1,0 +1,32 @@
+# Two entry points, each sets up what it needs (see README).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.rlk-installed
+
+.PHONY: check test setup docs bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -U pip
+	# torch first and pinned: the CPU wheel; never let a dependency pull a CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]' torch==2.13.0
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+## main job: train/rollout parity on the embedded default (tiny random Qwen3, CPU)
+check: $(STAMP)
+	$(BIN)/rlk check
+
+## the whole test suite + strict docs build
+test: $(STAMP)
+	$(BIN)/python -m mkdocs build --strict -q -d site
+	$(BIN)/python -m pytest -n 2 -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/operators/bench_cpu_ops.py --out artifacts/bench_cpu_ops.json
+
+clean:
+	rm -rf $(VENV) site artifacts .pytest_cache

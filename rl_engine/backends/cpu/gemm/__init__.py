@@ -1,0 +1,87 @@
+"""Invariant CPU ``linear``: BLAS on fixed-shape tiles (see :func:`tiled_matmul`).
+
+Forward ``y = x Wᵀ + b``; backward ``dx = dy W`` (also tiled, so row invariant),
+``dW = dyᵀ x`` and ``db = Σ_rows dy`` (deterministic run to run: fixed tiles and
+:func:`fixed_order_sum`; they sum over rows, so they are not row invariant by nature).
+Bias is added in the output dtype after the matmul, exactly as in the forward of every path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.backends.cpu.common import fixed_order_sum, tiled_matmul
+from rl_engine.runtime.registry import Implementation, register
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = tiled_matmul(x2, weight)
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+@torch.library.custom_op("rlk::linear_cpu", mutates_args=(), device_types="cpu")
+def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    y = _forward(x.reshape(-1, shape[-1]), weight, bias)
+    return y.reshape(*shape[:-1], weight.shape[0])
+
+
+@linear_cpu.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("rlk::linear_cpu_backward", mutates_args=(), device_types="cpu")
+def linear_cpu_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    K = x.shape[-1]
+    N = weight.shape[0]
+    g2 = grad.reshape(-1, N).contiguous()
+    x2 = x.reshape(-1, K)
+    dx = tiled_matmul(g2, weight.t().contiguous()).reshape(x.shape)
+    gt = g2.t().contiguous()  # [N, M]
+    dw = tiled_matmul(gt, x2.t().contiguous())  # [N, K], reduction over the M rows
+    if has_bias:
+        db = fixed_order_sum(gt.float()).to(grad.dtype)
+    else:
+        db = grad.new_empty((0,))
+    return dx, dw, db
+
+
+@linear_cpu_backward.register_fake
+def _(grad, x, weight, has_bias):
+    n = weight.shape[0]
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), grad.new_empty((n,) if has_bias else (0,))
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    dx, dw, db = linear_cpu_backward(grad.contiguous(), x, weight, ctx.has_bias)
+    return dx, dw, (db if ctx.has_bias else None)
+
+
+linear_cpu.register_autograd(_backward, setup_context=_setup)
+
+register(
+    Implementation(
+        op="gemm.linear",
+        impl_id="cpu.tiled_blas",
+        version="1",
+        fn=linear_cpu,
+        families=("cpu",),
+        dtypes=_DTYPES,
+        guarantees=frozenset({"row", "chunk", "run_to_run"}),
+        priority=10,
+    )
+)

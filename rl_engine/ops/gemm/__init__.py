@@ -1,0 +1,42 @@
+"""GEMM entry points."""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.runtime.registry import dispatch, make_request
+from rl_engine.utils.checks import FLOAT_DTYPES, require_same_device, require_tensor
+
+__all__ = ["linear"]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    r"""Affine map ``y = x Wᵀ + b``.
+
+    .. math:: y_{\dots, n} = \sum_{k} x_{\dots, k} W_{n, k} + b_n
+
+    Shapes:
+        x: ``[..., K]``; weight: ``[N, K]``; bias: ``[N]`` or ``None``; returns ``[..., N]``.
+
+    Contract ``gemm.linear`` (``contracts/operators/gemm.linear.json``): fp32 or bf16 (bf16 in
+    and out, fp32 accumulation); **row invariant** (output row depends only on its input row)
+    and **chunk invariant** over output features (any slice of ``weight`` rows gives the same
+    bits as the same columns of the full product); deterministic run to run; backward ``dx``
+    row invariant, ``dW``/``db`` deterministic.
+
+    Raises:
+        TypeError / ValueError: an argument has the wrong type, dtype, shape, device, is
+            non-contiguous or contains NaN (message names the argument).
+        NoEligibleImplementation: strict policy and no implementation covers the request.
+    """
+    require_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1, finite=True)
+    require_tensor("weight", weight, dtypes=(x.dtype,), ndim=2, finite=True)
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight: expected shape [N, {x.shape[-1]}] to match x's last dim, got {tuple(weight.shape)}")
+    if bias is not None:
+        require_tensor("bias", bias, dtypes=(x.dtype,), ndim=1, finite=True)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias: expected shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+    require_same_device(x=x, weight=weight, bias=bias)
+    req = make_request("gemm.linear", x, features={"K": x.shape[-1], "N": weight.shape[0], "bias": bias is not None})
+    return dispatch(req, x, weight, bias)

@@ -1,0 +1,259 @@
+"""Contract-aware registry and dispatch.
+
+An :class:`Implementation` declares, as data, where it can run (platform families, dtypes) and
+which invariances it guarantees; it may add a static availability probe (is the compiler
+installed?) and a per-call eligibility check (shapes, layout). Both are *pure*: they never
+compile, allocate, switch devices or mutate.
+
+Dispatch of one call::
+
+    request = Request(op, platform_of(x), x.dtype, requires=contract.guarantees, features={...})
+    impl = first eligible implementation in priority order (lower number first)
+    strict policy, none eligible  -> NoEligibleImplementation listing every rejection reason
+    diagnostic policy, none       -> the float64 reference, recorded as a fallback
+    provenance records the choice when a provenance.record() block is active
+
+Backends are imported lazily, the first time an operator family is dispatched or listed, so
+``import rl_engine`` imports none of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from rl_engine import contracts
+from rl_engine.platforms import Platform
+from rl_engine.runtime import policy as _policy
+from rl_engine.runtime import provenance as _prov
+
+__all__ = [
+    "Request",
+    "Implementation",
+    "NoEligibleImplementation",
+    "register",
+    "register_reference",
+    "implementations",
+    "reference_for",
+    "select",
+    "dispatch",
+    "BACKEND_PACKAGES",
+]
+
+# Explicit priority of backend packages per platform family. The first listed package's
+# implementations get the lowest priority numbers unless they set their own.
+BACKEND_PACKAGES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "cuda": ("rl_engine.backends.shared.triton", "rl_engine.backends.cuda", "rl_engine.backends.cpu"),
+        "rocm": ("rl_engine.backends.shared.triton", "rl_engine.backends.rocm", "rl_engine.backends.cpu"),
+        "cpu": ("rl_engine.backends.cpu",),
+    }
+)
+_ALL_PACKAGES = ("rl_engine.backends.cpu", "rl_engine.backends.shared.triton", "rl_engine.backends.cuda", "rl_engine.backends.rocm")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one call needs: operator, device platform, dtype, required invariances, features."""
+
+    op: str
+    platform: Platform
+    dtype: torch.dtype
+    requires: frozenset[str]
+    features: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
+class Implementation:
+    """One registered implementation of one operator.
+
+    Attributes:
+        op: operator id (``"gemm.linear"``).
+        impl_id: unique id within the operator (``"cpu.tiled_blas"``).
+        version: bumped whenever the arithmetic changes (recorded in provenance).
+        fn: the callable; same signature as the operator's reference.
+        families: platform families it runs on (``("cpu",)``).
+        dtypes: dtypes it accepts.
+        guarantees: invariances it guarantees (names from the invariance vocabulary).
+        priority: lower runs first among eligible implementations.
+        static_check: ``() -> list[str]``, reasons it is unavailable in this process.
+        call_check: ``(Request) -> list[str]``, reasons it cannot take this call.
+        untested_families: families declared eligible from the same source but not validated.
+    """
+
+    op: str
+    impl_id: str
+    version: str
+    fn: Callable[..., Any]
+    families: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    guarantees: frozenset[str]
+    priority: int = 100
+    static_check: Callable[[], list[str]] | None = None
+    call_check: Callable[[Request], list[str]] | None = None
+    untested_families: tuple[str, ...] = ()
+
+    @property
+    def module(self) -> str:
+        return self.fn.__module__
+
+    def unavailable_reasons(self) -> list[str]:
+        return list(self.static_check()) if self.static_check is not None else []
+
+    def reject_reasons(self, request: Request) -> list[str]:
+        """Every reason this implementation cannot take ``request`` (empty: eligible)."""
+        reasons = self.unavailable_reasons()
+        if request.platform.family not in self.families:
+            reasons.append(f"platform family {request.platform.family!r} not in {list(self.families)}")
+        if request.dtype not in self.dtypes:
+            reasons.append(f"dtype {request.dtype} not in {[str(d) for d in self.dtypes]}")
+        missing = request.requires - self.guarantees
+        if missing:
+            reasons.append(f"does not guarantee invariances {sorted(missing)}")
+        if not reasons and self.call_check is not None:
+            reasons.extend(self.call_check(request))
+        return reasons
+
+
+class NoEligibleImplementation(RuntimeError):
+    """Strict policy: no registered implementation covers the request."""
+
+    def __init__(self, request: Request, rejections: list[tuple[str, list[str]]]):
+        self.request = request
+        self.rejections = rejections
+        lines = [
+            f"no implementation of {request.op!r} is eligible for dtype={request.dtype}, "
+            f"platform={request.platform.key}, requires={sorted(request.requires)} (policy=strict)"
+        ]
+        if not rejections:
+            lines.append("  (no implementation is registered for this operator)")
+        for impl_id, reasons in rejections:
+            lines.append(f"  {impl_id}: " + "; ".join(reasons))
+        lines.append("Use rl_engine.runtime.use_policy('diagnostic') to fall back to the float64 reference.")
+        super().__init__("\n".join(lines))
+
+
+_REGISTRY: dict[str, list[Implementation]] = {}
+_REFERENCES: dict[str, Callable[..., Any]] = {}
+_LOADED_FAMILIES: set[str] = set()
+
+
+def register(impl: Implementation) -> Implementation:
+    """Add ``impl`` to the registry. Re-registering the same ``(op, impl_id)`` replaces it."""
+    contracts.load_contract(impl.op)  # an implementation of an operator without a contract is a bug
+    impls = [i for i in _REGISTRY.get(impl.op, []) if i.impl_id != impl.impl_id]
+    impls.append(impl)
+    impls.sort(key=lambda i: (i.priority, i.impl_id))
+    _REGISTRY[impl.op] = impls
+    return impl
+
+
+def register_reference(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: ``fn`` is the float64 reference of ``op`` (the diagnostic fallback)."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _REFERENCES[op] = fn
+        return fn
+
+    return deco
+
+
+def _family_of(op: str) -> str:
+    return op.split(".", 1)[0]
+
+
+def _load(op: str) -> None:
+    family = _family_of(op)
+    if family in _LOADED_FAMILIES:
+        return
+    for pkg in (*_ALL_PACKAGES, "rl_engine.reference"):
+        name = f"{pkg}.{family}"
+        try:
+            spec = importlib.util.find_spec(name)
+        except ModuleNotFoundError:
+            spec = None
+        if spec is not None:
+            importlib.import_module(name)
+    _LOADED_FAMILIES.add(family)
+
+
+def implementations(op: str) -> list[Implementation]:
+    """Registered implementations of ``op`` in priority order (loads its backends)."""
+    _load(op)
+    return list(_REGISTRY.get(op, []))
+
+
+def reference_for(op: str) -> Callable[..., Any]:
+    _load(op)
+    if op not in _REFERENCES:
+        raise KeyError(f"op: no reference registered for {op!r}")
+    return _REFERENCES[op]
+
+
+def select(request: Request) -> tuple[Implementation | None, list[tuple[str, list[str]]]]:
+    """The first eligible implementation for ``request`` and the rejections before it."""
+    rejections: list[tuple[str, list[str]]] = []
+    order = BACKEND_PACKAGES.get(request.platform.family, ())
+    candidates = sorted(
+        implementations(request.op),
+        key=lambda i: (
+            next((k for k, p in enumerate(order) if i.module.startswith(p)), len(order)),
+            i.priority,
+            i.impl_id,
+        ),
+    )
+    for impl in candidates:
+        reasons = impl.reject_reasons(request)
+        if not reasons:
+            return impl, rejections
+        rejections.append((impl.impl_id, reasons))
+    return None, rejections
+
+
+def make_request(op: str, device_tensor: torch.Tensor, *, features: Mapping[str, Any] | None = None,
+                 requires: frozenset[str] | None = None) -> Request:
+    """Build the :class:`Request` for a call whose device and dtype are those of ``device_tensor``."""
+    from rl_engine.platforms import platform_of
+
+    contract = contracts.load_contract(op)
+    return Request(
+        op=op,
+        platform=platform_of(device_tensor),
+        dtype=device_tensor.dtype,
+        requires=contract.guarantees if requires is None else requires,
+        features=dict(features or {}),
+    )
+
+
+def dispatch(request: Request, *args: Any, **kwargs: Any) -> Any:
+    """Run ``request.op`` on the first eligible implementation (see module docstring)."""
+    impl, rejections = select(request)
+    pol = _policy.current_policy()
+    if impl is not None:
+        fn, impl_id, version, module, fallback = impl.fn, impl.impl_id, impl.version, impl.module, False
+    elif pol == "diagnostic":
+        fn = reference_for(request.op)
+        impl_id, version, module, fallback = "reference.float64", "1", fn.__module__, True
+    else:
+        raise NoEligibleImplementation(request, rejections)
+    if _prov.active():
+        _prov.emit(
+            _prov.ProvenanceRecord(
+                op=request.op,
+                impl_id=impl_id,
+                impl_version=version,
+                platform=request.platform.key,
+                source_fingerprint=_prov.source_fingerprint(module),
+                policy=pol,
+                fallback=fallback,
+                contract_version=contracts.load_contract(request.op).version,
+                requested=tuple(sorted(request.requires)),
+            )
+        )
+    return fn(*args, **kwargs)

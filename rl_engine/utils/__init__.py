@@ -1,0 +1,1 @@
+"""Small shared utilities: argument validation and raw-bit comparison."""

@@ -1,0 +1,89 @@
+"""Argument validation shared by the operator entry points.
+
+Every failure raises ``ValueError`` (or ``TypeError`` for a non-tensor) whose message starts with
+the argument's name and says what was expected, e.g.
+``x: expected dtype in [torch.float32, torch.bfloat16], got torch.float16``.
+
+NaN policy: by default entry points reject floating inputs that contain NaN (``"raise"``); inside
+``with nan_policy("propagate"):`` they skip the scan and NaN propagates by IEEE rules. The scan
+costs one read of the input; disable it only when the inputs are known to be finite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Literal
+
+import torch
+
+__all__ = ["require_tensor", "require_same_device", "nan_policy", "current_nan_policy", "check_no_nan", "FLOAT_DTYPES"]
+
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+NanPolicy = Literal["raise", "propagate"]
+_NAN: contextvars.ContextVar[NanPolicy] = contextvars.ContextVar("rlk_nan_policy", default="raise")
+
+
+def current_nan_policy() -> NanPolicy:
+    return _NAN.get()
+
+
+@contextlib.contextmanager
+def nan_policy(policy: NanPolicy) -> Iterator[None]:
+    """Scope the NaN policy (``"raise"`` or ``"propagate"``); restores in ``finally``."""
+    if policy not in ("raise", "propagate"):
+        raise ValueError(f"policy: expected 'raise' or 'propagate', got {policy!r}")
+    token = _NAN.set(policy)
+    try:
+        yield
+    finally:
+        _NAN.reset(token)
+
+
+def check_no_nan(name: str, t: torch.Tensor) -> None:
+    if _NAN.get() == "raise" and t.is_floating_point() and t.numel() and t.device.type != "meta" and bool(torch.isnan(t).any()):
+        raise ValueError(f"{name}: contains NaN (NaN policy 'raise'; use rl_engine.utils.checks.nan_policy('propagate') to let it propagate)")
+
+
+def require_tensor(
+    name: str,
+    t: object,
+    *,
+    dtypes: Iterable[torch.dtype] | None = None,
+    ndim: int | Sequence[int] | None = None,
+    min_ndim: int | None = None,
+    contiguous: bool = True,
+    non_empty: bool = False,
+    finite: bool = False,
+) -> torch.Tensor:
+    """Validate one tensor argument; returns it unchanged."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            raise ValueError(f"{name}: expected dtype in {list(dtypes)}, got {t.dtype}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed:
+            raise ValueError(f"{name}: expected {' or '.join(map(str, allowed))} dimensions, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous()), got strides {t.stride()}")
+    if non_empty and t.numel() == 0:
+        raise ValueError(f"{name}: expected a non-empty tensor, got shape {tuple(t.shape)}")
+    if finite:
+        check_no_nan(name, t)
+    return t
+
+
+def require_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """All given tensors live on one device; returns it."""
+    devs = {n: t.device for n, t in tensors.items() if t is not None}
+    first_name, first = next(iter(devs.items()))
+    for n, d in devs.items():
+        if d != first:
+            raise ValueError(f"{n}: expected device {first} (the device of {first_name}), got {d}")
+    return first

@@ -1,0 +1,1 @@
+"""Validation: invariance checkers, suites and reports."""
