@@ -16,13 +16,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-## main job: train/rollout parity on the embedded default (tiny random Qwen3, CPU)
+## main job: for now `rlk ops` (contracts and what runs here); becomes `rlk check`, train/rollout parity on the embedded default (tiny random Qwen3, CPU)
 check: $(STAMP)
-	$(BIN)/rlk check
+	$(BIN)/rlk ops
 
 ## the whole test suite + strict docs build
 test: $(STAMP)
-	$(BIN)/python -m mkdocs build --strict -q -d site
+	$(BIN)/python -m mkdocs build --strict -d site  # no -q: with -q, mkdocs 1.6 drops warnings before --strict counts them
 	$(BIN)/python -m pytest -n 2 -q
 
 bench: $(STAMP)

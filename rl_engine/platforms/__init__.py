@@ -79,11 +79,36 @@ def _cpu_name() -> str:
     return _py_platform.processor() or _py_platform.machine() or "cpu"
 
 
+# Spellings some systems report for the two CPU architectures we name (Windows, macOS).
+_CPU_ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
+
+
+def _classify(hip_version: str | None, cuda_available: bool, props: Any | None, machine: str) -> tuple[Family, str]:
+    """Pure classification of one device: ``(family, arch)``.
+
+    Args:
+        hip_version: ``torch.version.hip`` (``None`` or empty on non-ROCm builds).
+        cuda_available: whether a GPU is being described (``torch.cuda.is_available()``).
+        props: the GPU's ``torch.cuda.get_device_properties`` (``None`` for the CPU).
+        machine: ``platform.machine()`` (used for the CPU).
+
+    HIP is checked *before* CUDA: a ROCm build also answers ``torch.cuda.*`` and reports a
+    compute capability (9.4 on MI300), which must not be read as ``sm94``.
+    """
+    if not cuda_available or props is None:
+        m = (machine or "unknown").strip()
+        return "cpu", _CPU_ARCH_ALIASES.get(m.lower(), m)
+    if hip_version:
+        return "rocm", str(getattr(props, "gcnArchName", "gfx")).split(":", 1)[0]
+    return "cuda", f"sm{props.major}{props.minor}"
+
+
 @functools.lru_cache(maxsize=None)
 def _cpu_platform() -> Platform:
+    _, arch = _classify(None, False, None, _py_platform.machine())
     return Platform(
         family="cpu",
-        arch=_py_platform.machine() or "unknown",
+        arch=arch,
         device_name=_cpu_name(),
         torch_version=torch.__version__,
         triton_version=_triton_version(),
@@ -96,12 +121,7 @@ def _cpu_platform() -> Platform:
 def _gpu_platform(index: int) -> Platform:
     props = torch.cuda.get_device_properties(index)
     hip = getattr(torch.version, "hip", None)
-    if hip:  # HIP before CUDA: ROCm torch also answers torch.cuda.*
-        arch = str(getattr(props, "gcnArchName", "gfx")).split(":", 1)[0]
-        family: Family = "rocm"
-    else:
-        arch = f"sm{props.major}{props.minor}"
-        family = "cuda"
+    family, arch = _classify(hip, True, props, _py_platform.machine())
     return Platform(
         family=family,
         arch=arch,

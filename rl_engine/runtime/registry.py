@@ -101,7 +101,12 @@ class Implementation:
 
     @property
     def module(self) -> str:
-        return self.fn.__module__
+        """Module that defines ``fn`` (provenance fingerprints it; dispatch orders by it).
+
+        A ``torch.library.custom_op`` object reports torch's own module as ``__module__``; the
+        module of the Python function it wraps is the one that holds the implementation.
+        """
+        return getattr(self.fn, "_init_fn", self.fn).__module__
 
     def unavailable_reasons(self) -> list[str]:
         return list(self.static_check()) if self.static_check is not None else []

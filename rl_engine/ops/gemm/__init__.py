@@ -18,18 +18,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Shapes:
         x: ``[..., K]``; weight: ``[N, K]``; bias: ``[N]`` or ``None``; returns ``[..., N]``.
 
-    Contract ``gemm.linear`` (``contracts/operators/gemm.linear.json``): fp32 or bf16 (bf16 in
-    and out, fp32 accumulation); **row invariant** (output row depends only on its input row)
-    and **chunk invariant** over output features (any slice of ``weight`` rows gives the same
-    bits as the same columns of the full product); deterministic run to run; backward ``dx``
-    row invariant, ``dW``/``db`` deterministic.
+    Contract ``gemm.linear`` (``contracts/operators/gemm.linear.json``): fp32 or bf16, and fp16
+    on CUDA/ROCm devices (16-bit in and out, fp32 accumulation); **row invariant** (output row
+    depends only on its input row) and **chunk invariant** over output features (any slice of
+    ``weight`` rows gives the same bits as the same columns of the full product); deterministic
+    run to run; backward ``dx`` row invariant, ``dW``/``db`` deterministic.
 
     Raises:
         TypeError / ValueError: an argument has the wrong type, dtype, shape, device, is
             non-contiguous or contains NaN (message names the argument).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
-    require_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1, finite=True)
+    # float16 only where an implementation has it (the Triton GPU backend); CPU: fp32/bf16.
+    gpu = isinstance(x, torch.Tensor) and x.device.type == "cuda"
+    require_tensor("x", x, dtypes=FLOAT_DTYPES + ((torch.float16,) if gpu else ()), min_ndim=1, finite=True)
     require_tensor("weight", weight, dtypes=(x.dtype,), ndim=2, finite=True)
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight: expected shape [N, {x.shape[-1]}] to match x's last dim, got {tuple(weight.shape)}")

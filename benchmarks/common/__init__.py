@@ -1,0 +1,1 @@
+"""Shared benchmark harness (see :mod:`benchmarks.common.harness`)."""

@@ -1,0 +1,301 @@
+"""One benchmark harness: repeated timings, robust statistics, peak memory, JSON rows.
+
+Every benchmark script builds callables, measures them with :func:`measure` (or
+:func:`measure_interleaved` when comparing an implementation with its baseline: the candidates
+run round-robin, so drift in machine load hits both alike), and writes rows made by
+:func:`make_row` with :func:`write_report`.
+
+Statistics: after ``warmup`` untimed calls, ``repeats`` timed calls; the row reports the median
+(p50), p20 and p80 of the samples (percentiles by linear interpolation between order statistics,
+as ``numpy.percentile``'s default), plus min/max and the sample count, in milliseconds.
+
+Peak memory: the largest amount of memory allocated by torch during one call above what was
+allocated when it started (outputs included), measured in a separate, untimed call:
+
+* CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``;
+* CPU: the running sum of the torch profiler's allocation/free events (``profile_memory=True``);
+  ``None`` when the profiler cannot report it.
+
+A row (``schema_version`` 1)::
+
+    {"schema_version": 1, "benchmark": "bench_cpu_ops", "op": "gemm.linear",
+     "implementation": "cpu.tiled_blas", "baseline": "torch.F.linear",
+     "config": {"M": 64, "K": 1024, "N": 1024, "dtype": "float32"},
+     "device": {"type": "cpu", "name": "AMD EPYC", "platform": "cpu:x86_64", "threads": 2},
+     "timestamp": "2026-11-29T22:50:01+00:00",
+     "versions": {"torch": "2.13.0+cpu", "rl_engine": "0.1.0", "python": "3.11.7", "triton": null},
+     "unit": "ms", "median": 1.23, "p20": 1.20, "p80": 1.30, "min": 1.18, "max": 1.5,
+     "samples": 20, "warmup": 3, "peak_memory_bytes": 262144, "peak_memory_method": "torch.profiler"}
+
+plus ``"ratio_vs_baseline"`` (median / baseline median, measured in the same interleaved run)
+on rows that have a baseline.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform as _py_platform
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ROW_KEYS",
+    "Stats",
+    "percentile",
+    "summarize",
+    "time_samples",
+    "measure",
+    "measure_interleaved",
+    "peak_memory",
+    "device_info",
+    "versions",
+    "make_row",
+    "write_report",
+]
+
+SCHEMA_VERSION = 1
+
+#: Keys every row has (tests/benchmarks freeze them).
+ROW_KEYS = frozenset(
+    {
+        "schema_version", "benchmark", "op", "implementation", "baseline", "config", "device",
+        "timestamp", "versions", "unit", "median", "p20", "p50", "p80", "min", "max", "samples",
+        "warmup", "peak_memory_bytes", "peak_memory_method",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of timing samples, in the unit of the samples."""
+
+    n: int
+    median: float
+    p20: float
+    p80: float
+    min: float
+    max: float
+
+    def scaled(self, factor: float) -> "Stats":
+        return Stats(self.n, *(v * factor for v in (self.median, self.p20, self.p80, self.min, self.max)))
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by linear interpolation between order statistics."""
+    if not samples:
+        raise ValueError("samples: expected at least one sample, got none")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"q: expected a percentile in [0, 100], got {q}")
+    s = sorted(float(v) for v in samples)
+    pos = (len(s) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize(samples: Sequence[float]) -> Stats:
+    """Median, p20, p80, min and max of ``samples`` (any non-empty sequence of numbers)."""
+    if not samples:
+        raise ValueError("samples: expected at least one sample, got none")
+    if any(not math.isfinite(float(v)) for v in samples):
+        raise ValueError("samples: expected finite numbers")
+    return Stats(
+        n=len(samples),
+        median=percentile(samples, 50.0),
+        p20=percentile(samples, 20.0),
+        p80=percentile(samples, 80.0),
+        min=float(min(samples)),
+        max=float(max(samples)),
+    )
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed_call(fn: Callable[[], Any], device: str) -> float:
+    """Seconds one call takes, the device synchronised before and after."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def time_samples(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 20, device: str = "cpu") -> list[float]:
+    """``repeats`` timings (seconds) of ``fn()`` after ``warmup`` untimed calls."""
+    if repeats < 1:
+        raise ValueError(f"repeats: expected >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup: expected >= 0, got {warmup}")
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    return [_timed_call(fn, device) for _ in range(repeats)]
+
+
+def measure(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 20, device: str = "cpu") -> Stats:
+    """Timing statistics of ``fn()`` in **milliseconds**."""
+    return summarize(time_samples(fn, warmup=warmup, repeats=repeats, device=device)).scaled(1e3)
+
+
+def measure_interleaved(
+    fns: Mapping[str, Callable[[], Any]], *, warmup: int = 3, repeats: int = 20, device: str = "cpu"
+) -> dict[str, Stats]:
+    """Statistics (ms) of several callables timed round-robin.
+
+    Round ``r`` runs every callable once, starting at a rotating offset, so slow phases of a
+    shared machine and cache effects of call order fall on all candidates alike; their ratios
+    are then fair even when absolute times drift.
+    """
+    if not fns:
+        raise ValueError("fns: expected at least one callable")
+    if repeats < 1:
+        raise ValueError(f"repeats: expected >= 1, got {repeats}")
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    _sync(device)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            samples[name].append(_timed_call(fns[name], device))
+    return {n: summarize(s).scaled(1e3) for n, s in samples.items()}
+
+
+def _cpu_peak_from_profiler(fn: Callable[[], Any]) -> int | None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    try:
+        events = prof.profiler.kineto_results.events()
+    except AttributeError:  # pragma: no cover - profiler internals moved
+        return None
+    mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    peak = current = 0
+    for _, nbytes in mem:
+        current += nbytes
+        peak = max(peak, current)
+    return peak
+
+
+def peak_memory(fn: Callable[[], Any], *, device: str = "cpu") -> tuple[int | None, str | None]:
+    """``(bytes, method)``: peak memory torch allocated during one call of ``fn`` above what was
+    allocated before it (outputs included); ``(None, None)`` where not measurable."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated() - base), "torch.cuda.max_memory_allocated"
+    if device == "cpu":
+        try:
+            peak = _cpu_peak_from_profiler(fn)
+        except Exception:  # pragma: no cover - a profiler that cannot run here
+            return None, None
+        return (peak, "torch.profiler") if peak is not None else (None, None)
+    return None, None
+
+
+def versions() -> dict[str, str | None]:
+    """Versions recorded in every row: torch, rl_engine, python, triton (None if absent)."""
+    import rl_engine
+    from rl_engine.platforms import platform_of
+
+    return {
+        "torch": torch.__version__,
+        "rl_engine": rl_engine.__version__,
+        "python": _py_platform.python_version(),
+        "triton": platform_of("cpu").triton_version,
+    }
+
+
+def device_info(device: str = "cpu") -> dict[str, Any]:
+    """``{"type", "name", "platform", "threads"}`` of ``device``."""
+    from rl_engine.platforms import platform_of
+
+    plat = platform_of(device)
+    return {
+        "type": torch.device(device).type,
+        "name": plat.device_name,
+        "platform": plat.key,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def make_row(
+    *,
+    benchmark: str,
+    op: str,
+    implementation: str,
+    config: Mapping[str, Any],
+    stats: Stats,
+    warmup: int,
+    device: Mapping[str, Any],
+    versions: Mapping[str, Any],
+    peak_memory_bytes: int | None = None,
+    peak_memory_method: str | None = None,
+    baseline: str | None = None,
+    timestamp: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One JSON row (see module docstring); ``stats`` in milliseconds."""
+    row: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "benchmark": benchmark,
+        "op": op,
+        "implementation": implementation,
+        "baseline": baseline,
+        "config": dict(config),
+        "device": dict(device),
+        "timestamp": timestamp or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": dict(versions),
+        "unit": "ms",
+        "median": stats.median,
+        "p20": stats.p20,
+        "p50": stats.median,
+        "p80": stats.p80,
+        "min": stats.min,
+        "max": stats.max,
+        "samples": stats.n,
+        "warmup": warmup,
+        "peak_memory_bytes": peak_memory_bytes,
+        "peak_memory_method": peak_memory_method,
+    }
+    if extra:
+        clash = set(extra) & set(row)
+        if clash:
+            raise ValueError(f"extra: keys {sorted(clash)} would overwrite standard row keys")
+        row.update(extra)
+    return row
+
+
+def write_report(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], *, command: str | None = None) -> Path:
+    """Write ``{"schema_version", "command", "rows": [...]}`` to ``path`` (parents created)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        "command": command if command is not None else " ".join([Path(sys.executable).name, *sys.argv]),
+        "rows": [dict(r) for r in rows],
+    }
+    out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    return out

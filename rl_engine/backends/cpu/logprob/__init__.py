@@ -1,0 +1,474 @@
+"""Invariant CPU log-prob operators, all built on the canonical log-sum-exp (:mod:`.lse`).
+
+* ``rlk::log_softmax_cpu``, ``rlk::token_logprobs_cpu``, ``rlk::entropy_cpu`` take logits
+  ``[R, V]``; they and their backward ops (``*_backward``) return fp32 values and gradients in
+  the logits dtype.
+* ``rlk::linear_token_logprobs_cpu`` fuses the LM head: for each token chunk it walks the
+  vocabulary in chunks, computes that logits chunk with
+  :func:`~rl_engine.backends.cpu.common.tiled_matmul` (the exact bits ``gemm.linear`` gives for
+  those rows and columns), and feeds it to the canonical accumulator, so it never holds more than
+  ``[token_chunk, vocab_chunk]`` logits. Forward outputs are raw-bit equal to the unfused
+  ``token_logprobs(linear(h, W))`` / ``entropy(linear(h, W))``.
+
+Fused backward (bitwise equal to the unfused path's backward, see docs/operators/logprob.md):
+
+* ``dhidden``: per token chunk, recompute the logits for the whole vocabulary, form the
+  gradient of the logits ``[token_chunk, V]`` in the hidden dtype exactly as the unfused ops do,
+  and multiply by the weight with one ``tiled_matmul`` over ``K = V`` — the same call the
+  ``gemm.linear`` backward makes, and row invariant, so each row's bits match;
+* ``dweight``: per vocabulary chunk, recompute the logits of **all** tokens for that chunk, form
+  the logits gradient ``[T, vocab_chunk]`` and multiply its transpose by the hidden states with
+  one ``tiled_matmul`` over ``K = T`` — again the ``gemm.linear`` backward's call, row (= vocab
+  row) invariant.
+
+Both passes recompute the logits (two extra GEMMs) so memory stays bounded by
+``O(token_chunk · V + T · vocab_chunk)`` instead of ``O(T · V)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.backends.cpu.common import TILE_N, tiled_matmul
+from rl_engine.backends.cpu.logprob.lse import (
+    VOCAB_BLOCK,
+    LseAccumulator,
+    finish_grad,
+    grad_entropy,
+    grad_log_softmax,
+    grad_logprob,
+    scale_logits,
+)
+from rl_engine.runtime.registry import Implementation, register
+from rl_engine.utils.checks import current_nan_policy
+
+__all__ = [
+    "VOCAB_BLOCK",
+    "DEFAULT_TOKEN_CHUNK",
+    "DEFAULT_VOCAB_CHUNK",
+    "log_softmax",
+    "token_logprobs",
+    "entropy",
+    "linear_token_logprobs",
+]
+
+_DTYPES = (torch.float32, torch.bfloat16)
+#: Default rows per chunk of the fused LM head (a multiple of the GEMM's row tile).
+DEFAULT_TOKEN_CHUNK = 256
+#: Default vocabulary columns per chunk of the fused LM head (a multiple of VOCAB_BLOCK).
+DEFAULT_VOCAB_CHUNK = 4 * VOCAB_BLOCK
+
+
+def _stats(logits2: torch.Tensor, temperature: float, entropy: bool):
+    z = scale_logits(logits2, temperature)
+    acc = LseAccumulator(z.shape[0], entropy=entropy, vocab_size=z.shape[1])
+    acc.update(z, 0)
+    return z, acc.finish()
+
+
+def _check_lse(lse: torch.Tensor, what: str, source: str = "logits / temperature") -> None:
+    """Rows without any finite logit, or overflow to +inf/NaN, get a clear error."""
+    if lse.numel() == 0:
+        return
+    dead = torch.isneginf(lse)
+    if bool(dead.any()):
+        rows = torch.nonzero(dead).squeeze(1)[:8].tolist()
+        raise ValueError(f"{what}: rows {rows} have no finite entry (all -inf): their log-probs are undefined")
+    if current_nan_policy() == "raise" and not bool(torch.isfinite(lse).all()):
+        rows = torch.nonzero(~torch.isfinite(lse)).squeeze(1)[:8].tolist()
+        raise ValueError(f"{what}: rows {rows} are not finite in {source} (+inf input or overflow)")
+
+
+# ---------------------------------------------------------------------------------------------
+# log_softmax
+
+
+@torch.library.custom_op("rlk::log_softmax_cpu", mutates_args=(), device_types="cpu")
+def log_softmax_cpu(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    z, res = _stats(logits, temperature, False)
+    return z - res.lse.unsqueeze(1), res.lse
+
+
+@log_softmax_cpu.register_fake
+def _(logits, temperature):
+    return logits.new_empty(logits.shape, dtype=torch.float32), logits.new_empty(logits.shape[:1], dtype=torch.float32)
+
+
+@torch.library.custom_op("rlk::log_softmax_cpu_backward", mutates_args=(), device_types="cpu")
+def log_softmax_cpu_backward(grad: torch.Tensor, out: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    return finish_grad(grad_log_softmax(out, grad), temperature, dtype)
+
+
+@log_softmax_cpu_backward.register_fake
+def _(grad, out, temperature, dtype):
+    return out.new_empty(out.shape, dtype=dtype)
+
+
+def _ls_setup(ctx, inputs, output):
+    logits, temperature = inputs
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(output[0])
+    ctx.temperature = temperature
+    ctx.dtype = logits.dtype
+
+
+def _ls_backward(ctx, grad, _grad_lse):
+    if grad is None:
+        return None, None
+    (out,) = ctx.saved_tensors
+    return log_softmax_cpu_backward(grad.contiguous(), out, ctx.temperature, ctx.dtype), None
+
+
+log_softmax_cpu.register_autograd(_ls_backward, setup_context=_ls_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# token_logprobs
+
+
+@torch.library.custom_op("rlk::token_logprobs_cpu", mutates_args=(), device_types="cpu")
+def token_logprobs_cpu(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    z, res = _stats(logits, temperature, False)
+    z_t = z.gather(1, targets.long().unsqueeze(1)).squeeze(1)
+    return z_t - res.lse, res.lse
+
+
+@token_logprobs_cpu.register_fake
+def _(logits, targets, temperature):
+    return logits.new_empty(logits.shape[:1], dtype=torch.float32), logits.new_empty(logits.shape[:1], dtype=torch.float32)
+
+
+@torch.library.custom_op("rlk::token_logprobs_cpu_backward", mutates_args=(), device_types="cpu")
+def token_logprobs_cpu_backward(
+    grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    z = scale_logits(logits, temperature)
+    return finish_grad(grad_logprob(z, 0, lse, targets.long(), grad), temperature, logits.dtype)
+
+
+@token_logprobs_cpu_backward.register_fake
+def _(grad, logits, targets, lse, temperature):
+    return logits.new_empty(logits.shape)
+
+
+def _tl_setup(ctx, inputs, output):
+    logits, targets, temperature = inputs
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(logits, targets, output[1])
+    ctx.temperature = temperature
+
+
+def _tl_backward(ctx, grad, _grad_lse):
+    if grad is None:
+        return None, None, None
+    logits, targets, lse = ctx.saved_tensors
+    return token_logprobs_cpu_backward(grad, logits, targets, lse, ctx.temperature), None, None
+
+
+token_logprobs_cpu.register_autograd(_tl_backward, setup_context=_tl_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# entropy
+
+
+@torch.library.custom_op("rlk::entropy_cpu", mutates_args=(), device_types="cpu")
+def entropy_cpu(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _, res = _stats(logits, temperature, True)
+    return res.entropy, res.lse
+
+
+@entropy_cpu.register_fake
+def _(logits, temperature):
+    return logits.new_empty(logits.shape[:1], dtype=torch.float32), logits.new_empty(logits.shape[:1], dtype=torch.float32)
+
+
+@torch.library.custom_op("rlk::entropy_cpu_backward", mutates_args=(), device_types="cpu")
+def entropy_cpu_backward(
+    grad: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    z = scale_logits(logits, temperature)
+    return finish_grad(grad_entropy(z, lse, ent, grad), temperature, logits.dtype)
+
+
+@entropy_cpu_backward.register_fake
+def _(grad, logits, lse, ent, temperature):
+    return logits.new_empty(logits.shape)
+
+
+def _en_setup(ctx, inputs, output):
+    logits, temperature = inputs
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(logits, output[1], output[0])
+    ctx.temperature = temperature
+
+
+def _en_backward(ctx, grad, _grad_lse):
+    if grad is None:
+        return None, None
+    logits, lse, ent = ctx.saved_tensors
+    return entropy_cpu_backward(grad, logits, lse, ent, ctx.temperature), None
+
+
+entropy_cpu.register_autograd(_en_backward, setup_context=_en_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# fused LM head + token log-prob (+ entropy)
+
+
+@torch.library.custom_op("rlk::linear_token_logprobs_cpu", mutates_args=(), device_types="cpu")
+def linear_token_logprobs_cpu(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    return_entropy: bool,
+    token_chunk: int,
+    vocab_chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    N = hidden.shape[0]
+    V = weight.shape[0]
+    logprobs = torch.empty(N, dtype=torch.float32)
+    lse = torch.empty(N, dtype=torch.float32)
+    ent = torch.empty(N if return_entropy else 0, dtype=torch.float32)
+    targets = targets.long()
+    for r0 in range(0, N, token_chunk):
+        h = hidden[r0 : r0 + token_chunk]
+        tgt = targets[r0 : r0 + token_chunk]
+        R = h.shape[0]
+        acc = LseAccumulator(R, entropy=return_entropy, vocab_size=V)
+        z_t = torch.empty(R, dtype=torch.float32)
+        for c0 in range(0, V, vocab_chunk):
+            z = scale_logits(tiled_matmul(h, weight[c0 : c0 + vocab_chunk]), temperature)
+            acc.update(z, c0)
+            local = tgt - c0
+            hit = (local >= 0) & (local < z.shape[1])
+            rows = torch.nonzero(hit).squeeze(1)
+            z_t[rows] = z[rows, local[rows]]
+            del z
+        res = acc.finish()
+        logprobs[r0 : r0 + R] = z_t - res.lse
+        lse[r0 : r0 + R] = res.lse
+        if return_entropy:
+            ent[r0 : r0 + R] = res.entropy
+    return logprobs, ent, lse
+
+
+@linear_token_logprobs_cpu.register_fake
+def _(hidden, weight, targets, temperature, return_entropy, token_chunk, vocab_chunk):
+    n = hidden.shape[0]
+    f = dict(dtype=torch.float32)
+    return hidden.new_empty((n,), **f), hidden.new_empty((n if return_entropy else 0,), **f), hidden.new_empty((n,), **f)
+
+
+def _transposed_padded(x: torch.Tensor) -> torch.Tensor:
+    """``x.t()`` as a contiguous tensor whose rows are zero-padded to a multiple of ``TILE_N``.
+
+    ``tiled_matmul(a, x.t().contiguous())`` zero-pads its last column tile on every call; padding
+    once here hands the BLAS exactly the same tiles (its output columns depend only on their own
+    weight rows, the GEMM's chunk invariance), and the extra columns are sliced off.
+    """
+    rows = x.shape[1]
+    padded = -(-rows // TILE_N) * TILE_N
+    out = x.new_zeros((padded, x.shape[0]))
+    out[:rows] = x.t()
+    return out
+
+
+def _fused_dlogits(
+    logits: torch.Tensor,
+    start: int,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor | None,
+    g_lp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """Gradient of the logits block in the logits dtype, exactly as the unfused ops produce it:
+    each op's gradient is rounded to the dtype on its own, and autograd adds the two (one IEEE
+    addition in the dtype, which is commutative, so the order autograd uses does not matter)."""
+    z = scale_logits(logits, temperature)
+    out = None
+    if g_lp is not None:
+        out = finish_grad(grad_logprob(z, start, lse, targets, g_lp), temperature, logits.dtype)
+    if g_ent is not None:
+        d_ent = finish_grad(grad_entropy(z, lse, ent, g_ent), temperature, logits.dtype)
+        out = d_ent if out is None else out + d_ent
+    return out
+
+
+@torch.library.custom_op("rlk::linear_token_logprobs_cpu_backward", mutates_args=(), device_types="cpu")
+def linear_token_logprobs_cpu_backward(
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor,
+    temperature: float,
+    token_chunk: int,
+    vocab_chunk: int,
+    need_hidden: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    N, H = hidden.shape
+    V = weight.shape[0]
+    targets = targets.long()
+    ent_ = ent if grad_entropy is not None else None
+    dhidden = hidden.new_zeros((N, H) if need_hidden else (0,))
+    dweight = weight.new_zeros((V, H) if need_weight else (0,))
+    if N == 0 or (grad_logprobs is None and grad_entropy is None):
+        return dhidden, dweight
+
+    def rows(r0: int, r1: int):
+        return (
+            targets[r0:r1],
+            lse[r0:r1],
+            ent_[r0:r1] if ent_ is not None else None,
+            grad_logprobs[r0:r1] if grad_logprobs is not None else None,
+            grad_entropy[r0:r1] if grad_entropy is not None else None,
+        )
+
+    if need_hidden:
+        # Pass A: dh[rows] = dlogits[rows, :V] @ W, one K = V product per token chunk.
+        w_t = _transposed_padded(weight)  # [H (padded), V]
+        for r0 in range(0, N, token_chunk):
+            h = hidden[r0 : r0 + token_chunk]
+            R = h.shape[0]
+            tgt, l, e, gl, ge = rows(r0, r0 + R)
+            dl = hidden.new_empty((R, V))
+            for c0 in range(0, V, vocab_chunk):
+                logits = tiled_matmul(h, weight[c0 : c0 + vocab_chunk])
+                dl[:, c0 : c0 + logits.shape[1]] = _fused_dlogits(logits, c0, tgt, l, e, gl, ge, temperature)
+            dhidden[r0 : r0 + R] = tiled_matmul(dl, w_t)[:, :H]
+            del dl
+        del w_t
+    if need_weight:
+        # Pass B: dW[cols] = dlogits[:, cols]ᵀ @ h, one K = N product per vocabulary chunk.
+        h_t = _transposed_padded(hidden)  # [H (padded), N]
+        for c0 in range(0, V, vocab_chunk):
+            w = weight[c0 : c0 + vocab_chunk]
+            C = w.shape[0]
+            dl = hidden.new_empty((N, C))
+            for r0 in range(0, N, token_chunk):
+                h = hidden[r0 : r0 + token_chunk]
+                tgt, l, e, gl, ge = rows(r0, r0 + h.shape[0])
+                dl[r0 : r0 + h.shape[0]] = _fused_dlogits(tiled_matmul(h, w), c0, tgt, l, e, gl, ge, temperature)
+            dweight[c0 : c0 + C] = tiled_matmul(dl.t().contiguous(), h_t)[:, :H]
+            del dl
+    return dhidden, dweight
+
+
+@linear_token_logprobs_cpu_backward.register_fake
+def _(grad_logprobs, grad_entropy, hidden, weight, targets, lse, ent, temperature, token_chunk, vocab_chunk, need_hidden, need_weight):
+    return (
+        hidden.new_empty(hidden.shape if need_hidden else (0,)),
+        weight.new_empty(weight.shape if need_weight else (0,)),
+    )
+
+
+def _lt_setup(ctx, inputs, output):
+    hidden, weight, targets, temperature, return_entropy, token_chunk, vocab_chunk = inputs
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(hidden, weight, targets, output[2], output[1])
+    ctx.args = (temperature, token_chunk, vocab_chunk)
+
+
+def _lt_backward(ctx, g_lp, g_ent, _g_lse):
+    hidden, weight, targets, lse, ent = ctx.saved_tensors
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if (g_lp is None and g_ent is None) or not (need_h or need_w):
+        return None, None, None, None, None, None, None
+    temperature, token_chunk, vocab_chunk = ctx.args
+    dh, dw = linear_token_logprobs_cpu_backward(
+        g_lp.contiguous() if g_lp is not None else None,
+        g_ent.contiguous() if (g_ent is not None and ent.numel()) else None,
+        hidden,
+        weight,
+        targets,
+        lse,
+        ent,
+        temperature,
+        token_chunk,
+        vocab_chunk,
+        need_h,
+        need_w,
+    )
+    return (dh if need_h else None), (dw if need_w else None), None, None, None, None, None
+
+
+linear_token_logprobs_cpu.register_autograd(_lt_backward, setup_context=_lt_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# operator-signature wrappers (what the runtime dispatches to; same signatures as the references)
+
+
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    V = logits.shape[-1]
+    out, lse = log_softmax_cpu(logits.reshape(-1, V), float(temperature))
+    _check_lse(lse, "logits")
+    return out.reshape(logits.shape)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    V = logits.shape[-1]
+    lp, lse = token_logprobs_cpu(logits.reshape(-1, V), targets.reshape(-1), float(temperature))
+    _check_lse(lse, "logits")
+    return lp.reshape(targets.shape)
+
+
+def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    V = logits.shape[-1]
+    ent, lse = entropy_cpu(logits.reshape(-1, V), float(temperature))
+    _check_lse(lse, "logits")
+    return ent.reshape(logits.shape[:-1])
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    *,
+    token_chunk: int | None = None,
+    vocab_chunk: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    H = hidden.shape[-1]
+    lp, ent, lse = linear_token_logprobs_cpu(
+        hidden.reshape(-1, H),
+        weight,
+        targets.reshape(-1),
+        float(temperature),
+        bool(return_entropy),
+        int(token_chunk or DEFAULT_TOKEN_CHUNK),
+        int(vocab_chunk or DEFAULT_VOCAB_CHUNK),
+    )
+    _check_lse(lse, "hidden", "the logits hidden @ weight.T / temperature")
+    lp = lp.reshape(targets.shape)
+    return (lp, ent.reshape(targets.shape)) if return_entropy else lp
+
+
+_GUARANTEES = frozenset({"row", "chunk", "run_to_run"})
+for _op, _fn in (
+    ("logprob.log_softmax", log_softmax),
+    ("logprob.token_logprobs", token_logprobs),
+    ("logprob.entropy", entropy),
+    ("logprob.linear_token_logprobs", linear_token_logprobs),
+):
+    register(
+        Implementation(
+            op=_op,
+            impl_id="cpu.canonical_lse",
+            version="1",
+            fn=_fn,
+            families=("cpu",),
+            dtypes=_DTYPES,
+            guarantees=_GUARANTEES,
+            priority=10,
+        )
+    )

@@ -1,0 +1,191 @@
+"""The canonical log-sum-exp: one algorithm, one order of operations, shared by every log-prob op.
+
+Every rl-kernel log-prob quantity of a row of logits ``x ∈ R^V`` at temperature ``τ`` is computed
+from the fp32 values
+
+    ``z_j = fl32(fl32(x_j) / fl32(τ))``        (one correctly rounded division; none if τ = 1)
+
+in the following fixed order (``B = VOCAB_BLOCK = 1024``, blocks at absolute vocabulary offsets
+``0, B, 2B, ...``; the last block may be shorter):
+
+1. per block ``b``: ``m_b = max_j z_j`` (exact; ``-0`` canonicalised to ``+0``), shifted values
+   ``d_j = z_j - m_b`` (``m_b`` taken as 0 when the block is all ``-inf``), ``e_j = exp(d_j)``,
+   ``s_b = fixed_order_sum(e)`` and, for the entropy, ``t_b = fixed_order_sum(e ⊙ max(d, -FLT_MAX))``
+   (the clamp only turns ``0 · -inf`` into ``0``);
+2. blocks are merged **sequentially in block order** into a running ``(m, s, t)`` that starts at
+   ``(-inf, 0, 0)``: with ``m' = max(m, m_b)`` (0 if ``-inf``), ``δ = max(m - m', -FLT_MAX)``,
+   ``δ_b = max(m_b - m', -FLT_MAX)``, ``a = exp(δ)``, ``a_b = exp(δ_b)``::
+
+       s ← s·a + s_b·a_b
+       t ← (a·t + (a·δ)·s_old) + (a_b·t_b + (a_b·δ_b)·s_b)
+       m ← m'
+
+   (``t = Σ_j e^{z_j - m} (z_j - m)``, re-referenced to the new maximum);
+3. ``lse = m + log(s)``, ``log p_j = z_j - lse`` and the entropy ``H = log(s) - t/s`` (both
+   terms are non-negative, so there is no cancellation).
+
+Why it is invariant: every step is an elementwise IEEE operation (``+ - * /``), ``exp``/``log``
+(same bits in vectorised and scalar code, guarded by a test), an exact ``max``, or
+:func:`~rl_engine.backends.cpu.common.fixed_order_sum` over one block — so a row's result depends
+only on that row and ``V``. Splitting the vocabulary into chunks whose boundaries are multiples
+of ``B`` feeds exactly the same blocks in exactly the same order into step 2, so the fused
+LM-head path (:mod:`rl_engine.backends.cpu.logprob`) reproduces the unfused path bit for bit.
+
+Gradients (``g`` the upstream gradient of the fp32 output, ``p_j = exp(z_j - lse)``; the result
+is divided by ``fl32(τ)`` in fp32 — skipped when τ = 1 — then rounded once to the logits dtype):
+
+* token log-prob: ``dz_j = (−p_j)·g`` for ``j ≠ target``, ``dz_t = (1 − p_t)·g``;
+* entropy: ``dz_j = (p_j · (max(log p_j, -FLT_MAX) + H)) · (−g)`` with ``p_j = exp(log p_j)``;
+* log-softmax: ``dz_j = g_j − p_j · fixed_order_sum(g)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rl_engine.backends.cpu.common import TILE_N, fixed_order_sum
+
+__all__ = [
+    "VOCAB_BLOCK",
+    "scale_logits",
+    "LseAccumulator",
+    "LseResult",
+    "grad_logprob",
+    "grad_entropy",
+    "grad_log_softmax",
+    "finish_grad",
+]
+
+#: Vocabulary block of the canonical log-sum-exp; equal to the GEMM's column tile, so a fused
+#: LM head's vocabulary chunks (multiples of it) align with both.
+VOCAB_BLOCK = TILE_N
+_NEG_MAX = -torch.finfo(torch.float32).max
+_NEG_INF = float("-inf")
+
+
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``z = fl32(logits) / fl32(temperature)`` (fp32; no division when ``temperature == 1``).
+
+    Dividing an fp32 tensor by a Python float divides by the float rounded to fp32, correctly
+    rounded (tests check it against float64 division); ``x / 1`` is the identity, so skipping it
+    changes no bit.
+    """
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    return z
+
+
+class LseResult:
+    """Finished statistics of a batch of rows: ``lse`` ``[R]`` and, if requested, ``entropy``."""
+
+    __slots__ = ("lse", "entropy")
+
+    def __init__(self, lse: torch.Tensor, entropy: torch.Tensor | None):
+        self.lse = lse
+        self.entropy = entropy
+
+
+class LseAccumulator:
+    """Running canonical (m, s, t) of ``rows`` rows, fed vocabulary chunks in order.
+
+    ``update(z, start)`` takes fp32 scaled logits ``z`` ``[R, L]`` for vocabulary columns
+    ``[start, start + L)``; ``start`` must be a multiple of :data:`VOCAB_BLOCK` and ``L`` a
+    multiple of it unless the chunk ends the vocabulary. Chunks must arrive in increasing order.
+    """
+
+    def __init__(self, rows: int, *, entropy: bool, vocab_size: int):
+        self.entropy = entropy
+        self.vocab_size = vocab_size
+        self._next = 0
+        self.m = torch.full((rows,), _NEG_INF, dtype=torch.float32)
+        self.s = torch.zeros(rows, dtype=torch.float32)
+        self.t = torch.zeros(rows, dtype=torch.float32) if entropy else None
+
+    def update(self, z: torch.Tensor, start: int) -> None:
+        R, L = z.shape
+        if start != self._next or start % VOCAB_BLOCK:
+            raise ValueError(f"start: expected the next block-aligned offset {self._next}, got {start}")
+        end = start + L
+        if end != self.vocab_size and L % VOCAB_BLOCK:
+            raise ValueError(f"z: a chunk that does not end the vocabulary must span whole blocks of {VOCAB_BLOCK}, got {L} columns")
+        self._next = end
+        n_full = L // VOCAB_BLOCK
+        if n_full:
+            self._merge_blocks(z[:, : n_full * VOCAB_BLOCK].reshape(R, n_full, VOCAB_BLOCK))
+        if L % VOCAB_BLOCK:
+            tail = F.pad(z[:, n_full * VOCAB_BLOCK :], (0, VOCAB_BLOCK - L % VOCAB_BLOCK), value=_NEG_INF)
+            self._merge_blocks(tail.reshape(R, 1, VOCAB_BLOCK))
+
+    def _merge_blocks(self, z3: torch.Tensor) -> None:
+        # step 1 for all blocks of the chunk at once (elementwise over rows and blocks)
+        m_b = z3.amax(dim=-1) + 0.0  # + 0.0 turns a -0 maximum into +0
+        shift = m_b.masked_fill(m_b == _NEG_INF, 0.0)
+        d = z3 - shift.unsqueeze(-1)
+        e = torch.exp(d)  # exp(-inf) = 0 for masked entries and padding
+        s_b = fixed_order_sum(e)
+        # clamp only for e·d (0 · -inf would be NaN); exp of -FLT_MAX is a slow path, so not before exp
+        t_b = fixed_order_sum(e.mul_(d.clamp_min_(_NEG_MAX))) if self.entropy else None
+        del d, e
+        # step 2: sequential merge in block order
+        for k in range(z3.shape[1]):
+            self._merge(m_b[:, k], s_b[:, k], t_b[:, k] if t_b is not None else None)
+
+    def _merge(self, m_b: torch.Tensor, s_b: torch.Tensor, t_b: torch.Tensor | None) -> None:
+        m, s = self.m, self.s
+        m_new = torch.maximum(m, m_b)
+        ref = m_new.masked_fill(m_new == _NEG_INF, 0.0)
+        d_old = (m - ref).clamp_min_(_NEG_MAX)
+        d_b = (m_b - ref).clamp_min_(_NEG_MAX)
+        a_old = torch.exp(d_old)
+        a_b = torch.exp(d_b)
+        if self.t is not None:
+            self.t = (a_old * self.t + (a_old * d_old) * s) + (a_b * t_b + (a_b * d_b) * s_b)
+        self.s = s * a_old + s_b * a_b
+        self.m = m_new
+
+    def finish(self) -> LseResult:
+        """Step 3: ``lse`` (and entropy). Rows with no finite logit get ``lse = -inf``."""
+        if self._next != self.vocab_size:
+            raise ValueError(f"vocabulary: accumulated {self._next} of {self.vocab_size} columns")
+        log_s = torch.log(self.s)
+        lse = self.m + log_s
+        ent = log_s - self.t / self.s if self.t is not None else None
+        return LseResult(lse, ent)
+
+
+def grad_logprob(z: torch.Tensor, start: int, lse: torch.Tensor, targets: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``d logprob / d z`` times ``g`` for columns ``[start, start + L)`` of ``z`` ``[R, L]`` (fp32)."""
+    R, L = z.shape
+    p = torch.exp(z - lse.unsqueeze(1))
+    dz = p.mul_(-g.unsqueeze(1))  # (-p)·g, the same bits as -(p·g)
+    local = targets - start
+    hit = (local >= 0) & (local < L)
+    if bool(hit.any()):
+        rows = torch.nonzero(hit).squeeze(1)
+        cols = local[rows]
+        p_t = torch.exp(z[rows, cols] - lse[rows])
+        dz[rows, cols] = (1.0 - p_t) * g[rows]
+    return dz
+
+
+def grad_entropy(z: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``d H / d z`` times ``g`` for ``z`` ``[R, L]`` (any block of columns; fp32)."""
+    logp = z - lse.unsqueeze(1)
+    p = torch.exp(logp)
+    logp.clamp_min_(_NEG_MAX)  # p = 0 where logp = -inf: keep p · (logp + H) at 0, not NaN
+    return (p * logp.add_(entropy.unsqueeze(1))).mul_(-g.unsqueeze(1))
+
+
+def grad_log_softmax(out: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``d log_softmax / d z`` applied to ``g`` ``[R, V]``, with ``out`` the log-softmax (fp32)."""
+    p = torch.exp(out)
+    return g - p.mul_(fixed_order_sum(g.float()).unsqueeze(1))
+
+
+def finish_grad(dz: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """``dz / fl32(τ)`` in fp32 (skipped for τ = 1), rounded once to ``dtype``."""
+    if temperature != 1.0:
+        dz = dz.div_(temperature)
+    return dz.to(dtype)

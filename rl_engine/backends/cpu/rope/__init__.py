@@ -1,0 +1,89 @@
+"""Invariant CPU rotate-half RoPE.
+
+With ``R`` = rotary_dim, ``h = R/2``, ``x1 = x[..., :h]``, ``x2 = x[..., h:R]`` and the fp32 table
+``(c, s) = rope_cos_sin(positions, R, theta)`` (:mod:`rl_engine.ops.rope.tables`, defined bit
+for bit from float64 ``+ - *``), in fp32 and rounded once to ``x.dtype``::
+
+    forward   out1 = x1*c - x2*s          out2 = x2*c + x1*s          out[..., R:] = x[..., R:]
+    backward  dx1  = g1*c + g2*s          dx2  = g2*c - g1*s          dx[..., R:]  = g[..., R:]
+
+(HF's ``x*cos + rotate_half(x)*sin`` with ``rotate_half(x) = [-x2, x1]`` is the forward: IEEE
+``a + (-b)`` equals ``a - b``.) Every step is elementwise and the table entry depends only on
+(position, i), so token ``t``'s output depends only on ``x[t]`` and ``positions[t]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.ops.rope.tables import rope_cos_sin
+from rl_engine.runtime.registry import Implementation, register
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int, transpose: bool) -> torch.Tensor:
+    h = rotary_dim // 2
+    c, s = rope_cos_sin(positions, rotary_dim, theta)
+    c = c[:, None, :]
+    s = s[:, None, :]
+    x1 = x[..., :h].float()
+    x2 = x[..., h:rotary_dim].float()
+    out = torch.empty_like(x)
+    if transpose:
+        out[..., :h] = (x1 * c + x2 * s).to(x.dtype)
+        out[..., h:rotary_dim] = (x2 * c - x1 * s).to(x.dtype)
+    else:
+        out[..., :h] = (x1 * c - x2 * s).to(x.dtype)
+        out[..., h:rotary_dim] = (x2 * c + x1 * s).to(x.dtype)
+    if rotary_dim < x.shape[-1]:
+        out[..., rotary_dim:] = x[..., rotary_dim:]
+    return out
+
+
+@torch.library.custom_op("rlk::apply_rope_cpu", mutates_args=(), device_types="cpu")
+def apply_rope_cpu(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    return _rotate(x, positions, theta, rotary_dim, transpose=False)
+
+
+@apply_rope_cpu.register_fake
+def _(x, positions, theta, rotary_dim):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("rlk::apply_rope_cpu_backward", mutates_args=(), device_types="cpu")
+def apply_rope_cpu_backward(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    return _rotate(grad, positions, theta, rotary_dim, transpose=True)
+
+
+@apply_rope_cpu_backward.register_fake
+def _(grad, positions, theta, rotary_dim):
+    return grad.new_empty(grad.shape)
+
+
+def _setup(ctx, inputs, output):
+    _, positions, theta, rotary_dim = inputs
+    ctx.save_for_backward(positions)
+    ctx.theta = theta
+    ctx.rotary_dim = rotary_dim
+
+
+def _backward(ctx, grad):
+    (positions,) = ctx.saved_tensors
+    return apply_rope_cpu_backward(grad.contiguous(), positions, ctx.theta, ctx.rotary_dim), None, None, None
+
+
+apply_rope_cpu.register_autograd(_backward, setup_context=_setup)
+
+register(
+    Implementation(
+        op="rope.apply_rope",
+        impl_id="cpu.exact_table",
+        version="1",
+        fn=apply_rope_cpu,
+        families=("cpu",),
+        dtypes=_DTYPES,
+        guarantees=frozenset({"row", "run_to_run"}),
+        priority=10,
+    )
+)

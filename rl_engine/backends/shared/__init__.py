@@ -1,0 +1,1 @@
+"""Implementations whose one source serves several platform families (see ``triton/``)."""

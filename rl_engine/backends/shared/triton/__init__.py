@@ -1,0 +1,51 @@
+"""Triton implementations shared by CUDA and ROCm (one source, registered for both families).
+
+Rules every module here follows (seed 004, design §5):
+
+* ``triton`` is imported lazily: registration modules (``<family>/__init__.py``) import only
+  torch; the ``@triton.jit`` kernels live in ``<family>/kernels.py``, imported on the first call.
+  So ``import rl_engine`` — and even dispatching on a CPU tensor — compiles and imports nothing.
+* every launched kernel's name starts with ``rlk_`` (helpers called from kernels start with ``_``);
+* compilation happens on the first call of each specialisation and is cached by Triton (in
+  memory, and on disk under ``TRITON_CACHE_DIR``);
+* eligibility checks (:func:`unavailable_reasons`) are pure: no import of triton, no compile,
+  no allocation, no device switch.
+* ROCm is declared from the same source but listed in ``untested_families`` until it has been
+  validated on an AMD device.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+__all__ = ["unavailable_reasons", "arch_reasons"]
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # pragma: no cover - broken installs
+        return False
+
+
+def unavailable_reasons() -> list[str]:
+    """Why no Triton implementation can run in this process (empty: they can). Pure."""
+    reasons = []
+    if not _triton_installed():
+        reasons.append("triton is not installed (pip install 'rl-kernel[gpu]')")
+    if not torch.cuda.is_available():
+        reasons.append("no CUDA/ROCm device is visible to torch")
+    return reasons
+
+
+def arch_reasons(family: str, arch: str, *, min_sm: int = 80) -> list[str]:
+    """Reasons a device architecture is unsuitable (CUDA: needs ``sm{min_sm}``+ for bf16 MMA)."""
+    if family == "cuda":
+        digits = arch[2:] if arch.startswith("sm") else ""
+        if not digits.isdigit() or int(digits) < min_sm:
+            return [f"arch {arch!r}: needs sm{min_sm} or newer (bf16 tensor cores)"]
+    return []

@@ -1,0 +1,320 @@
+"""Triton kernels and host launchers of ``gemm.linear``.
+
+Importing this module imports triton (nothing is compiled until a launcher runs); the
+registration module imports it lazily, on the first call.
+
+Kernels (every launched name starts with ``rlk_``):
+
+* ``rlk_linear_fwd``      ``y = x Wᵀ + b``: pointer loads, any strides;
+* ``rlk_linear_fwd_tma``  the same arithmetic with TMA tensor-descriptor loads/stores (Hopper+,
+  16-byte aligned strides), used for large M;
+* ``rlk_linear_dx``       ``dx = dy W`` (the forward tile kernel on ``W`` read as ``[K, N]``);
+* ``rlk_linear_dw``       ``dW = dyᵀ x``: the same tile kernel, reduction over the M rows in
+  increasing order (no split-K, no atomics: deterministic run to run);
+* ``rlk_linear_dbias``    ``db = Σ_rows dy`` in fp32, rows consumed in a fixed order.
+
+All tile kernels share :func:`_abt_tile` (``C = A Bᵀ`` with arbitrary strides), so forward, dx
+and dW perform the same per-element arithmetic (see ``configs.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_engine.backends.shared.triton.gemm.configs import TileConfig, select_forward, select_weight_grad
+
+__all__ = ["forward", "grad_input", "grad_weight", "grad_bias", "KERNEL_NAMES", "tma_supported"]
+
+#: Names of the kernels this module launches (the profiler test checks the prefix).
+KERNEL_NAMES = ("rlk_linear_fwd", "rlk_linear_fwd_tma", "rlk_linear_fwd_tma_persistent", "rlk_linear_dx",
+                "rlk_linear_dw", "rlk_linear_dbias")
+
+_I32_LIMIT = 2**31 - 1
+
+
+@triton.jit
+def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id → (tile row, tile column), grouped along M for L2 reuse (order only)."""
+    return _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+
+
+@triton.jit
+def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    group = pid // in_group
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+              stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+              HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INDEX_64: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """``C[m, n] = Σ_k A[m, k] B[n, k] (+ bias[n])``, fp32 accumulation from k = 0 upwards."""
+    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INDEX_64:
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+    # Rows/columns past the edge load row/column 0 instead (always valid memory) and are never
+    # stored: an output element reads only its own row of A and its own row of B.
+    ld_m = tl.where(offs_m < M, offs_m, 0)
+    ld_n = tl.where(offs_n < N, offs_n, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + ld_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + ld_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def rlk_linear_fwd(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+                   stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INDEX_64: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    _abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+              HAS_BIAS, EVEN_K, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit(do_not_specialize=["M"])
+def rlk_linear_dx(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+                  stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INDEX_64: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    _abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+              HAS_BIAS, EVEN_K, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit(do_not_specialize=["K"])
+def rlk_linear_dw(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+                  stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INDEX_64: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    _abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+              HAS_BIAS, EVEN_K, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def rlk_linear_fwd_tma(a_desc, b_desc, c_desc, bias_ptr, M, N, K,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Same arithmetic as ``rlk_linear_fwd`` (K from 0 upwards, fp32 acc, bias in fp32, one
+    rounding); tiles move by TMA, which zero-fills out-of-range rows, columns and the K tail."""
+    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([off_m, kk * BLOCK_K])
+        b = b_desc.load([off_n, kk * BLOCK_K])
+        acc = tl.dot(a, b.T, acc)
+    if HAS_BIAS:
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
+@triton.jit(do_not_specialize=["M", "N", "NUM_PROGRAMS"])
+def rlk_linear_fwd_tma_persistent(a_desc, b_desc, c_desc, bias_ptr, M, N, K, NUM_PROGRAMS,
+                                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                  FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """Persistent form of ``rlk_linear_fwd_tma``: NUM_PROGRAMS programs walk the output tiles;
+    each tile is computed exactly as there (same K loop, same epilogue), only the schedule and
+    the software pipeline across tiles differ."""
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            a = a_desc.load([off_m, kk * BLOCK_K])
+            b = b_desc.load([off_n, kk * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        if HAS_BIAS:
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
+@triton.jit(do_not_specialize=["M"])
+def rlk_linear_dbias(g_ptr, out_ptr, M, N, stride_gm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``out[n] = Σ_m g[m, n]``: fp32, BLOCK_M rows at a time from row 0 upwards, each block
+    folded by the same fixed tree (``tl.sum``), then one rounding."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for start in range(0, M, BLOCK_M):
+        rows = (start + offs_m).to(tl.int64)
+        mask = (rows[:, None] < M) & (offs_n[None, :] < N)
+        g = tl.load(g_ptr + rows[:, None] * stride_gm + offs_n[None, :], mask=mask, other=0.0)
+        acc += tl.sum(g.to(tl.float32), axis=0)
+    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host launchers
+
+
+def _needs_i64(*tensors: torch.Tensor) -> bool:
+    return any(t.numel() > _I32_LIMIT for t in tensors)
+
+
+def _launch_abt(kernel, a, b, c, bias, M, N, K, sa, sb, sc, cfg: TileConfig) -> None:
+    """``c[:M, :N] = A Bᵀ (+bias)`` with ``A[m, k] = a[m*sa0 + k*sa1]``, ``B[n, k] = b[n*sb0 + k*sb1]``."""
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    kernel[grid](
+        a, b, c, bias if bias is not None else c, M, N, K,
+        sa[0], sa[1], sb[0], sb[1], sc[0], sc[1],
+        HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0, IEEE=a.dtype == torch.float32,
+        INDEX_64=_needs_i64(a, b, c),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def tma_supported(*tensors: torch.Tensor) -> bool:
+    """TMA needs a 16-byte aligned base, unit last stride and 16-byte aligned row strides."""
+    if torch.version.hip or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    for t in tensors:
+        if t.dim() != 2 or t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _launch_tma(x, w, y, bias, cfg: TileConfig) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, K = x.shape
+    N = w.shape[0]
+    a_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
+    b_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
+    c_desc = TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n])
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    if cfg.persistent:
+        programs = min(tiles, _sm_count(x.device))
+        rlk_linear_fwd_tma_persistent[(programs,)](
+            a_desc, b_desc, c_desc, bias if bias is not None else y, M, N, K, programs,
+            HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m, FLATTEN=not cfg.warp_specialize,
+            WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return
+    grid = (tiles,)
+    rlk_linear_fwd_tma[grid](
+        a_desc, b_desc, c_desc, bias if bias is not None else y, M, N, K,
+        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _empty_or_bias(M: int, N: int, like: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = like.new_zeros((M, N))
+    if bias is not None:
+        y += bias
+    return y
+
+
+def forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: TileConfig | None = None,
+            *, allow_tma: bool = True) -> torch.Tensor:
+    """``y = x Wᵀ + b`` for ``x [M, K]``, ``w [N, K]`` (``config``: force one configuration)."""
+    M, K = x.shape
+    N = w.shape[0]
+    if M == 0 or N == 0 or K == 0:
+        return _empty_or_bias(M, N, x, bias)
+    cfg = config or select_forward(x.dtype, M, N)
+    y = x.new_empty((M, N))
+    with torch.cuda.device(x.device):
+        if cfg.tma and allow_tma and x.dtype != torch.float32 and tma_supported(x, w, y):
+            _launch_tma(x, w, y, bias, cfg)
+        else:
+            _launch_abt(rlk_linear_fwd, x, w, y, bias, M, N, K, x.stride(), w.stride(), y.stride(), cfg)
+    return y
+
+
+def grad_input(g: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
+    """``dx = dy W`` for ``dy [M, N]``, ``w [N, K]``: A = dy, B[k, n] = W[n, k]."""
+    M, N = g.shape
+    K = w.shape[1]
+    if M == 0 or K == 0 or N == 0:
+        return g.new_zeros((M, K))
+    cfg = config or select_forward(g.dtype, M, K)
+    if cfg.tma:  # the dx orientation reads W transposed: pointer loads, same tile shape
+        cfg = dataclasses.replace(cfg, tma=False, persistent=False, warp_specialize=False)
+    dx = g.new_empty((M, K))
+    with torch.cuda.device(g.device):
+        _launch_abt(rlk_linear_dx, g, w, dx, None, M, K, N, g.stride(), (w.stride(1), w.stride(0)), dx.stride(), cfg)
+    return dx
+
+
+def grad_weight(g: torch.Tensor, x: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
+    """``dW = dyᵀ x`` for ``dy [M, N]``, ``x [M, K]``: A[n, m] = dy[m, n], B[k, m] = x[m, k]."""
+    M, N = g.shape
+    K = x.shape[1]
+    if M == 0 or N == 0 or K == 0:
+        return g.new_zeros((N, K))
+    cfg = config or select_weight_grad(g.dtype)
+    dw = g.new_empty((N, K))
+    with torch.cuda.device(g.device):
+        _launch_abt(rlk_linear_dw, g, x, dw, None, N, K, M, (g.stride(1), g.stride(0)), (x.stride(1), x.stride(0)),
+                    dw.stride(), cfg)
+    return dw
+
+
+def grad_bias(g: torch.Tensor) -> torch.Tensor:
+    """``db = Σ_rows dy`` (fp32 accumulation in a fixed order, one rounding)."""
+    M, N = g.shape
+    db = g.new_empty((N,))
+    if N == 0:
+        return db
+    if M == 0:
+        return db.zero_()
+    block_n = 128
+    with torch.cuda.device(g.device):
+        rlk_linear_dbias[(triton.cdiv(N, block_n),)](g, db, M, N, g.stride(0), BLOCK_M=64, BLOCK_N=block_n, num_warps=4)
+    return db

@@ -1,0 +1,1 @@
+"""The ``rlk`` command line (:mod:`rl_engine.entrypoints.cli`); one module per command."""

@@ -1,0 +1,151 @@
+"""``rlk check``: do the train path and the rollout path give bit-identical token log-probs?
+
+With no arguments: the embedded default — the ``tiny`` Qwen3 preset with seeded random weights,
+fp32 on CPU, the built-in prompt set, every train layout, plan ``R/R``. ``--model DIR`` loads a
+HF Qwen3 checkpoint directory instead. ``--plan P/P`` runs native torch on both sides: the
+negative control, which is expected to report mismatches. See docs/check.md for the JSON fields.
+
+Exit codes: ``0`` every active token raw-bit equal on every layout; ``1`` at least one
+mismatch (or nothing compared); ``2`` usage error, or a model/device that cannot be loaded or
+run (no eligible rl-kernel implementation on that device under the strict policy).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import sys
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+__all__ = ["command", "render", "EXIT_MISMATCH", "EXIT_USAGE"]
+
+EXIT_MISMATCH = 1
+EXIT_USAGE = 2
+#: ``--threads 0`` (auto) runs models below this many parameters on one intra-op thread.
+SMALL_MODEL_PARAMS = 50_000_000
+
+
+class DType(str, enum.Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+def _fmt(v: float) -> str:
+    return "0" if v == 0 else f"{v:.3e}"
+
+
+def render(result: dict[str, Any], console: Console) -> None:
+    """Human summary of a :func:`~rl_engine.validation.parity.run_parity` result."""
+    ro = result["rollout"]
+    console.print(
+        f"[bold]rlk check[/bold]  model={result['model']}  dtype={result['dtype']}  device={result['device']}  "
+        f"plan={result['plan']}"
+    )
+    console.print(
+        f"rollout: {result['num_prompts']} prompts, {ro['active_tokens']} sampled tokens, {ro['steps']} steps, "
+        f"{ro['distinct_batch_compositions']} distinct batch compositions "
+        f"(temperature={result['sampling']['temperature']}, top_k={result['sampling']['top_k']}, "
+        f"top_p={result['sampling']['top_p']})"
+    )
+    table = Table(title="train layout vs rollout (active tokens, raw bits)")
+    for h in ("layout", "compared", "mismatched", "max |Δ|", "K3-KL", "mean |Δp|", "result"):
+        table.add_column(h, justify="right" if h not in ("layout", "result") else "left")
+    for lay in result["layouts"]:
+        table.add_row(
+            lay["name"], str(lay["compared_tokens"]), str(lay["mismatched_tokens"]), _fmt(lay["max_abs_diff"]),
+            _fmt(lay["k3_kl"]), _fmt(lay["mean_abs_prob_diff"]),
+            "[green]bitwise equal[/green]" if lay["passed"] else "[red]MISMATCH[/red]",
+        )
+    console.print(table)
+    fm = result["first_mismatch"]
+    if fm:
+        console.print(
+            f"first mismatch: layout {fm['layout']}, sample {fm['sample_id']}, position {fm['position']}: "
+            f"rollout {fm['rollout']!r} vs train {fm['train']!r}"
+        )
+    verdict = "[green]PASS[/green]" if result["passed"] else "[red]FAIL[/red]"
+    console.print(
+        f"{verdict}: {result['mismatched_tokens']} of {result['compared_tokens']} compared tokens differ "
+        f"(max |Δ| {_fmt(result['max_abs_diff'])}) in {result['seconds']:.1f} s"
+    )
+
+
+def command(
+    model: str | None = typer.Option(None, "--model", help="HF Qwen3 checkpoint directory (config.json + safetensors). Default: tiny random Qwen3."),
+    dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
+    device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda:0."),
+    num_prompts: int = typer.Option(12, "--num-prompts", min=1, help="Prompts from the built-in set (varied lengths)."),
+    max_new_tokens: int = typer.Option(24, "--max-new-tokens", min=1, help="Longest response; samples ask for up to 9 fewer."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights, prompts and sampling draws."),
+    temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Sampling temperature; 0 = greedy."),
+    top_k: int = typer.Option(50, "--top-k", min=0, help="Keep the k most likely tokens (0 = off)."),
+    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Nucleus mass (1 = off)."),
+    plan: str = typer.Option("R/R", "--plan", help="train/rollout implementations: R/R (rl-kernel), P/P (native torch), P/R, R/P."),
+    threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads while checking; 0 = auto (1 for models under 50M parameters, else torch's default)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Check that train and rollout log-probs of every active token are raw-bit equal.
+
+    Exit codes: 0 pass, 1 mismatch, 2 usage or load error.
+    """
+    from rl_engine.models.qwen3 import ModelLoadError
+    from rl_engine.runtime import NoEligibleImplementation
+    from rl_engine.runtime.plan import Plan, PlanError
+    from rl_engine.validation.parity import ParityConfig, load_model, run_parity
+
+    err = Console(stderr=True)
+    try:
+        Plan.parse(plan)
+    except PlanError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--plan") from exc
+    if top_p <= 0.0:
+        raise typer.BadParameter("expected a value in (0, 1]", param_hint="--top-p")
+    try:
+        import torch
+
+        torch.empty(0, device=device)
+    except Exception as exc:
+        print(f"rlk check: device {device!r} is not usable here: {exc}", file=sys.stderr)
+        raise typer.Exit(EXIT_USAGE) from exc
+    cfg = ParityConfig(model=model, dtype=dtype.value, device=device, num_prompts=num_prompts,
+                       max_new_tokens=max_new_tokens, seed=seed, temperature=temperature, top_k=top_k,
+                       top_p=top_p, plan=plan)
+    try:
+        loaded = load_model(cfg)[0]
+    except (ModelLoadError, ValueError, OSError) as exc:
+        print(f"rlk check: cannot load the model: {exc}", file=sys.stderr)
+        raise typer.Exit(EXIT_USAGE) from exc
+    small = loaded.spec.num_parameters() < SMALL_MODEL_PARAMS
+    n_threads = threads or (1 if small else torch.get_num_threads())
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n_threads)  # tiny models gain nothing from threads, and lose a lot under load
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("rlk check", total=1)
+
+            def progress(stage: str, done: int, total: int) -> None:
+                bar.update(task, description=stage, completed=done, total=total)
+
+            try:
+                result = run_parity(cfg, progress=progress, model=loaded)
+            except NoEligibleImplementation as exc:
+                print(f"rlk check: no rl-kernel implementation can run this check here:\n{exc}", file=sys.stderr)
+                raise typer.Exit(EXIT_USAGE) from exc
+            except ValueError as exc:  # e.g. non-finite weights
+                print(f"rlk check: {exc}", file=sys.stderr)
+                raise typer.Exit(EXIT_USAGE) from exc
+    finally:
+        torch.set_num_threads(previous)
+    if model is not None:
+        result["model"] = model
+    if as_json:
+        sys.stdout.write(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    else:
+        render(result, Console() if sys.stdout.isatty() else Console(width=110))
+    if not result["passed"]:
+        raise typer.Exit(EXIT_MISMATCH)

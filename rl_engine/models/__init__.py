@@ -1,0 +1,1 @@
+"""Model specs and assemblies built only from ``rl_engine.ops`` entry points."""

@@ -1,0 +1,270 @@
+"""Attention entry points: one algorithm for training prefill and rollout decode.
+
+* :func:`varlen_attention` — the train path: causal attention over a packed batch
+  (``cu_seqlens``), differentiable with respect to ``q``, ``k`` and ``v``.
+* :func:`cached_attention` — the rollout path: append the new tokens' keys/values to a KV cache
+  (:class:`ContiguousKVCache` or :class:`PagedKVCache`) and attend over everything cached. One
+  call covers full prefill, chunked prefill, decode and mixed batches.
+
+For a query at position ``p`` both return the **same bits** whatever the path, the chunking,
+the batch around it, the cache layout or the page size: the contracts
+``attention.varlen_attention`` and ``attention.cached_attention`` and the algorithm in
+docs/design/attention.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from rl_engine.ops.attention.cache import ContiguousKVCache, KVCache, PagedKVCache
+from rl_engine.runtime.registry import dispatch, make_request
+from rl_engine.utils.checks import FLOAT_DTYPES, check_no_nan, current_nan_policy, require_same_device, require_tensor
+
+__all__ = ["varlen_attention", "cached_attention", "ContiguousKVCache", "PagedKVCache", "KVCache"]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _finite(name: str, t: torch.Tensor) -> None:
+    """No NaN and no ±inf (under the ``"raise"`` NaN policy). Attention needs finite keys and
+    values even where a query must not look: masked slots contribute ``0 · v``."""
+    if current_nan_policy() != "raise" or t.numel() == 0 or t.device.type == "meta":
+        return
+    if not bool(torch.isfinite(t).all()):
+        check_no_nan(name, t)
+        raise ValueError(f"{name}: contains inf (attention inputs must be finite)")
+
+
+def _scale(scale: object, head_dim: int) -> float:
+    if scale is None:
+        return head_dim**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale}")
+    return float(scale)
+
+
+def _window(window: object) -> int | None:
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"window: expected an int or None, got {type(window).__name__}")
+    if window < 1:
+        raise ValueError(f"window: expected a positive number of keys, got {window}")
+    return window
+
+
+def _cu_seqlens(name: str, cu: object, total: int, device: torch.device, batch: int | None = None) -> torch.Tensor:
+    """Validate a ``[B+1]`` offsets tensor (0, non-decreasing, last = ``total``); returns int64."""
+    if isinstance(cu, (list, tuple)):
+        cu = torch.tensor(cu, dtype=torch.int64, device=device)
+    require_tensor(name, cu, dtypes=_INDEX_DTYPES, ndim=1, contiguous=False, non_empty=True)
+    if cu.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of q), got {cu.device}")
+    if batch is not None and cu.shape[0] != batch + 1:
+        raise ValueError(f"{name}: expected {batch + 1} entries (one more than seq_ids), got {cu.shape[0]}")
+    c = cu.to(torch.int64).cpu()
+    if int(c[0]) != 0:
+        raise ValueError(f"{name}: expected {name}[0] == 0, got {int(c[0])}")
+    if bool((c[1:] < c[:-1]).any()):
+        raise ValueError(f"{name}: expected non-decreasing offsets, got {c.tolist()[:16]}")
+    if int(c[-1]) != total:
+        raise ValueError(f"{name}: expected the last offset to equal the number of tokens T={total}, got {int(c[-1])}")
+    return c
+
+
+def _heads(q: torch.Tensor, k: torch.Tensor, k_name: str) -> None:
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv, Dk = k.shape[1], k.shape[2]
+    if D == 0:
+        raise ValueError(f"q: expected head_dim >= 1, got shape {tuple(q.shape)}")
+    if Dk != D:
+        raise ValueError(f"{k_name}: expected head_dim {D} (q's), got shape {tuple(k.shape)}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(
+            f"{k_name}: expected a number of kv heads that divides q's {Hq} heads (GQA), got shape {tuple(k.shape)}"
+        )
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    r"""Causal attention per sequence of a packed (varlen) batch — the train path.
+
+    Token ``t`` of sequence ``b`` (``cu_seqlens[b] <= t < cu_seqlens[b+1]``) sits at position
+    ``p = t - cu_seqlens[b]``; with its sequence's keys at positions ``j`` and query head ``h``
+    using kv head ``h // (Hq / Hkv)`` (GQA):
+
+    .. math::
+        \mathrm{out}_{t,h} = \sum_{j \in V(p)} \mathrm{softmax}_j\bigl(\mathrm{scale}\;
+        q_{t,h} \cdot k_{j}\bigr)\, v_{j},
+        \qquad V(p) = \{\max(0, p - W + 1), \dots, p\}
+
+    (``W = ∞`` when ``window`` is ``None``).
+
+    Shapes:
+        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` with ``Hq % Hkv == 0``; cu_seqlens: ``[B+1]``
+        int32/int64, ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] == T``.
+        Returns ``[T, Hq, D]`` in ``q.dtype``.
+
+    Args:
+        scale: score scale, default ``D ** -0.5``.
+        window: sliding window in keys (the query itself included), default full causal.
+
+    Contract ``attention.varlen_attention`` (``contracts/operators/attention.varlen_attention.json``):
+    fp32 or bf16 (bf16 in and out, fp32 softmax and accumulation). Each output row is a
+    function of its own query, its position and its sequence's keys/values up to that
+    position only: **row/batch invariant** (other sequences in the pack, their order and count
+    change nothing), **raw-bit equal** to :func:`cached_attention` for the same token under any
+    chunking, decode batch or cache layout (**prefill/decode** and **chunk** invariance),
+    deterministic run to run. Backward: ``dq``, ``dk``, ``dv`` deterministic and, per
+    sequence, independent of the rest of the pack.
+
+    Raises:
+        TypeError / ValueError: wrong type, dtype, rank, mismatched heads or head_dim, device,
+            non-contiguous, NaN or inf, ``cu_seqlens`` not starting at 0 / not monotone / not ending
+            at ``T``, bad ``scale`` or ``window`` (the message names the argument).
+        NoEligibleImplementation: strict policy and no implementation covers the request.
+    """
+    require_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    _finite("q", q)
+    require_tensor("k", k, dtypes=(q.dtype,), ndim=3)
+    _finite("k", k)
+    require_tensor("v", v, dtypes=(q.dtype,), ndim=3)
+    _finite("v", v)
+    T = q.shape[0]
+    if k.shape[0] != T:
+        raise ValueError(f"k: expected {T} rows (one per token of q), got shape {tuple(k.shape)}")
+    _heads(q, k, "k")
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected shape {tuple(k.shape)} (k's), got {tuple(v.shape)}")
+    require_same_device(q=q, k=k, v=v)
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
+    _cu_seqlens("cu_seqlens", cu_seqlens, T, q.device)
+    s = _scale(scale, q.shape[2])
+    w = _window(window)
+    req = make_request(
+        "attention.varlen_attention",
+        q,
+        features={"T": T, "heads": q.shape[1], "kv_heads": k.shape[1], "head_dim": q.shape[2], "window": w},
+    )
+    return dispatch(req, q, k, v, cu_seqlens, s, w)
+
+
+def _seq_ids(seq_ids: object, cache: KVCache) -> list[int]:
+    if isinstance(seq_ids, torch.Tensor):
+        if seq_ids.dtype not in _INDEX_DTYPES or seq_ids.dim() != 1:
+            raise ValueError(f"seq_ids: expected a 1-D int32/int64 tensor, got {seq_ids.dtype} of shape {tuple(seq_ids.shape)}")
+        ids = [int(i) for i in seq_ids.tolist()]
+    elif isinstance(seq_ids, Sequence) and not isinstance(seq_ids, (str, bytes)):
+        ids = list(seq_ids)
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise TypeError(f"seq_ids: expected ints, got {type(i).__name__}")
+    else:
+        raise TypeError(f"seq_ids: expected a list of ints or an int tensor, got {type(seq_ids).__name__}")
+    for i in ids:
+        if not 0 <= i < cache.max_seqs:
+            raise ValueError(f"seq_ids: expected slots in [0, {cache.max_seqs}) (cache.max_seqs), got {i}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"seq_ids: expected distinct slots, got {ids[:16]}")
+    return ids
+
+
+def cached_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache: KVCache,
+    seq_ids: Sequence[int] | torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    r"""Append new tokens to a KV cache, then attend causally over the cache — the rollout path.
+
+    Sequence ``i`` of the batch lives in cache slot ``seq_ids[i]``; rows
+    ``cu_seqlens_q[i] : cu_seqlens_q[i+1]`` of ``q``/``k_new``/``v_new`` are its next tokens, at
+    positions ``cache.seq_len(seq_ids[i])`` onward. Their keys and values are written into the
+    cache **in place**; then each query attends over its sequence's cached keys up to and
+    including itself, with the same formula as :func:`varlen_attention`. One call covers full
+    prefill, chunked prefill (any chunk sizes), decode (one token per sequence) and mixed
+    batches. No autograd: the output never requires grad.
+
+    Shapes:
+        q: ``[T, Hq, D]``; k_new, v_new: ``[T, Hkv, D]`` with ``Hkv == cache.num_kv_heads`` and
+        ``D == cache.head_dim``; seq_ids: ``B`` distinct slots (list or int tensor);
+        cu_seqlens_q: ``[B+1]`` int32/int64 offsets ending at ``T``. Returns ``[T, Hq, D]``.
+
+    Contract ``attention.cached_attention``: every output row is **raw-bit equal** to the row
+    :func:`varlen_attention` gives the same token, for any chunking, decode batch composition,
+    cache kind and page size (**prefill/decode**, **chunk**, **row**, **layout** invariance);
+    deterministic run to run.
+
+    Raises:
+        TypeError / ValueError: wrong type, dtype, rank, heads/head_dim not matching each other
+            or the cache, device, non-contiguous, NaN or inf, ``seq_ids`` not distinct or out of
+            range, ``cu_seqlens_q`` malformed, cache overflow (``cache:``: ``max_len``, block
+            table or block pool exhausted; the cache is left unchanged).
+        NoEligibleImplementation: strict policy and no implementation covers the request.
+    """
+    require_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    _finite("q", q)
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache: expected a ContiguousKVCache or PagedKVCache, got {type(cache).__name__}")
+    require_tensor("k_new", k_new, dtypes=(q.dtype,), ndim=3)
+    _finite("k_new", k_new)
+    require_tensor("v_new", v_new, dtypes=(q.dtype,), ndim=3)
+    _finite("v_new", v_new)
+    T = q.shape[0]
+    if k_new.shape[0] != T:
+        raise ValueError(f"k_new: expected {T} rows (one per token of q), got shape {tuple(k_new.shape)}")
+    _heads(q, k_new, "k_new")
+    if v_new.shape != k_new.shape:
+        raise ValueError(f"v_new: expected shape {tuple(k_new.shape)} (k_new's), got {tuple(v_new.shape)}")
+    if k_new.shape[1] != cache.num_kv_heads or k_new.shape[2] != cache.head_dim:
+        raise ValueError(
+            f"k_new: expected [T, {cache.num_kv_heads}, {cache.head_dim}] (cache.num_kv_heads, cache.head_dim), "
+            f"got {tuple(k_new.shape)}"
+        )
+    if cache.dtype != q.dtype:
+        raise ValueError(f"cache: expected dtype {q.dtype} (q's), got {cache.dtype}")
+    require_same_device(q=q, k_new=k_new, v_new=v_new)
+    if cache.device != q.device:
+        raise ValueError(f"cache: expected device {q.device} (q's), got {cache.device}")
+    ids = _seq_ids(seq_ids, cache)
+    cu = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, T, q.device, batch=len(ids))
+    s = _scale(scale, q.shape[2])
+    w = _window(window)
+    n_new = (cu[1:] - cu[:-1]).tolist()
+    plan = cache._plan(ids, n_new)  # raises on overflow before anything is written
+    B = len(ids)
+    lens = torch.tensor(n_new, dtype=torch.int64)
+    q_seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int64), lens, output_size=T)
+    starts = torch.tensor(plan.starts, dtype=torch.int64).reshape(B)
+    q_pos = starts[q_seq] + torch.arange(T, dtype=torch.int64) - cu[:-1][q_seq]
+    k_rows, v_rows = cache.rows()
+    req = make_request(
+        "attention.cached_attention",
+        q,
+        features={"T": T, "heads": q.shape[1], "kv_heads": k_new.shape[1], "head_dim": q.shape[2], "window": w,
+                  "cache": type(cache).__name__},
+    )
+    dev = q.device
+    with torch.no_grad():
+        out = dispatch(req, q, k_new, v_new, k_rows, v_rows, plan.slot_mapping, plan.page_rows, plan.page_size,
+                       q_seq.to(dev), q_pos.to(dev), s, w)
+    cache._commit(plan)
+    return out

@@ -1,0 +1,186 @@
+"""Train/rollout parity run: the engine behind ``rlk check``.
+
+One run:
+
+1. load the model (a HF Qwen3 checkpoint directory, or the ``tiny`` preset with seeded random
+   weights) in the requested dtype on the requested device;
+2. **rollout** the built-in prompt set (:func:`builtin_prompts`: varied lengths, staggered
+   arrivals, different response lengths) with the plan's rollout provider: chunked prefill +
+   decode over KV caches, continuous batching, recording each sampled token's log-prob
+   (``log softmax(z / T)`` of the full distribution, before top-k/top-p filtering);
+3. **score** the same sequences on the train path under every layout in ``layouts``
+   (packed, padded left/right, permuted, micro-batched, chunked LM head) with the plan's
+   train provider;
+4. **align** by ``(sample_id, position)`` on the active (response) tokens and compare raw bits.
+
+``passed`` means: every layout compared at least one token and no active token differs in
+any bit. Diagnostics (max ``|Δ|``, K3-KL, mean ``|Δp|``) are reported, never used to pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from rl_engine.runtime.executor import LAYOUTS, RolloutExecutor, RolloutRequest, SamplingParams, TrainSequence, score
+from rl_engine.runtime.plan import Plan
+from rl_engine.validation.alignment import align, compare
+
+__all__ = ["ParityConfig", "builtin_prompts", "load_model", "run_parity", "SCHEMA_VERSION", "PROMPT_LENGTHS"]
+
+SCHEMA_VERSION = 1
+#: Prompt lengths of the built-in prompt set (cycled): short, long, odd, one-token.
+PROMPT_LENGTHS = (7, 33, 3, 52, 18, 1, 41, 12, 26, 64, 9, 21, 47, 5, 30, 15)
+
+
+class ParityConfig(BaseModel):
+    """Everything that defines one parity run (defaults = the embedded default of ``rlk check``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = None  # HF checkpoint directory; None = tiny preset, random weights
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_prompts: int = Field(default=12, ge=1)
+    max_new_tokens: int = Field(default=24, ge=1)
+    seed: int = 0
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_k: int = Field(default=50, ge=0)
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
+    plan: str = "R/R"
+    layouts: tuple[str, ...] = tuple(LAYOUTS)
+    max_seqs: int = Field(default=8, ge=1)
+    prefill_chunk: int = Field(default=16, ge=1)
+    max_step_tokens: int = Field(default=40, ge=1)
+
+
+def builtin_prompts(n: int, vocab_size: int, max_new_tokens: int, seed: int) -> list[RolloutRequest]:
+    """``n`` prompts of varied length (:data:`PROMPT_LENGTHS`) with token ids in ``[1, vocab)``.
+
+    Sample ``i`` arrives at step ``2 * (i // 3)`` and asks for ``max_new_tokens - 3 * (i % 4)``
+    tokens (at least 1), so sequences join and finish at different steps.
+    """
+    g = torch.Generator().manual_seed(10_000 + seed)
+    reqs = []
+    for i in range(n):
+        L = PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]
+        ids = torch.randint(1, vocab_size, (L,), generator=g).tolist()
+        reqs.append(RolloutRequest(i, tuple(ids), max(1, max_new_tokens - 3 * (i % 4)), arrival_step=2 * (i // 3)))
+    return reqs
+
+
+def load_model(cfg: ParityConfig):
+    """The model of ``cfg`` (raises ModelLoadError / ValueError on a bad directory or dtype)."""
+    from rl_engine.models.qwen3 import PRESETS, Qwen3ForCausalLM, dtype_from_name
+
+    dtype = dtype_from_name(cfg.dtype)
+    if cfg.model is None:
+        return Qwen3ForCausalLM.random(PRESETS["tiny"], seed=cfg.seed, dtype=dtype, device=cfg.device), "tiny (random weights)"
+    return Qwen3ForCausalLM.from_pretrained(cfg.model, dtype=dtype, device=cfg.device), str(Path(cfg.model))
+
+
+def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | None = None,
+               model: Any | None = None) -> dict[str, Any]:
+    """Run the check of ``cfg``; returns the JSON-ready result (see docs/check.md).
+
+    Args:
+        progress: called as ``progress(stage, done, total)``.
+        model: an already loaded model to use instead of loading ``cfg.model``.
+    """
+    from rl_engine import __version__ as rlk_version
+    from rl_engine.platforms import platform_of
+    from rl_engine.runtime import current_policy
+    from rl_engine.runtime import provenance as prov
+    from rl_engine.utils.checks import nan_policy
+
+    def tick(stage: str, done: int, total: int) -> None:
+        if progress is not None:
+            progress(stage, done, total)
+
+    t0 = time.perf_counter()
+    plan = Plan.parse(cfg.plan)
+    bad = [name for name in cfg.layouts if name not in LAYOUTS]
+    if bad:
+        raise ValueError(f"layouts: unknown {bad}; expected names from {list(LAYOUTS)}")
+    total = 2 + len(cfg.layouts)
+    tick("load model", 0, total)
+    if model is None:
+        model, model_name = load_model(cfg)
+    else:
+        model_name = getattr(model.spec, "name", "model")
+    bad_w = [k for k, v in model.params.items() if not torch.isfinite(v).all()]
+    if bad_w:
+        raise ValueError(f"model: parameters {bad_w[:3]} contain NaN or Inf")
+    sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
+    reqs = builtin_prompts(cfg.num_prompts, model.spec.vocab_size, cfg.max_new_tokens, cfg.seed)
+    max_len = max(len(r.prompt) + r.max_new_tokens for r in reqs)
+    tick("rollout", 1, total)
+    records: list = []
+    # The weights are checked finite at load; intermediate NaN would propagate into a log-prob
+    # and fail the raw-bit comparison, so the per-call NaN scans of the operators are skipped.
+    with prov.record() as records, torch.no_grad(), nan_policy("propagate"):
+        ex = RolloutExecutor(model, plan.provider("rollout"), max_seqs=cfg.max_seqs, max_len=max_len,
+                             prefill_chunk=cfg.prefill_chunk, max_step_tokens=cfg.max_step_tokens)
+        t_r = time.perf_counter()
+        rollout = ex.generate(reqs, sampling)
+        rollout_s = time.perf_counter() - t_r
+        seqs = [TrainSequence(s.sample_id, s.tokens, (0,) * len(s.prompt) + (1,) * len(s.response))
+                for s in rollout.values()]
+        layouts = []
+        for k, name in enumerate(cfg.layouts):
+            tick(f"train layout {name}", 2 + k, total)
+            t_l = time.perf_counter()
+            scored = score(model, plan.provider("train"), seqs, name, temperature=sampling.logprob_temperature)
+            c = compare(align(rollout, scored))
+            layouts.append({"name": name, **c.as_dict(), "seconds": round(time.perf_counter() - t_l, 3)})
+    tick("done", total, total)
+    first = next(({"layout": lay["name"], **lay["first_mismatch"]} for lay in layouts if lay["first_mismatch"]), None)
+    compared = sum(lay["compared_tokens"] for lay in layouts)
+    mismatched = sum(lay["mismatched_tokens"] for lay in layouts)
+    compositions = {tuple(sid for sid, _ in step) for step in ex.batch_log}
+    platform = platform_of(torch.empty(0, device=cfg.device))
+    summary = prov.summarize(records)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": model_name,
+        "model_spec": model.spec.model_dump(),
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "plan": plan.label,
+        "plan_detail": plan.as_dict(),
+        "sampling": {**sampling.model_dump(), "logprob_distribution":
+                     "log_softmax(logits / T) of the full distribution, before top-k/top-p (T = 1 when greedy)"},
+        "num_prompts": cfg.num_prompts,
+        "max_new_tokens": cfg.max_new_tokens,
+        "seed": cfg.seed,
+        "rollout": {
+            "steps": len(ex.batch_log),
+            "distinct_batch_compositions": len(compositions),
+            "max_sequences_per_step": max(len(s) for s in ex.batch_log),
+            "active_tokens": sum(len(s.response) for s in rollout.values()),
+            "seconds": round(rollout_s, 3),
+        },
+        "layouts": layouts,
+        "compared_tokens": compared,
+        "mismatched_tokens": mismatched,
+        "max_abs_diff": max((lay["max_abs_diff"] for lay in layouts), default=0.0),
+        "first_mismatch": first,
+        "k3_kl": max((lay["k3_kl"] for lay in layouts), default=0.0),
+        "mean_abs_prob_diff": max((lay["mean_abs_prob_diff"] for lay in layouts), default=0.0),
+        "provenance": {
+            "rl_engine": rlk_version,
+            "platform": platform.as_dict(),
+            "policy": current_policy(),
+            "torch_threads": torch.get_num_threads(),
+            "fallback": any(r["fallback"] for r in summary),
+            "operators": summary,
+            "native_modules": sorted({f"{m}:{side}" for (m, side), v in plan.choices.items() if v == "P"}),
+        },
+        "seconds": round(time.perf_counter() - t0, 3),
+        "passed": bool(layouts) and all(lay["passed"] for lay in layouts),
+    }

@@ -1,0 +1,143 @@
+"""The canonical log-sum-exp itself: the documented algorithm is what runs (an independent
+block-by-block spec gives the same bits), vocabulary chunking at block boundaries changes no bit,
+temperature division and gradient scaling are correctly rounded, and the elementwise functions
+it relies on give the same bits wherever an element sits in a tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rl_engine.backends.cpu.common import TILE_N, fixed_order_sum
+from rl_engine.backends.cpu.logprob.lse import VOCAB_BLOCK, LseAccumulator, finish_grad, scale_logits
+from rl_engine.ops import logprob
+from rl_engine.utils.bits import bit_diff
+from tests.helpers.threads import threads
+
+F32_MAX = torch.finfo(torch.float32).max
+
+
+def _rows(n, v, seed=0, scale=4.0):
+    return torch.randn(n, v, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def spec_lse_entropy(z_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """docs/operators/logprob.md, written out for one row with 0-dim fp32 tensors."""
+    f = torch.float32
+    m = torch.tensor(float("-inf"), dtype=f)
+    s = torch.tensor(0.0, dtype=f)
+    t = torch.tensor(0.0, dtype=f)
+    for b0 in range(0, z_row.numel(), VOCAB_BLOCK):
+        blk = z_row[b0 : b0 + VOCAB_BLOCK]
+        blk = torch.cat([blk, torch.full((VOCAB_BLOCK - blk.numel(),), float("-inf"))])
+        m_b = blk.max() + 0.0
+        shift = torch.where(m_b == float("-inf"), torch.tensor(0.0), m_b)
+        d = blk - shift
+        e = torch.exp(d)
+        s_b = fixed_order_sum(e)
+        t_b = fixed_order_sum(e * d.clamp_min(-F32_MAX))
+        m_new = torch.maximum(m, m_b)
+        ref = torch.where(m_new == float("-inf"), torch.tensor(0.0), m_new)
+        d_old = (m - ref).clamp_min(-F32_MAX)
+        d_b = (m_b - ref).clamp_min(-F32_MAX)
+        a_old, a_b = torch.exp(d_old), torch.exp(d_b)
+        t = (a_old * t + (a_old * d_old) * s) + (a_b * t_b + (a_b * d_b) * s_b)
+        s = s * a_old + s_b * a_b
+        m = m_new
+    return m + torch.log(s), torch.log(s) - t / s
+
+
+def test_vocab_block_is_the_gemm_column_tile():
+    assert VOCAB_BLOCK == TILE_N == logprob.VOCAB_BLOCK == 1024
+
+
+@pytest.mark.parametrize("v", [1, 1023, 1024, 1025, 2600])
+def test_implementation_matches_the_documented_algorithm_bit_for_bit(v):
+    z = _rows(5, v, seed=v)
+    z[1, : min(v - 1, 1100)] = float("-inf")  # masked entries (a whole block when v is large)
+    z[2] = 0.0
+    acc = LseAccumulator(5, entropy=True, vocab_size=v)
+    acc.update(z, 0)
+    res = acc.finish()
+    for r in range(5):
+        lse, ent = spec_lse_entropy(z[r])
+        assert bit_diff(res.lse[r], lse), r
+        assert bit_diff(res.entropy[r], ent), r
+
+
+@settings(max_examples=60)
+@given(v=st.integers(1, 5200), data=st.data(), n=st.integers(1, 6))
+def test_chunked_accumulation_equals_whole_row(v, data, n):
+    """Feeding the vocabulary in any block-aligned chunks gives the same bits as feeding it whole."""
+    with threads(1):
+        z = _rows(n, v, seed=v)
+        whole = LseAccumulator(n, entropy=True, vocab_size=v)
+        whole.update(z, 0)
+        want = whole.finish()
+        n_blocks = -(-v // VOCAB_BLOCK)
+        cuts = sorted(set(data.draw(st.lists(st.integers(1, max(n_blocks - 1, 1)), max_size=4))))
+        bounds = [0] + [c * VOCAB_BLOCK for c in cuts if c * VOCAB_BLOCK < v] + [v]
+        acc = LseAccumulator(n, entropy=True, vocab_size=v)
+        for a, b in zip(bounds, bounds[1:]):
+            acc.update(z[:, a:b], a)
+        got = acc.finish()
+        assert bit_diff(got.lse, want.lse)
+        assert bit_diff(got.entropy, want.entropy)
+
+
+def test_signed_zero_maxima_give_identical_bits():
+    a = torch.zeros(1, 2048)
+    b = a.clone()
+    b[0, ::3] = -0.0
+    res = []
+    for z in (a, b):
+        acc = LseAccumulator(1, entropy=True, vocab_size=2048)
+        acc.update(z, 0)
+        res.append(acc.finish())
+    assert bit_diff(res[0].lse, res[1].lse)
+    assert bit_diff(res[0].entropy, res[1].entropy)
+
+
+def test_accumulator_rejects_misaligned_or_incomplete_chunks():
+    z = _rows(2, 3000)
+    acc = LseAccumulator(2, entropy=False, vocab_size=3000)
+    with pytest.raises(ValueError, match="^start: expected the next block-aligned offset 0"):
+        acc.update(z[:, 5:], 5)
+    with pytest.raises(ValueError, match="must span whole blocks"):
+        acc.update(z[:, :1000], 0)
+    acc.update(z[:, :1024], 0)
+    with pytest.raises(ValueError, match="accumulated 1024 of 3000"):
+        acc.finish()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.3, 2.0 / 3.0, 1e-3])
+def test_temperature_is_one_correctly_rounded_division(dtype, temperature):
+    x = (_rows(64, 999, seed=1) * 10).to(dtype)
+    t32 = torch.tensor(temperature, dtype=torch.float32).double()
+    want = (x.double() / t32).float()  # float64 quotient of fp32 operands, rounded once: exact IEEE fp32 division
+    assert bit_diff(scale_logits(x, temperature), want)
+    assert bit_diff(scale_logits(x, 1.0), x.float())
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_gradient_scaling_is_one_correctly_rounded_division(temperature):
+    dz = _rows(32, 777, seed=2)
+    t32 = torch.tensor(temperature, dtype=torch.float32).double()
+    assert bit_diff(finish_grad(dz.clone(), temperature, torch.float32), (dz.double() / t32).float())
+    assert bit_diff(finish_grad(dz.clone(), temperature, torch.bfloat16), (dz.double() / t32).float().bfloat16())
+
+
+@pytest.mark.parametrize("fn", [torch.exp, torch.log], ids=["exp", "log"])
+def test_elementwise_functions_do_not_depend_on_the_element_position(fn):
+    """exp and log give the same bits for an element whether it sits in the vectorised body or
+    the scalar tail of the kernel (the assumption that makes the canonical LSE row invariant)."""
+    x = torch.rand(4133, generator=torch.Generator().manual_seed(0)) * 30 + 1e-3
+    if fn is torch.exp:
+        x = x - 25.0
+    full = fn(x)
+    for start in range(0, 4096, 61):
+        for length in (1, 3, 7, 9, 17, 33):
+            assert bit_diff(fn(x[start : start + length]), full[start : start + length]), (start, length)

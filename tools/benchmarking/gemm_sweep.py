@@ -1,0 +1,140 @@
+"""Tile-configuration sweep for the Triton gemm.linear kernels (run on the GPU machine).
+
+Part A (numerics): do rows stay raw-bit equal across BLOCK_M/N/K, warps, stages and TMA vs
+pointer loads? Each candidate's forward output (and dx) is compared bit for bit with one
+reference configuration, for bf16, fp16 and fp32, at K = 4096 and K = 1000 (a K tail).
+
+Part B (speed): for the Qwen3-8B shapes and M values of ``bench_gemm_gpu.py``, bf16, graph
+mode, each candidate of the M bucket against cuBLAS; the best per (shape, M) is printed.
+
+    python tools/benchmarking/gemm_sweep.py --out $OUT/sweep.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "operators"))
+sys.path.insert(0, str(ROOT))
+
+import bench_gemm_gpu as bench  # noqa: E402
+
+from rl_engine.backends.shared.triton.gemm import kernels  # noqa: E402
+from rl_engine.backends.shared.triton.gemm.configs import TileConfig as C  # noqa: E402
+from rl_engine.utils.bits import bit_diff  # noqa: E402
+
+
+P = dict(tma=True, persistent=True)
+PW = dict(tma=True, persistent=True, warp_specialize=True)
+
+
+def bits_part() -> list[dict]:
+    """Raw-bit equality of candidate configurations against one pointer-load reference."""
+    out = []
+    cands16 = [C(16, 16, 256, 4, 4), C(16, 16, 512, 4, 3), C(16, 64, 128, 4, 4, tma=True), C(16, 32, 256, 2, 6),
+               C(128, 128, 64, 4, 4, **P), C(128, 128, 64, 4, 4, **PW), C(128, 256, 64, 8, 3, **PW),
+               C(128, 128, 64, 4, 4, tma=True), C(64, 64, 256, 4, 3), C(256, 128, 64, 8, 3, tma=True)]
+    for dtype in (torch.bfloat16, torch.float16):
+        ref_cfg = C(64, 64, 64, 4, 3)
+        for k in ((4096, 1000) if dtype == torch.bfloat16 else (1000,)):
+            g = torch.Generator(device="cuda").manual_seed(k)
+            x = torch.randn(300, k, device="cuda", generator=g).to(dtype)
+            w = (torch.randn(264, k, device="cuda", generator=g) / k**0.5).to(dtype)
+            b = torch.randn(264, device="cuda", generator=g).to(dtype)
+            gy = torch.randn(300, 264, device="cuda", generator=g).to(dtype)
+            y0 = kernels.forward(x, w, b, config=ref_cfg, allow_tma=False)
+            dx0 = kernels.grad_input(gy, w, config=ref_cfg)
+            for cfg in cands16:
+                try:
+                    y = kernels.forward(x, w, b, config=cfg)
+                    dx = kernels.grad_input(gy, w, config=cfg)
+                    torch.cuda.synchronize()
+                    dy, ddx = bit_diff(y, y0), bit_diff(dx, dx0)
+                    row = {"dtype": str(dtype), "K": k, "config": cfg.key, "ref": ref_cfg.key,
+                           "fwd_equal": dy.equal, "fwd_diff": str(dy), "dx_equal": ddx.equal, "dx_diff": str(ddx)}
+                except Exception as exc:  # a config that does not compile is recorded, not fatal
+                    row = {"dtype": str(dtype), "K": k, "config": cfg.key, "error": repr(exc)[:300]}
+                out.append(row)
+                print("BITS", json.dumps(row), flush=True)
+    return out
+
+
+# exploratory candidates for the misses of the last run (qkv / down at M = 1 and 64)
+SMALL = [C(16, 32, 128, 4, 4, tma=True), C(16, 16, 256, 4, 4, tma=True), C(16, 32, 256, 4, 6, tma=True),
+         C(16, 64, 256, 4, 3, tma=True), C(16, 64, 128, 4, 6, tma=True), C(16, 32, 128, 2, 6, tma=True),
+         C(16, 64, 128, 4, 4, tma=True), C(16, 32, 256, 4, 4, tma=True)]
+MID64 = [C(64, 32, 128, 4, 4, tma=True), C(64, 32, 256, 4, 3, tma=True), C(32, 32, 256, 4, 4, tma=True),
+         C(64, 64, 256, 4, 3, tma=True), C(64, 64, 128, 4, 6, tma=True), C(64, 128, 128, 8, 3, tma=True),
+         C(16, 64, 128, 4, 4, tma=True), C(64, 64, 128, 4, 4, tma=True)]
+M256 = [C(64, 128, 64, 4, 4, tma=True), C(128, 128, 64, 4, 4, tma=True), C(64, 64, 128, 4, 4, tma=True),
+        C(64, 128, 128, 4, 3, tma=True), C(128, 64, 64, 4, 4, tma=True), C(128, 128, 64, 4, 4, **P)]
+LARGE = [C(128, 128, 64, 4, 4, tma=True), C(128, 128, 64, 4, 5, tma=True), C(128, 128, 64, 4, 3, tma=True),
+         C(128, 128, 128, 4, 3, tma=True), C(128, 128, 64, 4, 4, **P), C(128, 128, 64, 4, 4, **PW),
+         C(128, 256, 64, 8, 3, **PW), C(128, 128, 64, 8, 4, **PW), C(128, 256, 64, 8, 3, **P)]
+
+
+def candidates(m: int) -> list[C]:
+    if m <= 16:
+        return SMALL
+    if m <= 64:
+        return MID64
+    if m <= 256:
+        return M256
+    return LARGE
+
+
+def speed_part(shapes, ms) -> list[dict]:
+    rows = []
+    for name in shapes:
+        k, n = bench.SHAPES[name]
+        for m in ms:
+            inputs = bench.make_inputs(m, k, n)
+            n_calls, reps = bench._iters(m, k, n)
+            reps = max(3, reps - 2)
+            t_ref = bench.percentiles(bench.time_calls(lambda x, w: torch.nn.functional.linear(x, w), inputs, mode="graph", n=n_calls, reps=reps))["p50_us"]
+            best = None
+            for cfg in candidates(m):
+                try:
+                    ts = bench.time_calls(lambda x, w, cfg=cfg: kernels.forward(x, w, None, config=cfg), inputs, mode="graph", n=n_calls, reps=reps)
+                    p50 = bench.percentiles(ts)["p50_us"]
+                    row = {"shape": name, "M": m, "config": cfg.key, "p50_us": p50, "cublas_p50_us": t_ref, "time_ratio": p50 / t_ref}
+                except Exception as exc:
+                    row = {"shape": name, "M": m, "config": cfg.key, "error": repr(exc)[:300]}
+                rows.append(row)
+                if "p50_us" in row and (best is None or row["p50_us"] < best["p50_us"]):
+                    best = row
+            print(f"BEST {name:8s} M={m:6d} cublas {t_ref:9.1f} us  best {best['config'] if best else None:28s} "
+                  f"{best['p50_us'] if best else float('nan'):9.1f} us  ratio {best['time_ratio'] if best else float('nan'):.3f}", flush=True)
+            del inputs
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shapes", nargs="*", default=list(bench.SHAPES))
+    ap.add_argument("--ms", nargs="*", type=int, default=list(bench.MS))
+    ap.add_argument("--skip-bits", action="store_true")
+    args = ap.parse_args()
+    t0 = time.time()
+    res = {"env": bench.environment()}
+    if not args.skip_bits:
+        res["bits"] = bits_part()
+        print(f"bits part done in {time.time() - t0:.0f} s", flush=True)
+    res["speed"] = speed_part(args.shapes, args.ms)
+    res["seconds"] = time.time() - t0
+    args.out.write_text(json.dumps(res, indent=1))
+    print(f"sweep done in {res['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
