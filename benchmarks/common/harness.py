@@ -60,6 +60,7 @@ __all__ = [
     "device_info",
     "versions",
     "make_row",
+    "machine_load",
     "write_report",
 ]
 
@@ -288,13 +289,34 @@ def make_row(
     return row
 
 
-def write_report(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], *, command: str | None = None) -> Path:
-    """Write ``{"schema_version", "command", "rows": [...]}`` to ``path`` (parents created)."""
+def machine_load() -> dict[str, Any]:
+    """1/5/15-minute load averages and this process's nice value (``None`` where unsupported):
+    a benchmark on a shared machine records how busy it was."""
+    try:
+        load: list[float] | None = [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):  # pragma: no cover - Windows
+        load = None
+    try:
+        nice: int | None = os.nice(0)
+    except (AttributeError, OSError):  # pragma: no cover
+        nice = None
+    return {"loadavg": load, "nice": nice, "cpu_count": os.cpu_count()}
+
+
+def write_report(
+    rows: Sequence[Mapping[str, Any]],
+    path: str | os.PathLike[str],
+    *,
+    command: str | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``{"schema_version", "command", "meta", "rows": [...]}`` to ``path`` (parents created)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "schema_version": SCHEMA_VERSION,
         "command": command if command is not None else " ".join([Path(sys.executable).name, *sys.argv]),
+        "meta": dict(meta or {}),
         "rows": [dict(r) for r in rows],
     }
     out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")

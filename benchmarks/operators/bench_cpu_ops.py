@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from benchmarks.common.harness import (
     device_info,
+    machine_load,
     make_row,
     measure_interleaved,
     peak_memory,
@@ -299,12 +300,16 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"--ops: unknown operator ids {unknown}; known: {list(BUILDERS)}")
     dtypes = [getattr(torch, d) for d in args.dtypes]
+    load_start = machine_load()
+    t0 = time.perf_counter()
     rows, notes = run(args.quick, args.ops, dtypes)
+    meta = {"load_start": load_start, "load_end": machine_load(), "seconds": round(time.perf_counter() - t0, 1),
+            "notes": notes}
     for note in notes:
         print(note, file=sys.stderr)
     if args.out:
         cmd = "python benchmarks/operators/bench_cpu_ops.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        path = write_report(rows, args.out, command=cmd.strip())
+        path = write_report(rows, args.out, command=cmd.strip(), meta=meta)
         print(f"wrote {len(rows)} rows to {path}")
     return 1 if any("ERROR" in n for n in notes) else 0
 

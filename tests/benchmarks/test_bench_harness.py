@@ -100,7 +100,11 @@ def test_write_report_round_trip(tmp_path):
     rows = [{"a": 1}, {"b": [1, 2]}]
     path = harness.write_report(rows, tmp_path / "sub" / "r.json", command="python x.py --quick")
     doc = json.loads(path.read_text())
-    assert doc == {"schema_version": 1, "command": "python x.py --quick", "rows": rows}
+    assert doc == {"schema_version": 1, "command": "python x.py --quick", "meta": {}, "rows": rows}
+    load = harness.machine_load()
+    assert set(load) == {"loadavg", "nice", "cpu_count"}
+    harness.write_report(rows, path, meta={"load_start": load})
+    assert json.loads(path.read_text())["meta"]["load_start"]["cpu_count"] == load["cpu_count"]
 
 
 def test_bench_cpu_ops_quick_writes_schema_rows(tmp_path):

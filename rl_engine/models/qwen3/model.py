@@ -4,8 +4,9 @@ One decoder layer (HF ``Qwen3DecoderLayer``), ``T`` tokens flattened, ``Hq``/``H
 size ``D``::
 
     x  = rms_norm(h, input_layernorm)
-    q  = rms_norm(linear(x, Wq).view(T, Hq, D), q_norm)      # QK-norm per head, before RoPE
-    k  = rms_norm(linear(x, Wk).view(T, Hkv, D), k_norm)
+    q, k, v = split(linear(x, W_qkv))                       # one GEMM, column slices
+    q  = rms_norm(q.view(T, Hq, D), q_norm)                 # QK-norm per head, before RoPE
+    k  = rms_norm(k.view(T, Hkv, D), k_norm)
     q, k = apply_rope(q, pos), apply_rope(k, pos)           # rotate-half, theta from the spec
     h  = h + linear(attention(q, k, v), Wo)                 # causal; varlen (train) or KV cache (rollout)
     h  = h + linear(silu_and_mul(linear(rms_norm(h, post_attention_layernorm), W_gate_up)), W_down)

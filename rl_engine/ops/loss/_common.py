@@ -26,6 +26,7 @@ for any batch order, and micro-batches combine exactly (:func:`combine_microbatc
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +58,8 @@ class LossOutput:
         reduction: the reduction name.
         global_denominator: ``True`` when ``denominator`` was passed in by the caller (required
             to combine micro-batches), ``False`` when it was computed from this call's mask.
+        kind: which metric set the statistics feed (``"policy"``, ``"kl"``, ``"aggregate"``,
+            ``"entropy"``); parts of different kinds do not combine.
         stats: per-sequence statistics (``[B]`` each, detached) from which ``metrics`` are built.
         metrics: detached 0-dim tensors (clip fractions, ratio statistics, token counts, ...).
             Undefined statistics of a call without active tokens are NaN.
@@ -104,7 +107,7 @@ def check_number(name: str, value: object, *, low: float | None = None, low_open
         return None
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"{name}: expected a finite number, got {value!r}")
     v = float(value)
     if low is not None and (v <= low if low_open else v < low):

@@ -72,8 +72,9 @@ def ppo_clip_loss(
         r_t = e^{\log\pi_t - \log\pi^{old}_t},\qquad
         ℓ_t = \max\bigl(-A_t r_t,\; -A_t\,\mathrm{clip}(r_t, 1-ε_{low}, 1+ε_{high})\bigr)
 
-    With ``dual_clip = c > 1`` (Ye et al. 2020, arXiv:1912.09729): :math:`ℓ_t = \min(ℓ_t, -c A_t)`
-    where :math:`A_t < 0`. Optional ``is_weights`` :math:`w_t` (e.g. truncated IS weights from
+    ``eps_high=None`` means ``eps_high = eps_low`` (symmetric PPO, default 0.2). With
+    ``dual_clip = c > 1`` (Ye et al. 2020, arXiv:1912.09729): :math:`ℓ_t = \min(ℓ_t, -c A_t)`
+    where :math:`A_t < 0` (verl applies ``c = 3`` by default; here it is off unless given). Optional ``is_weights`` :math:`w_t` (e.g. truncated IS weights from
     :func:`~rl_engine.ops.loss.rollout_correction`) multiply :math:`ℓ_t` as constants. The loss is
     :math:`ℓ_t` reduced by ``reduction`` (default ``token-mean``: :math:`\sum m ℓ / N`).
 

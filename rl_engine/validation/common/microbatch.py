@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from rl_engine.utils.bits import bit_diff, int_view
 
-__all__ = ["MicrobatchReport", "check_microbatch_invariance", "LAYOUTS"]
+__all__ = ["MicrobatchReport", "check_microbatch_invariance", "relayout", "same_bits_allow_nan", "LAYOUTS"]
 
 LAYOUTS = (None, "trim", "extend", "right_align", "interleave")
 
@@ -56,13 +56,13 @@ class MicrobatchReport:
         return f"{len(self.failures)} failure(s) in {self.trials} splits; first: {self.failures[0]}"
 
 
-def _same_bits_allow_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits_allow_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Raw-bit equal, where a NaN matches a NaN of the identical bit pattern (undefined metrics)."""
     a, b = a.detach().cpu(), b.detach().cpu()
     return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(int_view(a), int_view(b)))
 
 
-def _relayout(args: list[torch.Tensor], mask_arg: int, layout: str | None):
+def relayout(args: list[torch.Tensor], mask_arg: int, layout: str | None):
     """Apply ``layout`` to ``[b, L]`` token args; returns (new args, fn mapping a grad back)."""
     if layout is None:
         return args, lambda g: g
@@ -139,7 +139,7 @@ def check_microbatch_invariance(
         for mb in split:
             idx = torch.as_tensor(list(mb), dtype=torch.long)
             args = [a[idx] for a in row_args]
-            args, back = _relayout(args, mask_arg, layout) if layout is not None else (args, lambda g: g)
+            args, back = relayout(args, mask_arg, layout) if layout is not None else (args, lambda g: g)
             out, g = run(args)
             parts.append(out)
             where = f"split {[len(m) for m in split]}, micro-batch rows {list(mb)[:8]}"
@@ -155,6 +155,6 @@ def check_microbatch_invariance(
         comb = {k: v.detach() for k, v in compare_of(combine(parts)).items()}
         for name, want in full_cmp.items():
             d = bit_diff(comb[name], want)
-            if not d.equal and not _same_bits_allow_nan(comb[name], want):
+            if not d.equal and not same_bits_allow_nan(comb[name], want):
                 report.failures.append(f"split {[list(m)[:6] for m in split][:4]}: combined {name!r} differs: {d}")
     return report

@@ -194,3 +194,20 @@ def test_checker_reports_the_failing_positions():
                                           q, k, v, cu)
     assert not rep.ok and len(rep.failures) == 1
     assert "sequence 1, positions [65]" in rep.failures[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_negative_zero_values_do_not_depend_on_masked_slots(dtype):
+    """All values -0.0: the visible terms of P·V are -0.0, the masked ones 0·(whatever sits in the
+    slot: a future token, or stale cache data of either sign). The output must still be the same
+    bits on every path (the backend canonicalises a zero sum to +0.0)."""
+    lens = [150, 70]
+    q, k, v, cu = make_qkv(lens, 1, 2, 32, dtype, seed=21)
+    v = torch.full_like(v, -0.0)
+    runs = [
+        ("full prefill, stale contiguous", rlk_rollout(contiguous_factory(stale=True)), full_prefill_schedule(lens)),
+        ("decode, stale paged", rlk_rollout(paged_factory(16, fragment=True)), decode_schedule(lens, [n - 5 for n in lens])),
+        ("chunks", rlk_rollout(contiguous_factory(stale=True)), chunked_schedule([[1, 63, 2, 84], [7, 63]])),
+    ]
+    rep = check_prefill_decode_invariance(rlk_train(), runs, q, k, v, cu)
+    assert rep.ok, str(rep)

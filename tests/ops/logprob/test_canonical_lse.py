@@ -141,3 +141,31 @@ def test_elementwise_functions_do_not_depend_on_the_element_position(fn):
     for start in range(0, 4096, 61):
         for length in (1, 3, 7, 9, 17, 33):
             assert bit_diff(fn(x[start : start + length]), full[start : start + length]), (start, length)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_custom_ops_pass_opcheck(dtype):
+    import rl_engine.backends.cpu.logprob  # noqa: F401  (registers torch.ops.rlk.*)
+
+    ops = torch.ops.rlk
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 1100, generator=g) * 3).to(dtype)
+    t = torch.randint(0, 1100, (5,), generator=g)
+    h = torch.randn(5, 16, generator=g).to(dtype)
+    w = (torch.randn(1100, 16, generator=g) / 4).to(dtype)
+    lp, lse = ops.token_logprobs_cpu(x, t, 0.8)
+    ent, _ = ops.entropy_cpu(x, 0.8)
+    ls, _ = ops.log_softmax_cpu(x, 0.8)
+    up = torch.randn(5, generator=g)
+    cases = [
+        (ops.log_softmax_cpu.default, (x.clone().requires_grad_(), 0.8)),
+        (ops.log_softmax_cpu_backward.default, (torch.randn(5, 1100, generator=g), ls, 0.8, dtype)),
+        (ops.token_logprobs_cpu.default, (x.clone().requires_grad_(), t, 0.8)),
+        (ops.token_logprobs_cpu_backward.default, (up, x, t, lse, 0.8)),
+        (ops.entropy_cpu.default, (x.clone().requires_grad_(), 0.8)),
+        (ops.entropy_cpu_backward.default, (up, x, lse, ent, 0.8)),
+        (ops.linear_token_logprobs_cpu.default, (h.clone().requires_grad_(), w.clone().requires_grad_(), t, 0.8, True, 2, 1024)),
+        (ops.linear_token_logprobs_cpu_backward.default, (up, up.clone(), h, w, t, lse, ent, 0.8, 2, 1024, True, True)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)

@@ -255,3 +255,18 @@ def test_empty_batch():
     hidden, weight, _ = _data(0, 8, 50, "float32")
     lp, ent = logprob.linear_token_logprobs(hidden, weight, torch.empty(0, dtype=torch.long), return_entropy=True)
     assert lp.shape == (0,) and ent.shape == (0,)
+
+
+@pytest.mark.parametrize("frozen", ["weight", "hidden"])
+def test_only_the_needed_gradient_is_computed_and_it_is_bitwise(frozen):
+    hidden, weight, targets = _data(40, 16, 2100, "bfloat16", seed=8)
+    up = torch.randn(40, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for fn in (unfused, lambda h, w, t: logprob.linear_token_logprobs(h, w, t, 1.0, True, token_chunk=16)):
+        h = hidden.clone().requires_grad_(frozen != "hidden")
+        w = weight.clone().requires_grad_(frozen != "weight")
+        lp, ent = fn(h, w, targets)
+        ((lp + ent) * up).sum().backward()
+        assert (h.grad is None) == (frozen == "hidden") and (w.grad is None) == (frozen == "weight")
+        grads.append(h.grad if frozen == "weight" else w.grad)
+    assert bit_diff(grads[1], grads[0])

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from rl_engine import contracts, runtime
 from rl_engine.ops import logprob
 from rl_engine.reference.logprob import log_softmax_f64
-from rl_engine.utils.bits import bit_diff
 from rl_engine.validation.common import check_row_invariance
 from tests.helpers.determinism import run_to_run_failures
 from tests.helpers.strategies import DTYPES, row_trials

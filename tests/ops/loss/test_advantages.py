@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from rl_engine import contracts
 from rl_engine.ops import loss as L
 from rl_engine.utils.bits import bit_diff
-from rl_engine.validation.common.microbatch import LAYOUTS, _relayout
+from rl_engine.validation.common.microbatch import LAYOUTS, relayout
+from tests.helpers.threads import threads
 from tests.ops.loss.helpers import DTYPES, f64_group_adv
 
 OP = "loss.advantages"
@@ -67,19 +68,20 @@ def batches(draw, dtype, estimator):
 @settings(max_examples=200)
 @given(data=st.data(), estimator=st.sampled_from(ESTIMATORS), layout=st.sampled_from(LAYOUTS))
 def test_permutation_relabel_layout_invariance(dtype, data, estimator, layout):
-    scores, gids, mask, perm = data.draw(batches(dtype, estimator))
-    full = _adv(estimator, scores, gids, mask)
-    # batch permutation
-    assert bit_diff(_adv(estimator, scores[perm], gids[perm], mask[perm]), full[perm])
-    # group relabelling (ids only name groups)
-    assert bit_diff(_adv(estimator, scores, gids * 3 + 1000, mask), full)
-    # token layout: trim / extend / left padding / holes change no active token's bits
-    if layout is not None:
-        (new_mask,), back = _relayout([mask], 0, layout)
-        out = back(_adv(estimator, scores, gids, new_mask))
-        assert bit_diff(out, full)
-    # run to run
-    assert bit_diff(_adv(estimator, scores, gids, mask), full)
+    with threads(1):  # tiny calls; thread-count independence is tested in test_loss_determinism_gpu.py
+        scores, gids, mask, perm = data.draw(batches(dtype, estimator))
+        full = _adv(estimator, scores, gids, mask)
+        # batch permutation
+        assert bit_diff(_adv(estimator, scores[perm], gids[perm], mask[perm]), full[perm])
+        # group relabelling (ids only name groups)
+        assert bit_diff(_adv(estimator, scores, gids * 3 + 1000, mask), full)
+        # token layout: trim / extend / left padding / holes change no active token's bits
+        if layout is not None:
+            (new_mask,), back = relayout([mask], 0, layout)
+            out = back(_adv(estimator, scores, gids, new_mask))
+            assert bit_diff(out, full)
+        # run to run
+        assert bit_diff(_adv(estimator, scores, gids, mask), full)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -164,3 +166,15 @@ def test_bad_input_messages_name_the_argument():
         L.grpo_advantages(s, ids, m, norm_by_std="yes")
     with pytest.raises(ValueError, match="^mask: expected 2 dimensions"):
         L.grpo_advantages(s, ids, m[0])
+
+
+def test_reference_agrees_with_the_implementation():
+    from rl_engine.runtime import implementations, reference_for
+
+    g = torch.Generator().manual_seed(3)
+    scores, gids = torch.randn(12, generator=g), torch.tensor([0, 0, 0, 4, 4, 7, 7, 7, 7, 9, 9, 9])
+    mask = torch.rand(12, 10, generator=g) < 0.8
+    tol = contracts.tolerance(OP, torch.float32, "forward")
+    impl = implementations(OP)[0]
+    for est, eps in (("grpo", 1e-6), ("grpo_no_std", 0.0), ("rloo", 0.0), ("reinforce_pp_baseline", 1e-8)):
+        assert tol.check(impl.fn(scores, gids, mask, est, eps), reference_for(OP)(scores, gids, mask, est, eps)), est

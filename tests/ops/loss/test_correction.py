@@ -16,8 +16,9 @@ from rl_engine.ops import loss as L
 from rl_engine.utils.bits import bit_diff
 from rl_engine.utils.checks import nan_policy
 from rl_engine.validation.common import check_row_invariance
-from rl_engine.validation.common.microbatch import LAYOUTS, _relayout, _same_bits_allow_nan
+from rl_engine.validation.common.microbatch import LAYOUTS, relayout, same_bits_allow_nan
 from tests.helpers.strategies import row_trials
+from tests.helpers.threads import threads
 from tests.ops.loss.helpers import DTYPES
 
 OP = "loss.rollout_correction"
@@ -51,7 +52,7 @@ def settings_(draw):
 def _same_metrics(a, b):
     assert a.keys() == b.keys()
     for k in a:
-        assert _same_bits_allow_nan(a[k], b[k]), f"{k}: {a[k]} vs {b[k]}"
+        assert same_bits_allow_nan(a[k], b[k]), f"{k}: {a[k]} vs {b[k]}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -59,25 +60,26 @@ def _same_metrics(a, b):
 @given(data=st.data(), B=st.integers(1, 10), T=st.integers(1, 50), seed=st.integers(0, 2**16),
        kw=settings_(), layout=st.sampled_from(LAYOUTS))
 def test_row_permutation_layout_invariance(dtype, data, B, T, seed, kw, layout):
-    train, rollout, mask = _data(B, T, dtype, seed)
-    full = L.rollout_correction(train, rollout, mask, **kw)
-    perm = torch.tensor(data.draw(st.permutations(range(B))))
-    p = L.rollout_correction(train[perm], rollout[perm], mask[perm], **kw)
-    _same_metrics(p.metrics, full.metrics)
-    assert bit_diff(p.mask, full.mask[perm])
-    if full.is_weights is not None:
-        assert bit_diff(p.is_weights, full.is_weights[perm])
-    # weights and corrected mask of a row depend only on that row
-    fn = lambda a, b, m: (lambda r: (r.mask,) if r.is_weights is None else (r.is_weights, r.mask))(L.rollout_correction(a, b, m, **kw))  # noqa: E731
-    rep = check_row_invariance(fn, [train, rollout, mask], data.draw(row_trials(B)))
-    assert rep.ok, str(rep)
-    if layout is not None:
-        (t2, r2, m2), back = _relayout([train, rollout, mask], 2, layout)
-        q = L.rollout_correction(t2, r2, m2, **kw)
-        _same_metrics(q.metrics, full.metrics)
-        assert bit_diff(back(q.mask), full.mask)
+    with threads(1):  # tiny calls; thread-count independence is tested in test_loss_determinism_gpu.py
+        train, rollout, mask = _data(B, T, dtype, seed)
+        full = L.rollout_correction(train, rollout, mask, **kw)
+        perm = torch.tensor(data.draw(st.permutations(range(B))))
+        p = L.rollout_correction(train[perm], rollout[perm], mask[perm], **kw)
+        _same_metrics(p.metrics, full.metrics)
+        assert bit_diff(p.mask, full.mask[perm])
         if full.is_weights is not None:
-            assert bit_diff(back(q.is_weights), full.is_weights)
+            assert bit_diff(p.is_weights, full.is_weights[perm])
+        # weights and corrected mask of a row depend only on that row
+        fn = lambda a, b, m: (lambda r: (r.mask,) if r.is_weights is None else (r.is_weights, r.mask))(L.rollout_correction(a, b, m, **kw))  # noqa: E731
+        rep = check_row_invariance(fn, [train, rollout, mask], data.draw(row_trials(B)))
+        assert rep.ok, str(rep)
+        if layout is not None:
+            (t2, r2, m2), back = relayout([train, rollout, mask], 2, layout)
+            q = L.rollout_correction(t2, r2, m2, **kw)
+            _same_metrics(q.metrics, full.metrics)
+            assert bit_diff(back(q.mask), full.mask)
+            if full.is_weights is not None:
+                assert bit_diff(back(q.is_weights), full.is_weights)
 
 
 def _f64_metrics(train, rollout, mask, is_level, thr):
@@ -210,3 +212,20 @@ def test_bad_input_messages_name_the_argument():
     for call, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             call()
+
+
+def test_reference_agrees_with_the_implementation():
+    from rl_engine.runtime import implementations, reference_for
+
+    t, r, m = _data(9, 33, "float32", 6, spread=0.05)
+    tol = contracts.tolerance(OP, torch.float32, "forward")
+    impl = implementations(OP)[0]
+    for args in ((t, r, m, "token", 2.0, "token", 1.05, None, 0.5), (t, r, m, "sequence", 3.0, "geometric", 1.02, 0.99, None),
+                 (t, r, m, None, 2.0, "sequence", 1.5, None, None)):
+        w, mask, metrics = impl.fn(*args)
+        w_ref, mask_ref, metrics_ref = reference_for(OP)(*args)
+        assert (w is None) == (w_ref is None) and (w is None or tol.check(w, w_ref))
+        assert torch.equal(mask, mask_ref)
+        assert metrics.keys() == metrics_ref.keys()
+        for k, v in metrics.items():
+            assert tol.check(v, metrics_ref[k]), k

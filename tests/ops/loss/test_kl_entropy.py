@@ -15,6 +15,7 @@ from rl_engine import contracts
 from rl_engine.ops import loss as L
 from rl_engine.utils.bits import bit_diff
 from rl_engine.validation.common.microbatch import LAYOUTS, check_microbatch_invariance
+from tests.helpers.threads import threads
 from tests.ops.loss.helpers import DTYPES, f64_kl, f64_reduce, make_batch, splits
 
 CHECK = dict(
@@ -35,11 +36,12 @@ def _den(mask, red):
 @given(data=st.data(), B=st.integers(1, 10), T=st.integers(1, 70), estimator=st.sampled_from(L.KL_ESTIMATORS),
        reduction=st.sampled_from(L.REDUCTIONS), layout=st.sampled_from(LAYOUTS), seed=st.integers(0, 2**16))
 def test_kl_microbatch_permutation_layout_invariance(dtype, data, B, T, estimator, reduction, layout, seed):
-    lp, ref, _, mask, _ = make_batch(B, T, dtype, seed, spread=0.3)
-    den = _den(mask, reduction)
-    fn = lambda lp_, ref_, m_: L.kl_penalty(lp_, ref_, m_, estimator=estimator, reduction=reduction, denominator=den)  # noqa: E731
-    rep = check_microbatch_invariance(fn, [lp, ref, mask], data.draw(splits(B)), layout=layout, mask_arg=2, grad_args=(0,), **CHECK)
-    assert rep.ok, str(rep)
+    with threads(1):  # tiny calls; thread-count independence is tested in test_loss_determinism_gpu.py
+        lp, ref, _, mask, _ = make_batch(B, T, dtype, seed, spread=0.3)
+        den = _den(mask, reduction)
+        fn = lambda lp_, ref_, m_: L.kl_penalty(lp_, ref_, m_, estimator=estimator, reduction=reduction, denominator=den)  # noqa: E731
+        rep = check_microbatch_invariance(fn, [lp, ref, mask], data.draw(splits(B)), layout=layout, mask_arg=2, grad_args=(0,), **CHECK)
+        assert rep.ok, str(rep)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -47,13 +49,14 @@ def test_kl_microbatch_permutation_layout_invariance(dtype, data, B, T, estimato
 @given(data=st.data(), B=st.integers(1, 10), T=st.integers(1, 70), reduction=st.sampled_from(L.REDUCTIONS),
        entropy=st.booleans(), layout=st.sampled_from(LAYOUTS), seed=st.integers(0, 2**16))
 def test_aggregate_microbatch_permutation_layout_invariance(dtype, data, B, T, reduction, entropy, layout, seed):
-    values, _, _, mask, _ = make_batch(B, T, dtype, seed)
-    values = -values  # entropies are >= 0
-    den = _den(mask, reduction)
-    op = L.entropy_bonus if entropy else L.masked_aggregate
-    fn = lambda v, m: op(v, m, reduction=reduction, denominator=den)  # noqa: E731
-    rep = check_microbatch_invariance(fn, [values, mask], data.draw(splits(B)), layout=layout, mask_arg=1, grad_args=(0,), **CHECK)
-    assert rep.ok, str(rep)
+    with threads(1):  # tiny calls; thread-count independence is tested in test_loss_determinism_gpu.py
+        values, _, _, mask, _ = make_batch(B, T, dtype, seed)
+        values = -values  # entropies are >= 0
+        den = _den(mask, reduction)
+        op = L.entropy_bonus if entropy else L.masked_aggregate
+        fn = lambda v, m: op(v, m, reduction=reduction, denominator=den)  # noqa: E731
+        rep = check_microbatch_invariance(fn, [values, mask], data.draw(splits(B)), layout=layout, mask_arg=1, grad_args=(0,), **CHECK)
+        assert rep.ok, str(rep)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -62,28 +65,29 @@ def test_aggregate_microbatch_permutation_layout_invariance(dtype, data, B, T, r
 def test_combined_objective_gradients_are_microbatch_invariant(dtype, data, B, T, seed):
     """loss = grpo + β·k3 + (−c)·entropy on micro-batches: accumulated log-prob gradients equal the
     full batch's rows and the combined logged losses equal the full-batch values, bitwise."""
-    lp, old, adv, mask, _ = make_batch(B, T, dtype, seed)
-    ref = old.flip(0).contiguous()
-    ent = (-lp).contiguous()
-    red = "seq-mean-token-mean"
-    den = _den(mask, red)
+    with threads(1):  # tiny calls; thread-count independence is tested in test_loss_determinism_gpu.py
+        lp, old, adv, mask, _ = make_batch(B, T, dtype, seed)
+        ref = old.flip(0).contiguous()
+        ent = (-lp).contiguous()
+        red = "seq-mean-token-mean"
+        den = _den(mask, red)
 
-    def fn(lp_, old_, adv_, ref_, ent_, m_):
-        pg = L.grpo_loss(lp_, old_, adv_, m_, denominator=den)
-        kl = L.kl_penalty(lp_, ref_, m_, reduction=red, denominator=den)
-        eb = L.entropy_bonus(ent_, m_, reduction=red, denominator=den)
-        return pg, kl, eb
+        def fn(lp_, old_, adv_, ref_, ent_, m_):
+            pg = L.grpo_loss(lp_, old_, adv_, m_, denominator=den)
+            kl = L.kl_penalty(lp_, ref_, m_, reduction=red, denominator=den)
+            eb = L.entropy_bonus(ent_, m_, reduction=red, denominator=den)
+            return pg, kl, eb
 
-    def combine(parts):
-        return tuple(L.combine_microbatch_losses([p[i] for p in parts]) for i in range(3))
+        def combine(parts):
+            return tuple(L.combine_microbatch_losses([p[i] for p in parts]) for i in range(3))
 
-    rep = check_microbatch_invariance(
-        fn, [lp, old, adv, ref, ent, mask], data.draw(splits(B)), combine=combine,
-        compare_of=lambda o: {"pg": o[0].loss, "kl": o[1].loss, "ent": o[2].loss},
-        loss_of=lambda o: o[0].loss + 0.05 * o[1].loss - 0.01 * o[2].loss,
-        grad_args=(0, 4), layout=data.draw(st.sampled_from(LAYOUTS)), mask_arg=5,
-    )
-    assert rep.ok, str(rep)
+        rep = check_microbatch_invariance(
+            fn, [lp, old, adv, ref, ent, mask], data.draw(splits(B)), combine=combine,
+            compare_of=lambda o: {"pg": o[0].loss, "kl": o[1].loss, "ent": o[2].loss},
+            loss_of=lambda o: o[0].loss + 0.05 * o[1].loss - 0.01 * o[2].loss,
+            grad_args=(0, 4), layout=data.draw(st.sampled_from(LAYOUTS)), mask_arg=5,
+        )
+        assert rep.ok, str(rep)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -174,3 +178,15 @@ def test_zero_active_tokens():
     out.loss.backward()
     assert out.loss.item() == 0.0 and torch.equal(x.grad, torch.zeros_like(x)) and math.isnan(out.metrics["kl"].item())
     assert bit_diff(L.masked_aggregate(lp, torch.zeros_like(mask)).loss, torch.zeros(()))
+
+
+def test_references_agree_with_the_implementation():
+    from rl_engine.runtime import implementations, reference_for
+
+    lp, ref, _, mask, _ = make_batch(5, 40, "float32", seed=8, spread=0.4)
+    for op, args in (("loss.kl", [(lp, ref, mask, e) for e in L.KL_ESTIMATORS]), ("loss.aggregate", [(-lp, mask)])):
+        tol = contracts.tolerance(op, torch.float32, "forward")
+        impl = implementations(op)[0]
+        for a in args:
+            for got, want in zip(impl.fn(*a), reference_for(op)(*a)):
+                assert tol.check(got, want), (op, a[-1])

@@ -18,6 +18,7 @@ from rl_engine.ops import loss as L
 from rl_engine.runtime import implementations, provenance, reference_for
 from rl_engine.utils.bits import bit_diff
 from rl_engine.validation.common.microbatch import LAYOUTS, check_microbatch_invariance
+from tests.helpers.threads import threads
 from tests.ops.loss.helpers import DEFAULT_REDUCTION, DTYPES, VARIANTS, f64_reduce, f64_token_terms, make_batch, splits
 
 OP = "loss.policy"
@@ -61,16 +62,17 @@ def _lossout_checker_kwargs():
     seed=st.integers(0, 2**16),
 )
 def test_microbatch_permutation_layout_invariance(dtype, data, B, T, variant, reduction, use_w, layout, seed):
-    lp, old, adv, mask, w = make_batch(B, T, dtype, seed, p_active=data.draw(st.sampled_from([0.1, 0.6, 1.0])))
-    red = reduction or DEFAULT_REDUCTION[variant]
-    lsf = 48.0 if red == "seq-mean-token-sum-norm" else None
-    den = L.loss_denominator(mask, red, loss_scale_factor=lsf)
-    if den == 0:
-        den = 1.0  # nothing active: any positive denominator, the loss is 0
-    fn = _call(variant, red, denominator=den)
-    args = [lp, old, adv, mask] + ([w] if use_w else [])
-    rep = check_microbatch_invariance(fn, args, data.draw(splits(B)), layout=layout, **_lossout_checker_kwargs())
-    assert rep.ok, str(rep)
+    with threads(1):  # tiny calls; thread-count independence is tested in test_loss_determinism_gpu.py
+        lp, old, adv, mask, w = make_batch(B, T, dtype, seed, p_active=data.draw(st.sampled_from([0.1, 0.6, 1.0])))
+        red = reduction or DEFAULT_REDUCTION[variant]
+        lsf = 48.0 if red == "seq-mean-token-sum-norm" else None
+        den = L.loss_denominator(mask, red, loss_scale_factor=lsf)
+        if den == 0:
+            den = 1.0  # nothing active: any positive denominator, the loss is 0
+        fn = _call(variant, red, denominator=den)
+        args = [lp, old, adv, mask] + ([w] if use_w else [])
+        rep = check_microbatch_invariance(fn, args, data.draw(splits(B)), layout=layout, **_lossout_checker_kwargs())
+        assert rep.ok, str(rep)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -195,7 +197,7 @@ def test_negative_controls_are_caught():
     perms = [torch.randperm(24, generator=gen).tolist() for _ in range(8)]
     # eight splits: whether one rounding-order change flips the last bit depends on the data and
     # on the CPU's reduction kernel; across eight, a non-invariant sum is caught on any machine
-    splits8 = [split] + [[p[:k], p[k:]] for p, k in zip(perms[1:], range(3, 24, 3))]
+    splits8 = split + [[p[:k], p[k:]] for p, k in zip(perms[1:], range(3, 24, 3))]
     kw = dict(compare_of=lambda t: {"loss": t}, loss_of=lambda t: t, grad_args=(0,))
     # (1) flattened torch.sum, micro-batch losses summed: rounding order depends on the split
     rep = check_microbatch_invariance(_naive_token_mean(den), [lp, old, adv, mask], splits8, combine=lambda p: sum(p[1:], p[0]), **kw)

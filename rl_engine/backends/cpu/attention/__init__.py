@@ -13,7 +13,7 @@ position ``p`` of its sequence (``W`` the window, ``W = ∞`` without one)::
         s   = (q · K_bᵀ) · scale,  -inf where key j is not visible (j > p or j < p - W + 1)
         m'  = max(m, max_j s_j) + 0;  α = exp(m - m');  P = exp(s - m')
         l   = l·α + fold_64(P)
-        acc = acc·α + (P · V_b + 0)
+        acc = acc·α + P · V_b
         m   = m'
     (M, L, ACC) = merge((M, L, ACC), (m, l, acc))
     out = round(ACC / L);  lse = M + log(L)
@@ -31,12 +31,15 @@ Why the bits cannot depend on the path:
   block (guarded by :func:`blas_tile_check` and the invariance tests).
 * Keys the row must not see are replaced by ``-inf`` scores (``exp`` → exactly ``+0``), so
   whatever sits in their slots (a future token in training, stale data in a reused cache slot,
-  a padded block) contributes ``±0`` to ``P · V``: magnitudes are those of the visible keys
-  alone and ``+ 0`` turns a ``-0`` result into ``+0``. Inputs must be finite (checked).
+  a padded block) contributes ``±0`` to ``P · V``: every partial sum has the magnitude it would
+  have with the visible keys alone, only the sign of a zero can differ — and a zero is then
+  added to the ``+0``-initialised accumulator, which makes it ``+0``. Inputs must be finite
+  (checked), so ``0 · v`` is never NaN.
 * Everything else is elementwise IEEE arithmetic (``+ - * /``, ``max``, ``where``) or
   ``exp``/``log`` (measured to give the same bits in the vector body and the scalar tail), and
-  a row's state is updated only in the blocks of its own range (``where``), so vectorising over
-  rows, tiles, heads and sequences changes nothing.
+  a row's state is updated only in the blocks of its own range (rows are selected by index;
+  padding rows of a decode tile are never computed), so vectorising over rows, tiles, heads and
+  sequences changes nothing.
 
 Backward (flash style, train path only) recomputes ``P = exp(s - lse)`` with the same tiles,
 so ``P`` and ``dS = P ⊙ (dO·Vᵀ - Σ dO⊙O)`` are the same bits in both passes: ``dq`` streams each
@@ -66,15 +69,16 @@ __all__ = [
 
 #: Keys per block, at absolute positions 0, 64, 128, ... of every sequence.
 KV_BLOCK = 64
-#: Query rows per tile: every BLAS call sees exactly this many rows.
-Q_TILE = 64
+#: Query rows per tile: every BLAS call sees exactly this many rows. Equal to ``KV_BLOCK``: the
+#: backward's ``dk``/``dv`` pass multiplies 64-position query blocks with the same shape.
+Q_TILE = KV_BLOCK
 #: Blocks per KV split; splits start at absolute positions 0, 1024, 2048, ...
 SPLIT_BLOCKS = 16
 #: Keys per KV split.
 KV_SPLIT = KV_BLOCK * SPLIT_BLOCKS
 #: Bytes of one ``[tiles, heads, 64, 64]`` fp32 temporary: sets how many tiles are processed
 #: together (tiles are independent, so this bounds memory without touching the bits).
-_GROUP_BYTES = 2 << 20
+_GROUP_BYTES = 1 << 20
 _NO_PAGES = 1 << 62  # page size of the packed (varlen) layout: one page per sequence
 _BIG = 1 << 62
 
@@ -278,58 +282,67 @@ def attend_rows(
     unit_tok, unit_g, valid, tile_seq = _query_tiles(q_seq, page_rows.shape[0], G)
     qf = q.reshape(T, Hkv, G, D).to(torch.float32)
     C = _tiles_per_group(Hkv)
+    slots = torch.arange(Q_TILE, dtype=torch.int64)
     for t0 in range(0, unit_tok.shape[0], C):
         sl = slice(t0, t0 + C)
         tl = _Tiles(q_pos, unit_tok[sl], unit_g[sl], valid[sl], tile_seq[sl], window)
         n = tl.tok.shape[0]
-        qt = tl.rows(qf)  # [n, Hkv, 64, D]
-        M = torch.full((n, Hkv, Q_TILE), _NEG_INF)
-        L = torch.zeros((n, Hkv, Q_TILE))
-        ACC = torch.zeros((n, Hkv, Q_TILE, D))
+        qt = tl.rows(qf)  # [n, Hkv, 64, D], the BLAS operand
+        # per-row state, rows tile-major then slot: row r = tile·Q_TILE + slot
+        pos_r, wlo_r, lo_r, hi_r = (x.reshape(-1) for x in (tl.pos, tl.wlo, tl.lo, tl.hi))
+        M = torch.full((n * Q_TILE, Hkv), _NEG_INF)
+        L = torch.zeros((n * Q_TILE, Hkv))
+        ACC = torch.zeros((n * Q_TILE, Hkv, D))
         m, l, acc = M.clone(), L.clone(), ACC.clone()
         b_first, b_last = int(tl.first.min()), int(tl.last.max())
         for b in range(b_first, b_last + 1):
             ta = (tl.first <= b) & (tl.last >= b)
-            at = None if bool(ta.all()) else ta.nonzero().squeeze(1)
-
-            def sub(x, at=at):
-                return x if at is None else x[at]
-
-            pos, wlo, lo, hi = sub(tl.pos), sub(tl.wlo), sub(tl.lo), sub(tl.hi)
-            ma, la, acca = sub(m), sub(l), sub(acc)
-            row_act = ((lo <= b) & (hi >= b))[:, None, :]  # [A, 1, 64]
-            if b % SPLIT_BLOCKS == 0 and b > b_first:
-                flag = row_act & (lo < b)[:, None, :]
-                if bool(flag.any()):
-                    Ma, La, ACCa = sub(M), sub(L), sub(ACC)
-                    Mm, Lm, ACCm = _merge(Ma, La, ACCa, ma, la, acca)
-                    Ma, La = torch.where(flag, Mm, Ma), torch.where(flag, Lm, La)
-                    ACCa = torch.where(flag[..., None], ACCm, ACCa)
-                    ma, la = torch.where(flag, _NEG_INF, ma), torch.where(flag, 0.0, la)
-                    acca = torch.where(flag[..., None], 0.0, acca)
-                    if at is None:
-                        M, L, ACC = Ma, La, ACCa
-                    else:
-                        M[at], L[at], ACC[at] = Ma, La, ACCa
-            seq, cap = sub(tl.seq), sub(tl.cap)
-            kb = _kv_block(k_rows, page_rows, page_size, seq, b, cap)
-            vb = _kv_block(v_rows, page_rows, page_size, seq, b, cap)
-            s = _scores(sub(qt), kb, scale, _visible(pos, wlo, b))  # [A, Hkv, 64, 64]
-            mn = torch.maximum(ma, s.amax(-1) + 0.0)  # + 0.0: a -0.0 maximum becomes +0.0
-            alpha = torch.exp(ma - mn)
-            p = torch.where(row_act[..., None], torch.exp(s - mn[..., None]), 0.0)
-            A = p.shape[0]
-            pv = torch.bmm(p.view(A * Hkv, Q_TILE, KV_BLOCK), vb).view(A, Hkv, Q_TILE, D) + 0.0
-            ma = torch.where(row_act, mn, ma)
-            la = torch.where(row_act, la * alpha + fold_sum(p, -1), la)
-            acca = torch.where(row_act[..., None], acca * alpha[..., None] + pv, acca)
-            if at is None:
-                m, l, acc = ma, la, acca
+            at = torch.arange(n) if bool(ta.all()) else ta.nonzero().squeeze(1)
+            A = at.shape[0]
+            if A == 0:
+                continue  # no tile of the group has this block in range (a sliding-window gap)
+            rows_at = (at[:, None] * Q_TILE + slots).reshape(-1)  # [A·64]
+            act = (lo_r[rows_at] <= b) & (hi_r[rows_at] >= b)
+            dense = bool(act.all())
+            sel = None if dense else act.nonzero().squeeze(1)  # active rows among the A·64
+            rid = rows_at if dense else rows_at[sel]
+            if b % SPLIT_BLOCKS == 0 and b > b_first:  # a KV split ends for rows that began earlier
+                mid = rid[lo_r[rid] < b]
+                if mid.numel():
+                    M[mid], L[mid], ACC[mid] = _merge(M[mid], L[mid], ACC[mid], m[mid], l[mid], acc[mid])
+                    m[mid], l[mid], acc[mid] = _NEG_INF, 0.0, 0.0
+            kb = _kv_block(k_rows, page_rows, page_size, tl.seq[at], b, tl.cap[at])
+            vb = _kv_block(v_rows, page_rows, page_size, tl.seq[at], b, tl.cap[at])
+            qa = qt if A == n else qt[at]
+            sc = torch.bmm(qa.view(A * Hkv, Q_TILE, D), kb.transpose(1, 2)).view(A, Hkv, Q_TILE, KV_BLOCK)
+            sc = sc.transpose(1, 2).reshape(A * Q_TILE, Hkv, KV_BLOCK)
+            if not dense:
+                sc = sc[sel]  # elementwise work only for the active rows (decode tiles are mostly padding)
+            kpos = slots + b * KV_BLOCK
+            vis = ((kpos <= pos_r[rid, None]) & (kpos >= wlo_r[rid, None]))[:, None, :]  # [R, 1, 64]
+            s = torch.where(vis, sc * scale, _NEG_INF)
+            m_old = m[rid]
+            mn = torch.maximum(m_old, s.amax(-1) + 0.0)  # + 0.0: a -0.0 maximum becomes +0.0
+            alpha = torch.exp(m_old - mn)
+            p = torch.exp(s - mn[..., None])  # [R, Hkv, 64]; exactly +0 where s is -inf
+            if dense:
+                pt = p.view(A, Q_TILE, Hkv, KV_BLOCK)
             else:
-                m[at], l[at], acc[at] = ma, la, acca
-        M, L, ACC = _merge(M, L, ACC, m, l, acc)
-        tl.scatter(out, ACC / L[..., None])
-        tl.scatter(lse, M + torch.log(L))
+                pt = p.new_zeros((A * Q_TILE, Hkv, KV_BLOCK))
+                pt[sel] = p
+                pt = pt.view(A, Q_TILE, Hkv, KV_BLOCK)
+            pt = pt.transpose(1, 2).contiguous().view(A * Hkv, Q_TILE, KV_BLOCK)
+            pv = torch.bmm(pt, vb).view(A, Hkv, Q_TILE, D).transpose(1, 2).reshape(A * Q_TILE, Hkv, D)
+            if not dense:
+                pv = pv[sel]
+            m[rid] = mn
+            l[rid] = l[rid] * alpha + fold_sum(p, -1)
+            acc[rid] = acc[rid] * alpha[..., None] + pv
+        vid = tl.valid.reshape(-1).nonzero().squeeze(1)
+        Mv, Lv, ACCv = _merge(M[vid], L[vid], ACC[vid], m[vid], l[vid], acc[vid])
+        tok_v, g_v = tl.tok.reshape(-1)[vid], tl.g.reshape(-1)[vid]
+        out[tok_v, :, g_v] = ACCv / Lv[..., None]
+        lse[tok_v, :, g_v] = Mv + torch.log(Lv)
     return out.view(T, Hq, D), lse.view(T, Hq)
 
 
@@ -360,6 +373,8 @@ def _dq_pass(qf, gf, lse3, delta, kf, vf, page_rows, q_seq, q_pos, scale, window
         for b in range(int(tl.first.min()), int(tl.last.max()) + 1):
             ta = (tl.first <= b) & (tl.last >= b)
             at = None if bool(ta.all()) else ta.nonzero().squeeze(1)
+            if at is not None and at.numel() == 0:
+                continue  # no tile of the group has this block in range (a sliding-window gap)
 
             def sub(x, at=at):
                 return x if at is None else x[at]
@@ -370,7 +385,7 @@ def _dq_pass(qf, gf, lse3, delta, kf, vf, page_rows, q_seq, q_pos, scale, window
             vb = _kv_block(vf, page_rows, _NO_PAGES, seq, b, cap)
             p, ds = _p_ds(sub(qt), sub(gt), sub(lt), sub(dt), kb, vb, scale, _visible(pos, wlo, b))
             A = p.shape[0]
-            c = torch.bmm(ds.view(A * Hkv, Q_TILE, KV_BLOCK), kb).view(A, Hkv, Q_TILE, D) + 0.0
+            c = torch.bmm(ds.view(A * Hkv, Q_TILE, KV_BLOCK), kb).view(A, Hkv, Q_TILE, D)
             acca = sub(acc)
             acca = torch.where(row_act, acca + c, acca)
             if at is None:
@@ -451,8 +466,8 @@ def _dkv_pass(qf, gf, lse3, delta, kf, vf, page_rows, lens, scale, window):
             )
             p = p.view(A * Hkv * G, Q_TILE, KV_BLOCK)
             ds = ds.view(A * Hkv * G, Q_TILE, KV_BLOCK)
-            cv = torch.bmm(p.transpose(1, 2), gb_.view(A * Hkv * G, Q_TILE, D)) + 0.0  # [·, 64 keys, D]
-            ck = torch.bmm(ds.transpose(1, 2), qb_.view(A * Hkv * G, Q_TILE, D)) + 0.0
+            cv = torch.bmm(p.transpose(1, 2), gb_.view(A * Hkv * G, Q_TILE, D))  # [·, 64 keys, D]
+            ck = torch.bmm(ds.transpose(1, 2), qb_.view(A * Hkv * G, Q_TILE, D))
             cv = fold_sum(cv.view(A, Hkv, G, KV_BLOCK, D), 2)
             ck = fold_sum(ck.view(A, Hkv, G, KV_BLOCK, D), 2)
             if at is None:
@@ -485,16 +500,21 @@ def _varlen_backward(grad, q, k, v, out, lse, cu_seqlens, scale, window):
 @torch.library.custom_op("rlk::varlen_attention_cpu", mutates_args=(), device_types="cpu")
 def varlen_attention_fwd_cpu(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, window: int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(out, lse, out_fp32)``; ``out_fp32`` (the unrounded output, kept for the
+    backward's ``delta = Σ dO ⊙ O``) is empty when ``q`` is already fp32."""
     T = q.shape[0]
     page_rows, q_seq, q_pos, _ = _varlen_layout(cu_seqlens, T)
     out, lse = attend_rows(q, k, v, page_rows, _NO_PAGES, q_seq, q_pos, scale, window)
-    return out.to(q.dtype), lse
+    if q.dtype == torch.float32:
+        return out, lse, out.new_empty((0,))
+    return out.to(q.dtype), lse, out
 
 
 @varlen_attention_fwd_cpu.register_fake
 def _(q, k, v, cu_seqlens, scale, window):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+    f32 = q.new_empty((0,), dtype=torch.float32) if q.dtype == torch.float32 else q.new_empty(q.shape, dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32), f32
 
 
 @torch.library.custom_op("rlk::varlen_attention_cpu_backward", mutates_args=(), device_types="cpu")
@@ -519,16 +539,16 @@ def _(grad, q, k, v, out, lse, cu_seqlens, scale, window):
 
 def _setup(ctx, inputs, output):
     q, k, v, cu_seqlens, scale, window = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    out, lse, out_f32 = output
+    ctx.save_for_backward(q, k, v, out_f32 if out_f32.numel() or out.numel() == 0 else out, lse, cu_seqlens)
     ctx.scale, ctx.window = scale, window
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, out_f32)
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx, grad_out, grad_lse, grad_out_f32):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     if grad_out is None:
-        grad_out = torch.zeros_like(out)
+        grad_out = torch.zeros(q.shape, dtype=q.dtype)
     dq, dk, dv = varlen_attention_bwd_cpu(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.scale, ctx.window)
     return dq, dk, dv, None, None, None
 

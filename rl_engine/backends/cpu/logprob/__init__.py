@@ -302,7 +302,7 @@ def _fused_dlogits(
 @torch.library.custom_op("rlk::linear_token_logprobs_cpu_backward", mutates_args=(), device_types="cpu")
 def linear_token_logprobs_cpu_backward(
     grad_logprobs: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
+    grad_ent: torch.Tensor | None,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
@@ -317,10 +317,10 @@ def linear_token_logprobs_cpu_backward(
     N, H = hidden.shape
     V = weight.shape[0]
     targets = targets.long()
-    ent_ = ent if grad_entropy is not None else None
+    ent_ = ent if grad_ent is not None else None
     dhidden = hidden.new_zeros((N, H) if need_hidden else (0,))
     dweight = weight.new_zeros((V, H) if need_weight else (0,))
-    if N == 0 or (grad_logprobs is None and grad_entropy is None):
+    if N == 0 or (grad_logprobs is None and grad_ent is None):
         return dhidden, dweight
 
     def rows(r0: int, r1: int):
@@ -329,7 +329,7 @@ def linear_token_logprobs_cpu_backward(
             lse[r0:r1],
             ent_[r0:r1] if ent_ is not None else None,
             grad_logprobs[r0:r1] if grad_logprobs is not None else None,
-            grad_entropy[r0:r1] if grad_entropy is not None else None,
+            grad_ent[r0:r1] if grad_ent is not None else None,
         )
 
     if need_hidden:
@@ -363,7 +363,7 @@ def linear_token_logprobs_cpu_backward(
 
 
 @linear_token_logprobs_cpu_backward.register_fake
-def _(grad_logprobs, grad_entropy, hidden, weight, targets, lse, ent, temperature, token_chunk, vocab_chunk, need_hidden, need_weight):
+def _(grad_logprobs, grad_ent, hidden, weight, targets, lse, ent, temperature, token_chunk, vocab_chunk, need_hidden, need_weight):
     return (
         hidden.new_empty(hidden.shape if need_hidden else (0,)),
         weight.new_empty(weight.shape if need_weight else (0,)),

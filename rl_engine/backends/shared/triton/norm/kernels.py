@@ -160,6 +160,17 @@ def rlk_rms_norm_dw(part_ptr, dw_ptr, TILES, H, BLOCK_N: tl.constexpr):
     tl.store(dw_ptr + offs, acc.to(dw_ptr.dtype.element_ty), mask=mask)
 
 
+def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` with a 16-byte aligned base (a copy if it is a view at an odd offset).
+
+    Triton specialises pointer arguments on 16-byte alignment, and the specialisation may change
+    the register layout and hence ``tl.sum``'s association order; with every base aligned, the
+    compiled kernel (and a row's bits) depends only on ``H`` and the dtype."""
+    if t is not None and t.data_ptr() % 16:
+        return t.clone()
+    return t
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -174,6 +185,7 @@ def _programs(device: torch.device) -> int:
 def forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, residual2: torch.Tensor | None = None):
     """``y`` (and ``new_residual`` when ``residual2`` is given) for ``x2 [M, H]``."""
     M, H = x2.shape
+    x2, weight, residual2 = _aligned(x2), _aligned(weight), _aligned(residual2)
     y = torch.empty_like(x2)
     new_res = torch.empty_like(x2) if residual2 is not None else None
     if M == 0:
@@ -191,6 +203,7 @@ def backward(grad2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, eps: f
              extra2: torch.Tensor | None = None, *, rows_per_program: int | None = None):
     """``(dx, dweight)`` for ``grad2, x2 [M, H]`` (``extra2``: upstream grad added to ``dx``)."""
     M, H = x2.shape
+    grad2, x2, weight, extra2 = _aligned(grad2), _aligned(x2), _aligned(weight), _aligned(extra2)
     dx = torch.empty_like(x2)
     if M == 0:
         return dx, torch.zeros_like(weight)

@@ -9,7 +9,7 @@ import torch
 
 from rl_engine.ops import loss as L
 from rl_engine.utils.bits import bit_diff
-from rl_engine.validation.common.microbatch import _same_bits_allow_nan, check_microbatch_invariance
+from rl_engine.validation.common.microbatch import same_bits_allow_nan, check_microbatch_invariance
 from tests.helpers.determinism import thread_count_failures
 from tests.helpers.threads import threads
 from tests.ops.loss.helpers import make_batch
@@ -52,7 +52,7 @@ def test_kl_aggregate_advantages_correction_bits_do_not_depend_on_thread_count()
         assert bit_diff(other[0], results[0][0]) and bit_diff(other[1], results[0][1])
         assert bit_diff(other[2].is_weights, results[0][2].is_weights) and bit_diff(other[2].mask, results[0][2].mask)
         for k, v in results[0][2].metrics.items():
-            assert _same_bits_allow_nan(other[2].metrics[k], v), k
+            assert same_bits_allow_nan(other[2].metrics[k], v), k
 
 
 def test_custom_ops_are_profiled_under_the_rlk_namespace():
@@ -123,4 +123,4 @@ def test_gpu_run_to_run_and_close_to_cpu():
     p = torch.randperm(32).cuda()
     again = L.rollout_mismatch_metrics(r[p], ro[p], mk[p])
     for k, v in base.items():
-        assert _same_bits_allow_nan(again[k], v), k
+        assert same_bits_allow_nan(again[k], v), k

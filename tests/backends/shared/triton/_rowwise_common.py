@@ -1,0 +1,185 @@
+"""Shared pieces of the Triton row-wise operator test modules (not a test module itself).
+
+CPU-side checks of a registration (imports nothing of triton, routes CPU tensors to the CPU
+backend, pure eligibility checks), the GPU profiler-name rule (``rlk_`` prefix), evidence files
+for reports/gpu/ and CUDA-graph timing for the bounded-performance smoke tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from rl_engine import contracts
+from rl_engine.runtime.registry import Request, implementations, make_request, select
+
+__all__ = [
+    "run_py",
+    "check_registration",
+    "check_cpu_routing",
+    "check_static_and_fake_gpu",
+    "evidence",
+    "gpu_kernel_events",
+    "check_profiler_names",
+    "graph_us",
+    "event_us",
+    "accuracy",
+    "gpu_randn",
+]
+
+
+def run_py(code: str) -> None:
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def _impl(op: str, impl_id: str):
+    found = [i for i in implementations(op) if i.impl_id == impl_id]
+    assert found, f"{impl_id} is not registered for {op}: {[i.impl_id for i in implementations(op)]}"
+    return found[0]
+
+
+def check_registration(op: str, impl_id: str, module: str, family: str) -> None:
+    """Declared for CUDA and (untested) ROCm, fp32+bf16, guarantees ⊇ the contract's."""
+    impl = _impl(op, impl_id)
+    assert impl.families == ("cuda", "rocm")
+    assert impl.untested_families == ("rocm",)
+    assert set(impl.dtypes) == {torch.float32, torch.bfloat16}
+    assert impl.guarantees >= contracts.load_contract(op).guarantees
+    assert impl.module == module
+    # listing the implementations registered the backend without importing its kernels
+    run_py(
+        "import sys\n"
+        "from rl_engine.runtime.registry import implementations\n"
+        f"assert {impl_id!r} in [i.impl_id for i in implementations({op!r})]\n"
+        f"assert {module!r} in sys.modules\n"
+        f"assert '{module}.kernels' not in sys.modules\n"
+    )
+
+
+def check_cpu_routing(op: str, impl_id: str, cpu_tensor: torch.Tensor) -> None:
+    req = make_request(op, cpu_tensor)
+    chosen, _ = select(req)
+    assert chosen is not None and chosen.impl_id.startswith("cpu."), chosen
+    impl = _impl(op, impl_id)
+    assert "platform family 'cpu' not in ['cuda', 'rocm']" in impl.reject_reasons(req)
+
+
+def check_static_and_fake_gpu(op: str, impl_id: str) -> None:
+    impl = _impl(op, impl_id)
+    before = set(sys.modules)
+    impl.unavailable_reasons()
+    assert not any(m == "triton" or m.startswith("triton.") for m in set(sys.modules) - before)
+    cpu = make_request(op, torch.randn(1, 1)).platform
+    fake = type(cpu)(family="cuda", arch="sm75", device_name="x", torch_version="t", triton_version=None,
+                     cuda_version=None, hip_version=None)
+    reasons = impl.reject_reasons(Request(op, fake, torch.float16, frozenset({"row"})))
+    assert any("dtype torch.float16 not in" in r for r in reasons), reasons
+    fake90 = type(cpu)(family="cuda", arch="sm90", device_name="x", torch_version="t", triton_version=None,
+                       cuda_version=None, hip_version=None)
+    reasons = impl.reject_reasons(Request(op, fake90, torch.bfloat16, frozenset({"row", "tp_size"})))
+    assert any("does not guarantee invariances ['tp_size']" in r for r in reasons), reasons
+
+
+def evidence(name: str, payload: dict) -> None:
+    out = os.environ.get("RLK_EVIDENCE_DIR")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{name}.json"), "w", encoding="utf-8") as fh:
+            json.dump(payload, fh, indent=1, sort_keys=True)
+
+
+def _defined_kernel_names(kernels_module: str) -> set[str]:
+    import triton
+
+    mod = importlib.import_module(kernels_module)
+    return {obj.fn.__name__ for obj in vars(mod).values() if isinstance(obj, triton.runtime.JITFunction)}
+
+
+def gpu_kernel_events(call) -> list[str]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    call()  # compile outside the profiled region
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return sorted({e.name for e in prof.events() if e.device_type == DeviceType.CUDA})
+
+
+def check_profiler_names(kernels_module: str, call, must_see: set[str], tag: str) -> None:
+    """Every JIT kernel the module defines and launches is named ``rlk_*`` and listed in its
+    ``KERNEL_NAMES``; profiling ``call`` (forward + backward of the public op) shows ``must_see``
+    and no kernel of ours without the prefix."""
+    mod = importlib.import_module(kernels_module)
+    defined = _defined_kernel_names(kernels_module)
+    launchable = {n for n in defined if not n.startswith("_")}
+    assert launchable == set(mod.KERNEL_NAMES), (launchable, mod.KERNEL_NAMES)
+    assert all(n.startswith("rlk_") for n in launchable), launchable
+    names = gpu_kernel_events(call)
+    assert names, "profiler recorded no GPU events"
+    ours = sorted(n for n in names if n in defined or n.startswith("rlk") or any(n.startswith(d) for d in defined))
+    evidence(f"profiler_{tag}", {"all_gpu_events": names, "ours": ours})
+    assert all(n.startswith("rlk_") for n in ours), ours
+    missing = {m for m in must_see if not any(n.startswith(m) for n in ours)}
+    assert not missing, f"expected kernels not seen: {missing}; GPU events: {names}"
+
+
+def graph_us(fn, calls: int = 10, reps: int = 7) -> float:
+    """Per-call device time (µs) of ``fn`` replayed from a CUDA graph (median of ``reps``)."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / calls)
+    return sorted(ts)[len(ts) // 2]
+
+
+def event_us(fn, calls: int = 5, reps: int = 5) -> float:
+    """Per-call time (µs) of ``fn`` launched eagerly (for calls that synchronise with the host)."""
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(calls):
+            fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / calls)
+    return sorted(ts)[len(ts) // 2]
+
+
+def accuracy(op: str, dtype: torch.dtype, quantity: str, got: torch.Tensor, want: torch.Tensor, name: str = "") -> None:
+    tol = contracts.tolerance(op, dtype, quantity)
+    got = got.detach().cpu()
+    assert tol.check(got, want), f"{op} {name or quantity} {dtype}: max violation {tol.max_violation(got, want):.3e}"
+
+
+def gpu_randn(shape, seed: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    """Standard normal data generated on the GPU (large tensors: no host generation or copy)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(shape, generator=g, device="cuda") * scale).to(dtype)
