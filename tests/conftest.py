@@ -22,6 +22,12 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "rlk"))
 
+# Under pytest-xdist each worker gets one intra-op thread: two workers with two threads each
+# oversubscribe a 2-core CI machine (a tiny op then waits ~1000x longer). Bits do not depend on
+# the thread count (tests/helpers/threads.py and the thread-count tests prove it).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
