@@ -6,7 +6,8 @@
 
 prints, per operator, one row per configuration: the native median, the rl-kernel median and
 ratio with the entry point's NaN scan (as users call it) and without it
-(``nan_policy("propagate")``), and the p20–p80 spread of the ratio's numerator.
+(``nan_policy("propagate")``), the p20–p80 spread of the rl-kernel timing, and the peak memory
+torch allocated during one call (outputs included) for the native call and the entry point.
 """
 
 from __future__ import annotations
@@ -46,11 +47,18 @@ def _ms(v: float) -> str:
     return f"{v:.3f}" if v < 10 else f"{v:.1f}"
 
 
+def _mib(v: int | None) -> str:
+    return "–" if v is None else f"{v / 2**20:.2f}"
+
+
 def markdown_tables(rows: Sequence[Mapping[str, Any]]) -> str:
     parts = []
     for op, entries in comparison_rows(rows).items():
         cfg_keys = [k for k in entries[0]["config"]]
-        head = [*cfg_keys, "native ms", "rl-kernel ms", "ratio", "ratio without NaN scan", "rl-kernel p20–p80 ms", "impl"]
+        head = [
+            *cfg_keys, "native ms", "rl-kernel ms", "ratio", "ratio without NaN scan", "rl-kernel p20–p80 ms",
+            "peak MiB native / rl-kernel", "impl",
+        ]
         lines = [f"### `{op}`", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for e in entries:
             nat, r, p = e["native"], e["raise"], e["propagate"]
@@ -60,6 +68,7 @@ def markdown_tables(rows: Sequence[Mapping[str, Any]]) -> str:
             cells.append(f"{r['ratio_vs_baseline']:.2f}×" if r else "–")
             cells.append(f"{p['ratio_vs_baseline']:.2f}×" if p else "–")
             cells.append(f"{_ms(r['p20'])}–{_ms(r['p80'])}" if r else "–")
+            cells.append(f"{_mib(nat['peak_memory_bytes'])} / {_mib(r['peak_memory_bytes']) if r else '–'}")
             cells.append(f"`{r['implementation']}`" if r else "–")
             lines.append("| " + " | ".join(cells) + " |")
         parts.append("\n".join(lines))

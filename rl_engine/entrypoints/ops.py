@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["SCHEMA_VERSION", "Device", "collect", "command", "render"]
+__all__ = ["SCHEMA_VERSION", "Device", "LoadError", "collect", "command", "render"]
 
 SCHEMA_VERSION = 1
 

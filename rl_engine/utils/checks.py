@@ -4,9 +4,14 @@ Every failure raises ``ValueError`` (or ``TypeError`` for a non-tensor) whose me
 the argument's name and says what was expected, e.g.
 ``x: expected dtype in [torch.float32, torch.bfloat16], got torch.float16``.
 
-NaN policy: by default entry points reject floating inputs that contain NaN (``"raise"``); inside
-``with nan_policy("propagate"):`` they skip the scan and NaN propagates by IEEE rules. The scan
-costs one read of the input; disable it only when the inputs are known to be finite.
+NaN policy (a context variable, scoped with :func:`nan_policy`):
+
+* ``"raise"`` (default): entry points reject *activation* inputs (``x``, ``hidden``, ``logits``,
+  ``q``/``k``/``v``, ...) that contain NaN, with an error naming the argument. Parameters
+  (weights, biases, embedding tables) are not scanned: scanning a weight on every call reads it
+  once more, which costs as much as a decode-sized matmul (and on a GPU forces a host sync).
+* ``"raise_all"``: also scan parameters (for debugging a model that produces NaN).
+* ``"propagate"``: scan nothing; NaN propagates by IEEE rules.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import torch
 __all__ = ["require_tensor", "require_same_device", "nan_policy", "current_nan_policy", "check_no_nan", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
-NanPolicy = Literal["raise", "propagate"]
+NanPolicy = Literal["raise", "raise_all", "propagate"]
+NAN_POLICIES: tuple[str, ...] = ("raise", "raise_all", "propagate")
 _NAN: contextvars.ContextVar[NanPolicy] = contextvars.ContextVar("rlk_nan_policy", default="raise")
 
 
@@ -31,9 +37,9 @@ def current_nan_policy() -> NanPolicy:
 
 @contextlib.contextmanager
 def nan_policy(policy: NanPolicy) -> Iterator[None]:
-    """Scope the NaN policy (``"raise"`` or ``"propagate"``); restores in ``finally``."""
-    if policy not in ("raise", "propagate"):
-        raise ValueError(f"policy: expected 'raise' or 'propagate', got {policy!r}")
+    """Scope the NaN policy (``"raise"``, ``"raise_all"`` or ``"propagate"``); restores in ``finally``."""
+    if policy not in NAN_POLICIES:
+        raise ValueError(f"policy: expected one of {NAN_POLICIES}, got {policy!r}")
     token = _NAN.set(policy)
     try:
         yield
@@ -41,8 +47,12 @@ def nan_policy(policy: NanPolicy) -> Iterator[None]:
         _NAN.reset(token)
 
 
-def check_no_nan(name: str, t: torch.Tensor) -> None:
-    if _NAN.get() == "raise" and t.is_floating_point() and t.numel() and t.device.type != "meta" and bool(torch.isnan(t).any()):
+def check_no_nan(name: str, t: torch.Tensor, *, param: bool = False) -> None:
+    """Raise if ``t`` holds NaN and the policy scans it (``param=True``: only under ``"raise_all"``)."""
+    pol = _NAN.get()
+    if pol == "propagate" or (param and pol != "raise_all"):
+        return
+    if t.is_floating_point() and t.numel() and t.device.type != "meta" and bool(torch.isnan(t).any()):
         raise ValueError(f"{name}: contains NaN (NaN policy 'raise'; use rl_engine.utils.checks.nan_policy('propagate') to let it propagate)")
 
 
@@ -55,9 +65,13 @@ def require_tensor(
     min_ndim: int | None = None,
     contiguous: bool = True,
     non_empty: bool = False,
-    finite: bool = False,
+    finite: bool | Literal["param"] = False,
 ) -> torch.Tensor:
-    """Validate one tensor argument; returns it unchanged."""
+    """Validate one tensor argument; returns it unchanged.
+
+    ``finite=True`` scans an activation for NaN under the current NaN policy; ``finite="param"``
+    marks a parameter, scanned only under ``"raise_all"``.
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None:
@@ -75,7 +89,7 @@ def require_tensor(
     if non_empty and t.numel() == 0:
         raise ValueError(f"{name}: expected a non-empty tensor, got shape {tuple(t.shape)}")
     if finite:
-        check_no_nan(name, t)
+        check_no_nan(name, t, param=finite == "param")
     return t
 
 

@@ -139,4 +139,4 @@ def test_markdown_tables_pair_rows_by_config():
     assert list(paired) == ["gemm.linear"] and len(paired["gemm.linear"]) == 1
     text = markdown_tables(rows)
     assert "| M | dtype | native ms | rl-kernel ms | ratio | ratio without NaN scan |" in text
-    assert "| 64 | float32 | 1.000 | 2.000 | 2.00× | 1.20× | 1.900–2.100 | `cpu.tiled_blas` |" in text
+    assert "| 64 | float32 | 1.000 | 2.000 | 2.00× | 1.20× | 1.900–2.100 | – / – | `cpu.tiled_blas` |" in text

@@ -31,7 +31,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 def _finite(name: str, t: torch.Tensor) -> None:
     """No NaN and no ±inf (under the ``"raise"`` NaN policy). Attention needs finite keys and
     values even where a query must not look: masked slots contribute ``0 · v``."""
-    if current_nan_policy() != "raise" or t.numel() == 0 or t.device.type == "meta":
+    if current_nan_policy() == "propagate" or t.numel() == 0 or t.device.type == "meta":
         return
     if not bool(torch.isfinite(t).all()):
         check_no_nan(name, t)

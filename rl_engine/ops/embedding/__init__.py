@@ -37,7 +37,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     require_tensor("ids", ids, dtypes=(torch.int64, torch.int32))
-    require_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=2, finite=True)
+    require_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=2, finite="param")
     V, H = weight.shape
     if V == 0 or H == 0:
         raise ValueError(f"weight: expected a non-empty [V, H] table, got shape {tuple(weight.shape)}")

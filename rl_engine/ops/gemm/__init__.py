@@ -32,11 +32,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # float16 only where an implementation has it (the Triton GPU backend); CPU: fp32/bf16.
     gpu = isinstance(x, torch.Tensor) and x.device.type == "cuda"
     require_tensor("x", x, dtypes=FLOAT_DTYPES + ((torch.float16,) if gpu else ()), min_ndim=1, finite=True)
-    require_tensor("weight", weight, dtypes=(x.dtype,), ndim=2, finite=True)
+    require_tensor("weight", weight, dtypes=(x.dtype,), ndim=2, finite="param")
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight: expected shape [N, {x.shape[-1]}] to match x's last dim, got {tuple(weight.shape)}")
     if bias is not None:
-        require_tensor("bias", bias, dtypes=(x.dtype,), ndim=1, finite=True)
+        require_tensor("bias", bias, dtypes=(x.dtype,), ndim=1, finite="param")
         if bias.shape[0] != weight.shape[0]:
             raise ValueError(f"bias: expected shape [{weight.shape[0]}], got {tuple(bias.shape)}")
     require_same_device(x=x, weight=weight, bias=bias)

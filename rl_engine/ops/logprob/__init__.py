@@ -180,7 +180,7 @@ def linear_token_logprobs(
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     require_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, min_ndim=1, finite=True)
-    require_tensor("weight", weight, dtypes=(hidden.dtype,), ndim=2, non_empty=True, finite=True)
+    require_tensor("weight", weight, dtypes=(hidden.dtype,), ndim=2, non_empty=True, finite="param")
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight: expected shape [V, {hidden.shape[-1]}] to match hidden's last dim, got {tuple(weight.shape)}")
     _targets(targets, hidden.shape[:-1], weight.shape[0], "hidden")

@@ -23,7 +23,7 @@ def _check_x_weight(x: torch.Tensor, weight: torch.Tensor) -> int:
     H = x.shape[-1]
     if H == 0:
         raise ValueError(f"x: expected a non-empty last dimension, got shape {tuple(x.shape)}")
-    require_tensor("weight", weight, dtypes=(x.dtype,), ndim=1, finite=True)
+    require_tensor("weight", weight, dtypes=(x.dtype,), ndim=1, finite="param")
     if weight.shape[0] != H:
         raise ValueError(f"weight: expected shape [{H}] to match x's last dim, got {tuple(weight.shape)}")
     return H

@@ -85,6 +85,9 @@ def chunked_schedule(chunks: Sequence[Sequence[int]]) -> Schedule:
 
 def decode_schedule(lens: Sequence[int], prompt_lens: Sequence[int]) -> Schedule:
     """Prefill every prompt in one call, then one token per sequence per step until done."""
+    for i, (n, p) in enumerate(zip(lens, prompt_lens)):
+        if not 0 <= p <= n:
+            raise ValueError(f"prompt_lens: expected 0 <= prompt_lens[{i}] <= lens[{i}] = {n}, got {p}")
     sched: Schedule = [[(i, p) for i, p in enumerate(prompt_lens) if p > 0]]
     left = [n - p for n, p in zip(lens, prompt_lens)]
     while any(left):

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rl_engine.ops.attention import ContiguousKVCache, PagedKVCache, cached_attention
+from rl_engine.utils.bits import bit_diff
 from rl_engine.validation.common.attention import (
     check_prefill_decode_invariance,
     chunked_schedule,
@@ -210,4 +211,24 @@ def test_negative_zero_values_do_not_depend_on_masked_slots(dtype):
         ("chunks", rlk_rollout(contiguous_factory(stale=True)), chunked_schedule([[1, 63, 2, 84], [7, 63]])),
     ]
     rep = check_prefill_decode_invariance(rlk_train(), runs, q, k, v, cu)
+    assert rep.ok, str(rep)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bits_do_not_depend_on_the_thread_count(dtype):
+    """Trainer and rollout engine may run with different intra-op thread counts: the train path
+    under 1 and 4 threads and the rollout path under 2 threads give the same bits."""
+    from tests.helpers.threads import threads
+
+    lens = [700, 65, 1]
+    q, k, v, cu = make_qkv(lens, 2, 2, 64, dtype, seed=31)
+    with threads(1):
+        one = rlk_train(window=300)(q, k, v, cu)
+    with threads(4):
+        four = rlk_train(window=300)(q, k, v, cu)
+    assert bit_diff(one, four)
+    with threads(2):
+        rep = check_prefill_decode_invariance(
+            lambda *a: one, [("decode", rlk_rollout(paged_factory(16, fragment=True), window=300),
+                              decode_schedule(lens, [max(n - 2, 0) for n in lens]))], q, k, v, cu)
     assert rep.ok, str(rep)

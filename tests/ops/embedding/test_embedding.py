@@ -16,6 +16,7 @@ from rl_engine.reference.embedding import embedding_f64
 from rl_engine.runtime.registry import reference_for
 from rl_engine.utils.bits import bit_diff
 from rl_engine.validation.common import check_row_invariance
+from rl_engine.utils.checks import nan_policy
 from tests.helpers.determinism import run_to_run_failures, thread_count_failures
 from tests.helpers.strategies import DTYPES, row_trials
 from tests.helpers.threads import threads
@@ -197,7 +198,8 @@ def test_bad_input_messages_name_the_argument():
         E.embedding(ids, w[0])
     with pytest.raises(ValueError, match="^weight: expected a non-empty"):
         E.embedding(torch.empty(0, dtype=torch.int64), torch.empty(0, 4))
-    with pytest.raises(ValueError, match="^weight: contains NaN"):
+    E.embedding(ids, torch.full((10, 4), float("nan")))  # parameters are not scanned by default
+    with nan_policy("raise_all"), pytest.raises(ValueError, match="^weight: contains NaN"):
         E.embedding(ids, torch.full((10, 4), float("nan")))
     with pytest.raises(ValueError, match="^weight: expected a contiguous"):
         E.embedding(ids, torch.randn(4, 10).t())

@@ -13,6 +13,7 @@ from rl_engine import contracts
 from rl_engine.ops import gemm
 from rl_engine.reference.gemm import linear_f64
 from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.checks import nan_policy
 from rl_engine.validation.common import check_row_invariance
 from tests.helpers.strategies import DTYPES, row_trials
 
@@ -113,6 +114,11 @@ def test_bad_input_messages_name_the_argument():
         gemm.linear(torch.randn(8, 4).t(), w)
     with pytest.raises(ValueError, match="^x: contains NaN"):
         gemm.linear(torch.full((2, 8), float("nan")), w)
+    gemm.linear(x, torch.full((3, 8), float("nan")))  # parameters are scanned only under raise_all
+    with nan_policy("raise_all"), pytest.raises(ValueError, match="^weight: contains NaN"):
+        gemm.linear(x, torch.full((3, 8), float("nan")))
+    with nan_policy("propagate"):
+        assert torch.isnan(gemm.linear(torch.full((2, 8), float("nan")), w)).all()
     with pytest.raises(TypeError, match="^x: expected a torch.Tensor"):
         gemm.linear([[1.0]], w)
     meta = torch.empty(4, 8, device="meta")

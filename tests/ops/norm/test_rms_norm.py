@@ -16,6 +16,7 @@ from rl_engine.reference.norm import fused_add_rms_norm_f64, rms_norm_f64
 from rl_engine.runtime.registry import reference_for
 from rl_engine.utils.bits import bit_diff
 from rl_engine.validation.common import check_row_invariance
+from rl_engine.utils.checks import nan_policy
 from tests.helpers.determinism import run_to_run_failures, thread_count_failures
 from tests.helpers.strategies import DTYPES, row_trials
 from tests.helpers.threads import threads
@@ -222,7 +223,8 @@ def test_bad_input_messages_name_the_argument():
         norm.rms_norm(torch.randn(8, 4).t(), w)
     with pytest.raises(ValueError, match="^x: contains NaN"):
         norm.rms_norm(torch.full((2, 8), float("nan")), w)
-    with pytest.raises(ValueError, match="^weight: contains NaN"):
+    norm.rms_norm(x, torch.full((8,), float("nan")))  # parameters are not scanned by default
+    with nan_policy("raise_all"), pytest.raises(ValueError, match="^weight: contains NaN"):
         norm.rms_norm(x, torch.full((8,), float("nan")))
     with pytest.raises(ValueError, match="^x: expected a non-empty last dimension"):
         norm.rms_norm(torch.empty(3, 0), torch.empty(0))

@@ -147,17 +147,13 @@ def _floor64(x: torch.Tensor) -> torch.Tensor:
     return torch.div(x, KV_BLOCK, rounding_mode="floor")
 
 
-def _gather_rows(
-    src: torch.Tensor, page_rows: torch.Tensor, page_size: int, seq: torch.Tensor, pos: torch.Tensor, cap: torch.Tensor
-) -> torch.Tensor:
-    """Rows of ``src`` ``[N, ...]`` holding positions ``pos`` ``[A, n]`` of batch sequences ``seq``
-    ``[A]``, after clamping the positions to ``cap`` ``[A]`` (a position the sequence has)."""
+def _row_index(page_rows: torch.Tensor, page_size: int, seq: torch.Tensor, pos: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    """Storage rows of positions ``pos`` ``[A, n]`` of batch sequences ``seq`` ``[A]``, after
+    clamping the positions to ``cap`` ``[A]`` (a position the sequence has)."""
     p = torch.minimum(pos, cap[:, None])
     if page_size >= _NO_PAGES:
-        idx = page_rows[seq, 0][:, None] + p
-    else:
-        idx = page_rows[seq[:, None], torch.div(p, page_size, rounding_mode="floor")] + torch.remainder(p, page_size)
-    return src[idx]
+        return page_rows[seq, 0][:, None] + p
+    return page_rows[seq[:, None], torch.div(p, page_size, rounding_mode="floor")] + torch.remainder(p, page_size)
 
 
 def _tiles_per_group(heads: int) -> int:
@@ -226,13 +222,17 @@ class _Tiles:
         dst[self.tok[self.valid], :, self.g[self.valid]] = x[self.valid]
 
 
-def _kv_block(rows: torch.Tensor, page_rows, page_size, seq, b: int, cap) -> torch.Tensor:
-    """Block ``b`` (positions ``64b .. 64b+63``) of each tile's sequence: ``[A·Hkv, 64, D]`` fp32."""
+def _kv_blocks(k_rows, v_rows, page_rows, page_size, seq, b: int, cap) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block ``b`` (positions ``64b .. 64b+63``) of each tile's sequence, keys and values:
+    ``[A·Hkv, 64, D]`` fp32 each."""
     A = seq.shape[0]
     kpos = (torch.arange(KV_BLOCK, dtype=torch.int64) + b * KV_BLOCK).expand(A, -1)
-    blk = _gather_rows(rows, page_rows, page_size, seq, kpos, cap)  # [A, 64, Hkv, D]
-    blk = blk.transpose(1, 2).to(torch.float32).contiguous()
-    return blk.view(-1, KV_BLOCK, blk.shape[-1])
+    idx = _row_index(page_rows, page_size, seq, kpos, cap)
+    out = []
+    for rows in (k_rows, v_rows):
+        blk = rows[idx].transpose(1, 2).to(torch.float32).contiguous()  # [A, Hkv, 64, D]
+        out.append(blk.view(-1, KV_BLOCK, blk.shape[-1]))
+    return out[0], out[1]
 
 
 def _scores(qt: torch.Tensor, kb: torch.Tensor, scale: float, vis: torch.Tensor) -> torch.Tensor:
@@ -311,8 +311,7 @@ def attend_rows(
                 if mid.numel():
                     M[mid], L[mid], ACC[mid] = _merge(M[mid], L[mid], ACC[mid], m[mid], l[mid], acc[mid])
                     m[mid], l[mid], acc[mid] = _NEG_INF, 0.0, 0.0
-            kb = _kv_block(k_rows, page_rows, page_size, tl.seq[at], b, tl.cap[at])
-            vb = _kv_block(v_rows, page_rows, page_size, tl.seq[at], b, tl.cap[at])
+            kb, vb = _kv_blocks(k_rows, v_rows, page_rows, page_size, tl.seq[at], b, tl.cap[at])
             qa = qt if A == n else qt[at]
             sc = torch.bmm(qa.view(A * Hkv, Q_TILE, D), kb.transpose(1, 2)).view(A, Hkv, Q_TILE, KV_BLOCK)
             sc = sc.transpose(1, 2).reshape(A * Q_TILE, Hkv, KV_BLOCK)
@@ -381,8 +380,7 @@ def _dq_pass(qf, gf, lse3, delta, kf, vf, page_rows, q_seq, q_pos, scale, window
 
             pos, wlo, lo, hi, seq, cap = (sub(x) for x in (tl.pos, tl.wlo, tl.lo, tl.hi, tl.seq, tl.cap))
             row_act = ((lo <= b) & (hi >= b))[:, None, :, None]
-            kb = _kv_block(kf, page_rows, _NO_PAGES, seq, b, cap)
-            vb = _kv_block(vf, page_rows, _NO_PAGES, seq, b, cap)
+            kb, vb = _kv_blocks(kf, vf, page_rows, _NO_PAGES, seq, b, cap)
             p, ds = _p_ds(sub(qt), sub(gt), sub(lt), sub(dt), kb, vb, scale, _visible(pos, wlo, b))
             A = p.shape[0]
             c = torch.bmm(ds.view(A * Hkv, Q_TILE, KV_BLOCK), kb).view(A, Hkv, Q_TILE, D)
@@ -427,8 +425,8 @@ def _dkv_pass(qf, gf, lse3, delta, kf, vf, page_rows, lens, scale, window):
         kvalid = kpos <= last[:, None]
         qlast = last if window is None else torch.minimum(last, kblk * KV_BLOCK + (KV_BLOCK - 1) + (window - 1))
         qhi = _floor64(qlast)  # last query block that sees a key of the tile
-        kt = _gather_rows(kf, page_rows, _NO_PAGES, seq, kpos, last)  # [n, 64, Hkv, D]
-        vt = _gather_rows(vf, page_rows, _NO_PAGES, seq, kpos, last)
+        kidx = _row_index(page_rows, _NO_PAGES, seq, kpos, last)
+        kt, vt = kf[kidx], vf[kidx]  # [n, 64, Hkv, D]
         kt = torch.where(kvalid[..., None, None], kt, 0.0).transpose(1, 2)  # [n, Hkv, 64, D]
         vt = torch.where(kvalid[..., None, None], vt, 0.0).transpose(1, 2)
         kt = kt[:, :, None].expand(n, Hkv, G, KV_BLOCK, D).reshape(n * Hkv * G, KV_BLOCK, D)
@@ -450,8 +448,10 @@ def _dkv_pass(qf, gf, lse3, delta, kf, vf, page_rows, lens, scale, window):
             if window is not None:
                 vis &= qpos[:, :, None] <= sub(kpos)[:, None, :] + (window - 1)
             # query block rows per (kv head, g): [A, Hkv, G, 64, ...] → batch A·Hkv·G
-            def qrows(x):
-                r = _gather_rows(x, page_rows, _NO_PAGES, sa, qpos, la_)  # [A, 64, Hkv, G, ...]
+            qidx = _row_index(page_rows, _NO_PAGES, sa, qpos, la_)
+
+            def qrows(x, qidx=qidx, qvalid=qvalid):
+                r = x[qidx]  # [A, 64, Hkv, G, ...]
                 r = torch.where(qvalid.reshape(qvalid.shape + (1,) * (r.dim() - 2)), r, 0.0)
                 return r.movedim(1, 3).contiguous()
 

@@ -74,7 +74,7 @@ def _check_lse(lse: torch.Tensor, what: str, source: str = "logits / temperature
     if bool(dead.any()):
         rows = torch.nonzero(dead).squeeze(1)[:8].tolist()
         raise ValueError(f"{what}: rows {rows} have no finite entry (all -inf): their log-probs are undefined")
-    if current_nan_policy() == "raise" and not bool(torch.isfinite(lse).all()):
+    if current_nan_policy() != "propagate" and not bool(torch.isfinite(lse).all()):
         rows = torch.nonzero(~torch.isfinite(lse)).squeeze(1)[:8].tolist()
         raise ValueError(f"{what}: rows {rows} are not finite in {source} (+inf input or overflow)")
 
