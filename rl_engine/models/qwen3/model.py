@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from rl_engine.models.qwen3.spec import ModelLoadError, Qwen3Spec, load_spec
+from rl_engine.validation import capture as _capture
 
 __all__ = ["Qwen3ForCausalLM"]
 
@@ -210,10 +211,17 @@ class Qwen3ForCausalLM:
         s, P = self.spec, self.params
         T = ids.shape[0]
         eps = s.rms_norm_eps
+        # Capture points (rl_engine.validation.capture): one list lookup per forward when no
+        # capture is active; the tensors are never touched then.
+        tap = _capture.tap if _capture.active() is not None else None
         h = ops.embedding(ids, P["model.embed_tokens.weight"])
+        if tap:
+            h = tap(-1, "embedding", h)
         for i in range(s.num_hidden_layers):
             p = f"model.layers.{i}."
             x = ops.rms_norm(h, P[p + "input_layernorm.weight"], eps)
+            if tap:
+                tap(i, "input_norm", x)
             qkv = ops.linear(x, P[p + "self_attn.qkv_proj.weight"], P.get(p + "self_attn.qkv_proj.bias"))
             q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
             q = ops.rms_norm(q.reshape(T, s.num_attention_heads, s.head_dim).contiguous(), P[p + "self_attn.q_norm.weight"], eps)
@@ -222,13 +230,27 @@ class Qwen3ForCausalLM:
             k = ops.apply_rope(k, positions, theta=s.rope_theta)
             v = v.reshape(T, s.num_key_value_heads, s.head_dim)
             o = attend(i, q.contiguous(), k.contiguous(), v.contiguous())
+            if tap:
+                tap(i, "attention", o.reshape(T, s.q_size))
             o = ops.linear(o.reshape(T, s.q_size).contiguous(), P[p + "self_attn.o_proj.weight"],
                            P.get(p + "self_attn.o_proj.bias"))
+            if tap:
+                tap(i, "attn_proj", o)
             h = h + o
             x = ops.rms_norm(h, P[p + "post_attention_layernorm.weight"], eps)
+            if tap:
+                tap(i, "post_attention_norm", x)
             x = ops.silu_and_mul(ops.linear(x, P[p + "mlp.gate_up_proj.weight"]))
-            h = h + ops.linear(x.contiguous(), P[p + "mlp.down_proj.weight"])
-        return ops.rms_norm(h, P["model.norm.weight"], eps)
+            x = ops.linear(x.contiguous(), P[p + "mlp.down_proj.weight"])
+            if tap:
+                tap(i, "mlp", x)
+            h = h + x
+            if tap:
+                tap(i, "residual", h)
+        out = ops.rms_norm(h, P["model.norm.weight"], eps)
+        if tap:
+            tap(-1, "final_norm", out)
+        return out
 
     def hidden_train(self, ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, ops) -> torch.Tensor:
         """Final-norm hidden states ``[T, H]`` of a packed batch (train path, causal per segment).

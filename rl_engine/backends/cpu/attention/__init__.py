@@ -265,7 +265,7 @@ def attend_rows(
         k_rows, v_rows: ``[N, Hkv, D]`` key/value storage rows.
         page_rows, page_size: position ``pos`` of batch sequence ``i`` lives in storage row
             ``page_rows[i, pos // page_size] + pos % page_size`` (``page_size >= 2**62``: the
-            packed layout, row ``page_rows[i, 0] + pos``). Every position ``<= `` the largest
+            packed layout, row ``page_rows[i, 0] + pos``). Every position up to the largest
             query position of the sequence must be stored.
         q_seq, q_pos: ``[T]`` int64, batch sequence and position of each query row.
 

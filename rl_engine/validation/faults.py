@@ -1,0 +1,77 @@
+"""Negative controls: a deliberately batch-dependent variant of one module of a provider.
+
+:func:`faulty_factory` returns a provider factory ``(plan, side) -> OpsProvider`` for the
+validation drivers: every side whose plan puts ``module`` on ``R`` gets a provider whose
+``module`` methods move their output by one ulp (``nextafter`` towards +inf) whenever the call
+has an even number of rows — the shape of a kernel that picks its algorithm from the batch
+size. Train and rollout see different row counts for the same token, so the chain must report
+mismatches, the ablation must name ``module`` and the debugger the first stage it feeds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from rl_engine.runtime.plan import MODULES, OpsProvider, Plan
+
+__all__ = ["ProviderFactory", "default_factory", "faulty_factory", "BatchDependentProvider", "METHODS"]
+
+ProviderFactory = Callable[[Plan, str], OpsProvider]
+
+#: Provider methods that implement each module (the ones a fault perturbs).
+METHODS: dict[str, tuple[str, ...]] = {
+    "attention": ("varlen_attention", "cached_attention"),
+    "gemm": ("linear",),
+    "norm": ("rms_norm",),
+    "rope": ("apply_rope",),
+    "activation": ("silu_and_mul",),
+    "embedding": ("embedding",),
+    "logprob": ("token_logprobs", "lm_head_logprobs"),
+}
+
+
+def default_factory(plan: Plan, side: str) -> OpsProvider:
+    return plan.provider(side)
+
+
+def _bump(t, rows: int):
+    if isinstance(t, tuple):
+        return tuple(_bump(x, rows) if x is not None else None for x in t)
+    if rows % 2 == 0 and isinstance(t, torch.Tensor) and t.is_floating_point():
+        return torch.nextafter(t, torch.full_like(t, float("inf")))
+    return t
+
+
+class BatchDependentProvider(OpsProvider):
+    """An :class:`OpsProvider` whose ``module`` methods depend on the call's row count."""
+
+    def __init__(self, choices, module: str, **kw):
+        super().__init__(choices, **kw)
+        if module not in MODULES:
+            raise ValueError(f"module: expected one of {list(MODULES)}, got {module!r}")
+        self.fault_module = module
+        for name in METHODS[module]:
+            inner = getattr(super(), name)
+
+            def wrapped(first, *a, _inner=inner, **k):
+                return _bump(_inner(first, *a, **k), first.shape[0])
+
+            setattr(self, name, wrapped)
+
+    def __repr__(self) -> str:
+        return f"BatchDependentProvider({self.choices}, fault={self.fault_module})"
+
+
+def faulty_factory(module: str) -> ProviderFactory:
+    """Providers whose R ``module`` is batch-dependent (see module docstring)."""
+    if module not in MODULES:
+        raise ValueError(f"inject: expected one of {list(MODULES)}, got {module!r}")
+
+    def make(plan: Plan, side: str) -> OpsProvider:
+        if plan.side(side)[module] == "R":
+            return BatchDependentProvider(plan.side(side), module)
+        return plan.provider(side)
+
+    return make
