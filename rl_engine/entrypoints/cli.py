@@ -16,7 +16,7 @@ import sys
 
 import typer
 
-from rl_engine.entrypoints import check, env, ops
+from rl_engine.entrypoints import check, debug, env, ops, report, validate
 
 #: Exit code of a usage or load error (the same code click uses for usage errors).
 EXIT_USAGE = 2
@@ -39,6 +39,9 @@ def _root() -> None:
 app.command("env")(env.command)
 app.command("ops")(ops.command)
 app.command("check")(check.command)
+app.command("validate")(validate.command)
+app.command("debug")(debug.command)
+app.command("report")(report.command)
 # ---------------------------------------------------------------------------------------------
 
 

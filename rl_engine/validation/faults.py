@@ -16,7 +16,8 @@ import torch
 
 from rl_engine.runtime.plan import MODULES, OpsProvider, Plan
 
-__all__ = ["ProviderFactory", "default_factory", "faulty_factory", "BatchDependentProvider", "METHODS"]
+__all__ = ["ProviderFactory", "default_factory", "faulty_factory", "BatchDependentProvider", "METHODS", "RowCountGrad",
+           "bump_if_even_rows"]
 
 ProviderFactory = Callable[[Plan, str], OpsProvider]
 
@@ -36,27 +37,51 @@ def default_factory(plan: Plan, side: str) -> OpsProvider:
     return plan.provider(side)
 
 
-def _bump(t, rows: int):
+def bump_if_even_rows(t, rows: int):
+    """``t`` moved by one ulp towards +inf when ``rows`` is even (tuples element-wise)."""
     if isinstance(t, tuple):
-        return tuple(_bump(x, rows) if x is not None else None for x in t)
+        return tuple(bump_if_even_rows(x, rows) if x is not None else None for x in t)
     if rows % 2 == 0 and isinstance(t, torch.Tensor) and t.is_floating_point():
         return torch.nextafter(t, torch.full_like(t, float("inf")))
     return t
 
 
-class BatchDependentProvider(OpsProvider):
-    """An :class:`OpsProvider` whose ``module`` methods depend on the call's row count."""
+class RowCountGrad(torch.autograd.Function):
+    """Identity forward; the backward moves the gradient by one ulp when the row count is even."""
 
-    def __init__(self, choices, module: str, **kw):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return bump_if_even_rows(g, g.shape[0])
+
+
+class BatchDependentProvider(OpsProvider):
+    """An :class:`OpsProvider` whose ``module`` methods depend on the call's row count.
+
+    ``kind="forward"`` perturbs the output; ``kind="backward"`` leaves the forward bits alone
+    and perturbs the gradient flowing back into the first argument.
+    """
+
+    def __init__(self, choices, module: str, *, kind: str = "forward", **kw):
         super().__init__(choices, **kw)
         if module not in MODULES:
             raise ValueError(f"module: expected one of {list(MODULES)}, got {module!r}")
-        self.fault_module = module
+        if kind not in ("forward", "backward"):
+            raise ValueError(f"kind: expected 'forward' or 'backward', got {kind!r}")
+        self.fault_module, self.fault_kind = module, kind
         for name in METHODS[module]:
             inner = getattr(super(), name)
-
-            def wrapped(first, *a, _inner=inner, **k):
-                return _bump(_inner(first, *a, **k), first.shape[0])
+            if kind == "forward":
+                def wrapped(first, *a, _inner=inner, **k):
+                    return bump_if_even_rows(_inner(first, *a, **k), first.shape[0])
+            else:
+                def wrapped(first, *a, _inner=inner, **k):
+                    if first.requires_grad:
+                        first = RowCountGrad.apply(first)
+                    return _inner(first, *a, **k)
 
             setattr(self, name, wrapped)
 
@@ -64,14 +89,14 @@ class BatchDependentProvider(OpsProvider):
         return f"BatchDependentProvider({self.choices}, fault={self.fault_module})"
 
 
-def faulty_factory(module: str) -> ProviderFactory:
+def faulty_factory(module: str, kind: str = "forward") -> ProviderFactory:
     """Providers whose R ``module`` is batch-dependent (see module docstring)."""
     if module not in MODULES:
         raise ValueError(f"inject: expected one of {list(MODULES)}, got {module!r}")
 
     def make(plan: Plan, side: str) -> OpsProvider:
         if plan.side(side)[module] == "R":
-            return BatchDependentProvider(plan.side(side), module)
+            return BatchDependentProvider(plan.side(side), module, kind=kind)
         return plan.provider(side)
 
     return make

@@ -31,6 +31,7 @@ from rl_engine import contracts
 from rl_engine.config import LoadedWorkload
 from rl_engine.runtime import Request, implementations
 from rl_engine.validation.common.invariance import check_row_invariance
+from rl_engine.validation.faults import RowCountGrad, bump_if_even_rows
 from rl_engine.validation.operators import CASES, NOT_COVERED, OpCase
 
 __all__ = ["Cell", "CHECKS", "run_ws1", "trials_for", "check_cell", "NEGATIVE_CONTROLS"]
@@ -121,22 +122,6 @@ def check_cell(case: OpCase, fn: Callable, op: str, dtype: torch.dtype, rows: in
 
 
 # --- negative controls -------------------------------------------------------------------------
-def _bump_if_even_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.nextafter(t, torch.full_like(t, float("inf"))) if rows % 2 == 0 else t
-
-
-class _RowCountGrad(torch.autograd.Function):
-    """Identity forward; the backward moves the gradient by one ulp when the row count is even."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _bump_if_even_rows(g, g.shape[0])
-
-
 def _linear_impl() -> Callable:
     from rl_engine.ops.gemm import linear
 
@@ -145,8 +130,8 @@ def _linear_impl() -> Callable:
 
 NEGATIVE_CONTROLS: dict[str, tuple[str, Callable[[Callable], Callable]]] = {
     # name: (check that must turn red, wrapper of the gemm.linear implementation)
-    "row-count-dependent forward": ("forward_invariance", lambda f: (lambda x, w, b: _bump_if_even_rows(f(x, w, b), x.shape[0]))),
-    "row-count-dependent backward": ("gradient_invariance", lambda f: (lambda x, w, b: f(_RowCountGrad.apply(x), w, b))),
+    "row-count-dependent forward": ("forward_invariance", lambda f: (lambda x, w, b: bump_if_even_rows(f(x, w, b), x.shape[0]))),
+    "row-count-dependent backward": ("gradient_invariance", lambda f: (lambda x, w, b: f(RowCountGrad.apply(x), w, b))),
     "inaccurate forward (×(1+2⁻⁶))": ("forward_accuracy", lambda f: (lambda x, w, b: f(x, w, b) * (1 + 2 ** -6))),
 }
 

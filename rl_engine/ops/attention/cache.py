@@ -82,6 +82,38 @@ class KVCache(abc.ABC):
         shape = (-1, self.num_kv_heads, self.head_dim)
         return self.k.view(shape), self.v.view(shape)
 
+    def extend(self, seq_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write keys/values of the sequence in slot ``seq_id`` at its next positions, **without**
+        computing attention (write-only: e.g. to rebuild a cache from another engine's keys).
+
+        Shapes:
+            k, v: ``[n, Hkv, D]`` with ``Hkv == num_kv_heads``, ``D == head_dim``, in the
+            cache's dtype and device; written at positions ``seq_len(seq_id) .. + n - 1``.
+
+        Raises:
+            TypeError / ValueError: bad slot, wrong type, dtype, shape or device,
+                non-contiguous, or overflow (``cache:``; the cache is left unchanged).
+        """
+        from rl_engine.utils.checks import require_same_device, require_tensor
+
+        s = self._slot(seq_id)
+        require_tensor("k", k, dtypes=(self.dtype,), ndim=3)
+        require_tensor("v", v, dtypes=(self.dtype,), ndim=3)
+        if tuple(k.shape[1:]) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"k: expected [n, {self.num_kv_heads}, {self.head_dim}] (num_kv_heads, head_dim), "
+                             f"got {tuple(k.shape)}")
+        if v.shape != k.shape:
+            raise ValueError(f"v: expected shape {tuple(k.shape)} (k's), got {tuple(v.shape)}")
+        require_same_device(k=k, v=v)
+        if k.device != self.device:
+            raise ValueError(f"k: expected device {self.device} (the cache's), got {k.device}")
+        plan = self._plan([s], [k.shape[0]])
+        k_rows, v_rows = self.rows()
+        with torch.no_grad():
+            k_rows[plan.slot_mapping] = k
+            v_rows[plan.slot_mapping] = v
+        self._commit(plan)
+
     @abc.abstractmethod
     def _plan(self, seq_ids: Sequence[int], n_new: Sequence[int]) -> _AppendPlan:
         """Check that the appends fit and choose their storage rows (no mutation)."""

@@ -1,0 +1,41 @@
+"""``rlk report RUN_DIR``: verify a run directory's seals and render its summary and plots.
+
+The run directory is append-only: the rendering goes to a new ``RUN_DIR/rendered-<n>/``
+(``summary.md`` and ``plots/*.png``); the Markdown summary is printed (``--json``: the paths).
+
+Exit codes: ``0`` rendered; ``1`` a seal does not match (a file changed after the run);
+``2`` not a run directory, or an interrupted run (no COMPLETE marker).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+__all__ = ["command"]
+
+
+def command(
+    run_dir: Path = typer.Argument(..., help="A run directory written by rlk validate/debug --out."),
+    as_json: bool = typer.Option(False, "--json", help="Print the rendered paths and the verdict as JSON."),
+) -> None:
+    """Verify and render a validation run. Exit: 0 ok, 1 seal mismatch, 2 not a complete run directory."""
+    from rl_engine.validation.reports import ReportError, render, verify_run
+
+    try:
+        report = verify_run(run_dir)
+    except ReportError as exc:
+        print(f"rlk report: {exc}", file=sys.stderr)
+        raise typer.Exit(1 if str(exc).startswith("seal") else 2) from exc
+    dest = render(run_dir)
+    plots = sorted(str(p) for p in (dest / "plots").glob("*.png")) if (dest / "plots").is_dir() else []
+    if as_json:
+        sys.stdout.write(json.dumps({"run_dir": str(run_dir), "suite": report["suite"], "passed": report["passed"],
+                                     "rendered": str(dest), "summary": str(dest / "summary.md"), "plots": plots},
+                                    indent=2) + "\n")
+    else:
+        sys.stdout.write((dest / "summary.md").read_text() + "\n")
+        print(f"rendered: {dest}")

@@ -1,0 +1,150 @@
+"""``rlk validate SUITE``: WS1 operator suite, model chain, cross-config scoring, ablation.
+
+``SUITE`` is ``ws1`` (every operator × eligible implementation × dtype: accuracy and raw-bit
+invariance, forward and gradient), ``chain`` (the Qwen3 model over layout and decode cells,
+train↔rollout raw bits, gradient invariance across layouts), ``cross-config`` (one knob at a
+time from a baseline on frozen inputs) or ``ablation`` (per-module P/R plans; attributes
+drift to modules). Each suite runs its negative controls. ``--workload`` names a shipped
+workload (``ws1-tiny``, ``ws1-tiny@1``) or a workload JSON file; ``--out DIR`` writes a run
+directory (report.json, summary.md, plots, COMPLETE); ``--inject MODULE`` makes that module of
+the rl-kernel provider batch-dependent (a negative control you can watch fail).
+
+Exit codes: ``0`` the suite passed; ``1`` a red cell, a mismatch, an unexpected status or an
+undetected negative control; ``2`` usage error or a workload that cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import sys
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+__all__ = ["command", "Suite", "run_suite", "EXIT_FAIL", "EXIT_USAGE"]
+
+EXIT_FAIL = 1
+EXIT_USAGE = 2
+
+
+class Suite(str, enum.Enum):
+    ws1 = "ws1"
+    chain = "chain"
+    cross_config = "cross-config"
+    ablation = "ablation"
+
+
+def run_suite(suite: str, lw, *, device: str = "cpu", plan: str = "R/R", inject: str | None = None,
+              progress=None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run one suite; returns ``(result, provenance)``."""
+    import torch
+
+    from rl_engine.runtime import current_policy
+    from rl_engine.runtime import provenance as prov
+    from rl_engine.validation.faults import default_factory, faulty_factory
+
+    factory = faulty_factory(inject) if inject else default_factory
+    with prov.record() as records:
+        if suite == "ws1":
+            from rl_engine.validation.ws1 import run_ws1
+
+            result = run_ws1(lw, device=device, progress=progress)
+        elif suite == "chain":
+            from rl_engine.validation.chain import run_chain
+
+            result = run_chain(lw, plan=plan, device=device, factory=factory, progress=progress)
+        elif suite == "cross-config":
+            from rl_engine.validation.cross_config import run_cross_config
+
+            result = run_cross_config(lw, device=device, factory=factory, progress=progress)
+        elif suite == "ablation":
+            from rl_engine.validation.ablation import run_ablation
+
+            result = run_ablation(lw, device=device, factory=factory, progress=progress)
+        else:
+            raise ValueError(f"suite: expected one of {[s.value for s in Suite]}, got {suite!r}")
+    summary = prov.summarize(records)
+    provenance = {"policy": current_policy(), "fallback": any(r["fallback"] for r in summary), "operators": summary,
+                  "injected_fault": inject, "torch_threads": torch.get_num_threads()}
+    return result, provenance
+
+
+def _progress_bar(err: Console):
+    return Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True)
+
+
+def execute(suite: str, *, workload: str, device: str, as_json: bool, out: str | None, options: dict[str, Any],
+            runner, label: str) -> None:
+    """Shared driver of ``validate`` and ``debug``: load, run with a progress bar, report, exit."""
+    import torch
+
+    from rl_engine.config import WorkloadError, load_workload
+    from rl_engine.validation.reports import build_report, write_run
+
+    try:
+        torch.empty(0, device=device)
+    except Exception as exc:
+        print(f"rlk {label}: device {device!r} is not usable here: {exc}", file=sys.stderr)
+        raise typer.Exit(EXIT_USAGE) from exc
+    try:
+        lw = load_workload(workload)
+    except WorkloadError as exc:
+        print(f"rlk {label}: {exc}", file=sys.stderr)
+        raise typer.Exit(EXIT_USAGE) from exc
+    err = Console(stderr=True)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny workloads: one intra-op thread is fastest and least noisy
+    try:
+        with _progress_bar(err) as bar:
+            task = bar.add_task(f"rlk {label}", total=1)
+
+            def progress(stage: str, done: int, total: int) -> None:
+                bar.update(task, description=stage, completed=done, total=total)
+
+            try:
+                result, provenance = runner(lw, progress)
+            except ValueError as exc:
+                print(f"rlk {label}: {exc}", file=sys.stderr)
+                raise typer.Exit(EXIT_USAGE) from exc
+    finally:
+        torch.set_num_threads(previous)
+    report = build_report(suite, result, lw.header(), options, device, provenance)
+    if out:
+        run = write_run(out, report)
+        report["run_dir"] = str(run)
+    if as_json:
+        sys.stdout.write(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+    else:
+        from rl_engine.validation.reports import markdown
+
+        Console(width=120).print(markdown(report, []), markup=False, highlight=False)
+        if out:
+            print(f"run directory: {report['run_dir']}")
+    if not report["passed"]:
+        raise typer.Exit(EXIT_FAIL if suite != "debug" else result.get("exit_code", 1))
+
+
+def command(
+    suite: Suite = typer.Argument(..., help="ws1 | chain | cross-config | ablation"),
+    workload: str = typer.Option("ws1-tiny", "--workload", help="Shipped workload name[@version] or a workload JSON file."),
+    device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda:0."),
+    plan: str = typer.Option("R/R", "--plan", help="chain: train/rollout plan (R/R, P/P, P/R, R/P)."),
+    inject: str | None = typer.Option(None, "--inject", help="Negative control: make this module of the R provider batch-dependent (attention, gemm, norm, rope, activation, embedding, logprob)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    out: str | None = typer.Option(None, "--out", help="Write a run directory (report.json, summary.md, plots, COMPLETE) under DIR."),
+) -> None:
+    """Run a validation suite. Exit codes: 0 pass, 1 fail, 2 usage or load error."""
+    from rl_engine.runtime.plan import MODULES, Plan, PlanError
+
+    try:
+        Plan.parse(plan)
+    except PlanError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--plan") from exc
+    if inject is not None and inject not in MODULES:
+        raise typer.BadParameter(f"expected one of {list(MODULES)}, got {inject!r}", param_hint="--inject")
+    options = {"suite": suite.value, "device": device, "plan": plan, "inject": inject}
+    execute(suite.value, workload=workload, device=device, as_json=as_json, out=out, options=options, label=f"validate {suite.value}",
+            runner=lambda lw, progress: run_suite(suite.value, lw, device=device, plan=plan, inject=inject, progress=progress))
