@@ -16,9 +16,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-## main job: for now `rlk ops` (contracts and what runs here); becomes `rlk check`, train/rollout parity on the embedded default (tiny random Qwen3, CPU)
+## main job: train/rollout parity on the embedded default (tiny random Qwen3, CPU), raw bits
 check: $(STAMP)
-	$(BIN)/rlk ops
+	$(BIN)/rlk check
 
 ## the whole test suite + strict docs build
 test: $(STAMP)

@@ -94,6 +94,10 @@ def _resolve_platform(device: Device | None) -> Any:
     return platform_of(device.value)
 
 
+#: Contract ids with this prefix describe a model assembly, not an operator (listed separately).
+MODEL_PREFIX = "models."
+
+
 def collect(device: Device | str | None = None) -> dict[str, Any]:
     """The ``rlk ops`` report as a dict (see module docstring for the schema).
 
@@ -111,7 +115,12 @@ def collect(device: Device | str | None = None) -> dict[str, Any]:
     except Exception as exc:
         raise LoadError(f"loading the operator contracts failed: {type(exc).__name__}: {exc}") from exc
     operators = []
+    model_contracts = []
     for op, contract in all_contracts.items():
+        if op.startswith(MODEL_PREFIX):
+            # a model-level contract (end-to-end accuracy of an assembly), not a dispatched operator
+            model_contracts.append({"id": op, "version": contract.version, "summary": contract.summary})
+            continue
         try:
             impls = runtime.implementations(op)
         except Exception as exc:
@@ -163,7 +172,12 @@ def collect(device: Device | str | None = None) -> dict[str, Any]:
                 "selected": {name: _select(req) for name, req in requests.items()},
             }
         )
-    return {"schema_version": SCHEMA_VERSION, "platform": platform.as_dict(), "operators": operators}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "platform": platform.as_dict(),
+        "operators": operators,
+        "model_contracts": model_contracts,
+    }
 
 
 def _why_none(entry: dict[str, Any], dtype: str) -> str:

@@ -78,7 +78,7 @@ class Capture:
             for i, key in enumerate(r.rows):
                 if key is not None and key[0] == sample_id and key[1] not in slot:
                     slot[key[1]] = r.value[i]
-        return out
+        return {k: v for k, v in out.items() if v}
 
 
 def active() -> Capture | None:
