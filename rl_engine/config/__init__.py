@@ -38,6 +38,7 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     preset: str = "tiny"  # a rl_engine.models.qwen3 preset, random weights
     seed: int = 0  # weight seed
+    path: str | None = None  # a HF Qwen3 checkpoint directory instead of the preset (its identity)
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 

@@ -4,6 +4,9 @@ With no arguments: the embedded default — the ``tiny`` Qwen3 preset with seede
 fp32 on CPU, the built-in prompt set, every train layout, plan ``R/R``. ``--model DIR`` loads a
 HF Qwen3 checkpoint directory instead. ``--plan P/P`` runs native torch on both sides: the
 negative control, which is expected to report mismatches. See docs/check.md for the JSON fields.
+``--engine hf`` runs the same flow through transformers instead of the reference executors:
+``generate`` is the rollout and the model's training forward the train side, with rl_engine
+installed (plan ``R/R``) or unpatched (``P/P``); see docs/integrations/hf.md.
 
 Exit codes: ``0`` every active token raw-bit equal on every layout; ``1`` at least one
 mismatch (or nothing compared); ``2`` usage error, or a model/device that cannot be loaded or
@@ -28,6 +31,11 @@ EXIT_MISMATCH = 1
 EXIT_USAGE = 2
 #: ``--threads 0`` (auto) runs models below this many parameters on one intra-op thread.
 SMALL_MODEL_PARAMS = 50_000_000
+
+
+class Engine(str, enum.Enum):
+    reference = "reference"
+    hf = "hf"
 
 
 class DType(str, enum.Enum):
@@ -88,6 +96,7 @@ def command(
     plan: str = typer.Option("R/R", "--plan", help="train/rollout implementations: R/R (rl-kernel), P/P (native torch), P/R, R/P."),
     threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads while checking; 0 = auto (1 for models under 50M parameters, else torch's default)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    engine: Engine = typer.Option(Engine.reference, "--engine", help="reference: rl-kernel's executors; hf: transformers generate vs its training forward (plans R/R or P/P)."),
 ) -> None:
     """Check that train and rollout log-probs of every active token are raw-bit equal.
 
@@ -100,9 +109,12 @@ def command(
 
     err = Console(stderr=True)
     try:
-        Plan.parse(plan)
+        parsed = Plan.parse(plan)
     except PlanError as exc:
         raise typer.BadParameter(str(exc), param_hint="--plan") from exc
+    if engine is Engine.hf and parsed.label not in ("R/R", "P/P"):
+        raise typer.BadParameter(f"--engine hf runs one model for both sides: expected R/R or P/P, got {parsed.label}",
+                                 param_hint="--plan")
     if top_p <= 0.0:
         raise typer.BadParameter("expected a value in (0, 1]", param_hint="--top-p")
     try:
@@ -116,11 +128,22 @@ def command(
                        max_new_tokens=max_new_tokens, seed=seed, temperature=temperature, top_k=top_k,
                        top_p=top_p, plan=plan)
     try:
-        loaded = load_model(cfg)[0]
+        if engine is Engine.hf:
+            from rl_engine.integrations.common.hf_check import load_hf_model, run_hf_parity
+            from rl_engine.models.qwen3 import dtype_from_name
+
+            loaded, hf_name = load_hf_model(model, dtype_from_name(dtype.value), device, seed)
+            n_params = sum(p.numel() for p in loaded.parameters())
+        else:
+            loaded = load_model(cfg)[0]
+            n_params = loaded.spec.num_parameters()
+    except ImportError as exc:
+        print(f"rlk check: --engine hf needs transformers (pip install transformers): {exc}", file=sys.stderr)
+        raise typer.Exit(EXIT_USAGE) from exc
     except (ModelLoadError, ValueError, OSError) as exc:
         print(f"rlk check: cannot load the model: {exc}", file=sys.stderr)
         raise typer.Exit(EXIT_USAGE) from exc
-    small = loaded.spec.num_parameters() < SMALL_MODEL_PARAMS
+    small = n_params < SMALL_MODEL_PARAMS
     n_threads = threads or (1 if small else torch.get_num_threads())
     previous = torch.get_num_threads()
     torch.set_num_threads(n_threads)  # tiny models gain nothing from threads, and lose a lot under load
@@ -132,7 +155,10 @@ def command(
                 bar.update(task, description=stage, completed=done, total=total)
 
             try:
-                result = run_parity(cfg, progress=progress, model=loaded)
+                if engine is Engine.hf:
+                    result = run_hf_parity(cfg, progress=progress, model=loaded, model_name=hf_name)
+                else:
+                    result = run_parity(cfg, progress=progress, model=loaded)
             except NoEligibleImplementation as exc:
                 print(f"rlk check: no rl-kernel implementation can run this check here:\n{exc}", file=sys.stderr)
                 raise typer.Exit(EXIT_USAGE) from exc

@@ -132,7 +132,7 @@ def command(
     workload: str = typer.Option("ws1-tiny", "--workload", help="Shipped workload name[@version] or a workload JSON file."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda:0."),
     plan: str = typer.Option("R/R", "--plan", help="chain: train/rollout plan (R/R, P/P, P/R, R/P)."),
-    inject: str | None = typer.Option(None, "--inject", help="Negative control: make this module of the R provider batch-dependent (attention, gemm, norm, rope, activation, embedding, logprob)."),
+    inject: str | None = typer.Option(None, "--inject", help="Negative control (chain, cross-config, ablation): make this module of the R provider batch-dependent (attention, gemm, norm, rope, activation, embedding, logprob)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     out: str | None = typer.Option(None, "--out", help="Write a run directory (report.json, summary.md, plots, COMPLETE) under DIR."),
 ) -> None:
@@ -145,6 +145,9 @@ def command(
         raise typer.BadParameter(str(exc), param_hint="--plan") from exc
     if inject is not None and inject not in MODULES:
         raise typer.BadParameter(f"expected one of {list(MODULES)}, got {inject!r}", param_hint="--inject")
+    if inject is not None and suite is Suite.ws1:
+        raise typer.BadParameter("ws1 calls each implementation directly (it has its own negative controls); "
+                                 "--inject applies to chain, cross-config and ablation", param_hint="--inject")
     options = {"suite": suite.value, "device": device, "plan": plan, "inject": inject}
     execute(suite.value, workload=workload, device=device, as_json=as_json, out=out, options=options, label=f"validate {suite.value}",
             runner=lambda lw, progress: run_suite(suite.value, lw, device=device, plan=plan, inject=inject, progress=progress))

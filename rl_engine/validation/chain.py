@@ -33,7 +33,7 @@ from rl_engine.runtime.plan import Plan
 from rl_engine.utils.bits import bit_diff
 from rl_engine.validation import capture as cap_mod
 from rl_engine.validation.alignment import align, compare
-from rl_engine.validation.faults import ProviderFactory, default_factory
+from rl_engine.validation.faults import ProviderFactory, default_factory, faulty_factory
 
 __all__ = ["CELLS", "ChainCell", "build_model", "requests_for", "rollout", "run_chain", "gradient_invariance",
            "train_layouts", "sequences_of"]
@@ -52,6 +52,10 @@ class ChainCell:
 def build_model(w: Workload, *, device: str = "cpu", dtype: str | None = None):
     from rl_engine.models.qwen3 import PRESETS, Qwen3ForCausalLM, dtype_from_name
 
+    if w.model.path is not None:
+        return Qwen3ForCausalLM.from_pretrained(w.model.path, dtype=dtype_from_name(dtype or w.model.dtype), device=device)
+    if w.model.preset not in PRESETS:
+        raise ValueError(f"model.preset: unknown Qwen3 preset {w.model.preset!r}; known: {sorted(PRESETS)}")
     return Qwen3ForCausalLM.random(PRESETS[w.model.preset], seed=w.model.seed,
                                    dtype=dtype_from_name(dtype or w.model.dtype), device=device)
 
@@ -195,9 +199,10 @@ def run_cell(model, plan: Plan, w: Workload, cell: ChainCell, factory: ProviderF
 
 
 def run_chain(lw: LoadedWorkload, *, plan: str = "R/R", device: str = "cpu", factory: ProviderFactory = default_factory,
-              cells: Sequence[str] | None = None, grads: bool = True,
+              cells: Sequence[str] | None = None, grads: bool = True, with_controls: bool = True,
               progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
-    """Run the chain cells (all, or the named ones) and the gradient-invariance check."""
+    """Run the chain cells (all, or the named ones), the gradient-invariance check and the
+    negative controls (a batch-dependent R norm must be caught forward and backward)."""
     from rl_engine.utils.checks import nan_policy
 
     w = lw.workload
@@ -224,6 +229,7 @@ def run_chain(lw: LoadedWorkload, *, plan: str = "R/R", device: str = "cpu", fac
                 samples, _ = rollout(model, factory(p, "rollout"), w, requests_for(w, model.spec.vocab_size))
             grad = gradient_invariance(model, factory(p, "train"), sequences_of(samples), train_layouts(w),
                                        pad_id=w.pad_id, temperature=sampling_of(w).logprob_temperature)
+        controls = _negative_controls(model, w) if with_controls else []
     mism = sum(c["mismatched_tokens"] for c in out)
     return {
         "suite": "chain",
@@ -232,5 +238,25 @@ def run_chain(lw: LoadedWorkload, *, plan: str = "R/R", device: str = "cpu", fac
         "compared_tokens": sum(c["compared_tokens"] for c in out),
         "mismatched_tokens": mism,
         "gradient_invariance": grad,
-        "passed": all(c["passed"] for c in out) and (grad is None or grad["passed"]),
+        "negative_controls": controls,
+        "passed": all(c["passed"] for c in out) and (grad is None or grad["passed"]) and all(c["detected"] for c in controls),
     }
+
+
+def _negative_controls(model, w: Workload) -> list[dict[str, Any]]:
+    """A batch-dependent R norm (forward, then backward only) must be caught by the same checks."""
+    rr = Plan.parse("R/R")
+    cell = next(c for c in cells_for(w) if c.name == "packed")
+    with torch.no_grad():
+        fwd = run_cell(model, rr, w, cell, faulty_factory("norm"))
+        samples, _ = rollout(model, rr.provider("rollout"), w, requests_for(w, model.spec.vocab_size))
+    lay = train_layouts(w)
+    bwd = gradient_invariance(model, faulty_factory("norm", kind="backward")(rr, "train"), sequences_of(samples),
+                              {k: lay[k] for k in ("packed", "padded-left", "singleton")}, pad_id=w.pad_id,
+                              temperature=sampling_of(w).logprob_temperature)
+    return [
+        {"name": "batch-dependent R norm (forward)", "check": "train↔rollout raw bits, cell packed",
+         "detected": not fwd["passed"], "mismatched_tokens": fwd["mismatched_tokens"]},
+        {"name": "batch-dependent R norm (backward only)", "check": "gradient invariance across layouts",
+         "detected": not bwd["passed"]},
+    ]

@@ -32,7 +32,7 @@ import torch
 from rl_engine.config import LoadedWorkload
 from rl_engine.runtime.executor import Layout, _stream
 from rl_engine.runtime.plan import Plan
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import bit_diff, int_view
 from rl_engine.validation import capture as cap_mod
 from rl_engine.validation.capture import LAYER_STAGES
 from rl_engine.validation.chain import build_model, requests_for, rollout, sampling_of, sequences_of
@@ -106,6 +106,12 @@ def capture_rollout(model, ops, seqs, *, temperature: float, prefill_chunk: int,
     return cap
 
 
+def _bits(x: torch.Tensor) -> str:
+    """The raw bit pattern of one element, as hex of its width (``0x3f800000``, bf16 ``0x3f80``)."""
+    width = x.element_size() * 8
+    return f"0x{int(int_view(x.reshape(1))[0]) & ((1 << width) - 1):0{width // 4}x}"
+
+
 def compare_captures(a: cap_mod.Capture, b: cap_mod.Capture, sample_id: int, num_layers: int) -> dict[str, Any]:
     """Raw-bit comparison of one sample's stages on two captures (see module docstring)."""
     sa, sb = a.sample_stages(sample_id), b.sample_stages(sample_id)
@@ -135,8 +141,7 @@ def compare_captures(a: cap_mod.Capture, b: cap_mod.Capture, sample_id: int, num
             ti, fi = d.first_index
             first = {"layer": layer, "stage": stage, "position": positions[ti], "feature": fi,
                      "side_a": d.first_values[0], "side_b": d.first_values[1],
-                     "side_a_bits": hex(int(xa[ti, fi].view(torch.int32 if xa.dtype == torch.float32 else torch.int16)) & 0xFFFFFFFF),
-                     "side_b_bits": hex(int(xb[ti, fi].view(torch.int32 if xb.dtype == torch.float32 else torch.int16)) & 0xFFFFFFFF)}
+                     "side_a_bits": _bits(xa[ti, fi]), "side_b_bits": _bits(xb[ti, fi])}
     if not stages:
         outcome = "not_comparable"
         reason = reason or f"sample {sample_id} was not captured on both sides"

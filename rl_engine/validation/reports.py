@@ -146,6 +146,7 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
             lines += ["Gradient invariance (per-token gradient w.r.t. the embedding output, raw bits):", ""]
             lines += _table(["layout", "against", "tokens", "equal", "max |Δ|"],
                             [[c["layout"], c["against"], c["tokens"], c["equal"], c["max_abs_diff"]] for c in g["comparisons"]])
+        lines += [f"Totals: {r['compared_tokens']} tokens compared, {r['mismatched_tokens']} mismatched (plan {r['plan']}).", ""]
     elif s == "ablation":
         lines += _table(["plan", "compared", "mismatched", "max |Δ|", "bitwise equal"],
                         [[k, v["compared_tokens"], v["mismatched_tokens"], v["max_abs_diff"], v["passed"]] for k, v in r["runs"].items()])
@@ -255,6 +256,9 @@ def _plots(report: dict[str, Any], dest: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(10, 4))
         ax.bar(range(len(items)), [m for _, m, _ in items], color=["tab:green" if m == 0 else "tab:red" for _, m, _ in items])
         ax.bar(range(len(items)), [n for _, _, n in items], color="none", edgecolor="0.5")
+        for i, (_, m, n) in enumerate(items):
+            ax.annotate(f"{m}/{n}", (i, n), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7,
+                        color="tab:green" if m == 0 else "tab:red")
         ax.set_xticks(range(len(items)))
         ax.set_xticklabels([n for n, _, _ in items], rotation=45, ha="right", fontsize=8)
         ax.set_ylabel("mismatched tokens (outline: compared)")

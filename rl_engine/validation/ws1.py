@@ -73,9 +73,9 @@ def _upstream(outs, seed):
     return [torch.randn(o.shape, generator=g, dtype=torch.float32).to(o.dtype) for o in outs]
 
 
-def _accuracy(case: OpCase, fn: Callable, op: str, dtype: torch.dtype, row_args, shared, seed: int) -> dict[str, Cell | str]:
+def _accuracy(case: OpCase, fn: Callable, op: str, dtype: torch.dtype, row_args, shared, seed: int) -> dict[str, tuple[str, str]]:
     """Forward and gradient accuracy against float64; returns ``{check: (status, detail)}``."""
-    res: dict[str, Any] = {}
+    res: dict[str, tuple[str, str]] = {}
     dname = contracts.dtype_name(dtype)
     args = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in row_args]
     sh = [s.detach().clone().requires_grad_(True) if isinstance(s, torch.Tensor) and s.is_floating_point() else s for s in shared]

@@ -30,9 +30,12 @@ CLI_SURFACE = {
     "env": ["--help", "--json"],
     "ops": ["--device", "--help", "--json"],
     "check": [
-        "--device", "--dtype", "--help", "--json", "--max-new-tokens", "--model", "--num-prompts",
+        "--device", "--dtype", "--engine", "--help", "--json", "--max-new-tokens", "--model", "--num-prompts",
         "--plan", "--seed", "--temperature", "--threads", "--top-k", "--top-p",
     ],
+    "validate": ["--device", "--help", "--inject", "--json", "--out", "--plan", "--workload", "<suite>"],
+    "debug": ["--device", "--help", "--inject", "--json", "--out", "--plan-a", "--plan-b", "--sample", "--workload"],
+    "report": ["--help", "--json", "<run_dir>"],
 }
 ROOT_OPTIONS = ["--help"]
 

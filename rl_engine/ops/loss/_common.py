@@ -177,6 +177,16 @@ def resolve_denominator(mask: torch.Tensor, reduction: str, denominator: object,
     return (den if den > 0 else 1.0), False
 
 
+def resolve_and_pad(mask: torch.Tensor, reduction: str, denominator: object, loss_scale_factor: object,
+                    *tensors: torch.Tensor | None) -> tuple[float, bool, torch.Tensor, list[torch.Tensor | None]]:
+    """:func:`resolve_denominator`'s ``(den, given)``, then ``mask`` and the token ``tensors``
+    (``[B, L]``), padded by :func:`pad_empty_length` when ``L == 0``: ``(den, given, mask, tensors)``."""
+    den, given = resolve_denominator(mask, reduction, denominator, loss_scale_factor)
+    if mask.shape[-1] == 0:
+        *tensors, mask = pad_empty_length(*tensors, mask)
+    return den, given, mask, list(tensors)
+
+
 def _nan_if_empty(value: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     return torch.where(n > 0, value, torch.full_like(value, float("nan")))
 

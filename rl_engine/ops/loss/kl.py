@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops.loss._common import LossOutput, as_mask, check_choice, check_tokens, finish, pad_empty_length, resolve_denominator
+from rl_engine.ops.loss._common import LossOutput, as_mask, check_choice, check_tokens, finish, resolve_and_pad
 from rl_engine.runtime.registry import dispatch, make_request
 
 __all__ = ["KL_ESTIMATORS", "kl_penalty", "masked_aggregate", "entropy_bonus"]
@@ -60,10 +60,9 @@ def kl_penalty(
     m = as_mask(mask)
     check_tokens(m, log_probs=log_probs, ref_log_probs=ref_log_probs)
     check_choice("estimator", estimator, KL_ESTIMATORS)
-    den, given = resolve_denominator(m, reduction, denominator, loss_scale_factor)
-    if m.shape[-1] == 0:
-        log_probs, ref_log_probs = pad_empty_length(log_probs, ref_log_probs)
-        m = torch.nn.functional.pad(m, (0, 1))
+    den, given, m, (log_probs, ref_log_probs) = resolve_and_pad(
+        m, reduction, denominator, loss_scale_factor, log_probs, ref_log_probs
+    )
     req = make_request("loss.kl", log_probs, features={"estimator": estimator, "reduction": reduction, "shape": tuple(m.shape)})
     seq_sum, tokens = dispatch(req, log_probs, ref_log_probs, m, estimator)
     return finish(seq_sum, tokens, {"tokens": tokens, "value_sum": seq_sum.detach()}, reduction, den, given, "kl")
@@ -72,10 +71,7 @@ def kl_penalty(
 def _aggregate(values, mask, reduction, denominator, loss_scale_factor, name, kind) -> LossOutput:
     m = as_mask(mask)
     check_tokens(m, **{name: values})
-    den, given = resolve_denominator(m, reduction, denominator, loss_scale_factor)
-    if m.shape[-1] == 0:
-        (values,) = pad_empty_length(values)
-        m = torch.nn.functional.pad(m, (0, 1))
+    den, given, m, (values,) = resolve_and_pad(m, reduction, denominator, loss_scale_factor, values)
     req = make_request("loss.aggregate", values, features={"reduction": reduction, "shape": tuple(m.shape)})
     seq_sum, tokens = dispatch(req, values, m)
     return finish(seq_sum, tokens, {"tokens": tokens, "value_sum": seq_sum.detach()}, reduction, den, given, kind)

@@ -22,8 +22,7 @@ from rl_engine.ops.loss._common import (
     check_number,
     check_tokens,
     finish,
-    pad_empty_length,
-    resolve_denominator,
+    resolve_and_pad,
 )
 from rl_engine.runtime.registry import dispatch, make_request
 
@@ -32,8 +31,10 @@ __all__ = ["ppo_clip_loss", "grpo_loss", "dr_grpo_loss", "dapo_loss", "gspo_loss
 _STATS = ("tokens", "clipped_low", "clipped_high", "dual_clipped", "ratio_sum", "ratio_min", "ratio_max", "log_ratio_sum")
 
 
-def _policy(kind, log_probs, old_log_probs, advantages, mask, *, eps_low, eps_high, dual_clip, reduction,
+def _policy(kind, *, log_probs, old_log_probs, advantages, mask, eps_low, eps_high, dual_clip=None, reduction,
             denominator, loss_scale_factor, is_weights) -> LossOutput:
+    """The shared body of the public losses, which call it as ``_policy(kind, **locals())``:
+    their parameters (all of them, and nothing else) are its keyword arguments."""
     m = as_mask(mask)
     check_tokens(m, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages, is_weights=is_weights)
     if kind == "cispo":
@@ -42,10 +43,9 @@ def _policy(kind, log_probs, old_log_probs, advantages, mask, *, eps_low, eps_hi
         lo = check_number("eps_low", eps_low, low=0.0, high=1.0)
     hi = check_number("eps_high", eps_low if eps_high is None else eps_high, low=0.0)
     c = check_number("dual_clip", dual_clip, low=1.0, low_open=True, allow_none=True)
-    den, given = resolve_denominator(m, reduction, denominator, loss_scale_factor)
-    if m.shape[-1] == 0:
-        log_probs, old_log_probs, advantages, is_weights = pad_empty_length(log_probs, old_log_probs, advantages, is_weights)
-        m = torch.nn.functional.pad(m, (0, 1))
+    den, given, m, (log_probs, old_log_probs, advantages, is_weights) = resolve_and_pad(
+        m, reduction, denominator, loss_scale_factor, log_probs, old_log_probs, advantages, is_weights
+    )
     req = make_request("loss.policy", log_probs, features={"kind": kind, "reduction": reduction, "shape": tuple(m.shape)})
     seq_sum, stats = dispatch(req, log_probs, old_log_probs, advantages, m, is_weights, kind, lo, hi, c)
     stats_d = {k: stats[:, i] for i, k in enumerate(_STATS)}
@@ -98,9 +98,7 @@ def ppo_clip_loss(
             argument).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
-    return _policy("ppo_clip", log_probs, old_log_probs, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-                   dual_clip=dual_clip, reduction=reduction, denominator=denominator,
-                   loss_scale_factor=loss_scale_factor, is_weights=is_weights)
+    return _policy("ppo_clip", **locals())
 
 
 def grpo_loss(
@@ -126,9 +124,7 @@ def grpo_loss(
     separate :func:`~rl_engine.ops.loss.kl_penalty` (``k3``) with the same reduction, added as
     ``loss = pg.loss + β · kl.loss``. Shapes, contract and Raises as :func:`ppo_clip_loss`.
     """
-    return _policy("ppo_clip", log_probs, old_log_probs, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-                   dual_clip=dual_clip, reduction=reduction, denominator=denominator,
-                   loss_scale_factor=loss_scale_factor, is_weights=is_weights)
+    return _policy("ppo_clip", **locals())
 
 
 def dr_grpo_loss(
@@ -156,9 +152,7 @@ def dr_grpo_loss(
     e.g. the maximum response length); it is required unless ``denominator`` (= :math:`G C` of
     the full batch) is given. Shapes, contract and Raises as :func:`ppo_clip_loss`.
     """
-    return _policy("ppo_clip", log_probs, old_log_probs, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-                   dual_clip=dual_clip, reduction=reduction, denominator=denominator,
-                   loss_scale_factor=loss_scale_factor, is_weights=is_weights)
+    return _policy("ppo_clip", **locals())
 
 
 def dapo_loss(
@@ -184,9 +178,7 @@ def dapo_loss(
     (DAPO's dynamic sampling and overlong shaping act on the data, not on this loss.) Shapes,
     contract and Raises as :func:`ppo_clip_loss`.
     """
-    return _policy("ppo_clip", log_probs, old_log_probs, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-                   dual_clip=dual_clip, reduction=reduction, denominator=denominator,
-                   loss_scale_factor=loss_scale_factor, is_weights=is_weights)
+    return _policy("ppo_clip", **locals())
 
 
 def gspo_loss(
@@ -216,9 +208,7 @@ def gspo_loss(
     count tokens (every token of a clipped sequence). The mean log-ratio is a fixed-order
     per-sequence sum (layout invariant). Shapes, contract and Raises as :func:`ppo_clip_loss`.
     """
-    return _policy("gspo", log_probs, old_log_probs, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-                   dual_clip=None, reduction=reduction, denominator=denominator,
-                   loss_scale_factor=loss_scale_factor, is_weights=is_weights)
+    return _policy("gspo", **locals())
 
 
 def cispo_loss(
@@ -247,6 +237,4 @@ def cispo_loss(
     count tokens whose weight was truncated. Shapes, contract and Raises as
     :func:`ppo_clip_loss` (``eps_low`` may exceed 1 here).
     """
-    return _policy("cispo", log_probs, old_log_probs, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-                   dual_clip=None, reduction=reduction, denominator=denominator,
-                   loss_scale_factor=loss_scale_factor, is_weights=is_weights)
+    return _policy("cispo", **locals())

@@ -8,13 +8,12 @@ import math
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from rl_engine import contracts
 from rl_engine.ops import logprob
 from rl_engine.reference.logprob import entropy_f64
-from rl_engine.validation.common import check_row_invariance
 from tests.helpers.determinism import run_to_run_failures
+from tests.helpers.logprob import ROW_CASES, assert_accurate, assert_negative_control_caught, assert_row_invariant, masked_logits
 from tests.helpers.strategies import DTYPES, row_trials
 from tests.helpers.threads import threads
 
@@ -22,13 +21,7 @@ OP = "logprob.entropy"
 
 
 def _logits(n, v, dtype, seed=0, scale=3.0, masked=0.0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, v, generator=g) * scale
-    if masked:
-        drop = torch.rand(n, v, generator=g) < masked
-        drop[:, 0] = False
-        x = x.masked_fill(drop, float("-inf"))
-    return x.to(getattr(torch, dtype))
+    return masked_logits((n, v), dtype, seed=seed, scale=scale, masked=masked)[0]
 
 
 def batch_dependent_entropy(logits, temperature=1.0):
@@ -43,27 +36,16 @@ def batch_dependent_entropy(logits, temperature=1.0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=200)
-@given(
-    data=st.data(),
-    n=st.integers(1, 24),
-    v=st.integers(1, 2600),
-    temperature=st.sampled_from((1.0, 0.7, 1.3)),
-    masked=st.sampled_from([0.0, 0.0, 0.3]),
-)
+@given(**ROW_CASES)
 def test_row_invariance_forward_and_grad(dtype, data, n, v, temperature, masked):
     with threads(1):
         x = _logits(n, v, dtype, seed=n * 89 + v, masked=masked)
-        rep = check_row_invariance(logprob.entropy, [x], data.draw(row_trials(n)), (temperature,), grads=True)
-        assert rep.ok, str(rep)
+        assert_row_invariant(logprob.entropy, [x], data.draw(row_trials(n)), temperature)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_negative_control_batch_dependent_split_is_caught(dtype):
-    x = _logits(64, 3000, dtype, seed=13)
-    trials = [list(range(0, 62, 2)), list(range(63, 1, -2)), list(range(64))[::-1]]
-    assert not check_row_invariance(batch_dependent_entropy, [x], trials, (1.0,)).ok
-    ours = check_row_invariance(logprob.entropy, [x], trials, (1.0,), grads=True)
-    assert ours.ok, str(ours)
+    assert_negative_control_caught(batch_dependent_entropy, logprob.entropy, [_logits(64, 3000, dtype, seed=13)])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -80,11 +62,7 @@ def test_accuracy_forward_and_grad(dtype, shape, temperature):
     x64 = x.detach().double().requires_grad_()
     h64 = entropy_f64(x64, temperature)
     h64.backward(up.double())
-    fwd = contracts.tolerance(OP, dt, "forward")
-    bwd = contracts.tolerance(OP, dt, "backward")
-    assert fwd.check(h, h64), fwd.max_violation(h, h64)
-    assert x.grad.dtype == dt
-    assert bwd.check(x.grad, x64.grad), bwd.max_violation(x.grad, x64.grad)
+    assert_accurate(OP, dt, h, h64, x, x64)
 
 
 def test_special_rows():

@@ -6,28 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from rl_engine import contracts, runtime
 from rl_engine.ops import logprob
 from rl_engine.reference.logprob import log_softmax_f64
-from rl_engine.validation.common import check_row_invariance
 from tests.helpers.determinism import run_to_run_failures
+from tests.helpers.logprob import ROW_CASES, assert_accurate, assert_negative_control_caught, assert_row_invariant, masked_logits
 from tests.helpers.strategies import DTYPES, row_trials
 from tests.helpers.threads import threads
 
 OP = "logprob.log_softmax"
-TEMPERATURES = (1.0, 0.7, 1.3)
 
 
 def _logits(n, v, dtype, seed=0, scale=3.0, masked=0.0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, v, generator=g) * scale
-    if masked:
-        drop = torch.rand(n, v, generator=g) < masked
-        drop[:, 0] = False  # every row keeps a finite entry
-        x = x.masked_fill(drop, float("-inf"))
-    return x.to(getattr(torch, dtype))
+    return masked_logits((n, v), dtype, seed=seed, scale=scale, masked=masked)[0]
 
 
 def split_vocab_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -45,29 +37,17 @@ def split_vocab_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> t
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=200)
-@given(
-    data=st.data(),
-    n=st.integers(1, 24),
-    v=st.integers(1, 2600),
-    temperature=st.sampled_from(TEMPERATURES),
-    masked=st.sampled_from([0.0, 0.0, 0.3]),
-)
+@given(**ROW_CASES)
 def test_row_invariance_forward_and_grad(dtype, data, n, v, temperature, masked):
     with threads(1):
         x = _logits(n, v, dtype, seed=n * 131 + v, masked=masked)
-        rep = check_row_invariance(logprob.log_softmax, [x], data.draw(row_trials(n)), (temperature,), grads=True)
-        assert rep.ok, str(rep)
+        assert_row_invariant(logprob.log_softmax, [x], data.draw(row_trials(n)), temperature)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_negative_control_split_reduction_is_caught(dtype):
     """A reduction whose split depends on the batch size must fail the same checker."""
-    x = _logits(64, 3000, dtype, seed=7)
-    trials = [list(range(0, 62, 2)), list(range(63, 1, -2)), list(range(64))[::-1]]
-    bad = check_row_invariance(split_vocab_log_softmax, [x], trials, (1.0,))
-    assert not bad.ok
-    ours = check_row_invariance(logprob.log_softmax, [x], trials, (1.0,), grads=True)
-    assert ours.ok, str(ours)
+    assert_negative_control_caught(split_vocab_log_softmax, logprob.log_softmax, [_logits(64, 3000, dtype, seed=7)])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -84,11 +64,7 @@ def test_accuracy_forward_and_grad(dtype, shape, temperature):
     x64 = x.detach().double().requires_grad_()
     y64 = log_softmax_f64(x64, temperature)
     y64.backward(up.double())
-    fwd = contracts.tolerance(OP, dt, "forward")
-    bwd = contracts.tolerance(OP, dt, "backward")
-    assert fwd.check(y, y64), fwd.max_violation(y, y64)
-    assert x.grad.dtype == dt
-    assert bwd.check(x.grad, x64.grad), bwd.max_violation(x.grad, x64.grad)
+    assert_accurate(OP, dt, y, y64, x, x64)
 
 
 def test_minus_inf_logits_are_supported():

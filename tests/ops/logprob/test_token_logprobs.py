@@ -6,14 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from rl_engine import contracts
 from rl_engine.ops import logprob
 from rl_engine.reference.logprob import token_logprobs_f64
 from rl_engine.utils.bits import bit_diff
-from rl_engine.validation.common import check_row_invariance
 from tests.helpers.determinism import run_to_run_failures
+from tests.helpers.logprob import ROW_CASES, assert_accurate, assert_negative_control_caught, assert_row_invariant, masked_logits
 from tests.helpers.strategies import DTYPES, row_trials
 from tests.helpers.threads import threads
 
@@ -21,15 +19,10 @@ OP = "logprob.token_logprobs"
 
 
 def _data(n, v, dtype, seed=0, scale=3.0, masked=0.0, lead=None):
-    g = torch.Generator().manual_seed(seed)
     shape = (n,) if lead is None else lead
-    x = torch.randn(*shape, v, generator=g) * scale
-    if masked:
-        drop = torch.rand(*shape, v, generator=g) < masked
-        drop[..., 0] = False
-        x = x.masked_fill(drop, float("-inf"))
+    x, g = masked_logits((*shape, v), dtype, seed=seed, scale=scale, masked=masked)
     t = torch.randint(0, v, shape, generator=g)
-    return x.to(getattr(torch, dtype)), t
+    return x, t
 
 
 def batch_dependent_token_logprobs(logits, targets, temperature=1.0):
@@ -45,28 +38,16 @@ def batch_dependent_token_logprobs(logits, targets, temperature=1.0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=200)
-@given(
-    data=st.data(),
-    n=st.integers(1, 24),
-    v=st.integers(1, 2600),
-    temperature=st.sampled_from((1.0, 0.7, 1.3)),
-    masked=st.sampled_from([0.0, 0.0, 0.3]),
-)
+@given(**ROW_CASES)
 def test_row_invariance_forward_and_grad(dtype, data, n, v, temperature, masked):
     with threads(1):
         x, t = _data(n, v, dtype, seed=n * 97 + v, masked=masked)
-        rep = check_row_invariance(logprob.token_logprobs, [x, t], data.draw(row_trials(n)), (temperature,), grads=True)
-        assert rep.ok, str(rep)
+        assert_row_invariant(logprob.token_logprobs, [x, t], data.draw(row_trials(n)), temperature)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_negative_control_batch_dependent_split_is_caught(dtype):
-    x, t = _data(64, 3000, dtype, seed=11)
-    trials = [list(range(0, 62, 2)), list(range(63, 1, -2)), list(range(64))[::-1]]
-    bad = check_row_invariance(batch_dependent_token_logprobs, [x, t], trials, (1.0,))
-    assert not bad.ok
-    ours = check_row_invariance(logprob.token_logprobs, [x, t], trials, (1.0,), grads=True)
-    assert ours.ok, str(ours)
+    assert_negative_control_caught(batch_dependent_token_logprobs, logprob.token_logprobs, list(_data(64, 3000, dtype, seed=11)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -92,11 +73,7 @@ def test_accuracy_forward_and_grad(dtype, lead, v):
     x64 = x.detach().double().requires_grad_()
     lp64 = token_logprobs_f64(x64, t, 0.9)
     lp64.backward(up.double())
-    fwd = contracts.tolerance(OP, dt, "forward")
-    bwd = contracts.tolerance(OP, dt, "backward")
-    assert fwd.check(lp, lp64), fwd.max_violation(lp, lp64)
-    assert x.grad.dtype == dt
-    assert bwd.check(x.grad, x64.grad), bwd.max_violation(x.grad, x64.grad)
+    assert_accurate(OP, dt, lp, lp64, x, x64)
 
 
 def test_int32_targets_give_the_same_bits():

@@ -37,18 +37,25 @@ def test_gradient_invariance_across_layouts(rr):
     assert all(c["tokens"] > 50 for c in g["comparisons"])
 
 
+def test_suite_negative_controls_are_detected(rr):
+    assert [c["name"] for c in rr["negative_controls"]] == [
+        "batch-dependent R norm (forward)", "batch-dependent R norm (backward only)"]
+    assert all(c["detected"] for c in rr["negative_controls"])
+
+
 def test_native_plan_is_caught():
-    r = run_chain(load_workload(), plan="P/P", cells=["packed", "decode/B1-short"], grads=False)
+    r = run_chain(load_workload(), plan="P/P", cells=["packed", "decode/B1-short"], grads=False, with_controls=False)
     assert not r["passed"] and r["mismatched_tokens"] > 0
 
 
 def test_injected_forward_fault_is_caught():
-    r = run_chain(load_workload(), cells=["packed", "padded-left"], grads=False, factory=faulty_factory("norm"))
+    r = run_chain(load_workload(), cells=["packed", "padded-left"], grads=False, factory=faulty_factory("norm"),
+                  with_controls=False)
     assert not r["passed"] and all(c["mismatched_tokens"] > 0 for c in r["cells"])
 
 
 def test_injected_backward_fault_is_caught_by_gradient_invariance_only():
-    r = run_chain(load_workload(), cells=["packed"], factory=faulty_factory("norm", kind="backward"))
+    r = run_chain(load_workload(), cells=["packed"], factory=faulty_factory("norm", kind="backward"), with_controls=False)
     assert r["cells"][0]["passed"]  # forward bits untouched
     assert not r["gradient_invariance"]["passed"]
 

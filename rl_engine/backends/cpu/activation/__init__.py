@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.backends._customop import wire_silu_and_mul
 from rl_engine.runtime.registry import Implementation, register
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -44,11 +45,6 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-@silu_and_mul_cpu.register_fake
-def _(x):
-    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
-
-
 @torch.library.custom_op("rlk::silu_and_mul_cpu_backward", mutates_args=(), device_types="cpu")
 def silu_and_mul_cpu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     a, b = _halves(x)
@@ -64,22 +60,7 @@ def silu_and_mul_cpu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tens
     return dx
 
 
-@silu_and_mul_cpu_backward.register_fake
-def _(grad, x):
-    return x.new_empty(x.shape)
-
-
-def _setup(ctx, inputs, output):
-    (x,) = inputs
-    ctx.save_for_backward(x)
-
-
-def _backward(ctx, grad):
-    (x,) = ctx.saved_tensors
-    return silu_and_mul_cpu_backward(grad.contiguous(), x)
-
-
-silu_and_mul_cpu.register_autograd(_backward, setup_context=_setup)
+wire_silu_and_mul(silu_and_mul_cpu, silu_and_mul_cpu_backward)
 
 register(
     Implementation(

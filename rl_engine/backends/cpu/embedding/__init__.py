@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.backends._customop import wire_embedding
 from rl_engine.runtime.registry import Implementation, register
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -68,11 +69,6 @@ def embedding_cpu(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight.index_select(0, flat).reshape(*ids.shape, weight.shape[1])
 
 
-@embedding_cpu.register_fake
-def _(ids, weight):
-    return weight.new_empty((*ids.shape, weight.shape[1]))
-
-
 @torch.library.custom_op("rlk::embedding_cpu_backward", mutates_args=(), device_types="cpu")
 def embedding_cpu_backward(grad: torch.Tensor, ids: torch.Tensor, num_weights: int) -> torch.Tensor:
     H = grad.shape[-1]
@@ -80,23 +76,7 @@ def embedding_cpu_backward(grad: torch.Tensor, ids: torch.Tensor, num_weights: i
     return dw.to(grad.dtype)
 
 
-@embedding_cpu_backward.register_fake
-def _(grad, ids, num_weights):
-    return grad.new_empty((num_weights, grad.shape[-1]))
-
-
-def _setup(ctx, inputs, output):
-    ids, weight = inputs
-    ctx.save_for_backward(ids)
-    ctx.num_weights = weight.shape[0]
-
-
-def _backward(ctx, grad):
-    (ids,) = ctx.saved_tensors
-    return None, embedding_cpu_backward(grad.contiguous(), ids, ctx.num_weights)
-
-
-embedding_cpu.register_autograd(_backward, setup_context=_setup)
+wire_embedding(embedding_cpu, embedding_cpu_backward)
 
 register(
     Implementation(

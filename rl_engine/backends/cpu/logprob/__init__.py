@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.backends._customop import wire_entropy, wire_log_softmax, wire_token_logprobs
 from rl_engine.backends.cpu.common import TILE_N, tiled_matmul
 from rl_engine.backends.cpu.logprob.lse import (
     VOCAB_BLOCK,
@@ -79,6 +80,11 @@ def _check_lse(lse: torch.Tensor, what: str, source: str = "logits / temperature
         raise ValueError(f"{what}: rows {rows} are not finite in {source} (+inf input or overflow)")
 
 
+def _as_is(grad: torch.Tensor) -> torch.Tensor:
+    """The upstream gradient of ``token_logprobs`` / ``entropy``, passed on unchanged."""
+    return grad
+
+
 # ---------------------------------------------------------------------------------------------
 # log_softmax
 
@@ -89,37 +95,12 @@ def log_softmax_cpu(logits: torch.Tensor, temperature: float) -> tuple[torch.Ten
     return z - res.lse.unsqueeze(1), res.lse
 
 
-@log_softmax_cpu.register_fake
-def _(logits, temperature):
-    return logits.new_empty(logits.shape, dtype=torch.float32), logits.new_empty(logits.shape[:1], dtype=torch.float32)
-
-
 @torch.library.custom_op("rlk::log_softmax_cpu_backward", mutates_args=(), device_types="cpu")
 def log_softmax_cpu_backward(grad: torch.Tensor, out: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
     return finish_grad(grad_log_softmax(out, grad), temperature, dtype)
 
 
-@log_softmax_cpu_backward.register_fake
-def _(grad, out, temperature, dtype):
-    return out.new_empty(out.shape, dtype=dtype)
-
-
-def _ls_setup(ctx, inputs, output):
-    logits, temperature = inputs
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(output[0])
-    ctx.temperature = temperature
-    ctx.dtype = logits.dtype
-
-
-def _ls_backward(ctx, grad, _grad_lse):
-    if grad is None:
-        return None, None
-    (out,) = ctx.saved_tensors
-    return log_softmax_cpu_backward(grad.contiguous(), out, ctx.temperature, ctx.dtype), None
-
-
-log_softmax_cpu.register_autograd(_ls_backward, setup_context=_ls_setup)
+wire_log_softmax(log_softmax_cpu, log_softmax_cpu_backward, prepare_grad=torch.Tensor.contiguous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,11 +114,6 @@ def token_logprobs_cpu(logits: torch.Tensor, targets: torch.Tensor, temperature:
     return z_t - res.lse, res.lse
 
 
-@token_logprobs_cpu.register_fake
-def _(logits, targets, temperature):
-    return logits.new_empty(logits.shape[:1], dtype=torch.float32), logits.new_empty(logits.shape[:1], dtype=torch.float32)
-
-
 @torch.library.custom_op("rlk::token_logprobs_cpu_backward", mutates_args=(), device_types="cpu")
 def token_logprobs_cpu_backward(
     grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, temperature: float
@@ -146,26 +122,7 @@ def token_logprobs_cpu_backward(
     return finish_grad(grad_logprob(z, 0, lse, targets.long(), grad), temperature, logits.dtype)
 
 
-@token_logprobs_cpu_backward.register_fake
-def _(grad, logits, targets, lse, temperature):
-    return logits.new_empty(logits.shape)
-
-
-def _tl_setup(ctx, inputs, output):
-    logits, targets, temperature = inputs
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(logits, targets, output[1])
-    ctx.temperature = temperature
-
-
-def _tl_backward(ctx, grad, _grad_lse):
-    if grad is None:
-        return None, None, None
-    logits, targets, lse = ctx.saved_tensors
-    return token_logprobs_cpu_backward(grad, logits, targets, lse, ctx.temperature), None, None
-
-
-token_logprobs_cpu.register_autograd(_tl_backward, setup_context=_tl_setup)
+wire_token_logprobs(token_logprobs_cpu, token_logprobs_cpu_backward, prepare_grad=_as_is)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,11 +135,6 @@ def entropy_cpu(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor,
     return res.entropy, res.lse
 
 
-@entropy_cpu.register_fake
-def _(logits, temperature):
-    return logits.new_empty(logits.shape[:1], dtype=torch.float32), logits.new_empty(logits.shape[:1], dtype=torch.float32)
-
-
 @torch.library.custom_op("rlk::entropy_cpu_backward", mutates_args=(), device_types="cpu")
 def entropy_cpu_backward(
     grad: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, temperature: float
@@ -191,26 +143,7 @@ def entropy_cpu_backward(
     return finish_grad(grad_entropy(z, lse, ent, grad), temperature, logits.dtype)
 
 
-@entropy_cpu_backward.register_fake
-def _(grad, logits, lse, ent, temperature):
-    return logits.new_empty(logits.shape)
-
-
-def _en_setup(ctx, inputs, output):
-    logits, temperature = inputs
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(logits, output[1], output[0])
-    ctx.temperature = temperature
-
-
-def _en_backward(ctx, grad, _grad_lse):
-    if grad is None:
-        return None, None
-    logits, lse, ent = ctx.saved_tensors
-    return entropy_cpu_backward(grad, logits, lse, ent, ctx.temperature), None
-
-
-entropy_cpu.register_autograd(_en_backward, setup_context=_en_setup)
+wire_entropy(entropy_cpu, entropy_cpu_backward, prepare_grad=_as_is)
 
 
 # ---------------------------------------------------------------------------------------------

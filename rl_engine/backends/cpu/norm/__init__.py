@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.backends._customop import wire_fused_add_rms_norm, wire_rms_norm
 from rl_engine.backends.cpu.common import fixed_order_sum
 from rl_engine.runtime.registry import Implementation, register
 
@@ -69,11 +70,6 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return _forward(x.reshape(-1, H), weight, eps).reshape(x.shape)
 
 
-@rms_norm_cpu.register_fake
-def _(x, weight, eps):
-    return x.new_empty(x.shape)
-
-
 @torch.library.custom_op("rlk::rms_norm_cpu_backward", mutates_args=(), device_types="cpu")
 def rms_norm_cpu_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     H = x.shape[-1]
@@ -81,24 +77,7 @@ def rms_norm_cpu_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     return dx.reshape(x.shape), dw
 
 
-@rms_norm_cpu_backward.register_fake
-def _(grad, x, weight, eps):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape)
-
-
-def _rms_setup(ctx, inputs, output):
-    x, weight, eps = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.eps = eps
-
-
-def _rms_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    dx, dw = rms_norm_cpu_backward(grad.contiguous(), x, weight, ctx.eps)
-    return dx, dw, None
-
-
-rms_norm_cpu.register_autograd(_rms_backward, setup_context=_rms_setup)
+wire_rms_norm(rms_norm_cpu, rms_norm_cpu_backward)
 
 
 # --------------------------------------------------------------------------- fused_add_rms_norm
@@ -114,11 +93,6 @@ def fused_add_rms_norm_cpu(
     return out, new_residual
 
 
-@fused_add_rms_norm_cpu.register_fake
-def _(x, residual, weight, eps):
-    return x.new_empty(x.shape), x.new_empty(x.shape)
-
-
 @torch.library.custom_op("rlk::fused_add_rms_norm_cpu_backward", mutates_args=(), device_types="cpu")
 def fused_add_rms_norm_cpu_backward(
     grad_out: torch.Tensor, grad_residual: torch.Tensor, new_residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -130,51 +104,19 @@ def fused_add_rms_norm_cpu_backward(
     return dres.reshape(new_residual.shape), dw
 
 
-@fused_add_rms_norm_cpu_backward.register_fake
-def _(grad_out, grad_residual, new_residual, weight, eps):
-    return new_residual.new_empty(new_residual.shape), weight.new_empty(weight.shape)
+wire_fused_add_rms_norm(fused_add_rms_norm_cpu, fused_add_rms_norm_cpu_backward)
 
 
-def _fused_setup(ctx, inputs, output):
-    _, _, weight, eps = inputs
-    ctx.save_for_backward(output[1], weight)
-    ctx.eps = eps
-
-
-def _fused_backward(ctx, grad_out, grad_residual):
-    new_residual, weight = ctx.saved_tensors
-    dres, dw = fused_add_rms_norm_cpu_backward(
-        grad_out.contiguous(), grad_residual.contiguous(), new_residual, weight, ctx.eps
+for _op, _fn in (("norm.rms_norm", rms_norm_cpu), ("norm.fused_add_rms_norm", fused_add_rms_norm_cpu)):
+    register(
+        Implementation(
+            op=_op,
+            impl_id="cpu.fixed_order",
+            version="1",
+            fn=_fn,
+            families=("cpu",),
+            dtypes=_DTYPES,
+            guarantees=frozenset({"row", "run_to_run"}),
+            priority=10,
+        )
     )
-    # new_residual = x + residual: both inputs receive the same gradient.
-    return dres, dres, dw, None
-
-
-fused_add_rms_norm_cpu.register_autograd(_fused_backward, setup_context=_fused_setup)
-
-
-register(
-    Implementation(
-        op="norm.rms_norm",
-        impl_id="cpu.fixed_order",
-        version="1",
-        fn=rms_norm_cpu,
-        families=("cpu",),
-        dtypes=_DTYPES,
-        guarantees=frozenset({"row", "run_to_run"}),
-        priority=10,
-    )
-)
-
-register(
-    Implementation(
-        op="norm.fused_add_rms_norm",
-        impl_id="cpu.fixed_order",
-        version="1",
-        fn=fused_add_rms_norm_cpu,
-        families=("cpu",),
-        dtypes=_DTYPES,
-        guarantees=frozenset({"row", "run_to_run"}),
-        priority=10,
-    )
-)

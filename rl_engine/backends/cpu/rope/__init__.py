@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.backends._customop import wire_apply_rope
 from rl_engine.ops.rope.tables import rope_cos_sin
 from rl_engine.runtime.registry import Implementation, register
 
@@ -46,34 +47,12 @@ def apply_rope_cpu(x: torch.Tensor, positions: torch.Tensor, theta: float, rotar
     return _rotate(x, positions, theta, rotary_dim, transpose=False)
 
 
-@apply_rope_cpu.register_fake
-def _(x, positions, theta, rotary_dim):
-    return x.new_empty(x.shape)
-
-
 @torch.library.custom_op("rlk::apply_rope_cpu_backward", mutates_args=(), device_types="cpu")
 def apply_rope_cpu_backward(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     return _rotate(grad, positions, theta, rotary_dim, transpose=True)
 
 
-@apply_rope_cpu_backward.register_fake
-def _(grad, positions, theta, rotary_dim):
-    return grad.new_empty(grad.shape)
-
-
-def _setup(ctx, inputs, output):
-    _, positions, theta, rotary_dim = inputs
-    ctx.save_for_backward(positions)
-    ctx.theta = theta
-    ctx.rotary_dim = rotary_dim
-
-
-def _backward(ctx, grad):
-    (positions,) = ctx.saved_tensors
-    return apply_rope_cpu_backward(grad.contiguous(), positions, ctx.theta, ctx.rotary_dim), None, None, None
-
-
-apply_rope_cpu.register_autograd(_backward, setup_context=_setup)
+wire_apply_rope(apply_rope_cpu, apply_rope_cpu_backward)
 
 register(
     Implementation(

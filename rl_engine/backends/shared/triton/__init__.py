@@ -21,7 +21,9 @@ import importlib.util
 
 import torch
 
-__all__ = ["unavailable_reasons", "arch_reasons"]
+from rl_engine.runtime.registry import Implementation, Request, register
+
+__all__ = ["unavailable_reasons", "arch_reasons", "call_reasons", "register_triton"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,3 +51,37 @@ def arch_reasons(family: str, arch: str, *, min_sm: int = 80) -> list[str]:
         if not digits.isdigit() or int(digits) < min_sm:
             return [f"arch {arch!r}: needs sm{min_sm} or newer (bf16 tensor cores)"]
     return []
+
+
+def call_reasons(request: Request) -> list[str]:
+    """The per-call check of every implementation here: :func:`arch_reasons` of the request's device."""
+    return arch_reasons(request.platform.family, request.platform.arch)
+
+
+def register_triton(
+    op: str,
+    impl_id: str,
+    fn,
+    *,
+    dtypes: tuple[torch.dtype, ...],
+    guarantees: frozenset[str],
+    version: str = "1",
+    priority: int = 5,
+) -> None:
+    """Register ``fn`` as ``impl_id`` of ``op`` the way every module here does: for CUDA and
+    (declared, untested) ROCm, with :func:`unavailable_reasons` and :func:`call_reasons`."""
+    register(
+        Implementation(
+            op=op,
+            impl_id=impl_id,
+            version=version,
+            fn=fn,
+            families=("cuda", "rocm"),
+            untested_families=("rocm",),
+            dtypes=dtypes,
+            guarantees=guarantees,
+            priority=priority,
+            static_check=unavailable_reasons,
+            call_check=call_reasons,
+        )
+    )

@@ -1,4 +1,4 @@
-"""Shared pieces of the Triton row-wise operator test modules (not a test module itself).
+"""Shared pieces of the Triton operator test modules (row-wise ops and gemm; not a test module itself).
 
 CPU-side checks of a registration (imports nothing of triton, routes CPU tensors to the CPU
 backend, pure eligibility checks), the GPU profiler-name rule (``rlk_`` prefix), evidence files
@@ -25,6 +25,7 @@ __all__ = [
     "check_static_and_fake_gpu",
     "evidence",
     "gpu_kernel_events",
+    "defined_kernel_names",
     "check_profiler_names",
     "graph_us",
     "event_us",
@@ -94,7 +95,7 @@ def evidence(name: str, payload: dict) -> None:
             json.dump(payload, fh, indent=1, sort_keys=True)
 
 
-def _defined_kernel_names(kernels_module: str) -> set[str]:
+def defined_kernel_names(kernels_module: str) -> set[str]:
     import triton
 
     mod = importlib.import_module(kernels_module)
@@ -118,7 +119,7 @@ def check_profiler_names(kernels_module: str, call, must_see: set[str], tag: str
     ``KERNEL_NAMES``; profiling ``call`` (forward + backward of the public op) shows ``must_see``
     and no kernel of ours without the prefix."""
     mod = importlib.import_module(kernels_module)
-    defined = _defined_kernel_names(kernels_module)
+    defined = defined_kernel_names(kernels_module)
     launchable = {n for n in defined if not n.startswith("_")}
     assert launchable == set(mod.KERNEL_NAMES), (launchable, mod.KERNEL_NAMES)
     assert all(n.startswith("rlk_") for n in launchable), launchable

@@ -11,9 +11,6 @@ rejection reasons on CPU tensors.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
@@ -29,6 +26,7 @@ from rl_engine.runtime import provenance
 from rl_engine.runtime.registry import Request, implementations, make_request, select
 from rl_engine.utils.bits import bit_diff
 from rl_engine.validation.common import check_row_invariance
+from tests.backends.shared.triton._rowwise_common import defined_kernel_names, evidence, graph_us, run_py
 from tests.helpers.strategies import row_trials
 
 OP = "gemm.linear"
@@ -61,20 +59,15 @@ def _kernels():
 # CPU: import hygiene, registration, rejection reasons
 
 
-def _run_py(code: str) -> None:
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
-
-
 def test_import_rl_engine_imports_no_triton():
-    _run_py("import sys, rl_engine\nbad = [m for m in sys.modules if m.split('.')[0] == 'triton']\nassert not bad, bad\n")
+    run_py("import sys, rl_engine\nbad = [m for m in sys.modules if m.split('.')[0] == 'triton']\nassert not bad, bad\n")
 
 
 def test_registration_and_cpu_dispatch_do_not_load_our_kernels():
     """Listing implementations and running a CPU call registers the Triton backend without
     importing its kernel module, so nothing of ours is compiled (torch itself may import triton
     on a GPU build; that is not our compile)."""
-    _run_py(
+    run_py(
         "import sys, torch\n"
         "from rl_engine.runtime.registry import implementations\n"
         "ids = [i.impl_id for i in implementations('gemm.linear')]\n"
@@ -230,7 +223,7 @@ def test_decode_row_equals_prefill_row_on_down_proj_shape():
         one = gemm.linear(x[i : i + 1].contiguous(), w)
         assert bit_diff(one, full[i : i + 1]), str(bit_diff(one, full[i : i + 1]))
     cublas_equal = all(bit_diff(F.linear(x[i : i + 1], w), F.linear(x, w)[i : i + 1]).equal for i in (0, 1234, 4095))
-    _evidence("cublas_row_invariance_k12288", {"cublas_rows_equal": cublas_equal})
+    evidence("cublas_row_invariance_k12288", {"cublas_rows_equal": cublas_equal})
 
 
 def _on_gpu(w, b):
@@ -322,28 +315,13 @@ def test_dispatch_picks_triton_on_cuda_and_records_provenance():
     assert rejections == []  # the first candidate on CUDA is ours
 
 
-def _evidence(name: str, payload: dict) -> None:
-    out = os.environ.get("RLK_EVIDENCE_DIR")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, f"{name}.json"), "w", encoding="utf-8") as fh:
-            json.dump(payload, fh, indent=1, sort_keys=True)
-
-
-def _our_kernel_names() -> set[str]:
-    import triton
-
-    kern = _kernels()
-    return {obj.fn.__name__ for obj in vars(kern).values() if isinstance(obj, triton.runtime.JITFunction)}
-
-
 @gpu
 @pytest.mark.parametrize("m", [64, 4096])
 def test_profiler_kernel_names_carry_the_prefix(m):
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    defined = _our_kernel_names()
+    defined = defined_kernel_names("rl_engine.backends.shared.triton.gemm.kernels")
     launchable = {n for n in defined if not n.startswith("_")}
     assert launchable == set(_kernels().KERNEL_NAMES)
     assert all(n.startswith("rlk_") for n in launchable), launchable
@@ -363,39 +341,13 @@ def test_profiler_kernel_names_carry_the_prefix(m):
     names = sorted({e.name for e in prof.events() if e.device_type == DeviceType.CUDA})
     assert names, "profiler recorded no GPU events"
     ours = sorted(n for n in names if n in defined or n.startswith("rlk"))
-    _evidence(f"profiler_gemm_triton_m{m}", {"all_gpu_events": names, "ours": ours})
+    evidence(f"profiler_gemm_triton_m{m}", {"all_gpu_events": names, "ours": ours})
     assert ours, f"none of our kernels appeared; GPU events: {names}"
     assert all(n.startswith("rlk_") for n in ours), ours
     assert {"rlk_linear_dx", "rlk_linear_dw", "rlk_linear_dbias"} <= set(ours), ours
     assert {"rlk_linear_fwd", "rlk_linear_fwd_tma", "rlk_linear_fwd_tma_persistent"} & set(ours), ours
     libs = [n for n in names if any(s in n.lower() for s in ("gemm", "xmma", "nvjet", "cutlass"))]
     assert not libs, f"a library GEMM ran inside the public call: {libs}"
-
-
-def _graph_us(fn, calls=10, reps=7):
-    """Per-call device time (µs) of ``fn`` replayed from a CUDA graph (median of ``reps``)."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / calls)
-    return sorted(ts)[len(ts) // 2]
 
 
 @gpu
@@ -406,7 +358,7 @@ def test_bounded_performance_vs_cublas(m, k, n):
     from rl_engine.backends.shared.triton.gemm import linear_triton
 
     x, w, _ = _data(m, k, n, "bfloat16", bias=False)
-    ours = _graph_us(lambda: linear_triton(x, w, None))
-    ref = _graph_us(lambda: F.linear(x, w))
-    _evidence(f"bounded_perf_m{m}", {"ours_us": ours, "cublas_us": ref, "ratio": ours / ref})
+    ours = graph_us(lambda: linear_triton(x, w, None))
+    ref = graph_us(lambda: F.linear(x, w))
+    evidence(f"bounded_perf_m{m}", {"ours_us": ours, "cublas_us": ref, "ratio": ours / ref})
     assert ours <= 3.0 * ref, f"{ours:.1f} us vs cuBLAS {ref:.1f} us"

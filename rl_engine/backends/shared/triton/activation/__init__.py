@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.backends.shared.triton import arch_reasons, unavailable_reasons
-from rl_engine.runtime.registry import Implementation, Request, register
+from rl_engine.backends._customop import wire_silu_and_mul
+from rl_engine.backends.shared.triton import register_triton
 
 __all__ = ["silu_and_mul_triton"]
 
@@ -34,51 +34,19 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     return _kernels().forward(x.reshape(-1, n)).reshape(*x.shape[:-1], n // 2)
 
 
-@silu_and_mul_triton.register_fake
-def _(x):
-    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
-
-
 @torch.library.custom_op("rlk::silu_and_mul_triton_backward", mutates_args=(), device_types="cuda")
 def silu_and_mul_triton_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1]
     return _kernels().backward(grad.reshape(-1, n // 2), x.reshape(-1, n)).reshape(x.shape)
 
 
-@silu_and_mul_triton_backward.register_fake
-def _(grad, x):
-    return x.new_empty(x.shape)
+wire_silu_and_mul(silu_and_mul_triton, silu_and_mul_triton_backward)
 
 
-def _setup(ctx, inputs, output):
-    (x,) = inputs
-    ctx.save_for_backward(x)
-
-
-def _backward(ctx, grad):
-    (x,) = ctx.saved_tensors
-    return silu_and_mul_triton_backward(grad.contiguous(), x)
-
-
-silu_and_mul_triton.register_autograd(_backward, setup_context=_setup)
-
-
-def _call_reasons(request: Request) -> list[str]:
-    return arch_reasons(request.platform.family, request.platform.arch)
-
-
-register(
-    Implementation(
-        op="activation.silu_and_mul",
-        impl_id="triton.elementwise",
-        version="1",
-        fn=silu_and_mul_triton,
-        families=("cuda", "rocm"),
-        untested_families=("rocm",),
-        dtypes=_DTYPES,
-        guarantees=frozenset({"row", "chunk", "run_to_run"}),
-        priority=5,
-        static_check=unavailable_reasons,
-        call_check=_call_reasons,
-    )
+register_triton(
+    "activation.silu_and_mul",
+    "triton.elementwise",
+    silu_and_mul_triton,
+    dtypes=_DTYPES,
+    guarantees=frozenset({"row", "chunk", "run_to_run"}),
 )

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.backends.shared.triton import arch_reasons, unavailable_reasons
-from rl_engine.runtime.registry import Implementation, Request, register
+from rl_engine.backends._customop import wire_embedding
+from rl_engine.backends.shared.triton import register_triton
 
 __all__ = ["embedding_triton"]
 
@@ -32,52 +32,19 @@ def embedding_triton(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _kernels().forward(ids.reshape(-1), weight).reshape(*ids.shape, weight.shape[1])
 
 
-@embedding_triton.register_fake
-def _(ids, weight):
-    return weight.new_empty((*ids.shape, weight.shape[1]))
-
-
 @torch.library.custom_op("rlk::embedding_triton_backward", mutates_args=(), device_types="cuda")
 def embedding_triton_backward(grad: torch.Tensor, ids: torch.Tensor, num_weights: int) -> torch.Tensor:
     H = grad.shape[-1]
     return _kernels().backward(grad.reshape(-1, H), ids.reshape(-1), num_weights)
 
 
-@embedding_triton_backward.register_fake
-def _(grad, ids, num_weights):
-    return grad.new_empty((num_weights, grad.shape[-1]))
+wire_embedding(embedding_triton, embedding_triton_backward)
 
 
-def _setup(ctx, inputs, output):
-    ids, weight = inputs
-    ctx.save_for_backward(ids)
-    ctx.num_weights = weight.shape[0]
-
-
-def _backward(ctx, grad):
-    (ids,) = ctx.saved_tensors
-    return None, embedding_triton_backward(grad.contiguous(), ids, ctx.num_weights)
-
-
-embedding_triton.register_autograd(_backward, setup_context=_setup)
-
-
-def _call_reasons(request: Request) -> list[str]:
-    return arch_reasons(request.platform.family, request.platform.arch)
-
-
-register(
-    Implementation(
-        op="embedding.embedding",
-        impl_id="triton.gather_sorted_tree",
-        version="1",
-        fn=embedding_triton,
-        families=("cuda", "rocm"),
-        untested_families=("rocm",),
-        dtypes=_DTYPES,
-        guarantees=frozenset({"row", "chunk", "run_to_run"}),
-        priority=5,
-        static_check=unavailable_reasons,
-        call_check=_call_reasons,
-    )
+register_triton(
+    "embedding.embedding",
+    "triton.gather_sorted_tree",
+    embedding_triton,
+    dtypes=_DTYPES,
+    guarantees=frozenset({"row", "chunk", "run_to_run"}),
 )

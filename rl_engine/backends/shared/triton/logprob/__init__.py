@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.backends.shared.triton import arch_reasons, unavailable_reasons
-from rl_engine.runtime.registry import Implementation, Request, register
+from rl_engine.backends._customop import wire_entropy, wire_log_softmax, wire_token_logprobs
+from rl_engine.backends.shared.triton import register_triton
 from rl_engine.utils.checks import current_nan_policy
 
 __all__ = [
@@ -54,8 +54,9 @@ def _check_lse(lse: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: rows {rows} are not finite in logits / temperature (+inf input or overflow)")
 
 
-def _f32(t: torch.Tensor, *shape: int) -> torch.Tensor:
-    return t.new_empty(shape, dtype=torch.float32)
+def _f32_contiguous(grad: torch.Tensor) -> torch.Tensor:
+    """How the upstream gradient reaches the backward kernels: fp32, contiguous."""
+    return grad.float().contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,37 +69,12 @@ def log_softmax_triton(logits: torch.Tensor, temperature: float) -> tuple[torch.
     return out, lse
 
 
-@log_softmax_triton.register_fake
-def _(logits, temperature):
-    return _f32(logits, *logits.shape), _f32(logits, logits.shape[0])
-
-
 @torch.library.custom_op("rlk::log_softmax_triton_backward", mutates_args=(), device_types="cuda")
 def log_softmax_triton_backward(grad: torch.Tensor, out: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
     return _kernels().log_softmax_backward(grad, out, temperature, dtype)
 
 
-@log_softmax_triton_backward.register_fake
-def _(grad, out, temperature, dtype):
-    return out.new_empty(out.shape, dtype=dtype)
-
-
-def _ls_setup(ctx, inputs, output):
-    logits, temperature = inputs
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(output[0])
-    ctx.temperature = temperature
-    ctx.dtype = logits.dtype
-
-
-def _ls_backward(ctx, grad, _grad_lse):
-    if grad is None:
-        return None, None
-    (out,) = ctx.saved_tensors
-    return log_softmax_triton_backward(grad.float().contiguous(), out, ctx.temperature, ctx.dtype), None
-
-
-log_softmax_triton.register_autograd(_ls_backward, setup_context=_ls_setup)
+wire_log_softmax(log_softmax_triton, log_softmax_triton_backward, prepare_grad=_f32_contiguous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,11 +87,6 @@ def token_logprobs_triton(logits: torch.Tensor, targets: torch.Tensor, temperatu
     return lp, lse
 
 
-@token_logprobs_triton.register_fake
-def _(logits, targets, temperature):
-    return _f32(logits, logits.shape[0]), _f32(logits, logits.shape[0])
-
-
 @torch.library.custom_op("rlk::token_logprobs_triton_backward", mutates_args=(), device_types="cuda")
 def token_logprobs_triton_backward(
     grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, temperature: float
@@ -123,26 +94,7 @@ def token_logprobs_triton_backward(
     return _kernels().token_logprobs_backward(grad, logits, targets, lse, temperature)
 
 
-@token_logprobs_triton_backward.register_fake
-def _(grad, logits, targets, lse, temperature):
-    return logits.new_empty(logits.shape)
-
-
-def _tl_setup(ctx, inputs, output):
-    logits, targets, temperature = inputs
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(logits, targets, output[1])
-    ctx.temperature = temperature
-
-
-def _tl_backward(ctx, grad, _grad_lse):
-    if grad is None:
-        return None, None, None
-    logits, targets, lse = ctx.saved_tensors
-    return token_logprobs_triton_backward(grad.float().contiguous(), logits, targets, lse, ctx.temperature), None, None
-
-
-token_logprobs_triton.register_autograd(_tl_backward, setup_context=_tl_setup)
+wire_token_logprobs(token_logprobs_triton, token_logprobs_triton_backward, prepare_grad=_f32_contiguous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,11 +107,6 @@ def entropy_triton(logits: torch.Tensor, temperature: float) -> tuple[torch.Tens
     return ent, lse
 
 
-@entropy_triton.register_fake
-def _(logits, temperature):
-    return _f32(logits, logits.shape[0]), _f32(logits, logits.shape[0])
-
-
 @torch.library.custom_op("rlk::entropy_triton_backward", mutates_args=(), device_types="cuda")
 def entropy_triton_backward(
     grad: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, temperature: float
@@ -167,26 +114,7 @@ def entropy_triton_backward(
     return _kernels().entropy_backward(grad, logits, lse, ent, temperature)
 
 
-@entropy_triton_backward.register_fake
-def _(grad, logits, lse, ent, temperature):
-    return logits.new_empty(logits.shape)
-
-
-def _en_setup(ctx, inputs, output):
-    logits, temperature = inputs
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(logits, output[1], output[0])
-    ctx.temperature = temperature
-
-
-def _en_backward(ctx, grad, _grad_lse):
-    if grad is None:
-        return None, None
-    logits, lse, ent = ctx.saved_tensors
-    return entropy_triton_backward(grad.float().contiguous(), logits, lse, ent, ctx.temperature), None
-
-
-entropy_triton.register_autograd(_en_backward, setup_context=_en_setup)
+wire_entropy(entropy_triton, entropy_triton_backward, prepare_grad=_f32_contiguous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,27 +142,11 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return ent.reshape(logits.shape[:-1])
 
 
-def _call_reasons(request: Request) -> list[str]:
-    return arch_reasons(request.platform.family, request.platform.arch)
-
-
 for _op, _fn in (
     ("logprob.log_softmax", log_softmax),
     ("logprob.token_logprobs", token_logprobs),
     ("logprob.entropy", entropy),
 ):
-    register(
-        Implementation(
-            op=_op,
-            impl_id="triton.canonical_lse",
-            version="1",
-            fn=_fn,
-            families=("cuda", "rocm"),
-            untested_families=("rocm",),
-            dtypes=_DTYPES,
-            guarantees=frozenset({"row", "chunk", "run_to_run"}),
-            priority=5,
-            static_check=unavailable_reasons,
-            call_check=_call_reasons,
-        )
+    register_triton(
+        _op, "triton.canonical_lse", _fn, dtypes=_DTYPES, guarantees=frozenset({"row", "chunk", "run_to_run"})
     )

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.backends.shared.triton import arch_reasons, unavailable_reasons
-from rl_engine.runtime.registry import Implementation, Request, register
+from rl_engine.backends._customop import wire_fused_add_rms_norm, wire_rms_norm
+from rl_engine.backends.shared.triton import register_triton
 
 __all__ = ["rms_norm_triton", "fused_add_rms_norm_triton"]
 
@@ -44,11 +44,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return y.reshape(x.shape)
 
 
-@rms_norm_triton.register_fake
-def _(x, weight, eps):
-    return x.new_empty(x.shape)
-
-
 @torch.library.custom_op("rlk::rms_norm_triton_backward", mutates_args=(), device_types="cuda")
 def rms_norm_triton_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     H = x.shape[-1]
@@ -56,24 +51,7 @@ def rms_norm_triton_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.
     return dx.reshape(x.shape), dw
 
 
-@rms_norm_triton_backward.register_fake
-def _(grad, x, weight, eps):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape)
-
-
-def _rms_setup(ctx, inputs, output):
-    x, weight, eps = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.eps = eps
-
-
-def _rms_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    dx, dw = rms_norm_triton_backward(grad.contiguous(), x, weight, ctx.eps)
-    return dx, dw, None
-
-
-rms_norm_triton.register_autograd(_rms_backward, setup_context=_rms_setup)
+wire_rms_norm(rms_norm_triton, rms_norm_triton_backward)
 
 
 # --------------------------------------------------------------------------- fused_add_rms_norm
@@ -88,11 +66,6 @@ def fused_add_rms_norm_triton(
     return out.reshape(x.shape), new_res.reshape(x.shape)
 
 
-@fused_add_rms_norm_triton.register_fake
-def _(x, residual, weight, eps):
-    return x.new_empty(x.shape), x.new_empty(x.shape)
-
-
 @torch.library.custom_op("rlk::fused_add_rms_norm_triton_backward", mutates_args=(), device_types="cuda")
 def fused_add_rms_norm_triton_backward(
     grad_out: torch.Tensor, grad_residual: torch.Tensor, new_residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -104,50 +77,10 @@ def fused_add_rms_norm_triton_backward(
     return dres.reshape(new_residual.shape), dw
 
 
-@fused_add_rms_norm_triton_backward.register_fake
-def _(grad_out, grad_residual, new_residual, weight, eps):
-    return new_residual.new_empty(new_residual.shape), weight.new_empty(weight.shape)
-
-
-def _fused_setup(ctx, inputs, output):
-    _, _, weight, eps = inputs
-    ctx.save_for_backward(output[1], weight)
-    ctx.eps = eps
-
-
-def _fused_backward(ctx, grad_out, grad_residual):
-    new_residual, weight = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(new_residual)
-    if grad_residual is None:
-        grad_residual = torch.zeros_like(new_residual)
-    dres, dw = fused_add_rms_norm_triton_backward(
-        grad_out.contiguous(), grad_residual.contiguous(), new_residual, weight, ctx.eps
-    )
-    # new_residual = x + residual: both inputs receive the same gradient.
-    return dres, dres, dw, None
-
-
-fused_add_rms_norm_triton.register_autograd(_fused_backward, setup_context=_fused_setup)
-
-
-def _call_reasons(request: Request) -> list[str]:
-    return arch_reasons(request.platform.family, request.platform.arch)
+wire_fused_add_rms_norm(fused_add_rms_norm_triton, fused_add_rms_norm_triton_backward)
 
 
 for _op, _fn in (("norm.rms_norm", rms_norm_triton), ("norm.fused_add_rms_norm", fused_add_rms_norm_triton)):
-    register(
-        Implementation(
-            op=_op,
-            impl_id="triton.row_program",
-            version="1",
-            fn=_fn,
-            families=("cuda", "rocm"),
-            untested_families=("rocm",),
-            dtypes=_DTYPES,
-            guarantees=frozenset({"row", "run_to_run"}),
-            priority=5,
-            static_check=unavailable_reasons,
-            call_check=_call_reasons,
-        )
+    register_triton(
+        _op, "triton.row_program", _fn, dtypes=_DTYPES, guarantees=frozenset({"row", "run_to_run"})
     )

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.backends.shared.triton import arch_reasons, unavailable_reasons
+from rl_engine.backends._customop import wire_apply_rope
+from rl_engine.backends.shared.triton import register_triton
 from rl_engine.ops.rope.tables import rope_cos_sin
-from rl_engine.runtime.registry import Implementation, Request, register
 
 __all__ = ["apply_rope_triton"]
 
@@ -39,52 +39,18 @@ def apply_rope_triton(x: torch.Tensor, positions: torch.Tensor, theta: float, ro
     return _rotate(x, positions, theta, rotary_dim, transpose=False)
 
 
-@apply_rope_triton.register_fake
-def _(x, positions, theta, rotary_dim):
-    return x.new_empty(x.shape)
-
-
 @torch.library.custom_op("rlk::apply_rope_triton_backward", mutates_args=(), device_types="cuda")
 def apply_rope_triton_backward(grad: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
     return _rotate(grad, positions, theta, rotary_dim, transpose=True)
 
 
-@apply_rope_triton_backward.register_fake
-def _(grad, positions, theta, rotary_dim):
-    return grad.new_empty(grad.shape)
+wire_apply_rope(apply_rope_triton, apply_rope_triton_backward)
 
 
-def _setup(ctx, inputs, output):
-    _, positions, theta, rotary_dim = inputs
-    ctx.save_for_backward(positions)
-    ctx.theta = theta
-    ctx.rotary_dim = rotary_dim
-
-
-def _backward(ctx, grad):
-    (positions,) = ctx.saved_tensors
-    return apply_rope_triton_backward(grad.contiguous(), positions, ctx.theta, ctx.rotary_dim), None, None, None
-
-
-apply_rope_triton.register_autograd(_backward, setup_context=_setup)
-
-
-def _call_reasons(request: Request) -> list[str]:
-    return arch_reasons(request.platform.family, request.platform.arch)
-
-
-register(
-    Implementation(
-        op="rope.apply_rope",
-        impl_id="triton.exact_table",
-        version="1",
-        fn=apply_rope_triton,
-        families=("cuda", "rocm"),
-        untested_families=("rocm",),
-        dtypes=_DTYPES,
-        guarantees=frozenset({"row", "run_to_run"}),
-        priority=5,
-        static_check=unavailable_reasons,
-        call_check=_call_reasons,
-    )
+register_triton(
+    "rope.apply_rope",
+    "triton.exact_table",
+    apply_rope_triton,
+    dtypes=_DTYPES,
+    guarantees=frozenset({"row", "run_to_run"}),
 )

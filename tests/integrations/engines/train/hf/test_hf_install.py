@@ -25,6 +25,8 @@ from tests.helpers.qwen3 import TINY_CONFIGS, build_hf_model
 CONFIGS = ["h16-gqa2-tied-2l", "h32-gqa6-untied-3l"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PAD = 0
+#: (prompt lengths = batch size and left padding, sampling?, new tokens)
+CASES = [([5], False, 6), ([3, 9, 1], True, 6), ([9, 4, 7, 2, 6], False, 6), ([20, 13, 30, 7], True, 16)]
 
 
 def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,11 +65,10 @@ def _mismatches(model, lengths, *, do_sample, max_new_tokens=6, seed=0):
 def test_generate_vs_train_raw_bit_equal(models, name, dtype):
     model = models[name, dtype]
     with install(model):
-        for lengths in ([5], [3, 9, 1], [9, 4, 7, 2, 6]):  # batch sizes 1, 3, 5; left padding
-            for do_sample in (False, True):
-                r, t, d = _mismatches(model, lengths, do_sample=do_sample)
-                assert r.logprobs.numel() == len(lengths) * 6
-                assert d.equal, f"{name} {dtype} B={len(lengths)} sample={do_sample}: {d}"
+        for lengths, do_sample, n in CASES:
+            r, t, d = _mismatches(model, lengths, do_sample=do_sample, max_new_tokens=n)
+            assert r.logprobs.numel() == len(lengths) * n
+            assert d.equal, f"{name} {dtype} B={len(lengths)} sample={do_sample}: {d}"
     assert not is_installed(model)
 
 
@@ -89,8 +90,8 @@ def test_negative_control_without_install_mismatches(models, name, dtype):
     model = models[name, dtype]
     assert not is_installed(model)
     total = 0
-    for lengths in ([3, 9, 1], [9, 4, 7, 2, 6]):
-        total += _mismatches(model, lengths, do_sample=True)[2].mismatched
+    for lengths, do_sample, n in CASES:
+        total += _mismatches(model, lengths, do_sample=do_sample, max_new_tokens=n)[2].mismatched
     assert total > 0
 
 

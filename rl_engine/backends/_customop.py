@@ -1,0 +1,219 @@
+"""Fake implementations and autograd wiring shared by every backend's custom ops of a family.
+
+Each family's forward and backward custom ops have the same signatures on every backend (CPU:
+``rlk::<name>_cpu``, Triton: ``rlk::<name>_triton``; only the kernels differ), so what autograd
+saves, which backward op it calls and how that op's result maps back to the inputs is written
+once, here. ``wire_<op>(forward, backward)`` registers the fake (meta) implementation of both
+custom ops and ``forward.register_autograd(...)`` with ``backward`` as the gradient; a backend
+module defines its two custom ops and calls it once.
+
+Only torch is imported here (no triton, no backend module).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "wire_rms_norm",
+    "wire_fused_add_rms_norm",
+    "wire_apply_rope",
+    "wire_silu_and_mul",
+    "wire_embedding",
+    "wire_log_softmax",
+    "wire_token_logprobs",
+    "wire_entropy",
+]
+
+GradPrep = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    return t.new_empty(t.shape)
+
+
+def _f32(t: torch.Tensor, *shape: int) -> torch.Tensor:
+    return t.new_empty(shape, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- norm
+
+
+def wire_rms_norm(forward, backward) -> None:
+    """``forward(x, weight, eps) -> y``; ``backward(grad, x, weight, eps) -> (dx, dweight)``."""
+    forward.register_fake(lambda x, weight, eps: _like(x))
+    backward.register_fake(lambda grad, x, weight, eps: (_like(x), _like(weight)))
+
+    def setup(ctx, inputs, output):
+        x, weight, eps = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+
+    def grad_fn(ctx, grad):
+        x, weight = ctx.saved_tensors
+        dx, dw = backward(grad.contiguous(), x, weight, ctx.eps)
+        return dx, dw, None
+
+    forward.register_autograd(grad_fn, setup_context=setup)
+
+
+def wire_fused_add_rms_norm(forward, backward) -> None:
+    """``forward(x, residual, weight, eps) -> (y, new_residual)``;
+    ``backward(grad_out, grad_residual, new_residual, weight, eps) -> (dresidual, dweight)``."""
+    forward.register_fake(lambda x, residual, weight, eps: (_like(x), _like(x)))
+    backward.register_fake(
+        lambda grad_out, grad_residual, new_residual, weight, eps: (_like(new_residual), _like(weight))
+    )
+
+    def setup(ctx, inputs, output):
+        _, _, weight, eps = inputs
+        ctx.save_for_backward(output[1], weight)
+        ctx.eps = eps
+
+    def grad_fn(ctx, grad_out, grad_residual):
+        new_residual, weight = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(new_residual)
+        if grad_residual is None:
+            grad_residual = torch.zeros_like(new_residual)
+        dres, dw = backward(grad_out.contiguous(), grad_residual.contiguous(), new_residual, weight, ctx.eps)
+        # new_residual = x + residual: both inputs receive the same gradient.
+        return dres, dres, dw, None
+
+    forward.register_autograd(grad_fn, setup_context=setup)
+
+
+# --------------------------------------------------------------------------- rope
+
+
+def wire_apply_rope(forward, backward) -> None:
+    """``forward(x, positions, theta, rotary_dim) -> y``;
+    ``backward(grad, positions, theta, rotary_dim) -> dx`` (the transposed rotation)."""
+    forward.register_fake(lambda x, positions, theta, rotary_dim: _like(x))
+    backward.register_fake(lambda grad, positions, theta, rotary_dim: _like(grad))
+
+    def setup(ctx, inputs, output):
+        _, positions, theta, rotary_dim = inputs
+        ctx.save_for_backward(positions)
+        ctx.theta = theta
+        ctx.rotary_dim = rotary_dim
+
+    def grad_fn(ctx, grad):
+        (positions,) = ctx.saved_tensors
+        return backward(grad.contiguous(), positions, ctx.theta, ctx.rotary_dim), None, None, None
+
+    forward.register_autograd(grad_fn, setup_context=setup)
+
+
+# --------------------------------------------------------------------------- activation
+
+
+def wire_silu_and_mul(forward, backward) -> None:
+    """``forward(x) -> y`` (``[..., 2d] -> [..., d]``); ``backward(grad, x) -> dx``."""
+    forward.register_fake(lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)))
+    backward.register_fake(lambda grad, x: _like(x))
+
+    def setup(ctx, inputs, output):
+        (x,) = inputs
+        ctx.save_for_backward(x)
+
+    def grad_fn(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return backward(grad.contiguous(), x)
+
+    forward.register_autograd(grad_fn, setup_context=setup)
+
+
+# --------------------------------------------------------------------------- embedding
+
+
+def wire_embedding(forward, backward) -> None:
+    """``forward(ids, weight) -> weight[ids]``; ``backward(grad, ids, num_weights) -> dweight``."""
+    forward.register_fake(lambda ids, weight: weight.new_empty((*ids.shape, weight.shape[1])))
+    backward.register_fake(lambda grad, ids, num_weights: grad.new_empty((num_weights, grad.shape[-1])))
+
+    def setup(ctx, inputs, output):
+        ids, weight = inputs
+        ctx.save_for_backward(ids)
+        ctx.num_weights = weight.shape[0]
+
+    def grad_fn(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        return None, backward(grad.contiguous(), ids, ctx.num_weights)
+
+    forward.register_autograd(grad_fn, setup_context=setup)
+
+
+# --------------------------------------------------------------------------- logprob
+#
+# The forward ops take logits ``[R, V]`` and return ``(values, lse)`` in fp32; only ``values``
+# carries a gradient (``lse`` is returned for the wrappers' row checks). ``prepare_grad`` is how
+# the backend hands the upstream gradient to its backward op (e.g. ``.float().contiguous()``).
+
+
+def wire_log_softmax(forward, backward, *, prepare_grad: GradPrep) -> None:
+    """``forward(logits, temperature) -> (out, lse)``;
+    ``backward(grad, out, temperature, dtype) -> dlogits``."""
+    forward.register_fake(lambda logits, temperature: (_f32(logits, *logits.shape), _f32(logits, logits.shape[0])))
+    backward.register_fake(lambda grad, out, temperature, dtype: out.new_empty(out.shape, dtype=dtype))
+
+    def setup(ctx, inputs, output):
+        logits, temperature = inputs
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(output[0])
+        ctx.temperature = temperature
+        ctx.dtype = logits.dtype
+
+    def grad_fn(ctx, grad, _grad_lse):
+        if grad is None:
+            return None, None
+        (out,) = ctx.saved_tensors
+        return backward(prepare_grad(grad), out, ctx.temperature, ctx.dtype), None
+
+    forward.register_autograd(grad_fn, setup_context=setup)
+
+
+def wire_token_logprobs(forward, backward, *, prepare_grad: GradPrep) -> None:
+    """``forward(logits, targets, temperature) -> (logprobs, lse)``;
+    ``backward(grad, logits, targets, lse, temperature) -> dlogits``."""
+    forward.register_fake(
+        lambda logits, targets, temperature: (_f32(logits, logits.shape[0]), _f32(logits, logits.shape[0]))
+    )
+    backward.register_fake(lambda grad, logits, targets, lse, temperature: _like(logits))
+
+    def setup(ctx, inputs, output):
+        logits, targets, temperature = inputs
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, targets, output[1])
+        ctx.temperature = temperature
+
+    def grad_fn(ctx, grad, _grad_lse):
+        if grad is None:
+            return None, None, None
+        logits, targets, lse = ctx.saved_tensors
+        return backward(prepare_grad(grad), logits, targets, lse, ctx.temperature), None, None
+
+    forward.register_autograd(grad_fn, setup_context=setup)
+
+
+def wire_entropy(forward, backward, *, prepare_grad: GradPrep) -> None:
+    """``forward(logits, temperature) -> (entropy, lse)``;
+    ``backward(grad, logits, lse, entropy, temperature) -> dlogits``."""
+    forward.register_fake(lambda logits, temperature: (_f32(logits, logits.shape[0]), _f32(logits, logits.shape[0])))
+    backward.register_fake(lambda grad, logits, lse, ent, temperature: _like(logits))
+
+    def setup(ctx, inputs, output):
+        logits, temperature = inputs
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, output[1], output[0])
+        ctx.temperature = temperature
+
+    def grad_fn(ctx, grad, _grad_lse):
+        if grad is None:
+            return None, None
+        logits, lse, ent = ctx.saved_tensors
+        return backward(prepare_grad(grad), logits, lse, ent, ctx.temperature), None
+
+    forward.register_autograd(grad_fn, setup_context=setup)
