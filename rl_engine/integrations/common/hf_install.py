@@ -79,12 +79,12 @@ def key_validity(attention_mask: torch.Tensor | None, batch: int, kv_len: int, d
     """
     if attention_mask is None:
         return torch.ones(batch, kv_len, dtype=torch.bool, device=device)
-    if attention_mask.dim() != 4 or attention_mask.shape[0] != batch or attention_mask.shape[-1] < kv_len:
+    if attention_mask.dim() != 4 or attention_mask.shape[0] != batch or attention_mask.shape[-1] != kv_len:
         raise ValueError(
-            f"attention_mask: expected [B={batch}, 1, Lq, Lk>={kv_len}] from the registered mask function, "
-            f"got {tuple(attention_mask.shape)}"
+            f"attention_mask: expected [B={batch}, 1, Lq, Lk={kv_len}] from the registered mask function (a dynamic "
+            f"KV cache: static/sliding caches are not supported), got {tuple(attention_mask.shape)}"
         )
-    last = attention_mask[:, 0, -1, :kv_len]
+    last = attention_mask[:, 0, -1, :]
     return last if last.dtype == torch.bool else last == 0
 
 
@@ -167,15 +167,23 @@ def _rms_norm_forward(self, x):
 
 def _mlp_forward(self, x):
     from rl_engine.ops.activation import silu_and_mul
-    from rl_engine.ops.gemm import linear
 
     if getattr(self.config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act: expected 'silu', got {self.config.hidden_act!r}")
+    # The projections are called as modules (themselves replaced by ops.gemm.linear when the table
+    # has "Linear"), so frameworks that gather parameters in module hooks (DeepSpeed ZeRO-3) see them.
     x = x.contiguous()
-    gate_up = torch.cat([linear(x, self.gate_proj.weight, self.gate_proj.bias),
-                         linear(x, self.up_proj.weight, self.up_proj.bias)], dim=-1)
-    h = silu_and_mul(gate_up)
-    return linear(h, self.down_proj.weight, self.down_proj.bias)
+    gate_up = torch.cat([_as_linear(self.gate_proj, x), _as_linear(self.up_proj, x)], dim=-1)
+    return _as_linear(self.down_proj, silu_and_mul(gate_up))
+
+
+def _as_linear(module, x):
+    """``module(x)`` when its forward is ours; otherwise ``ops.gemm.linear`` on its weight."""
+    from rl_engine.ops.gemm import linear
+
+    if getattr(module.__dict__.get("forward"), "__func__", None) is _linear_forward:
+        return module(x)
+    return linear(x, module.weight, module.bias)
 
 
 def _rope_theta(config) -> float:

@@ -50,3 +50,13 @@ def test_engine_hf_human_output():
     res = runner.invoke(app, ["check", "--engine", "hf", "--num-prompts", "3", "--max-new-tokens", "4"])
     assert res.exit_code == 0, res.output
     assert "PASS" in res.output and "padded-right" in res.output
+
+
+def test_engine_hf_with_a_checkpoint_directory(tmp_path):
+    from tests.helpers.qwen3 import TINY_CONFIGS, build_hf_model
+
+    build_hf_model(TINY_CONFIGS["h32-gqa6-untied-3l"]).save_pretrained(tmp_path)
+    res = runner.invoke(app, [*ARGS, "--model", str(tmp_path), "--num-prompts", "3", "--dtype", "bfloat16"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["model"] == str(tmp_path) and out["passed"] and out["model_spec"]["num_key_value_heads"] == 1

@@ -237,8 +237,8 @@ def _make_trainer_class():
 
         Supported: ``loss_type`` in ``grpo`` (seq-mean-token-mean), ``dapo`` (token-mean over the
         generation batch's active tokens), ``dr_grpo`` (token-sum / ``max_completion_length``),
-        token-level importance sampling, ``beta`` (k3 KL to the reference model). Anything else
-        raises in ``__init__``.
+        token-level importance sampling, ``beta`` (k3 KL to the reference model, with
+        ``use_bias_correction_kl=False``). Anything else raises (in ``__init__`` or at the first loss).
         """
 
         SUPPORTED = ("grpo", "dapo", "dr_grpo")
@@ -291,6 +291,9 @@ def _make_trainer_class():
                 out = L.dapo_loss(logps_c, old_c, adv, mask_c, eps_low=eps_low, eps_high=eps_high, **red)
                 scale = 1.0
             loss = out.loss
+            if self.beta != 0.0 and getattr(self.args, "use_bias_correction_kl", False):
+                raise ValueError("args: use_bias_correction_kl=True (KL weighted by the importance ratio) is not "
+                                 "supported by RLKGRPOTrainer; set it to False")
             if self.beta != 0.0:  # TRL adds beta * k3 per token before reducing: same reduction here
                 kl = L.kl_penalty(logps_c, inputs["ref_per_token_logps"].float().contiguous(), mask_c, estimator="k3", **red)
                 loss = loss + self.beta * kl.loss

@@ -215,3 +215,18 @@ def test_bad_arguments():
         train_token_logprobs(m, ids, mask, 0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate_with_logprobs(m, ids, mask, max_new_tokens=0)
+
+
+def test_key_validity_and_logical_positions():
+    from rl_engine.integrations.common.hf_install import key_validity, logical_positions
+
+    valid = torch.tensor([[False, False, True, True], [True, True, True, False]])
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    bool_mask = (causal[None] & valid[:, None, :])[:, None]  # what sdpa_mask builds: [B, 1, Lq, Lk]
+    assert torch.equal(key_validity(bool_mask, 2, 4, "cpu"), valid)
+    additive = torch.where(bool_mask, 0.0, float("-inf"))
+    assert torch.equal(key_validity(additive, 2, 4, "cpu"), valid)
+    assert key_validity(None, 2, 3, "cpu").all()
+    assert logical_positions(valid).tolist() == [[0, 0, 0, 1], [0, 1, 2, 2]]
+    with pytest.raises(ValueError, match="attention_mask: expected .*static/sliding caches"):
+        key_validity(bool_mask, 2, 6, "cpu")
