@@ -33,7 +33,7 @@ def tiled_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     within a call, each output element's K-reduction is independent of its row and column
     position (measured, and guarded by tests). Hence element ``(i, j)`` depends only on
     ``x[i]`` and ``w[j]``: the result is **row invariant** and **column (chunk) invariant**.
-    Cost: at most one padded tile per dimension; measured at 0.94–1.63× of ``F.linear`` for
+    Cost: at most one padded tile per dimension; measured at 0.97–1.37× of ``F.linear`` for
     ``M ≥ 64`` (docs/benchmarks/cpu.md).
     """
     M, K = x.shape
