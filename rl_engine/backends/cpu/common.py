@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["TILE_M", "TILE_N", "SUM_LANES", "tiled_matmul", "fixed_order_sum", "stable_exp_check"]
+__all__ = ["TILE_M", "TILE_N", "SUM_LANES", "tiled_matmul", "fixed_order_sum"]
 
 #: Rows per BLAS call. Every call sees exactly this many rows (the last tile is zero-padded).
 TILE_M = 64
@@ -92,12 +92,3 @@ def fixed_order_sum(x: torch.Tensor, lanes: int = SUM_LANES) -> torch.Tensor:
         w //= 2
         acc = acc[..., :w] + acc[..., w : 2 * w]
     return acc[..., 0]
-
-
-def stable_exp_check() -> bool:
-    """True if ``torch.exp`` gives the same bits for an element in the vectorised body and the
-    scalar tail of a CPU kernel (the assumption the backend's elementwise math rests on)."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4099, generator=g) * 8
-    full = torch.exp(x)
-    return all(torch.equal(torch.exp(x[i : i + 3])[0:1].view(torch.int32), full[i : i + 1].view(torch.int32)) for i in range(0, 4096, 7))
