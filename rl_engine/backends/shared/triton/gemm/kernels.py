@@ -13,7 +13,7 @@ Kernels (every launched name starts with ``rlk_``):
   increasing order (no split-K, no atomics: deterministic run to run);
 * ``rlk_linear_dbias``    ``db = Σ_rows dy`` in fp32, rows consumed in a fixed order.
 
-All tile kernels share :func:`_abt_tile` (``C = A Bᵀ`` with arbitrary strides), so forward, dx
+All tile kernels share :func:`rlk_abt_tile` (``C = A Bᵀ`` with arbitrary strides), so forward, dx
 and dW perform the same per-element arithmetic (see ``configs.py``).
 """
 
@@ -38,13 +38,13 @@ _I32_LIMIT = 2**31 - 1
 
 
 @triton.jit
-def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def rlk_tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Program id → (tile row, tile column), grouped along M for L2 reuse (order only)."""
-    return _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    return rlk_tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
 
 @triton.jit
-def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def rlk_tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_n
@@ -57,12 +57,12 @@ def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
 
 
 @triton.jit
-def _abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+def rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
               stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
               HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INDEX_64: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """``C[m, n] = Σ_k A[m, k] B[n, k] (+ bias[n])``, fp32 accumulation from k = 0 upwards."""
-    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = rlk_tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if INDEX_64:
@@ -102,7 +102,7 @@ def rlk_linear_fwd(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INDEX_64: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    _abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
               HAS_BIAS, EVEN_K, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
@@ -111,7 +111,7 @@ def rlk_linear_dx(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                   stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INDEX_64: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    _abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
               HAS_BIAS, EVEN_K, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
@@ -120,7 +120,7 @@ def rlk_linear_dw(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                   stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INDEX_64: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    _abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
               HAS_BIAS, EVEN_K, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
@@ -130,7 +130,7 @@ def rlk_linear_fwd_tma(a_desc, b_desc, c_desc, bias_ptr, M, N, K,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Same arithmetic as ``rlk_linear_fwd`` (K from 0 upwards, fp32 acc, bias in fp32, one
     rounding); tiles move by TMA, which zero-fills out-of-range rows, columns and the K tail."""
-    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = rlk_tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -156,7 +156,7 @@ def rlk_linear_fwd_tma_persistent(a_desc, b_desc, c_desc, bias_ptr, M, N, K, NUM
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m, pid_n = rlk_tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -43,7 +43,7 @@ def _guard(t: torch.Tensor):
 
 
 @triton.jit
-def _load_z(x_ptr, offs, mask, temperature, HAS_TEMP: tl.constexpr):
+def rlk_load_z(x_ptr, offs, mask, temperature, HAS_TEMP: tl.constexpr):
     z = tl.load(x_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
     if HAS_TEMP:
         z = tl.div_rn(z, temperature)
@@ -62,7 +62,7 @@ def rlk_logprob_fwd(x_ptr, tgt_ptr, ls_ptr, lp_ptr, lse_ptr, ent_ptr, R, V, temp
     t = s
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + cols
-        z = _load_z(x_ptr, base + idx, idx < V, temperature, HAS_TEMP)
+        z = rlk_load_z(x_ptr, base + idx, idx < V, temperature, HAS_TEMP)
         m_b = tl.max(z, axis=0) + 0.0  # + 0.0 turns a -0 maximum into +0
         shift = tl.where(m_b == float("-inf"), 0.0, m_b)
         d = z - shift
@@ -94,7 +94,7 @@ def rlk_logprob_fwd(x_ptr, tgt_ptr, ls_ptr, lp_ptr, lse_ptr, ent_ptr, R, V, temp
         for v0 in range(0, V, BLOCK_V):
             idx = v0 + cols
             mask = idx < V
-            z = _load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP)
+            z = rlk_load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP)
             tl.store(ls_ptr + base + idx, z - lse, mask=mask)
 
 
@@ -131,7 +131,7 @@ def rlk_token_logprobs_bwd(g_ptr, x_ptr, tgt_ptr, lse_ptr, dx_ptr, R, V, tempera
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + cols
         mask = idx < V
-        z = _load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP)
+        z = rlk_load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP)
         p = tl.exp(z - lse)
         dz = tl.where(idx == tgt, (1.0 - p) * g, (-p) * g)
         if HAS_TEMP:
@@ -151,7 +151,7 @@ def rlk_entropy_bwd(g_ptr, x_ptr, lse_ptr, ent_ptr, dx_ptr, R, V, temperature,
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + cols
         mask = idx < V
-        logp = _load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP) - lse
+        logp = rlk_load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP) - lse
         p = tl.exp(logp)
         dz = (p * (tl.maximum(logp, _NEG_MAX) + ent)) * neg_g
         if HAS_TEMP:
