@@ -41,6 +41,7 @@ __all__ = [
     "Layout",
     "LAYOUTS",
     "layout",
+    "layout_stream",
     "score",
     "RolloutRequest",
     "RolloutSample",
@@ -179,8 +180,16 @@ def layout(name: str) -> Layout:
     return LAYOUTS[name]
 
 
-def _stream(seqs: Sequence[TrainSequence], lay: Layout, pad_id: int):
-    """Flat ids/positions/cu_seqlens/next-token targets, and each sequence's row offset."""
+def layout_stream(seqs: Sequence[TrainSequence], lay: Layout, pad_id: int):
+    """One micro-batch laid out as ``lay`` says, as the model's train forward consumes it.
+
+    Returns ``(ids [T], positions [T], cu_seqlens [B'+1], next-token targets [T], offsets)``:
+    flat token ids (pad tokens included for padded layouts: left padding forms its own
+    attention segment), their positions, the boundaries of the attention segments, the
+    next token of each row (``pad_id`` where the row has none) and, for each sample id, the row
+    where its tokens start. The validation chain and debugger reuse it so
+    they see exactly the rows :func:`score` sees.
+    """
     ids: list[int] = []
     pos: list[int] = []
     tgt: list[int] = []
@@ -232,7 +241,7 @@ def score(model: Any, ops: Any, seqs: Sequence[TrainSequence], lay: Layout | str
     W = model.lm_head_weight
     for b in range(0, len(order), mb):
         group = order[b : b + mb]
-        ids, pos, cu, tgt, offsets = _stream(group, lay, pad_id)
+        ids, pos, cu, tgt, offsets = layout_stream(group, lay, pad_id)
         dev = model.device
         hidden = model.hidden_train(ids.to(dev), pos.to(dev), cu.to(dev), ops)
         lp, ent = ops.lm_head_logprobs(hidden, W, tgt.to(dev), temperature, return_entropy=with_entropy,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rl_engine.config import LoadedWorkload, Workload
-from rl_engine.runtime.executor import Layout, RolloutExecutor, RolloutRequest, SamplingParams, TrainSequence, _stream, score
+from rl_engine.runtime.executor import Layout, RolloutExecutor, RolloutRequest, SamplingParams, TrainSequence, layout_stream, score
 from rl_engine.runtime.plan import Plan
 from rl_engine.utils.bits import bit_diff
 from rl_engine.validation import capture as cap_mod
@@ -145,7 +145,7 @@ def gradient_invariance(model, ops, seqs: Sequence[TrainSequence], layouts: dict
             grads: dict[tuple[int, int], torch.Tensor] = {}
             for b in range(0, len(order), mb):
                 group = order[b : b + mb]
-                ids, pos, cu, tgt, offsets = _stream(group, lay, pad_id)
+                ids, pos, cu, tgt, offsets = layout_stream(group, lay, pad_id)
                 keys: list = [None] * ids.shape[0]
                 for s in group:
                     for p in range(len(s.tokens)):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from rl_engine.config import LoadedWorkload
-from rl_engine.runtime.executor import Layout, _stream
+from rl_engine.runtime.executor import Layout, layout_stream
 from rl_engine.runtime.plan import Plan
 from rl_engine.utils.bits import bit_diff, int_view
 from rl_engine.validation import capture as cap_mod
@@ -65,7 +65,7 @@ def _head(model, ops, hidden, keys, tokens: dict[int, Sequence[int]], temperatur
 
 
 def capture_train(model, ops, seqs, *, temperature: float, pad_id: int = 0) -> cap_mod.Capture:
-    ids, pos, cu, _, offsets = _stream(list(seqs), Layout("packed"), pad_id)
+    ids, pos, cu, _, offsets = layout_stream(list(seqs), Layout("packed"), pad_id)
     keys: list = [None] * ids.shape[0]
     for s in seqs:
         for p in range(len(s.tokens)):
