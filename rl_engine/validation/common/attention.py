@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from rl_engine.utils.bits import bit_diff
+from rl_engine.validation.common.report import CheckReport
 
 __all__ = [
     "Schedule",
@@ -48,24 +48,16 @@ TrainFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 RolloutFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Schedule], torch.Tensor]
 
 
-@dataclass
-class AttentionReport:
-    """Outcome of one checker run: how many comparisons, and a line per failure."""
-
-    cases: int = 0
-    failures: list[str] = field(default_factory=list)
+class AttentionReport(CheckReport):
+    """Outcome of one attention checker run (``cases`` = comparisons made)."""
 
     @property
-    def ok(self) -> bool:
-        return not self.failures
+    def cases(self) -> int:
+        return self.trials
 
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def __str__(self) -> str:
-        if self.ok:
-            return f"raw-bit equal in {self.cases} comparisons"
-        return f"{len(self.failures)} failure(s) in {self.cases} comparisons; first: {self.failures[0]}"
+    @cases.setter
+    def cases(self, value: int) -> None:
+        self.trials = value
 
 
 # --------------------------------------------------------------------------- schedules

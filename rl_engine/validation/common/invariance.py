@@ -13,31 +13,18 @@ The same checker runs the negative controls (a non-invariant implementation must
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from rl_engine.utils.bits import BitDiff, bit_diff
+from rl_engine.validation.common.report import CheckReport
 
 __all__ = ["RowInvarianceReport", "check_row_invariance"]
 
 
-@dataclass
-class RowInvarianceReport:
-    trials: int = 0
-    failures: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def __str__(self) -> str:
-        if self.ok:
-            return f"row invariant on {self.trials} trials"
-        return f"{len(self.failures)} failure(s) in {self.trials} trials; first: {self.failures[0]}"
+class RowInvarianceReport(CheckReport):
+    passed_as = "row invariant"
+    unit = "trials"
 
 
 def _as_tuple(out) -> tuple[torch.Tensor, ...]:

@@ -25,35 +25,22 @@ negative controls (a non-invariant reduction must fail it).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from rl_engine.utils.bits import bit_diff, int_view
+from rl_engine.validation.common.report import CheckReport
 
 __all__ = ["MicrobatchReport", "check_microbatch_invariance", "relayout", "same_bits_allow_nan", "LAYOUTS"]
 
 LAYOUTS = (None, "trim", "extend", "right_align", "interleave")
 
 
-@dataclass
-class MicrobatchReport:
-    trials: int = 0
-    failures: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-    def __str__(self) -> str:
-        if self.ok:
-            return f"micro-batch invariant on {self.trials} splits"
-        return f"{len(self.failures)} failure(s) in {self.trials} splits; first: {self.failures[0]}"
+class MicrobatchReport(CheckReport):
+    passed_as = "micro-batch invariant"
+    unit = "splits"
 
 
 def same_bits_allow_nan(a: torch.Tensor, b: torch.Tensor) -> bool:

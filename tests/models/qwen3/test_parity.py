@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl_engine import contracts
 from rl_engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from rl_engine.runtime.executor import (
     LAYOUTS,
@@ -133,6 +134,10 @@ def test_backward_works_and_is_deterministic(dtype):
         assert v is not None and torch.isfinite(v.float()).all(), k
         assert bit_diff(grads[1][k], v), f"{k}: backward is not run-to-run deterministic"
     assert any(v.abs().sum() > 0 for v in grads[0].values())
-    # a different layout changes only the order of weight-gradient sums: close, not required equal
+    # A different layout changes only the order of the weight-gradient sums over tokens, so the
+    # parameter gradients are an accuracy question (not an invariance claim): within the model
+    # contract's backward tolerance, normalised by each tensor's max |g| as the contract states.
+    tol = contracts.tolerance("models.qwen3", DTYPES[dtype], "backward")
     for k, v in grads[0].items():
-        assert torch.allclose(grads[2][k].float(), v.float(), atol=5e-2 if dtype == "bfloat16" else 1e-4), k
+        scale = v.double().abs().max().clamp_min(1e-30)
+        assert tol.check(grads[2][k].double() / scale, v.double() / scale), k
