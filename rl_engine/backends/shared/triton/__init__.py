@@ -5,7 +5,8 @@ Rules every module here follows (seed 004, design §5):
 * ``triton`` is imported lazily: registration modules (``<family>/__init__.py``) import only
   torch; the ``@triton.jit`` kernels live in ``<family>/kernels.py``, imported on the first call.
   So ``import rl_engine`` — and even dispatching on a CPU tensor — compiles and imports nothing.
-* every launched kernel's name starts with ``rlk_`` (helpers called from kernels start with ``_``);
+* every launched kernel's name starts with ``rlk_`` and is listed in ``KERNEL_NAMES``; ``@triton.jit``
+  device functions called from kernels are named ``rlk_*`` too and listed in ``DEVICE_FUNCTIONS``;
 * compilation happens on the first call of each specialisation and is cached by Triton (in
   memory, and on disk under ``TRITON_CACHE_DIR``);
 * eligibility checks (:func:`unavailable_reasons`) are pure: no import of triton, no compile,

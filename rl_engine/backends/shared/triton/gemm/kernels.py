@@ -28,11 +28,13 @@ import triton.language as tl
 
 from rl_engine.backends.shared.triton.gemm.configs import TileConfig, select_forward, select_weight_grad
 
-__all__ = ["forward", "grad_input", "grad_weight", "grad_bias", "KERNEL_NAMES", "tma_supported"]
+__all__ = ["forward", "grad_input", "grad_weight", "grad_bias", "KERNEL_NAMES", "DEVICE_FUNCTIONS", "tma_supported"]
 
 #: Names of the kernels this module launches (the profiler test checks the prefix).
 KERNEL_NAMES = ("rlk_linear_fwd", "rlk_linear_fwd_tma", "rlk_linear_fwd_tma_persistent", "rlk_linear_dx",
                 "rlk_linear_dw", "rlk_linear_dbias")
+#: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
+DEVICE_FUNCTIONS = ("rlk_tile_coords", "rlk_tile_of", "rlk_abt_tile")
 
 _I32_LIMIT = 2**31 - 1
 

@@ -28,9 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["VOCAB_BLOCK", "forward", "log_softmax_backward", "token_logprobs_backward", "entropy_backward", "KERNEL_NAMES"]
+__all__ = ["VOCAB_BLOCK", "forward", "log_softmax_backward", "token_logprobs_backward", "entropy_backward", "KERNEL_NAMES", "DEVICE_FUNCTIONS"]
 
 KERNEL_NAMES = ("rlk_logprob_fwd", "rlk_log_softmax_bwd", "rlk_token_logprobs_bwd", "rlk_entropy_bwd")
+#: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
+DEVICE_FUNCTIONS = ("rlk_load_z",)
 #: The canonical vocabulary block (= ``rl_engine.ops.logprob.VOCAB_BLOCK``).
 VOCAB_BLOCK = 1024
 _WARPS = 4
