@@ -5,6 +5,9 @@
 * :func:`cached_attention` — the rollout path: append the new tokens' keys/values to a KV cache
   (:class:`ContiguousKVCache` or :class:`PagedKVCache`) and attend over everything cached. One
   call covers full prefill, chunked prefill, decode and mixed batches.
+* :func:`paged_attention` — the same rollout path on an engine-owned paged cache (raw key/value
+  storage, a slot mapping and block tables, as vLLM keeps them): no cache object, the same
+  ``attention.cached_attention`` implementations.
 
 For a query at position ``p`` both return the **same bits** whatever the path, the chunking,
 the batch around it, the cache layout or the page size: the contracts
@@ -23,7 +26,7 @@ from rl_engine.ops.attention.cache import ContiguousKVCache, KVCache, PagedKVCac
 from rl_engine.runtime.registry import dispatch, make_request
 from rl_engine.utils.checks import FLOAT_DTYPES, check_no_nan, current_nan_policy, require_same_device, require_tensor
 
-__all__ = ["varlen_attention", "cached_attention", "ContiguousKVCache", "PagedKVCache", "KVCache"]
+__all__ = ["varlen_attention", "cached_attention", "paged_attention", "ContiguousKVCache", "PagedKVCache", "KVCache"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -268,3 +271,144 @@ def cached_attention(
                        q_seq.to(dev), q_pos.to(dev), s, w)
     cache._commit(plan)
     return out
+
+
+def _index_tensor(name: str, t: object, ndim: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    require_tensor(name, t, dtypes=_INDEX_DTYPES, ndim=ndim, contiguous=False)
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
+    return t
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    r"""Write new keys/values into an engine-owned paged KV cache, then attend causally over it.
+
+    The functional form of :func:`cached_attention` for an engine that owns the cache and its
+    bookkeeping (vLLM): storage row ``r = block · block_size + offset`` of ``k_cache`` /
+    ``v_cache`` (viewed as ``[num_blocks · block_size, Hkv, D]`` rows) holds one token.
+    Sequence ``i`` of the batch has ``seq_lens[i]`` tokens *after* this call, of which the last
+    ``n_i = cu_seqlens_q[i+1] - cu_seqlens_q[i]`` are new (rows ``cu_seqlens_q[i] :
+    cu_seqlens_q[i+1]`` of ``q``/``k_new``/``v_new``, at positions ``seq_lens[i] - n_i ..
+    seq_lens[i] - 1``); position ``p`` lives in row ``block_table[i, p // block_size] ·
+    block_size + p % block_size``. The new keys/values are written to rows ``slot_mapping``
+    **in place**, then each query attends over its sequence's keys ``0..p`` with the formula of
+    :func:`varlen_attention`:
+
+    .. math::
+        \mathrm{out}_{t,h} = \sum_{j \in V(p)} \mathrm{softmax}_j\bigl(\mathrm{scale}\;
+        q_{t,h} \cdot k_{j}\bigr)\, v_{j}
+
+    It dispatches to the ``attention.cached_attention`` implementations (the same arithmetic
+    as :func:`cached_attention` and :func:`varlen_attention`), so every output row is
+    **raw-bit equal** to the row :func:`varlen_attention` gives the same token, whatever the
+    block size, block placement, chunking or decode batch. Only rows ``0 .. seq_lens[i] - 1``
+    of a sequence are read (stale rows elsewhere in the pool are never touched).
+
+    Shapes:
+        q: ``[T, Hq, D]``; k_new, v_new: ``[T, Hkv, D]``; k_cache, v_cache:
+        ``[num_blocks, block_size, Hkv, D]``, contiguous (they may be overlapping views of one
+        engine buffer, e.g. vLLM's, as long as the rows a call writes and reads are its own —
+        see rl_engine/integrations/engines/rollout/vllm/attention_backend.py); slot_mapping: ``[T]``
+        int32/int64 rows in ``[0, num_blocks · block_size)``; block_table: ``[B, max_blocks]``
+        int32/int64 (entries past a sequence's last block are ignored); cu_seqlens_q: ``[B+1]``;
+        seq_lens: ``[B]``. Returns ``[T, Hq, D]`` in ``q.dtype``.
+
+    Contract ``attention.cached_attention`` (prefill/decode, chunk, row and layout invariance,
+    deterministic); no autograd.
+
+    Raises:
+        TypeError / ValueError: a tensor of the wrong type, dtype, rank, shape or device, NaN or
+            inf in ``q``/``k_new``/``v_new``; caches whose shapes disagree or that are not
+            contiguous; ``cu_seqlens_q`` malformed; ``seq_lens[i] < n_i``; a block table too
+            narrow for ``seq_lens`` or holding a block id out of range; ``slot_mapping`` out of
+            range or not the rows of the new positions (the message names the argument).
+        NoEligibleImplementation: strict policy and no implementation covers the request.
+    """
+    require_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    _finite("q", q)
+    require_tensor("k_new", k_new, dtypes=(q.dtype,), ndim=3)
+    _finite("k_new", k_new)
+    require_tensor("v_new", v_new, dtypes=(q.dtype,), ndim=3)
+    _finite("v_new", v_new)
+    T = q.shape[0]
+    if k_new.shape[0] != T:
+        raise ValueError(f"k_new: expected {T} rows (one per token of q), got shape {tuple(k_new.shape)}")
+    _heads(q, k_new, "k_new")
+    if v_new.shape != k_new.shape:
+        raise ValueError(f"v_new: expected shape {tuple(k_new.shape)} (k_new's), got {tuple(v_new.shape)}")
+    require_same_device(q=q, k_new=k_new, v_new=v_new)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    Hkv, D = k_new.shape[1], k_new.shape[2]
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        require_tensor(name, c, dtypes=(q.dtype,), ndim=4)
+        if c.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (q's), got {c.device}")
+        if tuple(c.shape[1:]) != (block_size, Hkv, D):
+            raise ValueError(f"{name}: expected [num_blocks, block_size={block_size}, Hkv={Hkv}, D={D}], "
+                             f"got {tuple(c.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (k_cache's), got {tuple(v_cache.shape)}")
+    rows = k_cache.shape[0] * block_size
+    k_rows = k_cache.view(rows, Hkv, D)
+    v_rows = v_cache.view(rows, Hkv, D)
+    dev = q.device
+    slot_mapping = _index_tensor("slot_mapping", slot_mapping, 1, dev)
+    if slot_mapping.shape[0] != T:
+        raise ValueError(f"slot_mapping: expected {T} entries (one per token of q), got {slot_mapping.shape[0]}")
+    block_table = _index_tensor("block_table", block_table, 2, dev)
+    seq_lens = _index_tensor("seq_lens", seq_lens, 1, dev)
+    B = seq_lens.shape[0]
+    if block_table.shape[0] < B:
+        raise ValueError(f"block_table: expected at least {B} rows (one per sequence of seq_lens), got {block_table.shape[0]}")
+    cu = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, T, dev, batch=B)
+    lens = seq_lens.to(torch.int64).cpu()
+    n_new = cu[1:] - cu[:-1]
+    if bool((lens < n_new).any()):
+        i = int((lens < n_new).nonzero()[0, 0])
+        raise ValueError(f"seq_lens: sequence {i} has {int(lens[i])} tokens but {int(n_new[i])} new ones "
+                         f"(seq_lens counts the new tokens too)")
+    pages = -(-lens // block_size)
+    width = max(1, int(pages.max())) if B else 1
+    if width > block_table.shape[1]:
+        raise ValueError(f"block_table: {width} blocks of {block_size} are needed for seq_lens up to {int(lens.max())}, "
+                         f"the table has {block_table.shape[1]} columns")
+    bt = block_table[:B, :width].to(torch.int64).cpu()
+    used = torch.arange(width)[None, :] < pages[:, None]
+    if B and bool(((bt < 0) | (bt >= k_cache.shape[0]))[used].any()):
+        raise ValueError(f"block_table: expected block ids in [0, {k_cache.shape[0]}) for every used block")
+    s = _scale(scale, q.shape[2])
+    w = _window(window)
+    q_seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int64), n_new, output_size=T)
+    q_pos = (lens - n_new)[q_seq] + torch.arange(T, dtype=torch.int64) - cu[:-1][q_seq]
+    page_rows = torch.where(used, bt, 0) * block_size
+    slots = slot_mapping.to(torch.int64)
+    expect = page_rows[q_seq, torch.div(q_pos, block_size, rounding_mode="floor")] + q_pos % block_size
+    if T and not torch.equal(slots.cpu(), expect):
+        bad = int((slots.cpu() != expect).nonzero()[0, 0])
+        raise ValueError(f"slot_mapping: token {bad} (sequence {int(q_seq[bad])}, position {int(q_pos[bad])}) maps to row "
+                         f"{int(slots[bad])}, its block table says row {int(expect[bad])}")
+    req = make_request(
+        "attention.cached_attention",
+        q,
+        features={"T": T, "heads": q.shape[1], "kv_heads": Hkv, "head_dim": D, "window": w, "cache": "paged(engine)"},
+    )
+    with torch.no_grad():
+        return dispatch(req, q, k_new, v_new, k_rows, v_rows, slots, page_rows.to(dev), block_size,
+                        q_seq.to(dev), q_pos.to(dev), s, w)

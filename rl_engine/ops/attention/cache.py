@@ -55,7 +55,8 @@ class KVCache(abc.ABC):
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype: expected one of {list(FLOAT_DTYPES)}, got {dtype}")
         self.dtype = dtype
-        self.device = torch.device(device)
+        # the concrete device ("cuda" becomes "cuda:<current>"), so comparisons with tensors hold
+        self.device = torch.empty(0, device=device).device
         self._lens = [0] * self.max_seqs
         self.k: torch.Tensor
         self.v: torch.Tensor

@@ -228,9 +228,9 @@ def test_fold_sum_is_a_fixed_tree():
 
 def test_dispatch_strict_and_provenance():
     q, k, v, cu = make_qkv([10], 1, 1, 32, "float32")
-    impls = implementations(OP)
-    assert [i.impl_id for i in impls] == ["cpu.blocked_online_softmax"]
-    assert contracts.load_contract(OP).guarantees <= impls[0].guarantees
+    impls = {i.impl_id: i for i in implementations(OP)}
+    assert "cpu.blocked_online_softmax" in impls  # (+ the Triton one, CUDA/ROCm only)
+    assert contracts.load_contract(OP).guarantees <= impls["cpu.blocked_online_softmax"].guarantees
     with provenance.record() as recs:
         varlen_attention(q, k, v, cu)
     assert recs[-1].op == OP and recs[-1].impl_id == "cpu.blocked_online_softmax" and not recs[-1].fallback

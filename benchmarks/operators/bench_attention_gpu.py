@@ -1,0 +1,229 @@
+"""Attention on the GPU: rl-kernel's Triton attention vs PyTorch SDPA, same process, same method.
+
+Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
+
+* ``prefill``  causal forward, S ∈ {512, 4096} with B = 32 × 512 and 4 × 4096 (16k tokens).
+  Ours: the varlen launcher (``kernels.varlen_forward``, packed ``[T, H, D]``); SDPA:
+  ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` on
+  ``[B, H, S, D]`` (the layout it is fastest in; the transposes are not timed).
+* ``decode``   one query token per sequence, batch ∈ {1, 64} × context ∈ {512, 4096, 32768}.
+  Ours: ``kernels.cached_forward`` (split-parallel path, ``rlk_attn_fwd_split`` +
+  ``rlk_attn_combine``) over a contiguous cache, and over a paged cache of 16-token pages in
+  shuffled order (``rlk.paged16``); SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
+  K/V with ``enable_gqa=True`` (no expanded copies).
+* ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.
+
+Timing: ``prefill`` and ``decode`` are captured ``n`` times in a CUDA graph and replayed (device
+time, no Python launch overhead; per call = replay time / n); ``train`` (autograd, milliseconds
+of work per call) is timed eagerly. Warm-up calls (compilation included) are excluded; every
+sample is one replay / loop, ``--repeats`` samples, rows carry p20/p50/p80 in ms (harness rows)
+plus ``time_ratio`` = ours / SDPA p50 and ``throughput_ratio`` = its inverse. The rl-kernel
+public entry points add host-side validation (a device sync for ``cu_seqlens``, the finite-input
+scan, cache planning) that is not part of these numbers.
+
+Usage::
+
+    python benchmarks/operators/bench_attention_gpu.py --out reports/gpu/bench_attention_gpu.json
+    python benchmarks/operators/bench_attention_gpu.py --out /tmp/a.json --quick   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.common.harness import device_info, make_row, summarize, versions, write_report  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+DTYPE = torch.bfloat16
+PREFILL = ((32, 512), (4, 4096))  # (B, S)
+DECODE_BATCH = (1, 64)
+DECODE_CTX = (512, 4096, 32768)
+OP = "attention"
+
+
+def _randn(shape, g):
+    return torch.randn(shape, device="cuda", generator=g).to(DTYPE)
+
+
+def time_graph(fn: Callable[[], object], *, n: int, repeats: int, warmup: int = 3) -> list[float]:
+    """Per-call ms of ``fn`` captured ``n`` times in a CUDA graph, ``repeats`` replays."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        e1.synchronize()
+        out.append(e0.elapsed_time(e1) / n)
+    return out
+
+
+def time_eager(fn: Callable[[], object], *, n: int, repeats: int, warmup: int = 3) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(n):
+            fn()
+        e1.record()
+        e1.synchronize()
+        out.append(e0.elapsed_time(e1) / n)
+    return out
+
+
+def prefill_case(B: int, S: int):
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    g = torch.Generator(device="cuda").manual_seed(B * S)
+    T = B * S
+    q, k, v = _randn((T, HQ, D), g), _randn((T, HKV, D), g), _randn((T, HKV, D), g)
+    cu = torch.arange(0, T + 1, S, device="cuda", dtype=torch.int32)
+    qs, ks, vs = (t.view(B, S, -1, D).transpose(1, 2).contiguous() for t in (q, k, v))
+    flop = 4 * B * HQ * D * S * (S + 1) / 2  # causal: two matmuls over the visible half
+    impls = {
+        "rlk.triton.blocked_online_softmax": lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None),
+        "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
+    }
+    return impls, flop, {"B": B, "S": S, "tokens": T}
+
+
+def decode_case(B: int, ctx: int):
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    g = torch.Generator(device="cuda").manual_seed(B + ctx)
+    kc, vc = _randn((B * ctx, HKV, D), g), _randn((B * ctx, HKV, D), g)
+    q = _randn((B, HQ, D), g)
+    q_seq = torch.arange(B, device="cuda")
+    q_pos = torch.full((B,), ctx - 1, device="cuda", dtype=torch.int64)
+    contiguous_rows = (torch.arange(B, device="cuda", dtype=torch.int64) * ctx)[:, None].contiguous()
+    ps = 16
+    pages = torch.randperm(B * ctx // ps, generator=torch.Generator().manual_seed(0)).cuda()
+    page_table = pages.view(B, ctx // ps) * ps
+    # the paged copy: position p of sequence b at row page_table[b, p // 16] + p % 16
+    pos = torch.arange(ctx, device="cuda")
+    rows = (page_table[:, pos // ps] + pos % ps).reshape(-1)
+    kp, vp = torch.empty_like(kc), torch.empty_like(vc)
+    kp[rows], vp[rows] = kc, vc
+    ks, vs = (t.view(B, ctx, HKV, D).transpose(1, 2).contiguous() for t in (kc, vc))
+    qs = q.view(B, 1, HQ, D).transpose(1, 2).contiguous()
+    impls = {
+        "rlk.triton.blocked_online_softmax": lambda: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos,
+                                                                      D**-0.5, None),
+        "rlk.triton.blocked_online_softmax.paged16": lambda: K.cached_forward(q, kp, vp, page_table.contiguous(), ps,
+                                                                              q_seq, q_pos, D**-0.5, None),
+        "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
+    }
+    kv_bytes = 2 * B * ctx * HKV * D * 2
+    return impls, kv_bytes, {"B": B, "context": ctx, "sdpa_gqa": "enable_gqa=True (no expanded K/V)"}
+
+
+def train_case(B: int, S: int):
+    from rl_engine.backends.shared.triton.attention import varlen_attention_fwd_triton
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    T = B * S
+    q, k, v = _randn((T, HQ, D), g), _randn((T, HKV, D), g), _randn((T, HKV, D), g)
+    up = _randn((T, HQ, D), g)
+    cu = torch.arange(0, T + 1, S, device="cuda", dtype=torch.int32)
+    qs, ks, vs = (t.view(B, S, -1, D).transpose(1, 2).contiguous() for t in (q, k, v))
+    ups = up.view(B, S, HQ, D).transpose(1, 2).contiguous()
+    for t in (q, k, v, qs, ks, vs):
+        t.requires_grad_()
+
+    def ours():
+        out = varlen_attention_fwd_triton(q, k, v, cu, D**-0.5, None)[0]
+        torch.autograd.grad(out, (q, k, v), up)
+
+    def sdpa():
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        torch.autograd.grad(out, (qs, ks, vs), ups)
+
+    flop = 2.5 * 4 * B * HQ * D * S * (S + 1) / 2  # forward + backward (2.5x the forward's matmuls)
+    return {"rlk.triton.blocked_online_softmax": ours, "torch.sdpa": sdpa}, flop, {"B": B, "S": S, "tokens": T}
+
+
+def run(quick: bool, repeats: int) -> list[dict]:
+    dev, ver = device_info("cuda"), versions()
+    rows: list[dict] = []
+    cases: list[tuple[str, Callable]] = []
+    prefill = PREFILL[:1] if quick else PREFILL
+    for B, S in prefill:
+        cases.append(("prefill", lambda B=B, S=S: prefill_case(B, S)))
+    for B in DECODE_BATCH:
+        for ctx in (DECODE_CTX[:2] if quick else DECODE_CTX):
+            cases.append(("decode", lambda B=B, ctx=ctx: decode_case(B, ctx)))
+    cases.append(("train", lambda: train_case(1 if quick else 4, 4096)))
+    for kind, make in cases:
+        impls, work, cfg = make()
+        mode = "eager" if kind == "train" else "graph"
+        n = 3 if kind == "train" else (20 if kind == "decode" else 5)
+        res = {}
+        for name, fn in impls.items():
+            ts = (time_eager if mode == "eager" else time_graph)(fn, n=n, repeats=repeats)
+            res[name] = summarize(ts)
+        base = res["torch.sdpa"].median
+        for name, st in res.items():
+            extra = {"kind": kind, "timing": f"{mode} (CUDA graph of {n} calls)" if mode == "graph" else f"eager loop of {n}",
+                     "time_ratio": round(st.median / base, 4), "throughput_ratio": round(base / st.median, 4)}
+            if kind == "decode":
+                extra["kv_TB_per_s"] = round(work / (st.median * 1e-3) / 1e12, 3)
+            else:
+                extra["tflops"] = round(work / (st.median * 1e-3) / 1e12, 1)
+            rows.append(make_row(benchmark="attention_gpu", op=OP, implementation=name,
+                                 config={**cfg, "Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16"}, stats=st,
+                                 warmup=3, device=dev, versions=ver, baseline="torch.sdpa", extra=extra))
+            print(f"{kind:7s} {cfg} {name:44s} p50 {st.median * 1e3:10.1f} us  x{extra['time_ratio']:.3f} "
+                  f"(throughput {extra['throughput_ratio']:.3f} of SDPA)", flush=True)
+        del impls
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="JSON file for the rows")
+    ap.add_argument("--quick", action="store_true", help="smoke run: fewer shapes and samples")
+    ap.add_argument("--repeats", type=int, default=None, help="samples per implementation (default 15; quick 3)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention_gpu: no CUDA device visible", file=sys.stderr)
+        return 2
+    repeats = args.repeats or (3 if args.quick else 15)
+    rows = run(args.quick, repeats)
+    target = {"prefill": 0.9, "decode": 0.9}
+    summary = [{"kind": r["kind"], "config": r["config"], "implementation": r["implementation"],
+                "throughput_ratio": r["throughput_ratio"],
+                "target": f">= {target[r['kind']]}x SDPA throughput" if r["kind"] in target else "(no target)",
+                "met": (r["throughput_ratio"] >= target[r["kind"]]) if r["kind"] in target else None}
+               for r in rows if r["implementation"] != "torch.sdpa"]
+    write_report(rows, args.out, meta={"summary": summary})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

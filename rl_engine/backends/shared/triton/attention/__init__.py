@@ -1,0 +1,215 @@
+"""Triton ``attention.varlen_attention`` and ``attention.cached_attention`` for CUDA (written for
+sm90) and ROCm (declared, untested): the blocked online softmax of the CPU backend
+(``rl_engine/backends/cpu/attention``, docs/design/attention.md) as GPU kernels.
+
+Per query row at position ``p`` (``W`` the window or ∞): KV blocks of 64 keys at absolute
+positions, the row's range ``lo = max(0, p-W+1) // 64 .. hi = p // 64``; KV splits of 16 blocks
+(1024 keys) at absolute positions; inside a split the fp32 online softmax
+(``m' = max(m, rowmax(s)) + 0``, ``α = exp(m - m')``, ``P = exp(s - m')``,
+``l = fma(l, α, rowsum(P))``, ``acc = acc·α + P·V`` with ``P·V`` accumulated onto ``acc·α`` by the
+MMA), split states merged in increasing split order
+(``merge((M, L, A), (m, l, a)) = (M', fma(l, e^{m-M'}, L·e^{M-M'}), fma(a, e^{m-M'}, A·e^{M-M'}))``),
+``out = ACC / L`` (IEEE division) rounded once, ``lse = M + log L``. Masked keys get ``s = -inf``.
+
+GPU bits need not equal the CPU's; on the GPU every row is **raw-bit identical** whatever path
+computed it (varlen, full or chunked prefill, decode in any batch, contiguous or paged cache of
+any page size, any packing). The rules that make this true:
+
+* **One query tile = up to BLOCK_M rows** ``(token, g)`` of ONE sequence and ONE kv head (GQA
+  rows packed ``g`` fastest), so a K/V block is loaded once per tile. ``tl.dot`` row results
+  depend only on that row: the key block (64), head dim and dtypes are identical on every path;
+  only BLOCK_M (and the warp count) differs between prefill (64/128 rows) and decode (16 rows),
+  and the GPU tests prove the rows bitwise equal across every shipped configuration.
+* **Row sums never use ``tl.sum``** (whose association follows the register layout): ``rowsum(P)``
+  and ``Σ dO⊙O`` are a fixed pairwise tree (``rlk_attn_rowsum``: reshape to ``[BM, N/2, 2]``,
+  split, add, repeated). ``max`` is exact (``+ 0.0`` turns a ``-0`` maximum into ``+0``).
+* **Per-row activity**: a row updates ``(m, l)`` only in the blocks of ``[lo, hi]`` (``tl.where``
+  on the state); outside its range ``α = 1`` and ``P = +0`` exactly, so ``acc`` is unchanged
+  (exact zeros added to a never ``-0`` accumulator). Every split of the tile's range is merged
+  into every row: merging a split the row does not reach, ``(-inf, 0, +0)``, is an exact
+  identity (``rlk_attn_merge``). The prefill kernel keeps the merged accumulator in fp32 scratch between
+  splits (one accumulator in registers); the store/reload is exact.
+* **Shared device functions** (``rlk_attn_split``, ``rlk_attn_merge``, ``rlk_attn_finish``) are
+  used by every kernel, and every multiply-add that the compiler could contract is written as
+  an explicit ``tl.fma``, so no kernel contracts differently from another.
+* **Flash-decoding**: the decode path runs ``rlk_attn_fwd_split`` with grid (tiles, kv heads,
+  splits), one 1024-key split per program into an fp32 workspace, then ``rlk_attn_combine``
+  folds the splits left to right with the same merge. The prefill path folds the same splits in
+  the same order inside one program. ``cached_attention`` picks the path by
+  ``kernels.use_decode_path`` (rows per sequence), which cannot change a row's bits.
+* **Paged cache**: key/value rows of position ``pos`` of batch sequence ``i`` are at storage row
+  ``page_rows[i, pos // page_size] + pos % page_size`` (packed varlen layout and contiguous
+  caches: one column, row ``page_rows[i, 0] + pos``), gathered per block; positions past the
+  tile's last query are clamped (never read outside the stored rows) and masked.
+* **Backward** (varlen, deterministic, no atomics): ``rlk_attn_bwd_delta`` (``Σ dO⊙O`` with the
+  unrounded fp32 ``O`` for 16-bit inputs), ``rlk_attn_bwd_dq`` (each query tile over its KV
+  blocks, increasing, ``P = exp(s - lse)`` recomputed) and ``rlk_attn_bwd_dkdv`` (each 64-key
+  block of a sequence and kv head over the query blocks that see it, increasing, ``g = 0..G-1``).
+
+Head dims 32, 64 and 128 are supported; others are rejected by the call check (a reason in the
+strict-policy error). The rollout layout must be what ``rl_engine.ops.attention.cached_attention``
+builds (a sequence's query rows contiguous, in batch order, at consecutive positions).
+
+Nothing here imports triton: the kernels (``kernels.py``) are imported on the first call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.backends.shared.triton import arch_reasons, unavailable_reasons
+from rl_engine.runtime.registry import Implementation, Request, register
+
+__all__ = [
+    "varlen_attention_fwd_triton",
+    "varlen_attention_bwd_triton",
+    "cached_attention_triton",
+    "varlen_attention_triton",
+    "SUPPORTED_HEAD_DIMS",
+    "call_reasons",
+]
+
+_DTYPES = (torch.float32, torch.bfloat16)
+#: Head dims the kernels are built for (powers of two; ``tl.dot`` needs ``D >= 16``).
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+
+
+def _kernels():
+    from rl_engine.backends.shared.triton.attention import kernels
+
+    return kernels
+
+
+def call_reasons(request: Request) -> list[str]:
+    """Per-call eligibility (pure): the device arch and the head dim."""
+    reasons = arch_reasons(request.platform.family, request.platform.arch)
+    d = request.features.get("head_dim")
+    if d is not None and d not in SUPPORTED_HEAD_DIMS:
+        reasons.append(f"head_dim {d} not supported by the Triton attention kernels (supported: {list(SUPPORTED_HEAD_DIMS)})")
+    return reasons
+
+
+def _check_head_dim(d: int) -> None:
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: head_dim {d} is not supported by the Triton attention kernels "
+                         f"(supported: {list(SUPPORTED_HEAD_DIMS)})")
+
+
+# --------------------------------------------------------------------------- varlen (train path)
+
+
+@torch.library.custom_op("rlk::varlen_attention_triton", mutates_args=(), device_types="cuda")
+def varlen_attention_fwd_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(out, lse, out_fp32)``; ``out_fp32`` (the unrounded output, kept for the
+    backward's ``delta = Σ dO ⊙ O``) is empty when ``q`` is already fp32."""
+    _check_head_dim(q.shape[2])
+    return _kernels().varlen_forward(q, k, v, cu_seqlens, scale, window)
+
+
+@varlen_attention_fwd_triton.register_fake
+def _(q, k, v, cu_seqlens, scale, window):
+    f32 = q.new_empty((0,), dtype=torch.float32) if q.dtype == torch.float32 else q.new_empty(q.shape, dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32), f32
+
+
+@torch.library.custom_op("rlk::varlen_attention_triton_backward", mutates_args=(), device_types="cuda")
+def varlen_attention_bwd_triton(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _kernels().varlen_backward(grad, q, k, v, out, lse, cu_seqlens, scale, window)
+
+
+@varlen_attention_bwd_triton.register_fake
+def _(grad, q, k, v, out, lse, cu_seqlens, scale, window):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, scale, window = inputs
+    out, lse, out_f32 = output
+    ctx.save_for_backward(q, k, v, out_f32 if out_f32.numel() or out.numel() == 0 else out, lse, cu_seqlens)
+    ctx.scale, ctx.window = scale, window
+    ctx.mark_non_differentiable(lse, out_f32)
+
+
+def _backward(ctx, grad_out, grad_lse, grad_out_f32):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(q)
+    dq, dk, dv = varlen_attention_bwd_triton(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.scale,
+                                             ctx.window)
+    return dq, dk, dv, None, None, None
+
+
+varlen_attention_fwd_triton.register_autograd(_backward, setup_context=_setup)
+
+
+def varlen_attention_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, window: int | None
+) -> torch.Tensor:
+    """Causal attention over a packed batch (arguments validated by ``rl_engine.ops.attention``)."""
+    return varlen_attention_fwd_triton(q, k, v, cu_seqlens, scale, window)[0]
+
+
+# --------------------------------------------------------------------------- cached (rollout path)
+
+
+@torch.library.custom_op("rlk::cached_attention_triton", mutates_args=("k_cache", "v_cache"), device_types="cuda")
+def cached_attention_triton(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_rows: torch.Tensor,
+    page_size: int,
+    q_seq: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Write ``k_new``/``v_new`` into storage rows ``slot_mapping`` of ``k_cache``/``v_cache``
+    (``[N, Hkv, D]``, a copy: ``index_copy_``), then run the forward for every query row
+    (arguments prepared and validated by ``rl_engine.ops.attention.cached_attention``)."""
+    _check_head_dim(q.shape[2])
+    k_cache.index_copy_(0, slot_mapping, k_new)
+    v_cache.index_copy_(0, slot_mapping, v_new)
+    return _kernels().cached_forward(q, k_cache, v_cache, page_rows, page_size, q_seq, q_pos, scale, window)
+
+
+@cached_attention_triton.register_fake
+def _(q, k_new, v_new, k_cache, v_cache, slot_mapping, page_rows, page_size, q_seq, q_pos, scale, window):
+    return q.new_empty(q.shape)
+
+
+_GUARANTEES = frozenset({"row", "chunk", "prefill_decode", "layout", "run_to_run"})
+
+for _op, _fn in (("attention.varlen_attention", varlen_attention_triton),
+                 ("attention.cached_attention", cached_attention_triton)):
+    # register_triton's wiring, with this module's call check (arch + head dim)
+    register(
+        Implementation(
+            op=_op,
+            impl_id="triton.blocked_online_softmax",
+            version="1",
+            fn=_fn,
+            families=("cuda", "rocm"),
+            untested_families=("rocm",),
+            dtypes=_DTYPES,
+            guarantees=_GUARANTEES,
+            priority=5,
+            static_check=unavailable_reasons,
+            call_check=call_reasons,
+        )
+    )

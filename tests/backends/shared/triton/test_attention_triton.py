@@ -1,0 +1,610 @@
+"""Triton ``attention.varlen_attention`` / ``attention.cached_attention`` (impl
+``triton.blocked_online_softmax``): the one test module of this operator target.
+
+GPU tests (``@pytest.mark.gpu``; the device run must show zero skips):
+
+* accuracy of the output and of ``dq``/``dk``/``dv`` against float64 (contract tolerances), fp32
+  and bf16, GQA (``Hq/Hkv`` ∈ {1, 4}), windows, head dims 32/64/128, sequences across KV splits;
+* raw-bit invariances: packing (a sequence alone vs inside packs of others, permuted; forward
+  and gradients, hypothesis), prefill/decode (varlen row == full prefill == chunked prefill with
+  several chunkings == decode steps, contiguous and paged caches with page sizes 16/64/256 and
+  shuffled stale pages, hypothesis), long contexts crossing 1024-key splits (1024+1, 2048+37,
+  3000: decode through the split-parallel kernel), every shipped BLOCK_M / path configuration
+  against each other (kernel level), all-``-0.0`` values;
+* run-to-run determinism of forward and backward;
+* dispatch picks the Triton implementation and provenance says so; head dims the kernels do not
+  support are rejected with a reason (strict error) and the custom op raises;
+* profiler names (forward + backward + cached decode);
+* negative controls: PyTorch SDPA (prefill vs decode) and a planted BLOCK_M-dependent row sum
+  (``tl.sum``-like association emulated by changing the path per call) are caught by the same
+  bitwise checkers;
+* bounded performance against SDPA (prefill forward, bf16, Qwen3-8B heads).
+
+CPU tests: registration, routing of CPU tensors to the CPU backend, pure eligibility checks.
+Triton-interpreter subset (``TRITON_INTERPRET=1`` and triton importable, CPU tensors, ≤ 64
+tokens, 2 heads, D = 32): accuracy and prefill/decode/config bit equality of the kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rl_engine import contracts
+from rl_engine.ops.attention import ContiguousKVCache, PagedKVCache, cached_attention, varlen_attention
+from rl_engine.reference.attention import varlen_attention_f64
+from rl_engine.runtime import provenance
+from rl_engine.runtime.registry import NoEligibleImplementation, Request, implementations, make_request, select
+from rl_engine.utils.bits import bit_diff
+from rl_engine.validation.common.attention import (
+    Schedule,
+    check_packing_invariance,
+    check_prefill_decode_invariance,
+    check_run_to_run,
+    chunked_schedule,
+    decode_schedule,
+    full_prefill_schedule,
+    random_schedule,
+    sdpa_rollout,
+    sdpa_train,
+)
+from tests.backends.shared.triton._rowwise_common import (
+    check_cpu_routing,
+    check_profiler_names,
+    check_registration,
+    check_static_and_fake_gpu,
+    evidence,
+    graph_us,
+)
+
+OPS = ("attention.varlen_attention", "attention.cached_attention")
+IMPL = "triton.blocked_online_softmax"
+MODULE = "rl_engine.backends.shared.triton.attention"
+DTYPES = ("float32", "bfloat16")
+GARBAGE = 3.0e4  # stale cache content: large, so any leak into a visible row would show
+gpu = pytest.mark.gpu
+
+
+def make_qkv(lens, hkv, g, d, dtype, seed=0, q_scale=1.5):
+    """CPU tensors (the checkers run the GPU paths through the wrappers below)."""
+    gen = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    T = sum(lens)
+    q = (torch.randn(T, hkv * g, d, generator=gen) * q_scale).to(dt)
+    k = torch.randn(T, hkv, d, generator=gen).to(dt)
+    v = torch.randn(T, hkv, d, generator=gen).to(dt)
+    cu = torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu
+
+
+def split(n, sizes):
+    """Chunks of ``sizes`` (as far as they fit) and the remainder: they sum to ``n``."""
+    out = []
+    for c in sizes:
+        if 0 < c <= n - sum(out):
+            out.append(c)
+    rest = n - sum(out)
+    return out + ([rest] if rest else [])
+
+
+# --------------------------------------------------------------------------- GPU paths as checker functions
+
+
+def gpu_train(*, scale=None, window=None):
+    """The train path on the GPU for CPU inputs (differentiable through the device copies)."""
+
+    def run(q, k, v, cu):
+        return varlen_attention(q.cuda(), k.cuda(), v.cuda(), cu.cuda(), scale=scale, window=window).cpu()
+
+    return run
+
+
+def contiguous_cache(stale: bool):
+    def make(hkv, d, dtype, max_len, num_seqs):
+        cache = ContiguousKVCache(num_seqs, max_len, hkv, d, dtype=dtype, device="cuda")
+        if stale:  # unused slots and positions hold garbage, as after earlier sequences
+            cache.k.uniform_(-GARBAGE, GARBAGE)
+            cache.v.uniform_(-GARBAGE, GARBAGE)
+        return cache
+
+    return make
+
+
+def paged_cache(block_size: int, fragment: bool = True):
+    """A paged pool on the GPU whose pages are handed out out of order and hold stale data: two
+    filler sequences written interleaved, then one freed, leaving holes among used pages."""
+
+    def make(hkv, d, dtype, max_len, num_seqs):
+        per_seq = -(-max_len // block_size)
+        filler = 3 if fragment else 0
+        cache = PagedKVCache(num_seqs * per_seq + 2 * filler, block_size, hkv, d, dtype=dtype, device="cuda",
+                             max_seqs=num_seqs + 2, max_blocks_per_seq=max(per_seq, filler))
+        gen = torch.Generator().manual_seed(block_size)
+        for _ in range(filler):
+            for slot in (num_seqs, num_seqs + 1):
+                x = ((torch.rand(block_size, hkv, d, generator=gen) * 2 - 1) * GARBAGE).to(dtype).cuda()
+                cached_attention(x, x, x, cache, [slot], torch.tensor([0, block_size], device="cuda"))
+        if filler:
+            cache.free(num_seqs)
+        return cache
+
+    return make
+
+
+def gpu_rollout(cache_factory=None, *, scale=None, window=None, slots=None):
+    """The rollout path on the GPU (``cached_attention`` per schedule step) for CPU inputs."""
+    factory = cache_factory or contiguous_cache(stale=True)
+
+    def run(q, k, v, cu_seqlens, schedule: Schedule):
+        c = [int(x) for x in cu_seqlens.tolist()]
+        bounds = list(zip(c[:-1], c[1:]))
+        ids = list(slots) if slots is not None else list(range(len(bounds)))
+        max_len = max([1] + [e - s for s, e in bounds])
+        cache = factory(k.shape[1], k.shape[2], q.dtype, max_len, max(ids) + 1 if ids else 1)
+        qd, kd, vd = q.cuda(), k.cuda(), v.cuda()
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+        done = [0] * len(bounds)
+        for step in schedule:
+            rows = []
+            for i, n in step:
+                s = bounds[i][0] + done[i]
+                rows.append(torch.arange(s, s + n))
+                done[i] += n
+            idx = torch.cat(rows).cuda()
+            cu = torch.tensor([0] + list(torch.tensor([n for _, n in step]).cumsum(0).tolist()), device="cuda")
+            out[idx] = cached_attention(qd[idx], kd[idx], vd[idx], cache, [ids[i] for i, _ in step], cu,
+                                        scale=scale, window=window)
+        return out.cpu()
+
+    return run
+
+
+def _cpu_io(fn):
+    def run(*args):
+        return fn(*[a.cuda() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]).cpu()
+
+    return run
+
+
+# --------------------------------------------------------------------------- CPU: registration and routing
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_registration_declares_cuda_and_untested_rocm(op):
+    check_registration(op, IMPL, MODULE, "attention")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_cpu_tensors_route_to_cpu_and_checks_are_pure(op):
+    check_cpu_routing(op, IMPL, torch.randn(2, 8))
+    check_static_and_fake_gpu(op, IMPL)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_unsupported_head_dim_is_rejected_with_a_reason(op):
+    """The per-call check (pure) names the head dim; the registry runs it once the static checks
+    pass (on the device: ``test_unsupported_head_dim_errors_reach_the_user``)."""
+    from rl_engine.backends.shared.triton.attention import call_reasons
+
+    impl = next(i for i in implementations(op) if i.impl_id == IMPL)
+    assert impl.call_check is call_reasons
+    cpu = make_request(op, torch.randn(1, 1)).platform
+    sm90 = type(cpu)(family="cuda", arch="sm90", device_name="x", torch_version="t", triton_version=None,
+                     cuda_version=None, hip_version=None)
+    req = Request(op, sm90, torch.bfloat16, contracts.load_contract(op).guarantees, {"head_dim": 96})
+    assert call_reasons(req) == ["head_dim 96 not supported by the Triton attention kernels (supported: [32, 64, 128])"]
+    for d in (32, 64, 128):
+        assert call_reasons(Request(op, sm90, torch.bfloat16, frozenset(), {"head_dim": d})) == []
+    sm75 = type(cpu)(family="cuda", arch="sm75", device_name="x", torch_version="t", triton_version=None,
+                     cuda_version=None, hip_version=None)
+    assert any("sm80" in r for r in call_reasons(Request(op, sm75, torch.bfloat16, frozenset(), {"head_dim": 64})))
+
+
+# --------------------------------------------------------------------------- Triton interpreter subset (CPU)
+
+_INTERP = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+interp = pytest.mark.skipif(not _INTERP, reason="Triton-interpreter subset: needs triton and TRITON_INTERPRET=1")
+
+
+@interp
+@pytest.mark.parametrize("window", [None, 7])
+def test_interpreter_kernels_accuracy_and_path_bits(window):
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    q, k, v, cu = make_qkv([5, 40, 1], 1, 2, 32, "float32", seed=3)
+    scale = 32**-0.5
+    out, lse, _ = K.varlen_forward(q, k, v, cu, scale, window)
+    ref = varlen_attention_f64(q.double(), k.double(), v.double(), cu, scale, window)
+    tol = contracts.tolerance(OPS[0], torch.float32, "forward")
+    assert tol.check(out, ref), tol.max_violation(out, ref)
+    for path, cfg in (("decode", None), ("prefill", K.AttnConfig(16, 4, 1)), ("prefill", K.AttnConfig(32, 4, 1))):
+        o2, l2, _ = K.varlen_forward(q, k, v, cu, scale, window, path=path, config=cfg)
+        assert bit_diff(o2, out) and bit_diff(l2, lse), (path, cfg)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    dq, dk, dv = K.varlen_backward(up, q, k, v, out, lse, cu, scale, window)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    varlen_attention_f64(q64, k64, v64, cu, scale, window).backward(up.double())
+    btol = contracts.tolerance(OPS[0], torch.float32, "backward")
+    for name, got, want in (("dq", dq, q64.grad), ("dk", dk, k64.grad), ("dv", dv, v64.grad)):
+        assert btol.check(got, want), (name, btol.max_violation(got, want))
+
+
+@interp
+def test_interpreter_paged_decode_equals_varlen_rows():
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    q, k, v, cu = make_qkv([50], 1, 2, 32, "float32", seed=4)
+    out, _, _ = K.varlen_forward(q, k, v, cu, 0.2, None)
+    ps, n = 16, 50
+    pages = torch.tensor([3, 0, 5, 1])  # shuffled physical pages
+    kc = torch.full((6 * ps, 1, 32), GARBAGE)
+    vc = torch.full((6 * ps, 1, 32), -GARBAGE)
+    pos = torch.arange(n)
+    kc[pages[pos // ps] * ps + pos % ps] = k
+    vc[pages[pos // ps] * ps + pos % ps] = v
+    for path in ("decode", "prefill"):
+        o = K.cached_forward(q[n - 2:].contiguous(), kc, vc, (pages * ps)[None].contiguous(), ps,
+                             torch.zeros(2, dtype=torch.int64), torch.tensor([n - 2, n - 1]), 0.2, None, path=path)
+        assert bit_diff(o, out[n - 2:]), path
+
+
+# --------------------------------------------------------------------------- GPU: accuracy
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "lens,hkv,g,d,window,scale",
+    [
+        ([1, 63, 64, 65, 200], 2, 1, 32, None, None),
+        ([300, 17], 2, 4, 64, None, None),
+        ([130, 77], 1, 4, 128, 50, 0.3),
+        ([1100], 1, 4, 128, None, None),  # crosses a KV split
+        ([2100, 5], 2, 1, 64, 1500, None),  # two splits, window across a split boundary
+        ([257, 3], 1, 4, 64, 1, None),  # window 1: each query sees only itself
+    ],
+    ids=["ragged", "gqa4", "window50-d128", "split-d128", "2splits-window", "window1"],
+)
+def test_accuracy_forward_and_grads(dtype, lens, hkv, g, d, window, scale):
+    q, k, v, cu = make_qkv(lens, hkv, g, d, dtype, seed=sum(lens))
+    qq, kk, vv = (t.cuda().requires_grad_() for t in (q, k, v))
+    with provenance.record() as recs:
+        out = varlen_attention(qq, kk, vv, cu.cuda(), scale=scale, window=window)
+    assert recs[-1].impl_id == IMPL
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    out.backward(up.cuda())
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = varlen_attention_f64(q64, k64, v64, cu, scale, window)
+    ref.backward(up.double())
+    op = OPS[0]
+    fwd = contracts.tolerance(op, q.dtype, "forward")
+    bwd = contracts.tolerance(op, q.dtype, "backward")
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert fwd.check(out.detach().cpu(), ref), fwd.max_violation(out.detach().cpu(), ref)
+    worst = {"out": fwd.max_violation(out.detach().cpu(), ref)}
+    for name, got, want in (("dq", qq.grad, q64.grad), ("dk", kk.grad, k64.grad), ("dv", vv.grad, v64.grad)):
+        assert got.dtype == q.dtype, name
+        worst[name] = bwd.max_violation(got.cpu(), want)
+        assert bwd.check(got.cpu(), want), (name, worst[name])
+    evidence(f"attention_accuracy_{dtype}_{'-'.join(map(str, lens))}_g{g}_d{d}", worst)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_accuracy_cached_chunked_and_decode(dtype, paged):
+    dt = getattr(torch, dtype)
+    q, k, v, cu = make_qkv([1500], 2, 4, 128, dtype, seed=5)
+    cache = (PagedKVCache(100, 16, 2, 128, dtype=dt, device="cuda", max_seqs=2) if paged
+             else ContiguousKVCache(2, 1500, 2, 128, dtype=dt, device="cuda"))
+    outs = []
+    for a, b in ((0, 700), (700, 701), (701, 1499), (1499, 1500)):
+        outs.append(cached_attention(q[a:b].cuda(), k[a:b].cuda(), v[a:b].cuda(), cache, [1],
+                                     torch.tensor([0, b - a], device="cuda")).cpu())
+    out = torch.cat(outs)
+    ref = varlen_attention_f64(q, k, v, cu)
+    tol = contracts.tolerance(OPS[1], dt)
+    assert out.dtype == dt and tol.check(out, ref), tol.max_violation(out, ref)
+
+
+# --------------------------------------------------------------------------- GPU: packing (row) invariance
+
+
+@st.composite
+def packing_case(draw):
+    n = draw(st.integers(1, 5))
+    lens = draw(st.lists(st.integers(0, 300), min_size=n, max_size=n))
+    if sum(lens) == 0:
+        lens[0] = 1
+    orders = [
+        [draw(st.integers(0, n - 1))],
+        draw(st.permutations(range(n))),
+        draw(st.permutations(range(n)))[: draw(st.integers(1, n))],
+    ]
+    return dict(lens=lens, orders=orders, hkv=draw(st.sampled_from([1, 2])), g=draw(st.sampled_from([1, 4])),
+                d=draw(st.sampled_from([32, 64, 128])), window=draw(st.one_of(st.none(), st.integers(1, 130))),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=40)
+@given(case=packing_case())
+def test_packing_invariance_forward_and_grads(dtype, case):
+    """A sequence's output and dq/dk/dv do not depend on what is packed beside it, or where."""
+    q, k, v, cu = make_qkv(case["lens"], case["hkv"], case["g"], case["d"], dtype, seed=case["seed"])
+    rep = check_packing_invariance(gpu_train(window=case["window"]), q, k, v, cu, case["orders"], grads=True)
+    assert rep.ok, str(rep)
+
+
+# --------------------------------------------------------------------------- GPU: prefill/decode invariance
+
+
+@st.composite
+def attention_case(draw, max_len=300, max_seqs=3):
+    return dict(
+        hkv=draw(st.sampled_from([1, 2])),
+        g=draw(st.sampled_from([1, 4])),
+        d=draw(st.sampled_from([32, 64, 128])),
+        lens=draw(st.lists(st.integers(1, max_len), min_size=1, max_size=max_seqs)),
+        window=draw(st.one_of(st.none(), st.none(), st.integers(1, 160))),
+        scale=draw(st.one_of(st.none(), st.floats(0.03, 0.4))),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=60)
+@given(case=attention_case(), data=st.data())
+def test_prefill_decode_full_chunked_decode_hypothesis(dtype, case, data):
+    """Full prefill (contiguous cache, permuted slots, stale data), random chunks in random
+    batches (paged, page size 16/64/256, fragmented stale pool), prefill then decode steps, and
+    decode-heavy continuous batching: every row equals the train path's."""
+    lens = case["lens"]
+    q, k, v, cu = make_qkv(lens, case["hkv"], case["g"], case["d"], dtype, case["seed"])
+    rng = random.Random(case["seed"])
+    kw = dict(scale=case["scale"], window=case["window"])
+    slots = data.draw(st.permutations(range(len(lens) + 2)))[: len(lens)]
+    block = data.draw(st.sampled_from([16, 64, 256]))
+    n_dec = [data.draw(st.integers(0, min(4, n))) for n in lens]
+    runs = [
+        ("full prefill, contiguous", gpu_rollout(contiguous_cache(stale=True), slots=slots, **kw),
+         full_prefill_schedule(lens)),
+        (f"random chunks, paged block {block}", gpu_rollout(paged_cache(block), **kw),
+         random_schedule(lens, rng, max_chunk=data.draw(st.sampled_from([2, 17, 64, 200])))),
+        ("prefill then decode, paged block 16", gpu_rollout(paged_cache(16, fragment=False), **kw),
+         decode_schedule(lens, [n - r for n, r in zip(lens, n_dec)])),
+        ("continuous batching, paged block 64", gpu_rollout(paged_cache(64), **kw),
+         random_schedule(lens, rng, max_chunk=8, max_steps=10)),
+    ]
+    rep = check_prefill_decode_invariance(gpu_train(**kw), runs, q, k, v, cu)
+    assert rep.ok, str(rep)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [16, 64, 256])
+@pytest.mark.parametrize(
+    "lens,window",
+    [([1025, 3], None), ([2085, 1], None), ([3000, 40], 1500)],
+    ids=["1024+1", "2048+37", "3000-window1500"],
+)
+def test_long_contexts_across_kv_splits(dtype, block, lens, window):
+    """Sequences longer than one KV split: full prefill, several chunkings (paged, shuffled
+    pages) and decode steps through the split-parallel kernel all give the train path's rows."""
+    q, k, v, cu = make_qkv(lens, 2, 4, 128, dtype, seed=sum(lens) + block)
+    kw = dict(window=window)
+    runs = [
+        ("full prefill, contiguous", gpu_rollout(contiguous_cache(stale=True), **kw), full_prefill_schedule(lens)),
+        ("chunks n/3,1,1023,64,5, paged", gpu_rollout(paged_cache(block), **kw),
+         chunked_schedule([split(n, [n // 3, 1, 1023, 64, 5]) for n in lens])),
+        ("chunks 1000,24,1,..., paged", gpu_rollout(paged_cache(block), **kw),
+         chunked_schedule([split(n, [1000, 24, 1, 511, 513]) for n in lens])),
+        ("decode last 40, paged", gpu_rollout(paged_cache(block, fragment=False), **kw),
+         decode_schedule(lens, [max(n - 40, 0) for n in lens])),
+    ]
+    rep = check_prefill_decode_invariance(gpu_train(**kw), runs, q, k, v, cu)
+    assert rep.ok, str(rep)
+    assert rep.cases == 8
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("g", [1, 4])
+def test_every_shipped_config_and_path_gives_the_same_rows(dtype, d, g):
+    """Kernel level: the varlen rows (prefill config) against the decode path, the prefill path
+    with every shipped and a few extra BLOCK_M / warp configurations, at a context with three
+    KV splits; plus each row computed alone (a 1-row batch) on both paths."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    dt = getattr(torch, dtype)
+    q, k, v, cu = (t.cuda() for t in make_qkv([2085, 300, 1], 2, g, d, dtype, seed=d + g))
+    scale = d**-0.5
+    ref, ref_lse, _ = K.varlen_forward(q, k, v, cu, scale, None)
+    configs = set(K.shipped_forward_configs(dt, d)) | {K.AttnConfig(16, 4, 2), K.AttnConfig(64, 4, 2),
+                                                       K.AttnConfig(128, 8, 2), K.AttnConfig(64, 8, 3)}
+    if dt == torch.float32:  # fp32 tiles are 2x the bytes: keep to what fits in shared memory
+        configs = {c for c in configs if c.block_m <= 64 and c.num_stages <= 2}
+    seen = []
+    for cfg in sorted(configs, key=lambda c: c.key):
+        for path in ("prefill", "decode"):
+            out, lse, _ = K.varlen_forward(q, k, v, cu, scale, None, path=path, config=cfg)
+            assert bit_diff(out, ref), (cfg.key, path, bit_diff(out, ref))
+            assert bit_diff(lse, ref_lse), (cfg.key, path)
+            seen.append(f"{cfg.key}/{path}")
+    for t in (0, 1023, 1024, 2084, 2085 + 299, 2385):  # single rows through the cached entry, both paths
+        n = t + 1 if t < 2085 else (t - 2085 + 1 if t < 2385 else 1)
+        start = t + 1 - n
+        kk, vv = k[start : t + 1].contiguous(), v[start : t + 1].contiguous()
+        page_rows = torch.zeros((1, 1), dtype=torch.int64, device="cuda")
+        for path in ("prefill", "decode"):
+            o = K.cached_forward(q[t : t + 1].contiguous(), kk, vv, page_rows, 1 << 20,
+                                 torch.zeros(1, dtype=torch.int64, device="cuda"),
+                                 torch.tensor([n - 1], device="cuda"), scale, None, path=path)
+            assert bit_diff(o, ref[t : t + 1]), (t, path)
+    evidence(f"attention_configs_{dtype}_d{d}_g{g}", {"compared_equal": seen})
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_negative_zero_values_do_not_depend_on_masked_slots(dtype):
+    lens = [150, 70]
+    q, k, v, cu = make_qkv(lens, 1, 4, 64, dtype, seed=21)
+    v = torch.full_like(v, -0.0)
+    runs = [
+        ("full prefill, stale contiguous", gpu_rollout(contiguous_cache(stale=True)), full_prefill_schedule(lens)),
+        ("decode, stale paged", gpu_rollout(paged_cache(16)), decode_schedule(lens, [n - 5 for n in lens])),
+        ("chunks", gpu_rollout(contiguous_cache(stale=True)), chunked_schedule([[1, 63, 2, 84], [7, 63]])),
+    ]
+    rep = check_prefill_decode_invariance(gpu_train(), runs, q, k, v, cu)
+    assert rep.ok, str(rep)
+
+
+# --------------------------------------------------------------------------- GPU: negative controls
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_negative_control_sdpa_prefill_vs_decode_is_caught(dtype):
+    """PyTorch SDPA on the GPU: causal prefill rows differ from chunked/decode rows of the same
+    tokens; the same checker and data pass the Triton implementation."""
+    lens = [300, 777, 129]
+    q, k, v, cu = make_qkv(lens, 2, 4, 128, dtype, seed=11)
+    sched = decode_schedule(lens, [n - 8 for n in lens])
+    chunks = chunked_schedule([split(n, [64, 100]) for n in lens])
+    bad = check_prefill_decode_invariance(
+        _cpu_io(sdpa_train()),
+        [("sdpa decode", lambda q_, k_, v_, cu_, s: sdpa_rollout()(q_.cuda(), k_.cuda(), v_.cuda(), cu_, s), sched),
+         ("sdpa chunked", lambda q_, k_, v_, cu_, s: sdpa_rollout()(q_.cuda(), k_.cuda(), v_.cuda(), cu_, s), chunks)],
+        q, k, v, cu)
+    assert not bad.ok, "SDPA prefill-vs-decode was not caught"
+    good = check_prefill_decode_invariance(gpu_train(), [("rlk decode", gpu_rollout(), sched),
+                                                         ("rlk chunked", gpu_rollout(paged_cache(16)), chunks)],
+                                           q, k, v, cu)
+    assert good.ok, str(good)
+    assert good.cases == 6
+
+
+@gpu
+def test_negative_control_config_dependent_rows_are_caught():
+    """A planted path whose rows depend on the batch: packs of several sequences run with bf16
+    operands (another product over D), a sequence alone in fp32. The packing checker must catch
+    it; the shipped kernels pass the same checker and data."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    q, k, v, cu = make_qkv([200, 70, 129], 2, 4, 64, "float32", seed=12)
+
+    def planted(q_, k_, v_, cu_):
+        q_, k_, v_, cu_ = q_.detach().cuda(), k_.detach().cuda(), v_.detach().cuda(), cu_.cuda()
+        if cu_.shape[0] > 2:  # several sequences: bf16 operands (a different product over D)
+            out, _, _ = K.varlen_forward(q_.bfloat16(), k_.bfloat16(), v_.bfloat16(), cu_, 64**-0.5, None)
+            return out.float().cpu()
+        return K.varlen_forward(q_, k_, v_, cu_, 64**-0.5, None)[0].cpu()
+
+    orders = [[1], [2, 0], [0, 2, 1]]
+    assert not check_packing_invariance(planted, q, k, v, cu, orders).ok
+    assert check_packing_invariance(gpu_train(), q, k, v, cu, orders, grads=True).ok
+
+
+# --------------------------------------------------------------------------- GPU: determinism, dispatch, errors
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_run_to_run_determinism_forward_and_grads(dtype):
+    q, k, v, cu = make_qkv([1500, 1, 260], 2, 4, 128, dtype, seed=9)
+    rep = check_run_to_run(lambda q_, k_, v_: gpu_train(window=1100)(q_, k_, v_, cu), [q, k, v], runs=3, grads=True)
+    assert rep.ok, str(rep)
+    assert rep.cases == 8
+    roll = gpu_rollout(paged_cache(16))
+    sched = decode_schedule([1500, 1, 260], [1490, 0, 250])
+    a, b = roll(q, k, v, cu, sched), roll(q, k, v, cu, sched)
+    assert bit_diff(a, b)
+
+
+@gpu
+@pytest.mark.parametrize("op", OPS)
+def test_dispatch_picks_triton_on_cuda_and_records_provenance(op):
+    q, k, v, cu = (t.cuda() for t in make_qkv([10], 1, 2, 64, "bfloat16"))
+    with provenance.record() as recs:
+        if op == OPS[0]:
+            varlen_attention(q, k, v, cu)
+        else:
+            cached_attention(q, k, v, ContiguousKVCache(1, 16, 1, 64, dtype=torch.bfloat16, device="cuda"), [0], cu)
+    (rec,) = recs
+    assert rec.impl_id == IMPL and not rec.fallback and rec.platform.startswith("cuda:sm")
+    _, rejections = select(make_request(op, q, features={"head_dim": 64}))
+    assert rejections == []
+
+
+@gpu
+def test_unsupported_head_dim_errors_reach_the_user():
+    q, k, v, cu = (t.cuda() for t in make_qkv([10], 1, 2, 96, "bfloat16"))
+    with pytest.raises(NoEligibleImplementation, match="head_dim 96 not supported"):
+        varlen_attention(q, k, v, cu)
+    with pytest.raises(NoEligibleImplementation, match="head_dim 96 not supported"):
+        cached_attention(q, k, v, ContiguousKVCache(1, 16, 1, 96, dtype=torch.bfloat16, device="cuda"), [0], cu)
+    from rl_engine.backends.shared.triton.attention import varlen_attention_fwd_triton
+
+    with pytest.raises(ValueError, match="^q: head_dim 96 is not supported"):
+        varlen_attention_fwd_triton(q, k, v, cu, 0.1, None)
+
+
+@gpu
+def test_custom_op_registration_opcheck():
+    from rl_engine.backends.shared.triton.attention import varlen_attention_fwd_triton
+
+    q, k, v, cu = (t.cuda() for t in make_qkv([5, 70], 1, 2, 32, "float32", seed=1))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(varlen_attention_fwd_triton, (q, k, v, cu, 0.2, None),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@gpu
+def test_profiler_kernel_names_carry_the_prefix():
+    q, k, v, cu = (t.cuda() for t in make_qkv([300, 1200], 2, 4, 128, "bfloat16", seed=2))
+
+    def call():
+        qq = q.clone().requires_grad_()
+        varlen_attention(qq, k, v, cu).float().sum().backward()
+        cache = PagedKVCache(64, 64, 2, 128, dtype=torch.bfloat16, device="cuda", max_seqs=2)
+        cached_attention(q, k, v, cache, [0, 1], cu)  # prefill
+        one = torch.tensor([0, 1, 2], device="cuda")
+        cached_attention(q[:2], k[:2], v[:2], cache, [0, 1], one)  # decode (split-parallel)
+
+    check_profiler_names(
+        f"{MODULE}.kernels", call,
+        {"rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_attn_bwd_delta", "rlk_attn_bwd_dq",
+         "rlk_attn_bwd_dkdv"},
+        "attention",
+    )
+
+
+@gpu
+def test_bounded_performance_vs_sdpa():
+    """Prefill forward, bf16, Qwen3-8B heads (32 q / 8 kv, D = 128), 4 × 4096 tokens: within 2×
+    of SDPA (causal, GQA) time in the same run (CUDA graphs). The throughput target (≥ 0.9×) is
+    tracked by benchmarks/operators/bench_attention_gpu.py."""
+    import torch.nn.functional as F
+
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    B, S, Hq, Hkv, D = 4, 4096, 32, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B * S, Hq, D, device="cuda", generator=g).bfloat16()
+    k = torch.randn(B * S, Hkv, D, device="cuda", generator=g).bfloat16()
+    v = torch.randn(B * S, Hkv, D, device="cuda", generator=g).bfloat16()
+    cu = torch.arange(0, B * S + 1, S, device="cuda")
+    qs, ks, vs = (t.view(B, S, -1, D).transpose(1, 2).contiguous() for t in (q, k, v))
+    ours = graph_us(lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None))
+    theirs = graph_us(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True))
+    evidence("bounded_perf_attention", {"shape": [B, S, Hq, Hkv, D], "ours_us": ours, "sdpa_us": theirs})
+    assert ours <= 2.0 * theirs, f"{ours:.1f} us vs SDPA {theirs:.1f} us"

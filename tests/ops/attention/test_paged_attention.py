@@ -1,0 +1,266 @@
+"""attention.paged_attention: the rollout path on an engine-owned paged cache (vLLM's form).
+
+Raw-bit equality with varlen_attention (train path) and cached_attention for the same tokens,
+under random block placement, mixed chunk/decode schedules, both dtypes and a sliding window;
+the overlapping key/value views the vLLM backend uses; accuracy vs float64; dispatch and
+provenance; bad input. Negative controls: a wrong block table or a shifted position changes
+the bits, so the equality checks can fail."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rl_engine import contracts
+from rl_engine.ops.attention import PagedKVCache, cached_attention, paged_attention, varlen_attention
+from rl_engine.reference.attention import varlen_attention_f64
+from rl_engine.runtime import provenance
+from rl_engine.utils.bits import bit_diff
+from tests.helpers.strategies import DTYPES
+
+OP = "attention.cached_attention"
+HKV, G, D = 2, 2, 32
+
+
+def qkv(n, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, HKV * G, D, generator=gen).to(dtype), torch.randn(n, HKV, D, generator=gen).to(dtype),
+            torch.randn(n, HKV, D, generator=gen).to(dtype))
+
+
+def cu(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
+
+
+class Engine:
+    """A minimal paged-cache engine: random block placement, vLLM-style block table and slots.
+
+    ``split=True`` stores keys and values like the vLLM backend: one contiguous buffer whose
+    block ``b`` holds its keys in rows ``2b·bs ..`` and its values ``bs`` rows further, passed
+    as two overlapping views with doubled block ids.
+    """
+
+    def __init__(self, lens, bs, dtype, seed=0, split=False, device="cpu"):
+        self.bs, self.split, self.lens, self.dev = bs, split, lens, device
+        need = [-(-n // bs) for n in lens]
+        nb = sum(need) + 3
+        perm = torch.randperm(nb, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables, o = [], 0
+        for n in need:
+            self.tables.append(perm[o:o + n])
+            o += n
+        W = max(need) + 1  # one unused column: entries past a sequence's blocks are ignored
+        self.bt = torch.full((len(lens), W), 7, dtype=torch.int32)
+        for i, t in enumerate(self.tables):
+            self.bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        if split:
+            self.buf = torch.zeros(2 * nb * bs, HKV, D, dtype=dtype, device=device)
+            self.k = self.buf[:-bs].view(2 * nb - 1, bs, HKV, D)
+            self.v = self.buf[bs:].view(2 * nb - 1, bs, HKV, D)
+        else:
+            self.k = torch.zeros(nb, bs, HKV, D, dtype=dtype, device=device)
+            self.v = torch.zeros(nb, bs, HKV, D, dtype=dtype, device=device)
+        self.done = [0] * len(lens)
+
+    def slot(self, i, p):
+        b = self.tables[i][p // self.bs]
+        return (2 * b if self.split else b) * self.bs + p % self.bs
+
+    def step(self, q, k, v, start, ids, ns, window=None):
+        """Run one batch: sequence ``ids[j]`` appends ``ns[j]`` tokens (rows of q/k/v from ``start``)."""
+        qs, ks, vs, slots = [], [], [], []
+        for i, n in zip(ids, ns):
+            a = start[i] + self.done[i]
+            qs.append(q[a:a + n]), ks.append(k[a:a + n]), vs.append(v[a:a + n])
+            slots += [self.slot(i, p) for p in range(self.done[i], self.done[i] + n)]
+        bt = self.bt[ids].to(torch.int64) * (2 if self.split else 1)
+        dev = self.dev
+        out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), self.k, self.v,
+                              torch.tensor(slots, device=dev), bt.to(dev), self.bs, cu(ns).to(dev),
+                              torch.tensor([self.done[i] + n for i, n in zip(ids, ns)], device=dev), window=window)
+        rows = {}
+        c = 0
+        for i, n in zip(ids, ns):
+            for r in range(n):
+                rows[(i, self.done[i] + r)] = out[c + r]
+            c += n
+            self.done[i] += n
+        return rows
+
+
+def run_schedule(lens, dtype, bs, seed, split=False, window=None, device="cpu"):
+    """Serve ``lens`` with random chunk sizes (prefill chunks, decode steps, mixed batches)."""
+    q, k, v = (t.to(device) for t in qkv(sum(lens), dtype, seed))
+    starts = cu(lens)[:-1].tolist()
+    eng = Engine(lens, bs, dtype, seed, split, device)
+    rng = random.Random(seed)
+    got = {}
+    while any(d < n for d, n in zip(eng.done, lens)):
+        ids = [i for i in range(len(lens)) if eng.done[i] < lens[i]]
+        rng.shuffle(ids)
+        ids = ids[: rng.randint(1, len(ids))]
+        ns = [min(rng.choice([1, 1, 5, 17, 40]), lens[i] - eng.done[i]) for i in ids]
+        got.update(eng.step(q, k, v, starts, ids, ns, window))
+    out = torch.stack([got[(i, p)] for i in range(len(lens)) for p in range(lens[i])])
+    return out, (q, k, v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bs", [1, 16, 48])
+def test_bits_equal_varlen_any_schedule_and_placement(dtype, bs):
+    lens = [70, 5, 33, 1]
+    dt = getattr(torch, dtype)
+    out, (q, k, v) = run_schedule(lens, dt, bs, seed=bs)
+    ref = varlen_attention(q, k, v, cu(lens))
+    assert bit_diff(out, ref), bit_diff(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_key_value_views_of_one_buffer(dtype):
+    """The layout of the vLLM backend: overlapping key/value views, doubled block ids."""
+    lens = [45, 12, 64]
+    dt = getattr(torch, dtype)
+    out, (q, k, v) = run_schedule(lens, dt, 16, seed=3, split=True)
+    assert bit_diff(out, varlen_attention(q, k, v, cu(lens)))
+
+
+def test_sliding_window_bits_equal_varlen():
+    lens = [90, 20]
+    out, (q, k, v) = run_schedule(lens, torch.float32, 16, seed=5, window=24)
+    assert bit_diff(out, varlen_attention(q, k, v, cu(lens), window=24))
+
+
+def test_bits_equal_cached_attention_paged_cache():
+    lens = [40, 9]
+    q, k, v = qkv(sum(lens), seed=7)
+    cache = PagedKVCache(10, 16, HKV, D, max_seqs=2)
+    ref = cached_attention(q, k, v, cache, [0, 1], cu(lens))
+    eng = Engine(lens, 16, torch.float32, seed=7)
+    rows = eng.step(q, k, v, [0, lens[0]], [0, 1], lens)
+    out = torch.stack([rows[(i, p)] for i in range(2) for p in range(lens[i])])
+    assert bit_diff(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_accuracy_vs_float64(dtype):
+    lens = [77, 30]
+    dt = getattr(torch, dtype)
+    out, (q, k, v) = run_schedule(lens, dt, 16, seed=11)
+    ref = varlen_attention_f64(q, k, v, cu(lens))
+    tol = contracts.tolerance(OP, dt)
+    assert out.dtype == dt and tol.check(out, ref), tol.max_violation(out, ref)
+
+
+def test_negative_controls_wrong_table_or_position_change_bits():
+    lens = [70]
+    q, k, v = qkv(70, seed=2)
+    ref = varlen_attention(q, k, v, cu(lens))
+    eng = Engine(lens, 16, torch.float32, seed=2)
+    eng.step(q, k, v, [0], [0], [69])  # prefill 69 tokens, then decode the last one ...
+    t = eng.tables[0]
+    eng.bt[0, 0], eng.bt[0, 1] = t[1], t[0]  # ... through a table with two blocks swapped
+    eng.tables[0] = [t[1], t[0], *t[2:]]
+    bad = eng.step(q, k, v, [0], [0], [1])[(0, 69)]
+    assert not bit_diff(bad, ref[69])
+    # a query at the wrong position (seq_lens one too large) differs too
+    eng2 = Engine(lens, 16, torch.float32, seed=2)
+    eng2.step(q, k, v, [0], [0], [60])
+    out = paged_attention(q[60:61], k[60:61], v[60:61], eng2.k, eng2.v, torch.tensor([eng2.slot(0, 60)]),
+                          eng2.bt[:1], 16, cu([1]), torch.tensor([61]))
+    assert bit_diff(out[0], ref[60])
+    eng3 = Engine(lens, 16, torch.float32, seed=2)
+    eng3.step(q, k, v, [0], [0], [60])
+    with pytest.raises(ValueError, match="slot_mapping"):
+        paged_attention(q[60:61], k[60:61], v[60:61], eng3.k, eng3.v, torch.tensor([eng3.slot(0, 60)]),
+                        eng3.bt[:1], 16, cu([1]), torch.tensor([62]))
+
+
+def test_dispatch_and_provenance():
+    lens = [20]
+    q, k, v = qkv(20)
+    eng = Engine(lens, 16, torch.float32)
+    with provenance.record() as recs:
+        eng.step(q, k, v, [0], [0], [20])
+    assert [r.op for r in recs] == [OP] and recs[0].impl_id == "cpu.blocked_online_softmax" and not recs[0].fallback
+    assert not paged_attention(q, k, v, torch.zeros(2, 16, HKV, D), torch.zeros(2, 16, HKV, D),
+                               torch.arange(20), torch.tensor([[0, 1]]), 16, cu(lens), torch.tensor([20])).requires_grad
+
+
+def _args(**over):
+    q, k, v = qkv(4)
+    a = dict(q=q, k_new=k, v_new=v, k_cache=torch.zeros(4, 8, HKV, D), v_cache=torch.zeros(4, 8, HKV, D),
+             slot_mapping=torch.tensor([8, 9, 10, 11]), block_table=torch.tensor([[1, 2]], dtype=torch.int32),
+             block_size=8, cu_seqlens_q=cu([4]), seq_lens=torch.tensor([4]))
+    a.update(over)
+    return a
+
+
+def _call(a):
+    return paged_attention(a["q"], a["k_new"], a["v_new"], a["k_cache"], a["v_cache"], a["slot_mapping"],
+                           a["block_table"], a["block_size"], a["cu_seqlens_q"], a["seq_lens"])
+
+
+def test_valid_base_call():
+    a = _args()
+    q, k, v = a["q"], a["k_new"], a["v_new"]
+    assert bit_diff(_call(a), varlen_attention(q, k, v, cu([4])))
+    assert bit_diff(a["k_cache"][1, :4], k)  # written in place, at the block table's rows
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(k_cache=torch.zeros(4, 8, HKV, D, dtype=torch.bfloat16)), "k_cache"),
+    (dict(v_cache=torch.zeros(4, 8, 1, D)), "v_cache"),
+    (dict(k_cache=torch.zeros(8, 4, HKV, D).transpose(0, 1)), "k_cache"),
+    (dict(block_size=0), "block_size"),
+    (dict(block_size=4), "k_cache"),
+    (dict(slot_mapping=torch.tensor([8, 9, 10])), "slot_mapping"),
+    (dict(slot_mapping=torch.tensor([8.0, 9, 10, 11])), "slot_mapping"),
+    (dict(slot_mapping=torch.tensor([0, 1, 2, 3])), "slot_mapping"),
+    (dict(block_table=torch.tensor([1, 2])), "block_table"),
+    (dict(block_table=torch.tensor([[9, 2]])), "block_table"),
+    (dict(seq_lens=torch.tensor([3])), "seq_lens"),
+    (dict(seq_lens=torch.tensor([17])), "block_table"),
+    (dict(seq_lens=torch.tensor([4, 4])), "block_table"),
+    (dict(seq_lens=torch.tensor([4, 4]), block_table=torch.tensor([[1, 2], [3, 0]])), "cu_seqlens_q"),
+    (dict(cu_seqlens_q=cu([3])), "cu_seqlens_q"),
+    (dict(k_new=torch.zeros(4, 3, D)), "k_new"),
+    (dict(q=torch.full((4, HKV * G, D), float("nan"))), "q"),
+])
+def test_bad_input_names_the_argument(over, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        _call(_args(**over))
+
+
+# --------------------------------------------------------------------------- GPU (the device run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [False, True], ids=["separate", "vllm-split-views"])
+def test_gpu_paged_attention_bits_equal_varlen(dtype, split):
+    """On CUDA, paged_attention dispatches to the Triton ``attention.cached_attention`` and, for
+    vLLM's split key/value views of one buffer too, every row equals varlen_attention's."""
+    lens = [200, 7, 129, 64]
+    dt = getattr(torch, dtype)
+    with provenance.record() as recs:
+        out, (q, k, v) = run_schedule(lens, dt, 16, seed=21, split=split, device="cuda")
+    assert recs and {r.impl_id for r in recs} == {"triton.blocked_online_softmax"} and not any(r.fallback for r in recs)
+    ref = varlen_attention(q, k, v, cu(lens).cuda())
+    assert bit_diff(out, ref), bit_diff(out, ref)
+    acc = varlen_attention_f64(q.cpu(), k.cpu(), v.cpu(), cu(lens))
+    tol = contracts.tolerance(OP, dt)
+    assert tol.check(out.cpu(), acc), tol.max_violation(out.cpu(), acc)
+
+
+@pytest.mark.gpu
+def test_gpu_paged_attention_profiler_names():
+    from tests.backends.shared.triton._rowwise_common import check_profiler_names
+
+    lens = [40, 3]
+
+    def call():
+        run_schedule(lens, torch.bfloat16, 16, seed=4, split=True, device="cuda")
+
+    check_profiler_names("rl_engine.backends.shared.triton.attention.kernels", call, {"rlk_attn"}, "paged_attention")

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One GPU job for everything under backends/shared/triton: environment, every `gpu`-marked test
+# of the tree (parallel workers, then the bounded-performance smoke alone), and the GPU
+# benchmarks. Logs, junit XML, the tests' evidence JSON and benchmark JSON go to $OUT.
+#
+#   STEPS="tests bench_attention bench_logprob bench_gemm" bash tools/benchmarking/gpu_all_run.sh
+#
+# Carry .whl (pydantic & deps and the Liger-Kernel wheel, missing on the device image; see
+# reports/gpu/README.md). Each step has its own timeout (*_TIMEOUT, seconds) so one call of the
+# device tool (600 s) can hold them; TESTS / KEXPR narrow the test run.
+set -uo pipefail
+OUT=${OUT:-/tmp/rlk_gpu_out}
+FINAL=$OUT; OUT=/tmp/rlk_gpu_work; rm -rf "$OUT"  # at most 8 files come back: pack at the end
+STEPS=${STEPS:-"tests bench_attention bench_logprob"}
+mkdir -p "$OUT/evidence"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+  export PYTHONPATH="$PWD:/tmp/site"
+else
+  export PYTHONPATH="$PWD"
+fi
+export RLK_EVIDENCE_DIR="$OUT/evidence" TRITON_CACHE_DIR=/tmp/rlk_triton_cache
+{
+  echo "== env $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, triton, pydantic, hypothesis, pytest; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'pydantic', pydantic.__version__, 'hypothesis', hypothesis.__version__, 'pytest', pytest.__version__); print(torch.cuda.get_device_name(0))"
+} 2>&1 | tee "$OUT/env.txt"
+TESTS=${TESTS:-tests}
+for step in $STEPS; do
+  t0=$(date +%s)
+  case $step in
+    tests)
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest $TESTS -m gpu -n ${XDIST:-8} -p no:cacheprovider -rs \
+        -k "${KEXPR:-not bounded_performance}" --durations=25 --junitxml="$OUT/pytest_gpu.xml" 2>&1 \
+        | grep -v -e PytestBenchmarkWarning -e 'warner(' > "$OUT/pytest_gpu.log"
+      grep -E "(FAILED|ERROR|SKIPPED)" "$OUT/pytest_gpu.log" | head -40; tail -3 "$OUT/pytest_gpu.log"
+      timeout ${PERF_TIMEOUT:-120} python3 -m pytest $TESTS -m gpu -n 0 -p no:cacheprovider -rs -k bounded_performance \
+        --junitxml="$OUT/pytest_gpu_perf.xml" 2>&1 | grep -v -e PytestBenchmarkWarning -e 'warner(' > "$OUT/pytest_gpu_perf.log"
+      tail -3 "$OUT/pytest_gpu_perf.log" ;;
+    bench_attention)
+      timeout ${BENCH_ATTENTION_TIMEOUT:-150} python3 benchmarks/operators/bench_attention_gpu.py --out "$OUT/bench_attention_gpu.json" \
+        ${BENCH_ATTENTION_ARGS:-} > "$OUT/bench_attention_gpu.log" 2>&1; tail -25 "$OUT/bench_attention_gpu.log" ;;
+    bench_logprob)
+      timeout ${BENCH_LOGPROB_TIMEOUT:-150} python3 benchmarks/operators/bench_linear_logprob_gpu.py --out "$OUT/bench_linear_logprob_gpu.json" \
+        ${BENCH_LOGPROB_ARGS:-} > "$OUT/bench_linear_logprob_gpu.log" 2>&1; tail -25 "$OUT/bench_linear_logprob_gpu.log" ;;
+    bench_gemm)
+      timeout ${BENCH_GEMM_TIMEOUT:-150} python3 benchmarks/operators/bench_gemm_gpu.py --out "$OUT/bench_gemm_gpu.json" \
+        ${BENCH_GEMM_ARGS:-} > "$OUT/bench_gemm_gpu.log" 2>&1; tail -32 "$OUT/bench_gemm_gpu.log" ;;
+  esac
+  echo "== step $step took $(( $(date +%s) - t0 )) s"
+done 2>&1 | tee "$OUT/run.log"
+# the device tool returns at most 8 files: run.log and the benchmark JSON as they are, the rest packed
+mkdir -p "$FINAL"; cp "$OUT/run.log" "$FINAL/"; cp "$OUT"/bench_*.json "$FINAL/" 2>/dev/null
+tar -C "$OUT" -czf "$FINAL/results.tgz" .; ls -la "$FINAL"
