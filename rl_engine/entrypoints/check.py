@@ -6,7 +6,10 @@ HF Qwen3 checkpoint directory instead. ``--plan P/P`` runs native torch on both 
 negative control, which is expected to report mismatches. See docs/check.md for the JSON fields.
 ``--engine hf`` runs the same flow through transformers instead of the reference executors:
 ``generate`` is the rollout and the model's training forward the train side, with rl_engine
-installed (plan ``R/R``) or unpatched (``P/P``); see docs/integrations/hf.md.
+installed (plan ``R/R``) or unpatched (``P/P``); see docs/integrations/hf.md. ``--engine vllm``
+(in the vLLM environment, ``.venv-vllm``) makes vLLM the rollout engine — with the rl_engine
+vLLM plugin (rollout ``R``) or native (``P``) — and scores its samples with rl_engine's Qwen3 and
+with transformers (train ``R``: rl_engine operators, ``P``: native); see docs/check.md.
 
 Exit codes: ``0`` every active token raw-bit equal on every layout; ``1`` at least one
 mismatch (or nothing compared); ``2`` usage error, or a model/device that cannot be loaded or
@@ -36,6 +39,7 @@ SMALL_MODEL_PARAMS = 50_000_000
 class Engine(str, enum.Enum):
     reference = "reference"
     hf = "hf"
+    vllm = "vllm"
 
 
 class DType(str, enum.Enum):
@@ -50,13 +54,15 @@ def _fmt(v: float) -> str:
 def render(result: dict[str, Any], console: Console) -> None:
     """Human summary of a :func:`~rl_engine.validation.parity.run_parity` result."""
     ro = result["rollout"]
+    engine = f"  engine={result['engine']}" if "engine" in result else ""
     console.print(
         f"[bold]rlk check[/bold]  model={result['model']}  dtype={result['dtype']}  device={result['device']}  "
-        f"plan={result['plan']}"
+        f"plan={result['plan']}{engine}"
     )
+    steps = (f"{ro['steps']} steps, {ro['distinct_batch_compositions']} distinct batch compositions"
+             if ro.get("steps") is not None else f"continuous batching of up to {ro['max_sequences_per_step']} sequences")
     console.print(
-        f"rollout: {result['num_prompts']} prompts, {ro['active_tokens']} sampled tokens, {ro['steps']} steps, "
-        f"{ro['distinct_batch_compositions']} distinct batch compositions "
+        f"rollout: {result['num_prompts']} prompts, {ro['active_tokens']} sampled tokens, {steps} "
         f"(temperature={result['sampling']['temperature']}, top_k={result['sampling']['top_k']}, "
         f"top_p={result['sampling']['top_p']})"
     )
@@ -96,7 +102,7 @@ def command(
     plan: str = typer.Option("R/R", "--plan", help="train/rollout implementations: R/R (rl-kernel), P/P (native torch), P/R, R/P."),
     threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads while checking; 0 = auto (1 for models under 50M parameters, else torch's default)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-    engine: Engine = typer.Option(Engine.reference, "--engine", help="reference: rl-kernel's executors; hf: transformers generate vs its training forward (plans R/R or P/P)."),
+    engine: Engine = typer.Option(Engine.reference, "--engine", help="reference: rl-kernel's executors; hf: transformers generate vs its training forward (plans R/R or P/P); vllm: vLLM generate (plugin on: rollout R, off: P) vs rl_engine/transformers scoring (needs the vLLM env: .venv-vllm/bin/rlk)."),
 ) -> None:
     """Check that train and rollout log-probs of every active token are raw-bit equal.
 
@@ -127,6 +133,9 @@ def command(
     cfg = ParityConfig(model=model, dtype=dtype.value, device=device, num_prompts=num_prompts,
                        max_new_tokens=max_new_tokens, seed=seed, temperature=temperature, top_k=top_k,
                        top_p=top_p, plan=plan)
+    if engine is Engine.vllm:
+        _check_vllm(cfg, threads, as_json, err)
+        return
     try:
         if engine is Engine.hf:
             from rl_engine.integrations.common.hf_check import load_hf_model, run_hf_parity
@@ -169,6 +178,50 @@ def command(
         torch.set_num_threads(previous)
     if model is not None:
         result["model"] = model
+    if as_json:
+        sys.stdout.write(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    else:
+        render(result, Console() if sys.stdout.isatty() else Console(width=110))
+    if not result["passed"]:
+        raise typer.Exit(EXIT_MISMATCH)
+
+
+def _check_vllm(cfg, threads: int, as_json: bool, err: Console) -> None:
+    """``--engine vllm``: :func:`~rl_engine.integrations.common.vllm_check.run_vllm_parity`."""
+    import torch
+
+    from rl_engine.integrations.common.vllm_check import VllmUnavailable, require_vllm, run_vllm_parity
+    from rl_engine.models.qwen3 import ModelLoadError
+    from rl_engine.runtime import NoEligibleImplementation
+
+    try:
+        require_vllm()
+    except VllmUnavailable as exc:
+        print(f"rlk check: {exc}", file=sys.stderr)
+        raise typer.Exit(EXIT_USAGE) from exc
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("rlk check --engine vllm", total=1)
+
+            def progress(stage: str, done: int, total: int) -> None:
+                bar.update(task, description=stage, completed=done, total=total)
+
+            try:
+                result = run_vllm_parity(cfg, progress=progress)
+            except NoEligibleImplementation as exc:
+                print(f"rlk check: no rl-kernel implementation can run this check here:\n{exc}", file=sys.stderr)
+                raise typer.Exit(EXIT_USAGE) from exc
+            except (ModelLoadError, ValueError, OSError) as exc:
+                print(f"rlk check: {exc}", file=sys.stderr)
+                raise typer.Exit(EXIT_USAGE) from exc
+            except AssertionError as exc:  # ProvenanceError: a native vLLM operator ran under the plugin
+                print(f"rlk check: {exc}", file=sys.stderr)
+                raise typer.Exit(EXIT_MISMATCH) from exc
+    finally:
+        torch.set_num_threads(previous)
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2, sort_keys=True) + "\n")
     else:

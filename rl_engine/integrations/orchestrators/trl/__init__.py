@@ -17,6 +17,13 @@ Pieces (all per instance, all reversible):
   :func:`rl_engine.ops.loss.grpo_loss` / :func:`~rl_engine.ops.loss.dapo_loss` /
   :func:`~rl_engine.ops.loss.dr_grpo_loss` (+ ``kl_penalty`` k3 when ``beta != 0``).
 
+* :func:`vllm_colocate` — TRL with ``use_vllm=True, vllm_mode="colocate"``: enables the
+  rl_engine vLLM plugin in this process *before* the trainer builds its ``LLM``, then
+  :meth:`VLLMColocate.attach` puts rl_engine into the trainer's forward (as :func:`attach`).
+  vLLM samples and returns each token's log-prob with rl_engine operators, the trainer
+  recomputes it with the same operators, and TRL's own ``sampling/sampling_logp_difference/max``
+  is 0.0 (docs/integrations/trl.md).
+
 TRL computes ``position_ids`` nowhere (HF numbers padded rows physically); the install
 derives logical positions from the padding mask, so TRL's left-padded recompute and
 ``generate`` rotate every token at the same position.
@@ -24,6 +31,7 @@ derives logical positions from the padding mask, so TRL's left-padded recompute 
 
 from __future__ import annotations
 
+import logging
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +40,10 @@ import torch
 
 from rl_engine.integrations.common.hf_install import HFInstall, install
 
-__all__ = ["attach", "Attachment", "LogprobParityMonitor", "RLKGRPOTrainer", "rlk_fused_forward"]
+log = logging.getLogger("rl_engine.integrations.trl")
+
+__all__ = ["attach", "Attachment", "LogprobParityMonitor", "RLKGRPOTrainer", "rlk_fused_forward", "vllm_colocate",
+           "VLLMColocate", "sampling_logp_differences", "SAMPLING_LOGP_DIFF_MAX"]
 
 
 def rlk_fused_forward(self, *args, fused_lm_head: bool = False, labels=None, shift_labels=None,
@@ -110,6 +121,248 @@ def attach(trainer) -> Attachment:
     model.__dict__["_rlk_temperature"] = float(trainer.temperature)
     model.forward = types.MethodType(rlk_fused_forward, model)
     return Attachment(model, inst, previous)
+
+
+#: TRL's per-step metric: ``max |logp_train - logp_vllm|`` over the completion tokens.
+SAMPLING_LOGP_DIFF_MAX = "sampling/sampling_logp_difference/max"
+
+
+def sampling_logp_differences(trainer) -> list[dict[str, float]]:
+    """TRL's logged vLLM-vs-trainer log-prob differences, one row per logging step:
+    ``{"step", "mean", "max"}`` from ``trainer.state.log_history`` (logged when
+    ``vllm_importance_sampling_correction=True``, TRL's default)."""
+    rows = []
+    for r in trainer.state.log_history:
+        if SAMPLING_LOGP_DIFF_MAX in r:
+            rows.append({"step": r.get("step"), "mean": r.get("sampling/sampling_logp_difference/mean"),
+                         "max": r[SAMPLING_LOGP_DIFF_MAX]})
+    return rows
+
+
+def _processed_logprobs_wrapper(native_forward):
+    """A ``TopKTopPSampler.forward_cpu`` / ``forward_native`` whose ``processed_logprobs`` are
+    ``rl_engine.ops.logprob.log_softmax`` of the logits it samples from.
+
+    vLLM's sampler calls it with fp32 logits already divided by the temperature (``div_``);
+    without top-k / top-p those logits are what vLLM's native ``log_softmax`` would see, so
+    ours is computed first (sampling may reuse the buffer) and vLLM's is skipped. With a
+    filter on, the native value stands and is counted as a native forward (raises in strict
+    mode): rl_engine does not implement vLLM's filters.
+    """
+    from rl_engine.integrations.engines.rollout.vllm import stats
+
+    def forward(self, logits, generators, k, p):
+        if self.logprobs_mode != "processed_logprobs":
+            return native_forward(self, logits, generators, k, p)
+        if k is not None or p is not None:
+            stats.native("Sampler.processed_logprobs")
+            return native_forward(self, logits, generators, k, p)
+        from rl_engine.ops.logprob import log_softmax
+
+        ours = stats.run("Sampler.processed_logprobs", log_softmax, logits.float().contiguous())
+        self.logprobs_mode = "raw_logprobs"  # the native path then returns no log-probs of its own
+        try:
+            sampled, _ = native_forward(self, logits, generators, k, p)
+        finally:
+            self.logprobs_mode = "processed_logprobs"
+        return sampled, ours
+
+    forward.__qualname__ = f"rlk_processed_logprobs[{getattr(native_forward, '__name__', 'forward')}]"
+    return forward
+
+
+class VLLMColocate:
+    """TRL GRPO with vLLM colocated, rl_engine on both sides (made by :func:`vllm_colocate`).
+
+    Lifecycle: the plugin is installed when the object is made, TRL's ``LLM`` call gets
+    ``llm_kwargs`` and vLLM's top-k/top-p sampler returns rl_engine's processed log-probs (so
+    the ``LLM`` that ``GRPOTrainer.__init__`` builds runs rl_engine layers, attention and
+    log-probs);
+    :meth:`attach` installs rl_engine into the trainer's model (:func:`attach`) and zeroes the
+    vLLM-side counts; :meth:`provenance` / :meth:`assert_no_fallbacks` read what vLLM ran;
+    :meth:`close` detaches the trainer side, restores TRL's ``LLM`` and vLLM's sampler, and
+    uninstalls the plugin (if this object installed it).
+    """
+
+    #: Sampling options whose non-default value makes vLLM's processed log-prob differ *by
+    #: definition* from the trainer's ``log softmax(z / T)`` (a filtered / penalised distribution).
+    _FILTERS = (("top_k", (0, -1, None)), ("top_p", (1.0, None)), ("min_p", (0.0, None)), ("repetition_penalty", (1.0, None)))
+
+    def __init__(self, strict: bool = True, llm_kwargs: dict[str, Any] | None = None) -> None:
+        import trl.generation.vllm_generation as trl_vllm
+
+        from rl_engine.integrations.engines.rollout import vllm as rlk_vllm
+
+        self.strict = bool(strict)
+        self.llm_kwargs = {"enforce_eager": True, **(llm_kwargs or {})}
+        self._vllm = rlk_vllm
+        mode = rlk_vllm.installed_mode()
+        if mode is not None and mode != ("strict" if self.strict else "diagnostic"):
+            raise RuntimeError(f"strict: the rl_engine vLLM plugin is already installed in {mode!r} mode here; "
+                               f"uninstall it first or pass strict={mode == 'strict'}")
+        if getattr(trl_vllm.LLM, "_rlk_colocate", False):
+            raise RuntimeError("vllm_colocate: another vllm_colocate session is open in this process; close it first")
+        self._installed_here = mode is None
+        if self._installed_here:
+            rlk_vllm.install(strict=self.strict)
+        # TRL asks vLLM for processed log-probs: computed in the top-k/top-p sampler, which the
+        # plugin leaves native. Route them through rl_engine (class attributes, restored on close;
+        # a sampler binds its forward when built, so this precedes the trainer's LLM).
+        from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+        self._sampler_patches = [(name, TopKTopPSampler.__dict__[name]) for name in ("forward_cpu", "forward_native")]
+        for name, fn in self._sampler_patches:
+            setattr(TopKTopPSampler, name, _processed_logprobs_wrapper(fn))
+            log.info("rl_engine: vLLM TopKTopPSampler.%s processed_logprobs -> rl_engine.ops.logprob.log_softmax", name)
+        # TRL builds its LLM with neither enforce_eager nor dtype; the rl_engine layers run eagerly
+        # (vLLM would otherwise torch.compile the model around them), so TRL's LLM gets llm_kwargs.
+        self._trl_vllm, self._trl_llm = trl_vllm, trl_vllm.LLM
+        original, extra = trl_vllm.LLM, self.llm_kwargs
+
+        def build_llm(*args, **kwargs):
+            kwargs.update(extra)
+            return original(*args, **kwargs)
+
+        build_llm._rlk_colocate = True  # type: ignore[attr-defined]
+        trl_vllm.LLM = build_llm
+        log.info("rl_engine: trl.generation.vllm_generation.LLM -> LLM(..., %s)",
+                 ", ".join(f"{k}={v!r}" for k, v in self.llm_kwargs.items()))
+        self.trainer = None
+        self.attachment: Attachment | None = None
+        self.active = True
+
+    def attach(self, trainer) -> Attachment:
+        """Install rl_engine into ``trainer.model`` (:func:`attach`) after checking that the
+        trainer samples with a colocated vLLM built under the plugin.
+
+        Raises:
+            ValueError: ``args.use_vllm`` is off, ``args.vllm_mode`` is not ``"colocate"``, or a
+                sampling filter (``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``) is on —
+                vLLM's processed log-prob is then that of another distribution than the
+                trainer's ``log softmax(z / T)``.
+            RuntimeError: the trainer's ``LLM`` does not run the plugin (built before it was
+                installed, or in another process).
+        """
+        if not self.active:
+            raise RuntimeError("trainer: this vllm_colocate session is closed")
+        if not getattr(trainer, "use_vllm", False) or getattr(trainer, "vllm_mode", None) != "colocate":
+            raise ValueError("trainer: expected a GRPOTrainer with args.use_vllm=True and args.vllm_mode='colocate', got "
+                             f"use_vllm={getattr(trainer, 'use_vllm', None)!r}, vllm_mode={getattr(trainer, 'vllm_mode', None)!r}")
+        for name, neutral in self._FILTERS:
+            value = getattr(trainer, name, None)
+            if value not in neutral:
+                raise ValueError(f"args.{name}: {value!r} filters or penalises the sampling distribution, so vLLM's "
+                                 f"log-prob is not the trainer's log softmax(z / T); use {name}={neutral[0]!r}")
+        llm = self.llm_of(trainer)
+        try:
+            prov = self._vllm.vllm_provenance(llm)
+        except AssertionError:  # ProvenanceError: a worker without the plugin
+            prov = []
+        if not prov or not all(p.get("installed") for p in prov):
+            raise RuntimeError("trainer: its vLLM engine does not run the rl_engine plugin (build the GRPOTrainer "
+                               "inside vllm_colocate(), after the plugin is installed)")
+        self.trainer = trainer
+        self.attachment = attach(trainer)
+        self._vllm.reset_provenance(llm)
+        return self.attachment
+
+    @staticmethod
+    def llm_of(trainer):
+        """The ``vllm.LLM`` TRL built for ``trainer`` (``trainer.vllm_generation.llm``)."""
+        gen = getattr(trainer, "vllm_generation", None)
+        llm = getattr(gen, "llm", None)
+        if llm is None:
+            raise ValueError("trainer: no colocated vLLM engine (trainer.vllm_generation.llm) was found")
+        return llm
+
+    def provenance(self) -> list[dict[str, Any]]:
+        """What every vLLM worker ran since :meth:`attach` (see ``vllm_provenance``)."""
+        if self.trainer is None:
+            raise RuntimeError("trainer: call attach(trainer) first")
+        return self._vllm.vllm_provenance(self.llm_of(self.trainer))
+
+    #: What a TRL colocated generation must run in vLLM: every Qwen3 kind, with the returned
+    #: log-probs from the sampler's processed path (TRL samples; ``compute_logprobs`` serves
+    #: only greedy requests there).
+    REQUIRED_KINDS = ("RMSNorm", "SiluAndMul", "RotaryEmbedding", "QKVParallelLinear", "MergedColumnParallelLinear",
+                      "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "Attention",
+                      "Sampler.processed_logprobs")
+
+    def assert_no_fallbacks(self) -> list[dict[str, Any]]:
+        """:meth:`provenance`, checked: plugin installed, zero native forwards, no rl_engine
+        fallback, every kind of :data:`REQUIRED_KINDS` ran (raises ``ProvenanceError`` otherwise)."""
+        prov = self.provenance()
+        self._vllm.assert_no_fallbacks(prov, require=self.REQUIRED_KINDS)
+        return prov
+
+    def close(self) -> None:
+        """Detach the trainer side; uninstall the plugin if this session installed it."""
+        if not self.active:
+            return
+        if self.attachment is not None:
+            self.attachment.detach()
+        self._trl_vllm.LLM = self._trl_llm
+        from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+        for name, fn in self._sampler_patches:
+            setattr(TopKTopPSampler, name, fn)
+        if self._installed_here:
+            self._vllm.uninstall()
+        self.active = False
+
+    def __enter__(self) -> "VLLMColocate":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def vllm_colocate(*, strict: bool = True, llm_kwargs: dict[str, Any] | None = None) -> VLLMColocate:
+    """Enable rl_engine on both sides of TRL's GRPO with a colocated vLLM (use as a context manager).
+
+    ::
+
+        with vllm_colocate() as colocate:           # the vLLM plugin is on in this process
+            trainer = GRPOTrainer(..., args=GRPOConfig(use_vllm=True, vllm_mode="colocate", ...))
+            colocate.attach(trainer)                 # rl_engine in the trainer's forward
+            trainer.train()
+            colocate.assert_no_fallbacks()           # vLLM ran only rl_engine operators
+        sampling_logp_differences(trainer)           # TRL's metric: max == 0.0 at every step
+
+    What makes TRL's ``sampling/sampling_logp_difference/max`` exactly 0: TRL builds its
+    ``LLM`` with ``logprobs_mode="processed_logprobs"`` (``log softmax(z / T)`` of the sampled
+    token, with the fp32 division ``z / T`` vLLM applies before sampling) and ``logprobs=0``;
+    under the plugin vLLM's layers, paged attention and LM head are rl_engine operators (linear
+    weights stay plain parameters with their ``weight_loader``, so TRL's ``load_weights`` sync
+    works on CPU), and this session routes that processed log-softmax, which vLLM computes in
+    its top-k/top-p sampler, through ``rl_engine.ops.logprob.log_softmax`` (counted as
+    ``Sampler.processed_logprobs`` in the vLLM provenance). The trainer recomputes each completion token with
+    ``_get_per_token_logps_and_entropies`` → ``model(..., fused_lm_head=True)``, which
+    :func:`attach` serves with ``gemm.linear`` + ``logprob.token_logprobs(z, T)`` on a model
+    whose modules and attention are rl_engine's (HF install, logical positions under left
+    padding). Same operators, same per-row arithmetic (row- and batch-invariant by contract):
+    the same bits. Both sides must run one dtype (see ``llm_kwargs``).
+
+    TRL's ``LLM(...)`` call gets ``llm_kwargs`` added (while the session is open): by default
+    ``enforce_eager=True`` — the rl_engine layers run eagerly, and TRL passes no such option
+    (vLLM would compile the model with ``torch.compile``). ``llm_kwargs={"dtype": "float32"}``
+    keeps a float32 checkpoint in float32 (TRL passes no ``dtype``: vLLM's ``"auto"`` runs a
+    float32 checkpoint in bf16 on CPU, so the trainer would have to run bf16).
+
+    Args:
+        strict: the plugin's strict mode (a native vLLM forward of a replaced kind raises).
+        llm_kwargs: extra ``vllm.LLM`` arguments for TRL's engine (override TRL's).
+
+    Raises:
+        ImportError: vLLM is not importable (run in the vLLM environment, ``.venv-vllm``).
+        RuntimeError: the plugin is already installed here in the other mode.
+    """
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:
+        raise ImportError(f"vllm_colocate needs vLLM, which is not importable here ({type(exc).__name__}: {exc}); "
+                          "run it in the vLLM environment (.venv-vllm, created by `make test`)") from exc
+    return VLLMColocate(strict=strict, llm_kwargs=llm_kwargs)
 
 
 def _key(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion: torch.Tensor, n: int) -> tuple:
