@@ -161,9 +161,10 @@ def linear_token_logprobs(
         ``(logprobs, entropy)`` when ``return_entropy``.
 
     Args:
-        token_chunk: rows per chunk (any positive int; default 256).
+        token_chunk: rows per chunk (any positive int; default: CPU 256, GPU sized from a memory
+            budget, see docs/operators/logprob.md). No value changes a bit.
         vocab_chunk: vocabulary columns per chunk, a positive multiple of :data:`VOCAB_BLOCK`
-            (default 4096).
+            (default: CPU 4096, GPU sized from a memory budget). No value changes a bit.
 
     Contract ``logprob.linear_token_logprobs``: **raw-bit equal** to
     ``token_logprobs(gemm.linear(hidden, weight), targets, temperature)`` (and the entropy to

@@ -61,7 +61,8 @@ def rlk_tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M
 @triton.jit
 def rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
               stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-              HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INDEX_64: tl.constexpr,
+              HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+              IEEE: tl.constexpr, INDEX_64: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """``C[m, n] = Σ_k A[m, k] B[n, k] (+ bias[n])``, fp32 accumulation from k = 0 upwards."""
     pid_m, pid_n = rlk_tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -71,9 +72,20 @@ def rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
         offs_m = offs_m.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
     # Rows/columns past the edge load row/column 0 instead (always valid memory) and are never
-    # stored: an output element reads only its own row of A and its own row of B.
-    ld_m = tl.where(offs_m < M, offs_m, 0)
-    ld_n = tl.where(offs_n < N, offs_n, 0)
+    # stored: an output element reads only its own row of A and its own row of B. When the tile
+    # divides M (N) there is no such row (column): the offsets stay a plain arange, whose
+    # contiguity the compiler can see. (A ``tl.where`` hides it: in dx and dW the operand whose
+    # contiguous dimension is M or N then fell back to scalar 2-byte loads without cp.async —
+    # the fused LM head's dx/dW products ran ~20x slow on the H200.) Loads only: the arithmetic
+    # of every stored element is unchanged.
+    if EVEN_M:
+        ld_m = offs_m
+    else:
+        ld_m = tl.where(offs_m < M, offs_m, 0)
+    if EVEN_N:
+        ld_n = offs_n
+    else:
+        ld_n = tl.where(offs_n < N, offs_n, 0)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + ld_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + ld_n[None, :] * stride_bn
@@ -102,28 +114,31 @@ def rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
 @triton.jit(do_not_specialize=["M", "N"])
 def rlk_linear_fwd(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INDEX_64: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                   IEEE: tl.constexpr, INDEX_64: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-              HAS_BIAS, EVEN_K, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+              HAS_BIAS, EVEN_K, EVEN_M, EVEN_N, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
 @triton.jit(do_not_specialize=["M"])
 def rlk_linear_dx(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                   stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INDEX_64: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                  IEEE: tl.constexpr, INDEX_64: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-              HAS_BIAS, EVEN_K, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+              HAS_BIAS, EVEN_K, EVEN_M, EVEN_N, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
 @triton.jit(do_not_specialize=["K"])
 def rlk_linear_dw(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                   stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INDEX_64: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                  IEEE: tl.constexpr, INDEX_64: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-              HAS_BIAS, EVEN_K, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+              HAS_BIAS, EVEN_K, EVEN_M, EVEN_N, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
 @triton.jit(do_not_specialize=["M", "N"])
@@ -203,7 +218,8 @@ def _launch_abt(kernel, a, b, c, bias, M, N, K, sa, sb, sc, cfg: TileConfig) -> 
     kernel[grid](
         a, b, c, bias if bias is not None else c, M, N, K,
         sa[0], sa[1], sb[0], sb[1], sc[0], sc[1],
-        HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0, IEEE=a.dtype == torch.float32,
+        HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0, EVEN_M=M % cfg.block_m == 0,
+        EVEN_N=N % cfg.block_n == 0, IEEE=a.dtype == torch.float32,
         INDEX_64=_needs_i64(a, b, c),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -32,7 +32,7 @@ __all__ = ["VOCAB_BLOCK", "forward", "log_softmax_backward", "token_logprobs_bac
 
 KERNEL_NAMES = ("rlk_logprob_fwd", "rlk_log_softmax_bwd", "rlk_token_logprobs_bwd", "rlk_entropy_bwd")
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
-DEVICE_FUNCTIONS = ("rlk_load_z",)
+DEVICE_FUNCTIONS = ("rlk_load_z", "rlk_lse_merge_block", "rlk_lse_finish")
 #: The canonical vocabulary block (= ``rl_engine.ops.logprob.VOCAB_BLOCK``).
 VOCAB_BLOCK = 1024
 _WARPS = 4
@@ -52,6 +52,37 @@ def rlk_load_z(x_ptr, offs, mask, temperature, HAS_TEMP: tl.constexpr):
     return z
 
 
+@triton.jit
+def rlk_lse_merge_block(z, m, s, t, ENTROPY: tl.constexpr):
+    """Steps 1-2 of the canonical log-sum-exp for one ``VOCAB_BLOCK`` of fp32 values ``z``: the
+    block's (m_b, s_b, t_b) folded into the running scalars ``(m, s, t)`` (``t`` only with
+    ``ENTROPY``). The one copy of these expressions: ``rlk_logprob_fwd`` and the fused LM head's
+    ``rlk_linear_logprob_fold`` both call it, so equal blocks in equal order give equal bits."""
+    m_b = tl.max(z, axis=0) + 0.0  # + 0.0 turns a -0 maximum into +0
+    shift = tl.where(m_b == float("-inf"), 0.0, m_b)
+    d = z - shift
+    e = tl.exp(d)
+    s_b = tl.sum(e, axis=0)
+    m_new = tl.maximum(m, m_b)
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    d_old = tl.maximum(m - ref, _NEG_MAX)
+    d_b = tl.maximum(m_b - ref, _NEG_MAX)
+    a_old = tl.exp(d_old)
+    a_b = tl.exp(d_b)
+    if ENTROPY:
+        t_b = tl.sum(e * tl.maximum(d, _NEG_MAX), axis=0)
+        t = (a_old * t + (a_old * d_old) * s) + (a_b * t_b + (a_b * d_b) * s_b)
+    s = s * a_old + s_b * a_b
+    return m_new, s, t
+
+
+@triton.jit
+def rlk_lse_finish(m, s, t):
+    """Step 3: ``(lse, entropy) = (m + log s, log s − t / s)`` of the finished running state."""
+    log_s = tl.log(s)
+    return m + log_s, log_s - tl.div_rn(t, s)
+
+
 @triton.jit(do_not_specialize=["R"])
 def rlk_logprob_fwd(x_ptr, tgt_ptr, ls_ptr, lp_ptr, lse_ptr, ent_ptr, R, V, temperature,
                     HAS_TEMP: tl.constexpr, HAS_TARGETS: tl.constexpr, ENTROPY: tl.constexpr,
@@ -65,27 +96,11 @@ def rlk_logprob_fwd(x_ptr, tgt_ptr, ls_ptr, lp_ptr, lse_ptr, ent_ptr, R, V, temp
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + cols
         z = rlk_load_z(x_ptr, base + idx, idx < V, temperature, HAS_TEMP)
-        m_b = tl.max(z, axis=0) + 0.0  # + 0.0 turns a -0 maximum into +0
-        shift = tl.where(m_b == float("-inf"), 0.0, m_b)
-        d = z - shift
-        e = tl.exp(d)
-        s_b = tl.sum(e, axis=0)
-        m_new = tl.maximum(m, m_b)
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        d_old = tl.maximum(m - ref, _NEG_MAX)
-        d_b = tl.maximum(m_b - ref, _NEG_MAX)
-        a_old = tl.exp(d_old)
-        a_b = tl.exp(d_b)
-        if ENTROPY:
-            t_b = tl.sum(e * tl.maximum(d, _NEG_MAX), axis=0)
-            t = (a_old * t + (a_old * d_old) * s) + (a_b * t_b + (a_b * d_b) * s_b)
-        s = s * a_old + s_b * a_b
-        m = m_new
-    log_s = tl.log(s)
-    lse = m + log_s
+        m, s, t = rlk_lse_merge_block(z, m, s, t, ENTROPY)
+    lse, ent = rlk_lse_finish(m, s, t)
     tl.store(lse_ptr + row, lse)
     if ENTROPY:
-        tl.store(ent_ptr + row, log_s - tl.div_rn(t, s))
+        tl.store(ent_ptr + row, ent)
     if HAS_TARGETS:
         tgt = tl.load(tgt_ptr + row).to(tl.int64)
         z_t = tl.load(x_ptr + base + tgt).to(tl.float32)
