@@ -21,10 +21,17 @@ plus ``time_ratio`` = ours / SDPA p50 and ``throughput_ratio`` = its inverse. Th
 public entry points add host-side validation (a device sync for ``cu_seqlens``, the finite-input
 scan, cache planning) that is not part of these numbers.
 
+``--configs all`` also times every candidate launch configuration of
+``kernels.CANDIDATE_CONFIGS`` (rows ``rlk.triton.blocked_online_softmax@m128_w8_s2`` etc.;
+prefill/decode: forward candidates, train: backward candidates after the shipped forward) and
+the report's ``best`` lists the fastest configuration per case, to be copied into the config
+tables (every candidate is proven raw-bit equal to the shipped ones by the GPU tests).
+
 Usage::
 
     python benchmarks/operators/bench_attention_gpu.py --out reports/gpu/bench_attention_gpu.json
     python benchmarks/operators/bench_attention_gpu.py --out /tmp/a.json --quick   # smoke run
+    python benchmarks/operators/bench_attention_gpu.py --out /tmp/c.json --configs all --kinds prefill,decode
 """
 
 from __future__ import annotations
@@ -96,7 +103,16 @@ def time_eager(fn: Callable[[], object], *, n: int, repeats: int, warmup: int = 
     return out
 
 
-def prefill_case(B: int, S: int):
+OURS = "rlk.triton.blocked_online_softmax"
+
+
+def _candidates(kind: str, all_configs: bool):
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    return K.CANDIDATE_CONFIGS[kind] if all_configs else ()
+
+
+def prefill_case(B: int, S: int, all_configs: bool = False):
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     g = torch.Generator(device="cuda").manual_seed(B * S)
@@ -109,10 +125,12 @@ def prefill_case(B: int, S: int):
         "rlk.triton.blocked_online_softmax": lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None),
         "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
     }
+    for c in _candidates("prefill", all_configs):
+        impls[f"{OURS}@{c.key}"] = lambda c=c: K.varlen_forward(q, k, v, cu, D**-0.5, None, config=c)
     return impls, flop, {"B": B, "S": S, "tokens": T}
 
 
-def decode_case(B: int, ctx: int):
+def decode_case(B: int, ctx: int, all_configs: bool = False):
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     g = torch.Generator(device="cuda").manual_seed(B + ctx)
@@ -138,11 +156,17 @@ def decode_case(B: int, ctx: int):
                                                                               q_seq, q_pos, D**-0.5, None),
         "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
     }
+    for c in _candidates("decode", all_configs):
+        impls[f"{OURS}@{c.key}"] = lambda c=c: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5,
+                                                                None, path="decode", config=c)
+        impls[f"{OURS}.paged16@{c.key}"] = lambda c=c: K.cached_forward(
+            q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None, path="decode", config=c)
     kv_bytes = 2 * B * ctx * HKV * D * 2
     return impls, kv_bytes, {"B": B, "context": ctx, "sdpa_gqa": "enable_gqa=True (no expanded K/V)"}
 
 
-def train_case(B: int, S: int):
+def train_case(B: int, S: int, all_configs: bool = False):
+    from rl_engine.backends.shared.triton.attention import kernels as K
     from rl_engine.backends.shared.triton.attention import varlen_attention_fwd_triton
 
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -164,20 +188,30 @@ def train_case(B: int, S: int):
         torch.autograd.grad(out, (qs, ks, vs), ups)
 
     flop = 2.5 * 4 * B * HQ * D * S * (S + 1) / 2  # forward + backward (2.5x the forward's matmuls)
-    return {"rlk.triton.blocked_online_softmax": ours, "torch.sdpa": sdpa}, flop, {"B": B, "S": S, "tokens": T}
+    impls = {OURS: ours, "torch.sdpa": sdpa}
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    for c in _candidates("backward", all_configs):
+        def cand(c=c):
+            out, lse, out32 = K.varlen_forward(qd, kd, vd, cu, D**-0.5, None)
+            K.varlen_backward(up, qd, kd, vd, out32, lse, cu, D**-0.5, None, config=c)
+
+        impls[f"{OURS}@bwd_{c.key}"] = cand
+    return impls, flop, {"B": B, "S": S, "tokens": T}
 
 
-def run(quick: bool, repeats: int) -> list[dict]:
+def run(quick: bool, repeats: int, all_configs: bool = False,
+        kinds: Sequence[str] = ("prefill", "decode", "train")) -> list[dict]:
     dev, ver = device_info("cuda"), versions()
     rows: list[dict] = []
     cases: list[tuple[str, Callable]] = []
     prefill = PREFILL[:1] if quick else PREFILL
     for B, S in prefill:
-        cases.append(("prefill", lambda B=B, S=S: prefill_case(B, S)))
+        cases.append(("prefill", lambda B=B, S=S: prefill_case(B, S, all_configs)))
     for B in DECODE_BATCH:
         for ctx in (DECODE_CTX[:2] if quick else DECODE_CTX):
-            cases.append(("decode", lambda B=B, ctx=ctx: decode_case(B, ctx)))
-    cases.append(("train", lambda: train_case(1 if quick else 4, 4096)))
+            cases.append(("decode", lambda B=B, ctx=ctx: decode_case(B, ctx, all_configs)))
+    cases.append(("train", lambda: train_case(1 if quick else 4, 4096, all_configs)))
+    cases = [(kind, make) for kind, make in cases if kind in kinds]
     for kind, make in cases:
         impls, work, cfg = make()
         mode = "eager" if kind == "train" else "graph"
@@ -197,7 +231,7 @@ def run(quick: bool, repeats: int) -> list[dict]:
             rows.append(make_row(benchmark="attention_gpu", op=OP, implementation=name,
                                  config={**cfg, "Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16"}, stats=st,
                                  warmup=3, device=dev, versions=ver, baseline="torch.sdpa", extra=extra))
-            print(f"{kind:7s} {cfg} {name:44s} p50 {st.median * 1e3:10.1f} us  x{extra['time_ratio']:.3f} "
+            print(f"{kind:7s} {cfg} {name:56s} p50 {st.median * 1e3:10.1f} us  x{extra['time_ratio']:.3f} "
                   f"(throughput {extra['throughput_ratio']:.3f} of SDPA)", flush=True)
         del impls
         torch.cuda.empty_cache()
@@ -209,19 +243,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="JSON file for the rows")
     ap.add_argument("--quick", action="store_true", help="smoke run: fewer shapes and samples")
     ap.add_argument("--repeats", type=int, default=None, help="samples per implementation (default 15; quick 3)")
+    ap.add_argument("--configs", choices=("default", "all"), default="default",
+                    help="all: also time every candidate launch configuration (kernels.CANDIDATE_CONFIGS)")
+    ap.add_argument("--kinds", default="prefill,decode,train", help="comma-separated subset of prefill,decode,train")
     args = ap.parse_args(argv)
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    bad = [k for k in kinds if k not in ("prefill", "decode", "train")]
+    if bad or not kinds:
+        ap.error(f"--kinds: expected a subset of prefill,decode,train, got {args.kinds!r}")
     if not torch.cuda.is_available():
         print("bench_attention_gpu: no CUDA device visible", file=sys.stderr)
         return 2
     repeats = args.repeats or (3 if args.quick else 15)
-    rows = run(args.quick, repeats)
+    rows = run(args.quick, repeats, args.configs == "all", kinds)
     target = {"prefill": 0.9, "decode": 0.9}
     summary = [{"kind": r["kind"], "config": r["config"], "implementation": r["implementation"],
                 "throughput_ratio": r["throughput_ratio"],
                 "target": f">= {target[r['kind']]}x SDPA throughput" if r["kind"] in target else "(no target)",
                 "met": (r["throughput_ratio"] >= target[r["kind"]]) if r["kind"] in target else None}
                for r in rows if r["implementation"] != "torch.sdpa"]
-    write_report(rows, args.out, meta={"summary": summary})
+    best = {}
+    for r in rows:
+        if not r["implementation"].startswith(OURS):
+            continue
+        variant = "paged16" if ".paged16" in r["implementation"] else "contiguous"
+        shape = " ".join(f"{k}={r['config'][k]}" for k in ("B", "S", "context") if k in r["config"])
+        key = f"{r['kind']} {variant} {shape}"
+        if key not in best or r["throughput_ratio"] > best[key]["throughput_ratio"]:
+            best[key] = {"implementation": r["implementation"], "throughput_ratio": r["throughput_ratio"]}
+    for key, b in best.items():
+        print(f"best {key:40s} {b['implementation']:56s} throughput {b['throughput_ratio']:.3f} of SDPA")
+    write_report(rows, args.out, meta={"summary": summary, "best": best})
     return 0
 
 

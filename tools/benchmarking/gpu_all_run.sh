@@ -44,6 +44,13 @@ for step in $STEPS; do
     bench_logprob)
       timeout ${BENCH_LOGPROB_TIMEOUT:-150} python3 benchmarks/operators/bench_linear_logprob_gpu.py --out "$OUT/bench_linear_logprob_gpu.json" \
         ${BENCH_LOGPROB_ARGS:-} > "$OUT/bench_linear_logprob_gpu.log" 2>&1; tail -25 "$OUT/bench_linear_logprob_gpu.log" ;;
+    debug_logprob)
+      timeout ${DEBUG_LOGPROB_TIMEOUT:-120} python3 tools/benchmarking/debug_linear_logprob_gpu.py --out "$OUT/debug_linear_logprob.json" \
+        > "$OUT/debug_linear_logprob.log" 2>&1; tail -40 "$OUT/debug_linear_logprob.log" ;;
+    bench_attention_configs)
+      timeout ${BENCH_ATTENTION_CONFIGS_TIMEOUT:-150} python3 benchmarks/operators/bench_attention_gpu.py --configs all \
+        --out "$OUT/bench_attention_configs.json" ${BENCH_ATTENTION_CONFIGS_ARGS:-} > "$OUT/bench_attention_configs.log" 2>&1
+      tail -40 "$OUT/bench_attention_configs.log" ;;
     bench_gemm)
       timeout ${BENCH_GEMM_TIMEOUT:-150} python3 benchmarks/operators/bench_gemm_gpu.py --out "$OUT/bench_gemm_gpu.json" \
         ${BENCH_GEMM_ARGS:-} > "$OUT/bench_gemm_gpu.log" 2>&1; tail -32 "$OUT/bench_gemm_gpu.log" ;;

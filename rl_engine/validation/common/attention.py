@@ -285,7 +285,7 @@ def _sdpa(q, k, v, offset, scale):
     elif n == 1:
         o = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=True)
     else:
-        mask = torch.arange(L)[None, :] <= torch.arange(offset, offset + n)[:, None]
+        mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(offset, offset + n, device=q.device)[:, None]
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
 

@@ -29,14 +29,22 @@ any page size, any packing). The rules that make this true:
   into every row: merging a split the row does not reach, ``(-inf, 0, +0)``, is an exact
   identity (``rlk_attn_merge``). The prefill kernel keeps the merged accumulator in fp32 scratch between
   splits (one accumulator in registers); the store/reload is exact.
-* **Shared device functions** (``rlk_attn_split``, ``rlk_attn_merge``, ``rlk_attn_finish``) are
-  used by every kernel, and every multiply-add that the compiler could contract is written as
-  an explicit ``tl.fma``, so no kernel contracts differently from another.
+* **Shared device functions** (``rlk_attn_block``, ``rlk_attn_split``, ``rlk_attn_merge``,
+  ``rlk_attn_finish``) are used by every kernel; every kernel is compiled with
+  ``enable_fp_fusion=False`` and the wanted multiply-adds are explicit ``tl.fma``, so no kernel
+  or block variant contracts differently from another.
+* **Masks only where needed** (16-bit inputs): a tile walks masked blocks, then the blocks every
+  valid row sees entirely without any mask or select (identities there), then masked blocks;
+  same operations on the visible entries, so the same bits (fp32 walks all blocks masked;
+  ``kernels.FORCE_SPLIT_RUNS`` forces either walk, the tests compare both).
 * **Flash-decoding**: the decode path runs ``rlk_attn_fwd_split`` with grid (tiles, kv heads,
   splits), one 1024-key split per program into an fp32 workspace, then ``rlk_attn_combine``
   folds the splits left to right with the same merge. The prefill path folds the same splits in
   the same order inside one program. ``cached_attention`` picks the path by
   ``kernels.use_decode_path`` (rows per sequence), which cannot change a row's bits.
+* **Tile tables** without host sync: torch ops from ``cu_seqlens`` (train path), one
+  single-program kernel ``rlk_attn_tiles`` from ``q_seq``/``q_pos`` (rollout path: a decode
+  step is three launches, not ~30 small torch kernels and two launches).
 * **Paged cache**: key/value rows of position ``pos`` of batch sequence ``i`` are at storage row
   ``page_rows[i, pos // page_size] + pos % page_size`` (packed varlen layout and contiguous
   caches: one column, row ``page_rows[i, 0] + pos``), gathered per block; positions past the
