@@ -139,43 +139,11 @@ def sampling_logp_differences(trainer) -> list[dict[str, float]]:
     return rows
 
 
-def _processed_logprobs_wrapper(native_forward):
-    """A ``TopKTopPSampler.forward_cpu`` / ``forward_native`` whose ``processed_logprobs`` are
-    ``rl_engine.ops.logprob.log_softmax`` of the logits it samples from.
-
-    vLLM's sampler calls it with fp32 logits already divided by the temperature (``div_``);
-    without top-k / top-p those logits are what vLLM's native ``log_softmax`` would see, so
-    ours is computed first (sampling may reuse the buffer) and vLLM's is skipped. With a
-    filter on, the native value stands and is counted as a native forward (raises in strict
-    mode): rl_engine does not implement vLLM's filters.
-    """
-    from rl_engine.integrations.engines.rollout.vllm import stats
-
-    def forward(self, logits, generators, k, p):
-        if self.logprobs_mode != "processed_logprobs":
-            return native_forward(self, logits, generators, k, p)
-        if k is not None or p is not None:
-            stats.native("Sampler.processed_logprobs")
-            return native_forward(self, logits, generators, k, p)
-        from rl_engine.ops.logprob import log_softmax
-
-        ours = stats.run("Sampler.processed_logprobs", log_softmax, logits.float().contiguous())
-        self.logprobs_mode = "raw_logprobs"  # the native path then returns no log-probs of its own
-        try:
-            sampled, _ = native_forward(self, logits, generators, k, p)
-        finally:
-            self.logprobs_mode = "processed_logprobs"
-        return sampled, ours
-
-    forward.__qualname__ = f"rlk_processed_logprobs[{getattr(native_forward, '__name__', 'forward')}]"
-    return forward
-
-
 class VLLMColocate:
     """TRL GRPO with vLLM colocated, rl_engine on both sides (made by :func:`vllm_colocate`).
 
     Lifecycle: the plugin is installed when the object is made, TRL's ``LLM`` call gets
-    ``llm_kwargs`` and vLLM's top-k/top-p sampler returns rl_engine's processed log-probs (so
+    ``llm_kwargs`` and the plugin makes vLLM's sampler return rl_engine's processed log-probs (so
     the ``LLM`` that ``GRPOTrainer.__init__`` builds runs rl_engine layers, attention and
     log-probs);
     :meth:`attach` installs rl_engine into the trainer's model (:func:`attach`) and zeroes the
@@ -205,15 +173,6 @@ class VLLMColocate:
         self._installed_here = mode is None
         if self._installed_here:
             rlk_vllm.install(strict=self.strict)
-        # TRL asks vLLM for processed log-probs: computed in the top-k/top-p sampler, which the
-        # plugin leaves native. Route them through rl_engine (class attributes, restored on close;
-        # a sampler binds its forward when built, so this precedes the trainer's LLM).
-        from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
-
-        self._sampler_patches = [(name, TopKTopPSampler.__dict__[name]) for name in ("forward_cpu", "forward_native")]
-        for name, fn in self._sampler_patches:
-            setattr(TopKTopPSampler, name, _processed_logprobs_wrapper(fn))
-            log.info("rl_engine: vLLM TopKTopPSampler.%s processed_logprobs -> rl_engine.ops.logprob.log_softmax", name)
         # TRL builds its LLM with neither enforce_eager nor dtype; the rl_engine layers run eagerly
         # (vLLM would otherwise torch.compile the model around them), so TRL's LLM gets llm_kwargs.
         self._trl_vllm, self._trl_llm = trl_vllm, trl_vllm.LLM
@@ -302,10 +261,6 @@ class VLLMColocate:
         if self.attachment is not None:
             self.attachment.detach()
         self._trl_vllm.LLM = self._trl_llm
-        from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
-
-        for name, fn in self._sampler_patches:
-            setattr(TopKTopPSampler, name, fn)
         if self._installed_here:
             self._vllm.uninstall()
         self.active = False
@@ -334,7 +289,7 @@ def vllm_colocate(*, strict: bool = True, llm_kwargs: dict[str, Any] | None = No
     token, with the fp32 division ``z / T`` vLLM applies before sampling) and ``logprobs=0``;
     under the plugin vLLM's layers, paged attention and LM head are rl_engine operators (linear
     weights stay plain parameters with their ``weight_loader``, so TRL's ``load_weights`` sync
-    works on CPU), and this session routes that processed log-softmax, which vLLM computes in
+    works on CPU), and the plugin routes that processed log-softmax, which vLLM computes in
     its top-k/top-p sampler, through ``rl_engine.ops.logprob.log_softmax`` (counted as
     ``Sampler.processed_logprobs`` in the vLLM provenance). The trainer recomputes each completion token with
     ``_get_per_token_logps_and_entropies`` → ``model(..., fused_lm_head=True)``, which

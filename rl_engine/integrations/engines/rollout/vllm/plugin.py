@@ -20,7 +20,12 @@ everything it did. What an install changes, each change logged on one line of th
    ``CPU_ATTN`` (CPU) and ``CUSTOM`` (official override registry; ``clear_override`` on
    uninstall); vLLM's cached backend selection and RoPE instance cache are cleared;
 3. ``Sampler.compute_logprobs`` (a staticmethod) → ``rl_engine.ops.logprob.log_softmax``
-   (class attribute, restored on uninstall): the log-probs vLLM returns;
+   (class attribute, restored on uninstall): the log-probs vLLM returns
+   (``logprobs_mode="raw_logprobs"``, vLLM's default); and ``TopKTopPSampler.forward_cpu`` /
+   ``forward_native`` so that ``logprobs_mode="processed_logprobs"`` (``log softmax(z / T)``,
+   what TRL requests) is ``rl_engine.ops.logprob.log_softmax`` too, counted as
+   ``Sampler.processed_logprobs`` (with top-k/top-p/min-p filters on, the native value is
+   kept and counted as a native fallback);
 4. counting wrappers around the native forwards of every replaced kind (:data:`NATIVE_WATCH`,
    class attributes, restored on uninstall), so that zero native fallbacks is measured;
 5. two methods on vLLM's ``WorkerWrapperBase``, ``rlk_provenance`` and
@@ -129,6 +134,36 @@ def _log_probs(logits):
     return stats.run("Sampler.compute_logprobs", log_softmax, logits.contiguous())
 
 
+def _processed_logprobs_wrapper(native_forward):
+    """A ``TopKTopPSampler.forward_cpu`` / ``forward_native`` whose ``processed_logprobs`` are
+    ``rl_engine.ops.logprob.log_softmax`` of the logits it samples from.
+
+    vLLM's sampler calls it with fp32 logits already divided by the temperature (``div_``);
+    without top-k / top-p those logits are what vLLM's native ``log_softmax`` would see, so
+    ours is computed first (sampling may reuse the buffer) and vLLM's is skipped. With a
+    filter on, the native value stands and is counted as a native forward (raises in strict
+    mode): rl_engine does not implement vLLM's filters.
+    """
+    def forward(self, logits, generators, k, p):
+        if self.logprobs_mode != "processed_logprobs":
+            return native_forward(self, logits, generators, k, p)
+        if k is not None or p is not None:
+            stats.native("Sampler.processed_logprobs")
+            return native_forward(self, logits, generators, k, p)
+        from rl_engine.ops.logprob import log_softmax
+
+        ours = stats.run("Sampler.processed_logprobs", log_softmax, logits.float().contiguous())
+        self.logprobs_mode = "raw_logprobs"  # the native path then returns no log-probs of its own
+        try:
+            sampled, _ = native_forward(self, logits, generators, k, p)
+        finally:
+            self.logprobs_mode = "processed_logprobs"
+        return sampled, ours
+
+    forward.__qualname__ = f"rlk_processed_logprobs[{getattr(native_forward, '__name__', 'forward')}]"
+    return forward
+
+
 def _rpc_provenance(self) -> dict[str, Any]:
     """``WorkerWrapperBase.rlk_provenance``: this rank's :func:`~.stats.snapshot`."""
     snap = stats.snapshot()
@@ -205,6 +240,14 @@ def install(*, strict: bool = False) -> str:
         log.info("rl_engine: vLLM WorkerWrapperBase.rlk_provenance / rlk_reset_provenance (collective_rpc)")
         _patch(inst, Sampler, "compute_logprobs", staticmethod(_log_probs))
         log.info("rl_engine: vLLM Sampler.compute_logprobs -> rl_engine.ops.logprob.log_softmax")
+        # logprobs_mode="processed_logprobs" (what TRL asks for): computed in the top-k/top-p
+        # sampler from the temperature-scaled logits; a sampler binds its forward when built,
+        # so this precedes any LLM built after the install.
+        from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+        for name in ("forward_cpu", "forward_native"):
+            _patch(inst, TopKTopPSampler, name, _processed_logprobs_wrapper(TopKTopPSampler.__dict__[name]))
+            log.info("rl_engine: vLLM TopKTopPSampler.%s processed_logprobs -> rl_engine.ops.logprob.log_softmax", name)
         for module, cls_name, methods in NATIVE_WATCH:
             try:
                 cls = getattr(importlib.import_module(module), cls_name)
