@@ -28,8 +28,9 @@ shapes, D = 32, fp32): accuracy and prefill/decode/config bit equality of the ke
 unmasked-interior-block walk against the all-masked walk (with a planted change it must catch),
 and the one-launch rollout tile table against the torch one.
 
-fp32 hypothesis tests run fewer, shorter examples than bf16 (``PACKING_EXAMPLES``,
-``ROLLOUT_EXAMPLES``): the fp32 kernels (IEEE products by FMA) are slow to compile and run.
+Packing and prefill/decode invariance run hypothesis examples in bf16 (``PACKING_EXAMPLES``,
+``ROLLOUT_EXAMPLES``) and fixed cases in fp32 (``FP32_PACKING_CASES``, ``FP32_ROLLOUT_CASES``):
+every new fp32 specialisation recompiles kernels with IEEE products by FMA, slow to compile.
 """
 
 from __future__ import annotations
@@ -365,6 +366,8 @@ def test_interpreter_rollout_tiles_equal_the_torch_table():
     ids=["ragged", "gqa4", "window50-d128", "split-d128", "2splits-window", "window1"],
 )
 def test_accuracy_forward_and_grads(dtype, lens, hkv, g, d, window, scale):
+    if dtype == "float32" and d == 128 and lens != [1100]:
+        d = 64  # fp32 at D = 128 (FMA products, the slowest kernels to compile): the split case only
     q, k, v, cu = make_qkv(lens, hkv, g, d, dtype, seed=sum(lens))
     qq, kk, vv = (t.cuda().requires_grad_() for t in (q, k, v))
     with provenance.record() as recs:
@@ -425,25 +428,50 @@ def packing_case(draw, max_len=300):
                 seed=draw(st.integers(0, 2**31 - 1)))
 
 
-# Hypothesis examples per dtype: fp32 (IEEE products by FMA: slow kernels, slow to compile) gets
-# fewer; every example of either dtype runs the same checkers.
-PACKING_EXAMPLES = {"float32": 10, "bfloat16": 40}
-ROLLOUT_EXAMPLES = {"float32": 12, "bfloat16": 60}
+# bf16 (the speed path) runs hypothesis examples; fp32 (IEEE products by FMA: every new shape,
+# head dim or window specialisation recompiles slow kernels) runs fixed cases with the same
+# checkers and the same coverage: empty and 1-token sequences, GQA, windows, head dims 32/64/128,
+# KV split crossings (long contexts, below), paged page sizes 16/64/256, chunked and decode runs.
+PACKING_EXAMPLES = 40
+ROLLOUT_EXAMPLES = 30
+FP32_PACKING_CASES = [
+    dict(lens=[1, 130, 64, 0, 77], orders=[[2], [4, 1, 0, 3, 2], [3, 1]], hkv=2, g=4, d=64, window=None, seed=1),
+    dict(lens=[150, 3, 65], orders=[[0], [2, 1, 0], [1, 2]], hkv=1, g=1, d=32, window=50, seed=2),
+    dict(lens=[70, 129], orders=[[1], [1, 0], [0]], hkv=2, g=1, d=128, window=None, seed=3),
+]
+FP32_ROLLOUT_CASES = [  # + the draws of the hypothesis version: slots, page size, decode rows, chunk bound
+    dict(hkv=2, g=4, d=64, lens=[150, 1, 70], window=None, scale=None, seed=5, slots=[3, 0, 4], block=16,
+         n_dec=[4, 1, 2], max_chunk=17),
+    dict(hkv=1, g=1, d=32, lens=[200, 33], window=40, scale=0.2, seed=6, slots=[1, 2], block=64, n_dec=[3, 0],
+         max_chunk=64),
+    dict(hkv=1, g=4, d=32, lens=[90], window=None, scale=0.1, seed=7, slots=[2], block=256, n_dec=[2],
+         max_chunk=2),  # fp32 at D = 128 on these paths: test_long_contexts_across_kv_splits
+]
+
+
+def _packing_case(dtype, case):
+    q, k, v, cu = make_qkv(case["lens"], case["hkv"], case["g"], case["d"], dtype, seed=case["seed"])
+    rep = check_packing_invariance(gpu_train(window=case["window"]), q, k, v, cu, case["orders"], grads=True)
+    assert rep.ok, str(rep)
 
 
 @gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_packing_invariance_forward_and_grads(dtype):
-    """A sequence's output and dq/dk/dv do not depend on what is packed beside it, or where."""
+def test_packing_invariance_forward_and_grads_hypothesis():
+    """bf16: a sequence's output and dq/dk/dv do not depend on what is packed beside it, or where."""
 
-    @settings(max_examples=PACKING_EXAMPLES[dtype])
-    @given(case=packing_case(max_len=300 if dtype == "bfloat16" else 160))
+    @settings(max_examples=PACKING_EXAMPLES)
+    @given(case=packing_case(max_len=300))
     def check(case):
-        q, k, v, cu = make_qkv(case["lens"], case["hkv"], case["g"], case["d"], dtype, seed=case["seed"])
-        rep = check_packing_invariance(gpu_train(window=case["window"]), q, k, v, cu, case["orders"], grads=True)
-        assert rep.ok, str(rep)
+        _packing_case("bfloat16", case)
 
     check()
+
+
+@gpu
+@pytest.mark.parametrize("case", FP32_PACKING_CASES, ids=["gqa4-empty-d64", "window50-d32", "d128"])
+def test_packing_invariance_forward_and_grads_fp32(case):
+    """fp32, fixed cases: the same packing checker (forward and grads) as the bf16 hypothesis test."""
+    _packing_case("float32", case)
 
 
 # --------------------------------------------------------------------------- GPU: prefill/decode invariance
@@ -463,33 +491,41 @@ def attention_case(draw, max_len=300, max_seqs=3):
 
 
 @gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_decode_full_chunked_decode_hypothesis(dtype):
-    """Full prefill (contiguous cache, permuted slots, stale data), random chunks in random
+def test_prefill_decode_full_chunked_decode_hypothesis():
+    """bf16: full prefill (contiguous cache, permuted slots, stale data), random chunks in random
     batches (paged, page size 16/64/256, fragmented stale pool), prefill then decode steps, and
     decode-heavy continuous batching: every row equals the train path's."""
 
-    @settings(max_examples=ROLLOUT_EXAMPLES[dtype])
-    @given(case=attention_case(max_len=300 if dtype == "bfloat16" else 200), data=st.data())
+    @settings(max_examples=ROLLOUT_EXAMPLES)
+    @given(case=attention_case(max_len=300), data=st.data())
     def check(case, data):
-        _prefill_decode_case(dtype, case, data)
+        lens = case["lens"]
+        _prefill_decode_case("bfloat16", case, slots=data.draw(st.permutations(range(len(lens) + 2)))[: len(lens)],
+                             block=data.draw(st.sampled_from([16, 64, 256])),
+                             n_dec=[data.draw(st.integers(0, min(4, n))) for n in lens],
+                             max_chunk=data.draw(st.sampled_from([2, 17, 64, 200])))
 
     check()
 
 
-def _prefill_decode_case(dtype, case, data):
+@gpu
+@pytest.mark.parametrize("case", FP32_ROLLOUT_CASES,
+                         ids=["gqa4-paged16", "window40-paged64", "gqa4-paged256-chunk2"])
+def test_prefill_decode_full_chunked_decode_fp32(case):
+    """fp32, fixed cases: the runs and checker of the bf16 hypothesis test."""
+    _prefill_decode_case("float32", case, **{k: case[k] for k in ("slots", "block", "n_dec", "max_chunk")})
+
+
+def _prefill_decode_case(dtype, case, *, slots, block, n_dec, max_chunk):
     lens = case["lens"]
     q, k, v, cu = make_qkv(lens, case["hkv"], case["g"], case["d"], dtype, case["seed"])
     rng = random.Random(case["seed"])
     kw = dict(scale=case["scale"], window=case["window"])
-    slots = data.draw(st.permutations(range(len(lens) + 2)))[: len(lens)]
-    block = data.draw(st.sampled_from([16, 64, 256]))
-    n_dec = [data.draw(st.integers(0, min(4, n))) for n in lens]
     runs = [
         ("full prefill, contiguous", gpu_rollout(contiguous_cache(stale=True), slots=slots, **kw),
          full_prefill_schedule(lens)),
         (f"random chunks, paged block {block}", gpu_rollout(paged_cache(block), **kw),
-         random_schedule(lens, rng, max_chunk=data.draw(st.sampled_from([2, 17, 64, 200])))),
+         random_schedule(lens, rng, max_chunk=max_chunk)),
         ("prefill then decode, paged block 16", gpu_rollout(paged_cache(16, fragment=False), **kw),
          decode_schedule(lens, [n - r for n, r in zip(lens, n_dec)])),
         ("continuous batching, paged block 64", gpu_rollout(paged_cache(64), **kw),
@@ -661,7 +697,7 @@ def test_negative_control_config_dependent_rows_are_caught():
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_run_to_run_determinism_forward_and_grads(dtype):
-    q, k, v, cu = make_qkv([1500, 1, 260], 2, 4, 128, dtype, seed=9)
+    q, k, v, cu = make_qkv([1500, 1, 260], 2, 4, 128 if dtype == "bfloat16" else 64, dtype, seed=9)
     rep = check_run_to_run(lambda q_, k_, v_: gpu_train(window=1100)(q_, k_, v_, cu), [q, k, v], runs=3, grads=True)
     assert rep.ok, str(rep)
     assert rep.cases == 8
