@@ -13,6 +13,10 @@ VSTAMP := $(VLLM_VENV)/.rlk-installed
 VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1
 VLLM_TESTS := tests/integrations/engines/rollout/vllm tests/integrations/orchestrators/trl/test_grpo_vllm.py \
 	tests/entrypoints/test_check_vllm.py
+# The Triton-interpreter subset of the GPU kernels' tests (tiny fp32 shapes, logic and bit checks):
+# .venv-vllm has triton (vllm-cpu pulls triton 3.9.0), .venv does not.
+INTERP_ENV := TRITON_INTERPRET=1
+INTERP_TESTS := tests/backends/shared/triton/test_attention_triton.py -k interpreter
 
 .PHONY: check test test-vllm setup docs bench clean
 
@@ -37,7 +41,7 @@ $(VSTAMP): pyproject.toml Makefile
 	# rl_engine without letting pip touch torch/transformers; then its small deps, tests and TRL.
 	$(VBIN)/python -m pip install -q --no-deps -e .
 	$(VBIN)/python -m pip install -q typer rich pydantic safetensors hypothesis pytest pytest-xdist pytest-timeout \
-		trl==1.16.0 torch==2.13.0 transformers==5.19.0
+		trl==1.16.0 triton==3.9.0 torch==2.13.0 transformers==5.19.0
 	touch $(VSTAMP)
 
 setup: $(STAMP) $(VSTAMP)
@@ -51,10 +55,12 @@ test: $(STAMP) $(VSTAMP)
 	$(BIN)/python -m mkdocs build --strict -d site  # no -q: with -q, mkdocs 1.6 drops warnings before --strict counts them
 	$(BIN)/python -m pytest -n 2 -q
 	$(VLLM_ENV) $(VBIN)/python -m pytest -q $(VLLM_TESTS)
+	$(INTERP_ENV) $(VBIN)/python -m pytest -q $(INTERP_TESTS)
 
-## only the vLLM group (in .venv-vllm)
+## only the second environment's groups (vLLM, Triton interpreter; in .venv-vllm)
 test-vllm: $(VSTAMP)
 	$(VLLM_ENV) $(VBIN)/python -m pytest -q $(VLLM_TESTS)
+	$(INTERP_ENV) $(VBIN)/python -m pytest -q $(INTERP_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/operators/bench_cpu_ops.py --out artifacts/bench_cpu_ops.json

@@ -217,7 +217,9 @@ def test_unsupported_head_dim_is_rejected_with_a_reason(op):
 # --------------------------------------------------------------------------- Triton interpreter subset (CPU)
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-interp = pytest.mark.skipif(not _INTERP, reason="Triton-interpreter subset: needs triton and TRITON_INTERPRET=1")
+interp = pytest.mark.skipif(
+    not _INTERP, reason="Triton-interpreter subset: needs triton and TRITON_INTERPRET=1 (make test runs it in .venv-vllm)"
+)
 
 
 @interp
