@@ -25,6 +25,7 @@ __all__ = [
     "wire_log_softmax",
     "wire_token_logprobs",
     "wire_entropy",
+    "wire_varlen_attention",
 ]
 
 GradPrep = Callable[[torch.Tensor], torch.Tensor]
@@ -215,5 +216,39 @@ def wire_entropy(forward, backward, *, prepare_grad: GradPrep) -> None:
             return None, None
         logits, lse, ent = ctx.saved_tensors
         return backward(prepare_grad(grad), logits, lse, ent, ctx.temperature), None
+
+    forward.register_autograd(grad_fn, setup_context=setup)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def wire_varlen_attention(forward, backward) -> None:
+    """``forward(q, k, v, cu_seqlens, scale, window) -> (out, lse, out_fp32)`` with ``out_fp32``
+    the unrounded output for 16-bit inputs (empty for fp32: ``out`` is already fp32);
+    ``backward(grad, q, k, v, out_f32_or_out, lse, cu_seqlens, scale, window) -> (dq, dk, dv)``.
+    ``lse`` and ``out_fp32`` are not differentiable; the backward's ``delta = Σ dO ⊙ O`` uses the
+    unrounded output."""
+
+    def fake_forward(q, k, v, cu_seqlens, scale, window):
+        f32 = _f32(q, 0) if q.dtype == torch.float32 else _f32(q, *q.shape)
+        return _like(q), _f32(q, *q.shape[:2]), f32
+
+    forward.register_fake(fake_forward)
+    backward.register_fake(lambda grad, q, k, v, out, lse, cu_seqlens, scale, window: (_like(q), _like(k), _like(v)))
+
+    def setup(ctx, inputs, output):
+        q, k, v, cu_seqlens, scale, window = inputs
+        out, lse, out_f32 = output
+        ctx.save_for_backward(q, k, v, out_f32 if out_f32.numel() or out.numel() == 0 else out, lse, cu_seqlens)
+        ctx.scale, ctx.window = scale, window
+        ctx.mark_non_differentiable(lse, out_f32)
+
+    def grad_fn(ctx, grad_out, grad_lse, grad_out_f32):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(q)
+        dq, dk, dv = backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.scale, ctx.window)
+        return dq, dk, dv, None, None, None
 
     forward.register_autograd(grad_fn, setup_context=setup)

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.backends._customop import wire_varlen_attention
 from rl_engine.backends.shared.triton import arch_reasons, unavailable_reasons
 from rl_engine.runtime.registry import Implementation, Request, register
 
@@ -116,12 +117,6 @@ def varlen_attention_fwd_triton(
     return _kernels().varlen_forward(q, k, v, cu_seqlens, scale, window)
 
 
-@varlen_attention_fwd_triton.register_fake
-def _(q, k, v, cu_seqlens, scale, window):
-    f32 = q.new_empty((0,), dtype=torch.float32) if q.dtype == torch.float32 else q.new_empty(q.shape, dtype=torch.float32)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32), f32
-
-
 @torch.library.custom_op("rlk::varlen_attention_triton_backward", mutates_args=(), device_types="cuda")
 def varlen_attention_bwd_triton(
     grad: torch.Tensor,
@@ -137,29 +132,7 @@ def varlen_attention_bwd_triton(
     return _kernels().varlen_backward(grad, q, k, v, out, lse, cu_seqlens, scale, window)
 
 
-@varlen_attention_bwd_triton.register_fake
-def _(grad, q, k, v, out, lse, cu_seqlens, scale, window):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _setup(ctx, inputs, output):
-    q, k, v, cu_seqlens, scale, window = inputs
-    out, lse, out_f32 = output
-    ctx.save_for_backward(q, k, v, out_f32 if out_f32.numel() or out.numel() == 0 else out, lse, cu_seqlens)
-    ctx.scale, ctx.window = scale, window
-    ctx.mark_non_differentiable(lse, out_f32)
-
-
-def _backward(ctx, grad_out, grad_lse, grad_out_f32):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(q)
-    dq, dk, dv = varlen_attention_bwd_triton(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.scale,
-                                             ctx.window)
-    return dq, dk, dv, None, None, None
-
-
-varlen_attention_fwd_triton.register_autograd(_backward, setup_context=_setup)
+wire_varlen_attention(varlen_attention_fwd_triton, varlen_attention_bwd_triton)
 
 
 def varlen_attention_triton(
