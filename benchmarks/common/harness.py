@@ -149,6 +149,37 @@ def time_samples(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 20, d
     return [_timed_call(fn, device) for _ in range(repeats)]
 
 
+def cuda_graph_ms(fn: Callable[[], Any], *, calls: int, repeats: int, warmup: int = 1) -> list[float]:
+    """Per-call device time (ms) of ``fn`` captured ``calls`` times in one CUDA graph: one sample
+    per replay, ``repeats`` replays, after ``warmup`` eager calls and one call on a side stream
+    (what capture needs). Free of Python launch overhead; time measured by CUDA events."""
+    if calls < 1 or repeats < 1:
+        raise ValueError(f"calls, repeats: expected >= 1, got {calls}, {repeats}")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        e1.synchronize()
+        out.append(e0.elapsed_time(e1) / calls)
+    return out
+
+
 def measure(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 20, device: str = "cpu") -> Stats:
     """Timing statistics of ``fn()`` in **milliseconds**."""
     return summarize(time_samples(fn, warmup=warmup, repeats=repeats, device=device)).scaled(1e3)

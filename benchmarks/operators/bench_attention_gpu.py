@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common.harness import device_info, make_row, summarize, versions, write_report  # noqa: E402
+from benchmarks.common.harness import cuda_graph_ms, device_info, make_row, summarize, versions, write_report  # noqa: E402,E501
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -58,33 +58,6 @@ OP = "attention"
 
 def _randn(shape, g):
     return torch.randn(shape, device="cuda", generator=g).to(DTYPE)
-
-
-def time_graph(fn: Callable[[], object], *, n: int, repeats: int, warmup: int = 3) -> list[float]:
-    """Per-call ms of ``fn`` captured ``n`` times in a CUDA graph, ``repeats`` replays."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graph.replay()
-        e1.record()
-        e1.synchronize()
-        out.append(e0.elapsed_time(e1) / n)
-    return out
 
 
 def time_eager(fn: Callable[[], object], *, n: int, repeats: int, warmup: int = 3) -> list[float]:
@@ -218,7 +191,8 @@ def run(quick: bool, repeats: int, all_configs: bool = False,
         n = 3 if kind == "train" else (20 if kind == "decode" else 5)
         res = {}
         for name, fn in impls.items():
-            ts = (time_eager if mode == "eager" else time_graph)(fn, n=n, repeats=repeats)
+            ts = (time_eager(fn, n=n, repeats=repeats) if mode == "eager"
+                  else cuda_graph_ms(fn, calls=n, repeats=repeats, warmup=3))
             res[name] = summarize(ts)
         base = res["torch.sdpa"].median
         for name, st in res.items():

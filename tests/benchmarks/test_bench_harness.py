@@ -140,3 +140,18 @@ def test_markdown_tables_pair_rows_by_config():
     text = markdown_tables(rows)
     assert "| M | dtype | native ms | rl-kernel ms | ratio | ratio without NaN scan |" in text
     assert "| 64 | float32 | 1.000 | 2.000 | 2.00× | 1.20× | 1.900–2.100 | – / – | `cpu.tiled_blas` |" in text
+
+
+def test_cuda_graph_ms_rejects_bad_counts():
+    with pytest.raises(ValueError, match="calls, repeats"):
+        harness.cuda_graph_ms(lambda: None, calls=0, repeats=3)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_ms_times_each_replay_per_call():
+    x = torch.randn(1 << 20, device="cuda")
+    one = harness.cuda_graph_ms(lambda: x.mul_(1.0), calls=1, repeats=5)
+    ten = harness.cuda_graph_ms(lambda: x.mul_(1.0), calls=10, repeats=5)
+    assert len(one) == len(ten) == 5 and all(t > 0 for t in one + ten)
+    # per-call time: ten captured calls are not ten times one call's time
+    assert sorted(ten)[2] < 5 * sorted(one)[2]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -134,28 +135,9 @@ def check_profiler_names(kernels_module: str, call, must_see: set[str], tag: str
 
 def graph_us(fn, calls: int = 10, reps: int = 7) -> float:
     """Per-call device time (µs) of ``fn`` replayed from a CUDA graph (median of ``reps``)."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / calls)
-    return sorted(ts)[len(ts) // 2]
+    from benchmarks.common.harness import cuda_graph_ms
+
+    return statistics.median(cuda_graph_ms(fn, calls=calls, repeats=reps)) * 1e3
 
 
 def event_us(fn, calls: int = 5, reps: int = 5) -> float:
