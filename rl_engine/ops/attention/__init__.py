@@ -93,6 +93,25 @@ def _heads(q: torch.Tensor, k: torch.Tensor, k_name: str) -> None:
         )
 
 
+def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v_name: str) -> int:
+    """Validate the queries and the new keys/values (dtype, rank, finite, rows, heads, same
+    device); returns the number of tokens ``T``."""
+    require_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    _finite("q", q)
+    require_tensor(k_name, k, dtypes=(q.dtype,), ndim=3)
+    _finite(k_name, k)
+    require_tensor(v_name, v, dtypes=(q.dtype,), ndim=3)
+    _finite(v_name, v)
+    T = q.shape[0]
+    if k.shape[0] != T:
+        raise ValueError(f"{k_name}: expected {T} rows (one per token of q), got shape {tuple(k.shape)}")
+    _heads(q, k, k_name)
+    if v.shape != k.shape:
+        raise ValueError(f"{v_name}: expected shape {tuple(k.shape)} ({k_name}'s), got {tuple(v.shape)}")
+    require_same_device(q=q, **{k_name: k, v_name: v})
+    return T
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -139,19 +158,7 @@ def varlen_attention(
             at ``T``, bad ``scale`` or ``window`` (the message names the argument).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
-    require_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
-    _finite("q", q)
-    require_tensor("k", k, dtypes=(q.dtype,), ndim=3)
-    _finite("k", k)
-    require_tensor("v", v, dtypes=(q.dtype,), ndim=3)
-    _finite("v", v)
-    T = q.shape[0]
-    if k.shape[0] != T:
-        raise ValueError(f"k: expected {T} rows (one per token of q), got shape {tuple(k.shape)}")
-    _heads(q, k, "k")
-    if v.shape != k.shape:
-        raise ValueError(f"v: expected shape {tuple(k.shape)} (k's), got {tuple(v.shape)}")
-    require_same_device(q=q, k=k, v=v)
+    T = _qkv(q, k, v, "k", "v")
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
     _cu_seqlens("cu_seqlens", cu_seqlens, T, q.device)
@@ -223,20 +230,9 @@ def cached_attention(
             table or block pool exhausted; the cache is left unchanged).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
-    require_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
-    _finite("q", q)
+    T = _qkv(q, k_new, v_new, "k_new", "v_new")
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache: expected a ContiguousKVCache or PagedKVCache, got {type(cache).__name__}")
-    require_tensor("k_new", k_new, dtypes=(q.dtype,), ndim=3)
-    _finite("k_new", k_new)
-    require_tensor("v_new", v_new, dtypes=(q.dtype,), ndim=3)
-    _finite("v_new", v_new)
-    T = q.shape[0]
-    if k_new.shape[0] != T:
-        raise ValueError(f"k_new: expected {T} rows (one per token of q), got shape {tuple(k_new.shape)}")
-    _heads(q, k_new, "k_new")
-    if v_new.shape != k_new.shape:
-        raise ValueError(f"v_new: expected shape {tuple(k_new.shape)} (k_new's), got {tuple(v_new.shape)}")
     if k_new.shape[1] != cache.num_kv_heads or k_new.shape[2] != cache.head_dim:
         raise ValueError(
             f"k_new: expected [T, {cache.num_kv_heads}, {cache.head_dim}] (cache.num_kv_heads, cache.head_dim), "
@@ -244,7 +240,6 @@ def cached_attention(
         )
     if cache.dtype != q.dtype:
         raise ValueError(f"cache: expected dtype {q.dtype} (q's), got {cache.dtype}")
-    require_same_device(q=q, k_new=k_new, v_new=v_new)
     if cache.device != q.device:
         raise ValueError(f"cache: expected device {q.device} (q's), got {cache.device}")
     ids = _seq_ids(seq_ids, cache)
@@ -340,19 +335,7 @@ def paged_attention(
             range or not the rows of the new positions (the message names the argument).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
-    require_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
-    _finite("q", q)
-    require_tensor("k_new", k_new, dtypes=(q.dtype,), ndim=3)
-    _finite("k_new", k_new)
-    require_tensor("v_new", v_new, dtypes=(q.dtype,), ndim=3)
-    _finite("v_new", v_new)
-    T = q.shape[0]
-    if k_new.shape[0] != T:
-        raise ValueError(f"k_new: expected {T} rows (one per token of q), got shape {tuple(k_new.shape)}")
-    _heads(q, k_new, "k_new")
-    if v_new.shape != k_new.shape:
-        raise ValueError(f"v_new: expected shape {tuple(k_new.shape)} (k_new's), got {tuple(v_new.shape)}")
-    require_same_device(q=q, k_new=k_new, v_new=v_new)
+    T = _qkv(q, k_new, v_new, "k_new", "v_new")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
     Hkv, D = k_new.shape[1], k_new.shape[2]
