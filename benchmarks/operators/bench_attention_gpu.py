@@ -95,11 +95,11 @@ def prefill_case(B: int, S: int, all_configs: bool = False):
     qs, ks, vs = (t.view(B, S, -1, D).transpose(1, 2).contiguous() for t in (q, k, v))
     flop = 4 * B * HQ * D * S * (S + 1) / 2  # causal: two matmuls over the visible half
     impls = {
-        "rlk.triton.blocked_online_softmax": lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None),
+        "rlk.triton.blocked_online_softmax": lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S),
         "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
     }
     for c in _candidates("prefill", all_configs):
-        impls[f"{OURS}@{c.key}"] = lambda c=c: K.varlen_forward(q, k, v, cu, D**-0.5, None, config=c)
+        impls[f"{OURS}@{c.key}"] = lambda c=c: K.varlen_forward(q, k, v, cu, D**-0.5, None, config=c, max_seqlen=S)
     return impls, flop, {"B": B, "S": S, "tokens": T}
 
 

@@ -95,9 +95,10 @@ def sample_token(logits_row: torch.Tensor, params: SamplingParams, sample_id: in
     Greedy: the first index of the maximum. Otherwise ``p = softmax(z / T)`` in float64,
     sorted descending (stable: ties by token id), cut to the ``top_k`` first, then to the
     shortest prefix whose mass reaches ``top_p``, renormalised, and inverted at
-    ``u = uniform(seed, sample_id, position)``. Depends on the row and the triple only.
+    ``u = uniform(seed, sample_id, position)``. Depends on the row and the triple only, not on
+    the row's device: the float64 arithmetic runs on the CPU (one ``[V]`` copy per token).
     """
-    z = logits_row.detach().to(torch.float64)
+    z = logits_row.detach().to("cpu", torch.float64)
     if params.greedy:
         return int(torch.argmax(z))
     p = torch.softmax(z / params.temperature, dim=-1)

@@ -104,3 +104,28 @@ def test_non_finite_weights_exit_2(capsys, tmp_path):
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
     code, _, err = _run(capsys, "--model", str(d))
     assert code == 2 and "NaN or Inf" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_passes_bitwise_on_gpu(capsys, dtype):
+    """The main job end to end on the GPU: every operator of the model runs its Triton kernel
+    (provenance says so) and every active token's train log-prob equals the rollout's bits."""
+    code, out, _ = _run(capsys, "--device", "cuda", "--dtype", dtype, "--json")
+    res = json.loads(out)
+    assert code == 0 and res["passed"] is True, res.get("first_mismatch")
+    assert res["mismatched_tokens"] == 0 and res["compared_tokens"] >= 200
+    assert res["device"].startswith("cuda") and res["dtype"] == dtype
+    prov = res["provenance"]
+    assert prov["fallback"] is False and prov["native_modules"] == []
+    impls = {r["op"]: r["impl_id"] for r in prov["operators"]}
+    assert any(op.startswith("attention.") for op in impls)
+    assert all(i.startswith("triton.") for i in impls.values()), impls
+
+
+@pytest.mark.gpu
+def test_pp_negative_control_fails_on_gpu(capsys):
+    """Control: native torch on both sides (cuBLAS/SDPA in different batch shapes) mismatches."""
+    code, out, _ = _run(capsys, "--device", "cuda", "--dtype", "bfloat16", "--plan", "P/P", "--json")
+    res = json.loads(out)
+    assert code == 1 and res["passed"] is False and res["mismatched_tokens"] > 0

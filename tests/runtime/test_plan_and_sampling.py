@@ -105,3 +105,14 @@ def test_input_validation():
         RolloutRequest(0, (1,), 0)
     with pytest.raises(ValueError):
         SamplingParams(top_p=0.0)
+
+
+@pytest.mark.gpu
+def test_sampler_is_device_independent():
+    """The same logits row on the GPU and on the CPU draw the same token (the float64 sampling
+    arithmetic runs on the CPU whatever the row's device)."""
+    g = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=11)
+    for pos in range(50):
+        row = torch.randn(997, generator=g)
+        assert sample_token(row.cuda(), params, 5, pos) == sample_token(row, params, 5, pos)

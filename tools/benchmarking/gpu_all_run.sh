@@ -5,18 +5,25 @@
 #
 #   STEPS="tests bench_attention bench_logprob bench_gemm" bash tools/benchmarking/gpu_all_run.sh
 #
+# Steps: tests, bench_attention, bench_attention_configs, bench_logprob, debug_logprob, bench_gemm,
+# check_cuda (`rlk check --device cuda`: fp32 and bf16 R/R, the P/P control), ablation
+# (tools/benchmarking/attention_ablation_gpu.py). Two jobs can share a 2-GPU machine: give each
+# its CUDA_VISIBLE_DEVICES, OUT and WORK (see reports/gpu/README.md, "Session 3").
+#
 # Carry .whl (pydantic & deps and the Liger-Kernel wheel, missing on the device image; see
 # reports/gpu/README.md). Each step has its own timeout (*_TIMEOUT, seconds) so one call of the
 # device tool (600 s) can hold them; TESTS / KEXPR narrow the test run.
 set -uo pipefail
 OUT=${OUT:-/tmp/rlk_gpu_out}
-FINAL=$OUT; OUT=/tmp/rlk_gpu_work; rm -rf "$OUT"  # at most 8 files come back: pack at the end
+# at most 8 files come back: work in WORK, pack into OUT at the end (WORK differs per concurrent job,
+# e.g. one job per GPU with CUDA_VISIBLE_DEVICES)
+FINAL=$OUT; OUT=${WORK:-/tmp/rlk_gpu_work}; rm -rf "$OUT"
 STEPS=${STEPS:-"tests bench_attention bench_logprob"}
 mkdir -p "$OUT/evidence"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-  export PYTHONPATH="$PWD:/tmp/site"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$OUT/site" .whl/*.whl || exit 3
+  export PYTHONPATH="$PWD:$OUT/site"
 else
   export PYTHONPATH="$PWD"
 fi
@@ -31,10 +38,10 @@ for step in $STEPS; do
   t0=$(date +%s)
   case $step in
     tests)
-      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest $TESTS -m gpu -n ${XDIST:-8} -p no:cacheprovider -rs \
-        -k "${KEXPR:-not bounded_performance}" --durations=25 --junitxml="$OUT/pytest_gpu.xml" 2>&1 \
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest $TESTS -m gpu -n ${XDIST:-8} -p no:cacheprovider -rs -v \
+        --timeout ${TEST_CASE_TIMEOUT:-280} -k "${KEXPR:-not bounded_performance}" --durations=25 --junitxml="$OUT/pytest_gpu.xml" 2>&1 \
         | grep -v -e PytestBenchmarkWarning -e 'warner(' > "$OUT/pytest_gpu.log"
-      grep -E "(FAILED|ERROR|SKIPPED)" "$OUT/pytest_gpu.log" | head -40; tail -3 "$OUT/pytest_gpu.log"
+      grep -E "(FAILED|ERROR|SKIPPED)" "$OUT/pytest_gpu.log" | cut -c1-200 | head -40; tail -3 "$OUT/pytest_gpu.log"
       timeout ${PERF_TIMEOUT:-120} python3 -m pytest $TESTS -m gpu -n 0 -p no:cacheprovider -rs -k bounded_performance \
         --junitxml="$OUT/pytest_gpu_perf.xml" 2>&1 | grep -v -e PytestBenchmarkWarning -e 'warner(' > "$OUT/pytest_gpu_perf.log"
       tail -3 "$OUT/pytest_gpu_perf.log" ;;
@@ -51,6 +58,16 @@ for step in $STEPS; do
       timeout ${BENCH_ATTENTION_CONFIGS_TIMEOUT:-150} python3 benchmarks/operators/bench_attention_gpu.py --configs all \
         --out "$OUT/bench_attention_configs.json" ${BENCH_ATTENTION_CONFIGS_ARGS:-} > "$OUT/bench_attention_configs.log" 2>&1
       tail -40 "$OUT/bench_attention_configs.log" ;;
+    check_cuda)  # the main job end to end on the GPU: rl-kernel train vs rollout log-probs, then the native control
+      for args in "--dtype float32" "--dtype bfloat16" "--dtype bfloat16 --plan P/P"; do
+        echo "-- rlk check --device cuda $args"
+        timeout ${CHECK_TIMEOUT:-120} python3 -c 'from rl_engine.entrypoints.cli import main; main()' check --device cuda $args --json \
+          > "$OUT/check_cuda_$(echo $args | tr -c 'a-zA-Z0-9' _).json" 2> "$OUT/check_cuda.err"; echo "rc=$?"
+        tail -c 600 "$OUT/check_cuda_$(echo $args | tr -c 'a-zA-Z0-9' _).json"; echo
+      done; tail -5 "$OUT/check_cuda.err" ;;
+    ablation)
+      timeout ${ABLATION_TIMEOUT:-150} python3 tools/benchmarking/attention_ablation_gpu.py --out "$OUT/bench_attention_ablation.json" \
+        > "$OUT/attention_ablation.log" 2>&1; cut -c1-220 "$OUT/attention_ablation.log" | tail -40 ;;
     bench_gemm)
       timeout ${BENCH_GEMM_TIMEOUT:-150} python3 benchmarks/operators/bench_gemm_gpu.py --out "$OUT/bench_gemm_gpu.json" \
         ${BENCH_GEMM_ARGS:-} > "$OUT/bench_gemm_gpu.log" 2>&1; tail -32 "$OUT/bench_gemm_gpu.log" ;;
@@ -59,4 +76,4 @@ for step in $STEPS; do
 done 2>&1 | tee "$OUT/run.log"
 # the device tool returns at most 8 files: run.log and the benchmark JSON as they are, the rest packed
 mkdir -p "$FINAL"; cp "$OUT/run.log" "$FINAL/"; cp "$OUT"/bench_*.json "$FINAL/" 2>/dev/null
-tar -C "$OUT" -czf "$FINAL/results.tgz" .; ls -la "$FINAL"
+tar -C "$OUT" --exclude=./site -czf "$FINAL/results.tgz" .; ls -la "$FINAL"

@@ -27,8 +27,10 @@ any page size, any packing). The rules that make this true:
   on the state); outside its range ``α = 1`` and ``P = +0`` exactly, so ``acc`` is unchanged
   (exact zeros added to a never ``-0`` accumulator). Every split of the tile's range is merged
   into every row: merging a split the row does not reach, ``(-inf, 0, +0)``, is an exact
-  identity (``rlk_attn_merge``). The prefill kernel keeps the merged accumulator in fp32 scratch between
-  splits (one accumulator in registers); the store/reload is exact.
+  identity (``rlk_attn_merge``). The prefill kernel keeps the merged accumulator in a tile-major
+  fp32 scratch between splits (one accumulator in registers); the store/reload is exact. When no
+  query position reaches 1024 it is compiled without the merge (one split per tile: merging it
+  into the initial state is an exact identity).
 * **Shared device functions** (``rlk_attn_block``, ``rlk_attn_split``, ``rlk_attn_merge``,
   ``rlk_attn_finish``) are used by every kernel; every kernel is compiled with
   ``enable_fp_fusion=False`` and the wanted multiply-adds are explicit ``tl.fma``, so no kernel
@@ -114,7 +116,10 @@ def varlen_attention_fwd_triton(
     """Returns ``(out, lse, out_fp32)``; ``out_fp32`` (the unrounded output, kept for the
     backward's ``delta = Σ dO ⊙ O``) is empty when ``q`` is already fp32."""
     _check_head_dim(q.shape[2])
-    return _kernels().varlen_forward(q, k, v, cu_seqlens, scale, window)
+    # the longest sequence (one host sync; the public op has synced on cu_seqlens to validate it)
+    # picks the launch specialisation only: sequences of at most 1024 tokens skip the split merge
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    return _kernels().varlen_forward(q, k, v, cu_seqlens, scale, window, max_seqlen=max_seqlen)
 
 
 @torch.library.custom_op("rlk::varlen_attention_triton_backward", mutates_args=(), device_types="cuda")

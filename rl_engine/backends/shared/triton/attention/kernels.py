@@ -68,7 +68,7 @@ __all__ = [
 KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_attn_bwd_delta", "rlk_attn_bwd_dq",
                 "rlk_attn_bwd_dkdv", "rlk_attn_tiles")
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
-DEVICE_FUNCTIONS = ("rlk_attn_rowsum", "rlk_attn_rows", "rlk_attn_kv_rows", "rlk_attn_block", "rlk_attn_split",
+DEVICE_FUNCTIONS = ("rlk_attn_rowsum", "rlk_attn_rows", "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_block", "rlk_attn_split",
                     "rlk_attn_merge", "rlk_attn_finish", "rlk_attn_bwd_dq_block", "rlk_attn_bwd_dkdv_block")
 
 #: Keys per block, at absolute positions 0, 64, 128, ... (the same on every path and kernel).
@@ -215,17 +215,25 @@ def rlk_attn_rows(tab_ptr, t, G, W, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
-def rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kpos, PAGED: tl.constexpr):
-    """Storage rows of key positions ``kpos`` of batch sequence ``seq``."""
+def rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kbase, kpos, PAGED: tl.constexpr):
+    """Storage rows of key positions ``kpos`` of batch sequence ``seq``: through the page table,
+    or ``kbase + kpos`` for a contiguous cache (``kbase = page_rows[seq, 0]``, loaded once per
+    program by ``rlk_attn_kv_base`` so that no block's loads wait on a dependent scalar load)."""
     if PAGED:
         page = tl.load(pr_ptr + seq * pr_stride + kpos // page_size)
         return page + kpos % page_size
     else:
-        return tl.load(pr_ptr + seq * pr_stride) + kpos
+        return kbase + kpos
 
 
 @triton.jit
-def rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, pr_stride, page_size, cap, kvh, pos, wlo, lo, hi, b, m, l, acc,
+def rlk_attn_kv_base(pr_ptr, seq, pr_stride):
+    """``page_rows[seq, 0]``: the storage row of position 0 of a contiguous cache (int64)."""
+    return tl.load(pr_ptr + seq * pr_stride).to(tl.int64)
+
+
+@triton.jit
+def rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo, hi, b, m, l, acc,
                    qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    PAGED: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
     """One 64-key block ``b`` of the online softmax. ``MASKED=False`` is only used for blocks
@@ -236,7 +244,7 @@ def rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, pr_stride, page_size, cap, kvh,
     offs_n = tl.arange(0, 64)
     offs_d = tl.arange(0, HEAD_D)
     kpos = b * 64 + offs_n
-    rows = rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, tl.minimum(kpos, cap).to(tl.int64), PAGED)
+    rows = rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kbase, tl.minimum(kpos, cap).to(tl.int64), PAGED)
     koff = rows * sk_row + kvh * sk_head
     voff = rows * sv_row + kvh * sv_head
     kt = tl.load(k_ptr + koff[None, :] + offs_d[:, None])  # [D, 64]
@@ -274,9 +282,9 @@ def rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, pr_stride, page_size, cap, kvh,
 
 
 @triton.jit
-def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, pr_stride, page_size, cap, kvh, pos, wlo, lo, hi, valid, b0, b1,
+def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo, hi, valid, b0, b1,
                    qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   PAGED: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+                   PAGED: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """One KV split's online softmax over blocks ``b0 .. b1`` (increasing) from the state
     ``(-inf, 0, 0)``; a row updates its state only in the blocks of its own range ``[lo, hi]``.
 
@@ -287,7 +295,20 @@ def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, pr_stride, page_size, cap, kvh,
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    if SPLIT:
+    if SPLIT and not HAS_WINDOW:
+        # no window: every row sees the blocks from 0, so the blocks every row sees entirely are
+        # a prefix ``b0 .. min(b1, f1)``; two runs (unmasked, then masked), in increasing order
+        f1 = (tl.min(tl.where(valid, pos, 1 << 30), axis=0) + 1) // 64 - 1
+        u1 = tl.minimum(b1, f1)
+        for b in range(b0, u1 + 1):
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+                                       lo, hi, b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D,
+                                       BLOCK_M, PAGED, IEEE, False)
+        for b in range(tl.maximum(u1 + 1, b0), b1 + 1):
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+                                       lo, hi, b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D,
+                                       BLOCK_M, PAGED, IEEE, True)
+    elif SPLIT:
         f0 = (tl.max(tl.where(valid, wlo, 0), axis=0) + 63) // 64
         f1 = (tl.min(tl.where(valid, pos, 1 << 30), axis=0) + 1) // 64 - 1
         u0 = tl.maximum(b0, f0)
@@ -296,20 +317,20 @@ def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, pr_stride, page_size, cap, kvh,
         u0 = tl.where(u1 >= u0, u0, b1 + 1)
         e1 = tl.minimum(u0 - 1, b1)
         for b in range(b0, e1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, pr_stride, page_size, cap, kvh, pos, wlo, lo,
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo,
                                        hi, b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
                                        PAGED, IEEE, True)
         for b in range(u0, u1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, pr_stride, page_size, cap, kvh, pos, wlo, lo,
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo,
                                        hi, b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
                                        PAGED, IEEE, False)
         for b in range(tl.maximum(u1 + 1, e1 + 1), b1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, pr_stride, page_size, cap, kvh, pos, wlo, lo,
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo,
                                        hi, b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
                                        PAGED, IEEE, True)
     else:  # one masked run (fp32 by default: IEEE products by FMA, a third of the code to compile)
         for b in range(b0, b1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, pr_stride, page_size, cap, kvh, pos, wlo, lo,
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo,
                                        hi, b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
                                        PAGED, IEEE, True)
     return m, l, acc
@@ -351,7 +372,7 @@ def rlk_attn_finish(M, L, A, out_ptr, out32_ptr, lse_ptr, q_off, lse_off, valid,
 def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_ptr, pr_ptr, pr_stride, page_size, G, W,
                  qk_scale, sk_row, sk_head, sv_row, sv_head, HQ, HKV, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, STORE_F32: tl.constexpr,
-                 STORE_LSE: tl.constexpr, SPLIT: tl.constexpr):
+                 STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, MULTI: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     seq, valid, tok, g, pos, wlo, lo, hi, first, last, cap = rlk_attn_rows(tab_ptr, t, G, W, HAS_WINDOW, BLOCK_M)
@@ -360,26 +381,45 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_
         head = kvh * G + g
         q_off = (tok * HQ + head) * HEAD_D
         q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        M = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        L = tl.zeros([BLOCK_M], tl.float32)
+        kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)
         s_first = first // 16
         s_last = last // 16
-        scr = scr_ptr + q_off[:, None] + offs_d[None, :]
-        # The merged accumulator waits in fp32 scratch between splits (one accumulator in
-        # registers, not two; the store/reload is exact). The first split merges with the initial
-        # (-inf, 0, +0) state, exactly as rlk_attn_combine does; the last one writes the output.
-        for sp in range(s_first, s_last + 1):
-            b0 = tl.maximum(first, sp * 16)
-            b1 = tl.minimum(last, sp * 16 + 15)
-            m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, pr_stride, page_size, cap, kvh, pos, wlo, lo, hi,
-                                     valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
-                                     PAGED, IEEE, SPLIT)
-            at = lo * 0 + sp
-            A = tl.load(scr, mask=(valid & (at > s_first))[:, None], other=0.0)
-            M, L, A = rlk_attn_merge(M, L, A, m, l, a)
-            tl.store(scr, A, mask=(valid & (at < s_last))[:, None])
-            rlk_attn_finish(M, L, A, out_ptr, out32_ptr, lse_ptr, q_off, tok * HQ + head, valid & (at == s_last),
-                            offs_d, STORE_F32, STORE_LSE)
+        M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        L = tl.zeros([BLOCK_M], tl.float32)
+        if MULTI:
+            # Splits before the last: each merged into the state, whose accumulator waits in an fp32
+            # scratch tile between splits (one accumulator in registers, not two; the store/reload
+            # is exact). The scratch is tile-major, so its addresses are the program's base plus
+            # constant offsets (no per-element pointers held in registers across the block walk).
+            # The first split merges with the initial (-inf, 0, +0) state, as rlk_attn_combine does.
+            scr = (scr_ptr + (t.to(tl.int64) * HKV + kvh) * (BLOCK_M * HEAD_D)
+                   + (tl.arange(0, BLOCK_M)[:, None] * HEAD_D + offs_d[None, :]))
+            for sp in range(s_first, s_last):
+                m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos,
+                                         wlo, lo, hi, valid, tl.maximum(first, sp * 16), sp * 16 + 15, qk_scale,
+                                         sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M, PAGED, IEEE, SPLIT,
+                                         HAS_WINDOW)
+                if sp > s_first:
+                    A = tl.load(scr)
+                else:
+                    A = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+                M, L, A = rlk_attn_merge(M, L, A, m, l, a)
+                tl.store(scr, A)
+        # The last split (the only one when MULTI is off: every query position < 1024), then the
+        # output. A tile inside one split skips the scratch: merging one split into the initial
+        # state is an exact identity (M = m; L = fma(l, 1, 0) = l; A = fma(a, 1, 0) = a, a never -0).
+        m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo,
+                                 hi, valid, tl.maximum(first, s_last * 16), last, qk_scale, sk_row, sk_head, sv_row,
+                                 sv_head, HEAD_D, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW)
+        if MULTI:
+            if s_last > s_first:
+                M, L, A = rlk_attn_merge(M, L, tl.load(scr), m, l, a)
+            else:
+                M, L, A = m, l, a
+        else:
+            M, L, A = m, l, a
+        rlk_attn_finish(M, L, A, out_ptr, out32_ptr, lse_ptr, q_off, tok * HQ + head, valid, offs_d, STORE_F32,
+                        STORE_LSE)
 
 
 @triton.jit
@@ -398,9 +438,10 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_pt
         q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         b0 = tl.maximum(first, sp * 16)
         b1 = tl.minimum(last, sp * 16 + 15)
-        m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, pr_stride, page_size, cap, kvh, pos, wlo, lo, hi,
+        kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)
+        m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo, hi,
                                  valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
-                                 PAGED, IEEE, SPLIT)
+                                 PAGED, IEEE, SPLIT, HAS_WINDOW)
         slot = ((t.to(tl.int64) * HKV + kvh) * NS + j) * BLOCK_M + tl.arange(0, BLOCK_M)
         tl.store(ws_m_ptr + slot, m)
         tl.store(ws_l_ptr + slot, l)
@@ -802,20 +843,17 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     kernel = "prefill" if path == "prefill" or ns == 1 else "decode"
     with _guard(q):
         if kernel == "prefill":
-            # fp32 scratch for the merged accumulator between KV splits (only written when a
-            # tile spans several splits): the fp32 output itself when there is one
-            if out32 is not None:
-                scr = out32
-            elif q.dtype == torch.float32:
-                scr = out
-            elif max_positions <= KV_BLOCK * SPLIT_BLOCKS:  # one split: never touched
-                scr = torch.empty((1,), dtype=torch.float32, device=q.device)
+            # a tile spans several KV splits only if some query position is >= 1024: then an fp32
+            # scratch tile per program holds the merged accumulator between splits
+            multi = max_positions > KV_BLOCK * SPLIT_BLOCKS
+            if multi:
+                scr = torch.empty((nt * Hkv * cfg.block_m * D,), dtype=torch.float32, device=q.device)
             else:
-                scr = torch.empty((T, Hq, D), dtype=torch.float32, device=q.device)
+                scr = torch.empty((1,), dtype=torch.float32, device=q.device)
             rlk_attn_fwd[(nt, Hkv)](
                 q, k_rows, v_rows, out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, scr,
                 tab, page_rows, page_rows.stride(0), page_size, G, w, float(scale), *kv_strides, **common, PAGED=paged,
-                IEEE=ieee, STORE_F32=want_f32, STORE_LSE=want_lse, SPLIT=runs, num_warps=cfg.num_warps,
+                IEEE=ieee, STORE_F32=want_f32, STORE_LSE=want_lse, SPLIT=runs, MULTI=multi, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, enable_fp_fusion=False,
             )
         else:
@@ -835,12 +873,18 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     return out, lse, out32
 
 
-def varlen_forward(q, k, v, cu_seqlens, scale, window, *, path: str = "prefill", config: AttnConfig | None = None):
-    """Train-path forward: ``(out, lse, out_f32)`` (``out_f32`` only for 16-bit inputs, else empty)."""
+def varlen_forward(q, k, v, cu_seqlens, scale, window, *, path: str = "prefill", config: AttnConfig | None = None,
+                   max_seqlen: int | None = None):
+    """Train-path forward: ``(out, lse, out_f32)`` (``out_f32`` only for 16-bit inputs, else empty).
+
+    ``max_seqlen``: a host bound on the longest sequence (default: the token count). Only the
+    launch specialisation depends on it (no tile spans two KV splits when it is at most 1024, so
+    the kernel is compiled without the split merge); the bits do not."""
     counts, tok_start, pos_base = _varlen_rows(cu_seqlens)
     page_rows = tok_start[:, None].contiguous()
     want_f32 = q.dtype != torch.float32
-    out, lse, out32 = attend(q, k, v, page_rows, _NO_PAGES, counts, tok_start, pos_base, q.shape[0], scale, window,
+    bound = q.shape[0] if max_seqlen is None else min(int(max_seqlen), q.shape[0])
+    out, lse, out32 = attend(q, k, v, page_rows, _NO_PAGES, counts, tok_start, pos_base, bound, scale, window,
                              path=path, config=config, want_lse=True, want_f32=want_f32)
     if out32 is None:
         out32 = q.new_empty((0,), dtype=torch.float32)

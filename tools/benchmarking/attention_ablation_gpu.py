@@ -1,0 +1,196 @@
+"""Where does the prefill time of the Triton attention go? An ablation on the GPU.
+
+A minimal causal flash-attention forward (``rlk_probe_attn_fwd``, *not* a shipped kernel and not
+batch-invariant in every variant) whose constexpr switches add, one at a time, the features that
+the shipped kernel (``rl_engine.backends.shared.triton.attention``) has and a textbook kernel
+does not:
+
+* ``PACK``   GQA rows packed into the query tile (row = token·G + g, one program per kv head)
+             vs one program per query head (row = token);
+* ``TREE``   the fixed pairwise row sum (``rlk_attn_rowsum``) vs ``tl.sum``;
+* ``EXP2``   ``exp2`` with the scale folded into ``log2(e)`` vs ``exp`` after a scale multiply;
+* ``IND``    key rows through a loaded base and ``min(position, cap)`` (the shipped addressing,
+             which hides the rows' contiguity from the compiler) vs ``b·S + position``;
+* ``BN``     keys per block (the shipped contract fixes 64);
+* fp fusion on/off at launch (the shipped kernels launch with ``enable_fp_fusion=False``).
+
+The same process times the shipped launchers (train path ``varlen_forward`` with the fp32 output
+and lse; rollout path ``cached_forward(path="prefill")``, output only) and SDPA on the same
+inputs, all as CUDA-graph replays (``benchmarks.common.harness.cuda_graph_ms``).
+
+    python3 tools/benchmarking/attention_ablation_gpu.py --out /tmp/ablation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.common.harness import cuda_graph_ms, device_info, summarize, versions  # noqa: E402
+from rl_engine.backends.shared.triton.attention.kernels import rlk_attn_rowsum  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+
+
+@triton.jit
+def _probe_block(q, k_ptr, v_ptr, b, S, base, cap, kvh, pos, start, m, l, acc, scale, HKV: tl.constexpr,
+                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2BN: tl.constexpr, TREE: tl.constexpr,
+                 EXP2: tl.constexpr, IND: tl.constexpr, MASKED: tl.constexpr):
+    offs_d = tl.arange(0, D)
+    kpos = start + tl.arange(0, BN)
+    if IND:
+        rows = (base + tl.minimum(kpos, cap).to(tl.int64)) * HKV + kvh
+    else:
+        rows = (b * S + kpos).to(tl.int64) * HKV + kvh
+    kt = tl.load(k_ptr + rows[None, :] * D + offs_d[:, None])
+    v = tl.load(v_ptr + rows[:, None] * D + offs_d[None, :])
+    s = tl.dot(q, kt) * scale
+    if MASKED:
+        s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+    mn = tl.maximum(m, tl.max(s, axis=1))
+    if EXP2:
+        alpha = tl.exp2(m - mn)
+        p = tl.exp2(s - mn[:, None])
+    else:
+        alpha = tl.exp(m - mn)
+        p = tl.exp(s - mn[:, None])
+    if TREE:
+        rs = rlk_attn_rowsum(p, BM, BN, LOG2BN)
+    else:
+        rs = tl.sum(p, axis=1)
+    l = l * alpha + rs
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return mn, l, acc
+
+
+@triton.jit
+def rlk_probe_attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, S, scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, LOG2BN: tl.constexpr, PACK: tl.constexpr,
+                       TREE: tl.constexpr, EXP2: tl.constexpr, IND: tl.constexpr):
+    tile = tl.program_id(0)
+    hb = tl.program_id(1)
+    b = tl.program_id(2)
+    G = HQ // HKV
+    offs_d = tl.arange(0, D)
+    if PACK:
+        kvh = hb
+        unit = tile * BM + tl.arange(0, BM)
+        tok = unit // G
+        head = kvh * G + unit % G
+    else:
+        kvh = hb // G
+        tok = tile * BM + tl.arange(0, BM)
+        head = tok * 0 + hb
+    qoff = ((b * S + tok).to(tl.int64) * HQ + head) * D
+    q = tl.load(q_ptr + qoff[:, None] + offs_d[None, :])
+    base = tl.load(cu_ptr + b).to(tl.int64)
+    lo_pos = tl.min(tok, axis=0)
+    hi_pos = tl.max(tok, axis=0)
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    n_full = (lo_pos + 1) // BN
+    for i in range(0, n_full):
+        m, l, acc = _probe_block(q, k_ptr, v_ptr, b, S, base, hi_pos, kvh, tok, i * BN, m, l, acc, scale, HKV, D,
+                                 BM, BN, LOG2BN, TREE, EXP2, IND, False)
+    for i in range(n_full, hi_pos // BN + 1):
+        m, l, acc = _probe_block(q, k_ptr, v_ptr, b, S, base, hi_pos, kvh, tok, i * BN, m, l, acc, scale, HKV, D,
+                                 BM, BN, LOG2BN, TREE, EXP2, IND, True)
+    o = acc / l[:, None]
+    tl.store(o_ptr + qoff[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty))
+
+
+def probe(q, k, v, cu, B, S, *, bm, bn, pack, tree, exp2, ind, warps, stages, fusion):
+    out = torch.empty_like(q)
+    G = HQ // HKV
+    scale = D**-0.5 * (math.log2(math.e) if exp2 else 1.0)
+    grid = (S * G // bm, HKV, B) if pack else (S // bm, HQ, B)
+    rlk_probe_attn_fwd[grid](q, k, v, out, cu, S, scale, HQ=HQ, HKV=HKV, D=D, BM=bm, BN=bn, LOG2BN=int(math.log2(bn)),
+                             PACK=pack, TREE=tree, EXP2=exp2, IND=ind, num_warps=warps, num_stages=stages,
+                             enable_fp_fusion=fusion)
+    return out
+
+
+VARIANTS = {
+    # name: (bm, bn, pack, tree, exp2, ind, warps, stages, fusion)
+    "textbook_bn128_w8_s3": (128, 128, False, False, True, False, 8, 3, True),
+    "textbook_bn64_w8_s3": (128, 64, False, False, True, False, 8, 3, True),
+    "textbook_bn64_w4_s3": (128, 64, False, False, True, False, 4, 3, True),
+    "textbook_bn64_w8_s2": (128, 64, False, False, True, False, 8, 2, True),
+    "+nofusion": (128, 64, False, False, True, False, 8, 2, False),
+    "+exp": (128, 64, False, False, False, False, 8, 2, False),
+    "+tree": (128, 64, False, True, False, False, 8, 2, False),
+    "+pack": (128, 64, True, True, False, False, 8, 2, False),
+    "+ind (all shipped features)": (128, 64, True, True, False, True, 8, 2, False),
+    "all_w4_s3": (128, 64, True, True, False, True, 4, 3, False),
+    "all_m64_w4_s3": (64, 64, True, True, False, True, 4, 3, False),
+    "pack_only": (128, 64, True, False, True, False, 8, 2, True),
+    "tree_only": (128, 64, False, True, True, False, 8, 2, True),
+    "ind_only": (128, 64, False, False, True, True, 8, 2, True),
+    "tree_bn128": (128, 128, False, True, True, False, 8, 3, True),
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args(argv)
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    rows = []
+    for B, S in ((32, 512), (4, 4096)):
+        g = torch.Generator(device="cuda").manual_seed(B * S)
+        T = B * S
+        q, k, v = (torch.randn((T, h, D), device="cuda", generator=g).to(torch.bfloat16) for h in (HQ, HKV, HKV))
+        cu = torch.arange(0, T + 1, S, device="cuda", dtype=torch.int32)
+        qs, ks, vs = (t.view(B, S, -1, D).transpose(1, 2).contiguous() for t in (q, k, v))
+        flop = 4 * B * HQ * D * S * (S + 1) / 2
+        ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(1, 2).reshape(T, HQ, D)
+        q_seq = torch.arange(B, device="cuda").repeat_interleave(S)
+        q_pos = torch.arange(S, device="cuda").repeat(B)
+        page_rows = (torch.arange(B, device="cuda") * S)[:, None].contiguous()
+        impls = {
+            "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
+            "rlk.varlen_forward(train: out+f32+lse)": lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S),
+            "rlk.cached_forward(prefill: out)": lambda: K.cached_forward(q, k, v, page_rows, S, q_seq, q_pos,
+                                                                        D**-0.5, None, path="prefill"),
+        }
+        for name, cfg in VARIANTS.items():
+            kw = dict(zip(("bm", "bn", "pack", "tree", "exp2", "ind", "warps", "stages", "fusion"), cfg))
+            impls[f"probe:{name}"] = lambda kw=kw: probe(q, k, v, cu, B, S, **kw)
+        base = None
+        for name, fn in impls.items():
+            try:
+                o = fn()
+                o = o[0] if isinstance(o, tuple) else o
+                if o.dim() == 4:
+                    o = o.transpose(1, 2).reshape(T, HQ, D)
+                err = (o.float() - ref.float()).abs().max().item()
+                st = summarize(cuda_graph_ms(fn, calls=args.calls, repeats=args.repeats, warmup=2))
+                row = {"case": {"B": B, "S": S}, "impl": name, "p50_ms": st.median, "p20_ms": st.p20, "p80_ms": st.p80,
+                       "tflops": round(flop / st.median / 1e9, 1), "max_abs_err_vs_sdpa": err}
+                if name == "torch.sdpa":
+                    base = st.median
+                row["throughput_vs_sdpa"] = round(base / st.median, 3) if base else None
+            except Exception as exc:  # a variant that fails to compile is a finding, not a crash
+                row = {"case": {"B": B, "S": S}, "impl": name, "error": f"{type(exc).__name__}: {exc}"[:400]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    Path(args.out).write_text(json.dumps({"device": device_info(), "versions": versions(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
