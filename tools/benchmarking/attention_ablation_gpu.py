@@ -43,7 +43,7 @@ HQ, HKV, D = 32, 8, 128
 
 
 @triton.jit
-def _probe_block(q, k_ptr, v_ptr, b, S, base, cap, kvh, pos, start, m, l, acc, scale, HKV: tl.constexpr,
+def rlk_probe_block(q, k_ptr, v_ptr, b, S, base, cap, kvh, pos, start, m, l, acc, scale, HKV: tl.constexpr,
                  D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2BN: tl.constexpr, TREE: tl.constexpr,
                  EXP2: tl.constexpr, IND: tl.constexpr, MASKED: tl.constexpr):
     offs_d = tl.arange(0, D)
@@ -101,10 +101,10 @@ def rlk_probe_attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, S, scale, HQ: tl.cons
     acc = tl.zeros([BM, D], tl.float32)
     n_full = (lo_pos + 1) // BN
     for i in range(0, n_full):
-        m, l, acc = _probe_block(q, k_ptr, v_ptr, b, S, base, hi_pos, kvh, tok, i * BN, m, l, acc, scale, HKV, D,
+        m, l, acc = rlk_probe_block(q, k_ptr, v_ptr, b, S, base, hi_pos, kvh, tok, i * BN, m, l, acc, scale, HKV, D,
                                  BM, BN, LOG2BN, TREE, EXP2, IND, False)
     for i in range(n_full, hi_pos // BN + 1):
-        m, l, acc = _probe_block(q, k_ptr, v_ptr, b, S, base, hi_pos, kvh, tok, i * BN, m, l, acc, scale, HKV, D,
+        m, l, acc = rlk_probe_block(q, k_ptr, v_ptr, b, S, base, hi_pos, kvh, tok, i * BN, m, l, acc, scale, HKV, D,
                                  BM, BN, LOG2BN, TREE, EXP2, IND, True)
     o = acc / l[:, None]
     tl.store(o_ptr + qoff[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty))
