@@ -61,7 +61,7 @@ for step in $STEPS; do
     check_cuda)  # the main job end to end on the GPU: rl-kernel train vs rollout log-probs, then the native control
       for args in "--dtype float32" "--dtype bfloat16" "--dtype bfloat16 --plan P/P"; do
         echo "-- rlk check --device cuda $args"
-        timeout ${CHECK_TIMEOUT:-120} python3 -c 'from rl_engine.entrypoints.cli import main; main()' check --device cuda $args --json \
+        timeout ${CHECK_TIMEOUT:-120} python3 -c 'import sys; from rl_engine.entrypoints.cli import main; sys.exit(main())' check --device cuda $args --json \
           > "$OUT/check_cuda_$(echo $args | tr -c 'a-zA-Z0-9' _).json" 2> "$OUT/check_cuda.err"; echo "rc=$?"
         tail -c 600 "$OUT/check_cuda_$(echo $args | tr -c 'a-zA-Z0-9' _).json"; echo
       done; tail -5 "$OUT/check_cuda.err" ;;

@@ -845,6 +845,7 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
         if kernel == "prefill":
             # a tile spans several KV splits only if some query position is >= 1024: then an fp32
             # scratch tile per program holds the merged accumulator between splits
+            # (tiles x kv heads x BLOCK_M x D fp32, about the size of an fp32 output, freed on return)
             multi = max_positions > KV_BLOCK * SPLIT_BLOCKS
             if multi:
                 scr = torch.empty((nt * Hkv * cfg.block_m * D,), dtype=torch.float32, device=q.device)
