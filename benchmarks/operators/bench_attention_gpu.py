@@ -3,7 +3,9 @@
 Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
 
 * ``prefill``  causal forward, S ∈ {512, 4096} with B = 32 × 512 and 4 × 4096 (16k tokens).
-  Ours: the varlen launcher (``kernels.varlen_forward``, packed ``[T, H, D]``); SDPA:
+  Ours: the varlen launcher (``kernels.varlen_forward(for_backward=False)``, packed
+  ``[T, H, D]``: the output only, what a no-grad call of the public op stores), and the training
+  forward (``.train_forward``: also the fp32 output and lse the backward reads); SDPA:
   ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` on
   ``[B, H, S, D]`` (the layout it is fastest in; the transposes are not timed).
 * ``decode``   one query token per sequence, batch ∈ {1, 64} × context ∈ {512, 4096, 32768}.
@@ -95,11 +97,16 @@ def prefill_case(B: int, S: int, all_configs: bool = False):
     qs, ks, vs = (t.view(B, S, -1, D).transpose(1, 2).contiguous() for t in (q, k, v))
     flop = 4 * B * HQ * D * S * (S + 1) / 2  # causal: two matmuls over the visible half
     impls = {
-        "rlk.triton.blocked_online_softmax": lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S),
+        # a forward no backward follows (what SDPA is timed doing): out only
+        "rlk.triton.blocked_online_softmax": lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S,
+                                                                      for_backward=False),
+        # the training forward: also the fp32 output and lse the backward reads
+        f"{OURS}.train_forward": lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S),
         "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
     }
     for c in _candidates("prefill", all_configs):
-        impls[f"{OURS}@{c.key}"] = lambda c=c: K.varlen_forward(q, k, v, cu, D**-0.5, None, config=c, max_seqlen=S)
+        impls[f"{OURS}@{c.key}"] = lambda c=c: K.varlen_forward(q, k, v, cu, D**-0.5, None, config=c, max_seqlen=S,
+                                                                for_backward=False)
     return impls, flop, {"B": B, "S": S, "tokens": T}
 
 
@@ -231,16 +238,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     repeats = args.repeats or (3 if args.quick else 15)
     rows = run(args.quick, repeats, args.configs == "all", kinds)
     target = {"prefill": 0.9, "decode": 0.9}
+    def has_target(r):  # the training forward (extra outputs for the backward) is reported, not targeted
+        return r["kind"] in target and ".train_forward" not in r["implementation"]
+
     summary = [{"kind": r["kind"], "config": r["config"], "implementation": r["implementation"],
                 "throughput_ratio": r["throughput_ratio"],
-                "target": f">= {target[r['kind']]}x SDPA throughput" if r["kind"] in target else "(no target)",
-                "met": (r["throughput_ratio"] >= target[r["kind"]]) if r["kind"] in target else None}
+                "target": f">= {target[r['kind']]}x SDPA throughput" if has_target(r) else "(no target)",
+                "met": (r["throughput_ratio"] >= target[r["kind"]]) if has_target(r) else None}
                for r in rows if r["implementation"] != "torch.sdpa"]
     best = {}
     for r in rows:
         if not r["implementation"].startswith(OURS):
             continue
-        variant = "paged16" if ".paged16" in r["implementation"] else "contiguous"
+        variant = next((v for v in ("paged16", "train_forward") if f".{v}" in r["implementation"]), "contiguous")
         shape = " ".join(f"{k}={r['config'][k]}" for k in ("B", "S", "context") if k in r["config"])
         key = f"{r['kind']} {variant} {shape}"
         if key not in best or r["throughput_ratio"] > best[key]["throughput_ratio"]:

@@ -10,7 +10,8 @@ timed in the same process, interleaved per shape, with the same method:
   launch overhead (rl-kernel's dispatch adds host time; see ``eager``).
 * ``eager``: the same calls launched from Python in a loop (what a caller without graphs sees).
 
-Each timing is repeated; rows carry p20/p50/p80 in µs, TFLOP/s at p50 and, for ours,
+The implementations' samples are taken in turn (A B A B …, ``time_interleaved``), so clock or
+temperature drift during the long large-M runs hits both alike. Each timing is repeated; rows carry p20/p50/p80 in µs, TFLOP/s at p50 and, for ours,
 ``time_ratio`` = ours p50 / cuBLAS p50 (≤ 1 is faster) and ``throughput_ratio`` = its inverse.
 
 Usage::
@@ -75,9 +76,10 @@ def percentiles(ts: Sequence[float]) -> dict[str, float]:
     return {"p20_us": q[1], "p50_us": statistics.median(ts), "p80_us": q[7]}
 
 
-def time_calls(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], inputs, *, mode: str, n: int, reps: int) -> list[float]:
-    """Per-call µs of ``fn`` over rotating ``inputs``, ``reps`` samples of ``n`` calls each."""
-    for x, w in inputs:  # warm-up (compiles, cuBLAS heuristics, allocator)
+def make_runner(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], inputs, *, mode: str, n: int) -> Callable[[], None]:
+    """Warm ``fn`` up (compiles, cuBLAS heuristics, allocator), then return a callable that makes
+    ``n`` calls over the rotating ``inputs``: one graph replay (``graph``) or a Python loop."""
+    for x, w in inputs:
         fn(x, w)
     torch.cuda.synchronize()
     if mode == "graph":
@@ -102,14 +104,34 @@ def time_calls(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], inputs,
                 fn(x, w)
 
     torch.cuda.synchronize()
-    out = []
+    return run
+
+
+def sample_us(run: Callable[[], None], n: int) -> float:
+    """One timed sample: per-call µs of ``run`` (which makes ``n`` calls)."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    run()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) * 1e3 / n
+
+
+def time_calls(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], inputs, *, mode: str, n: int, reps: int) -> list[float]:
+    """Per-call µs of ``fn`` over rotating ``inputs``, ``reps`` samples of ``n`` calls each."""
+    run = make_runner(fn, inputs, mode=mode, n=n)
+    return [sample_us(run, n) for _ in range(reps)]
+
+
+def time_interleaved(fns: dict[str, Callable], inputs, *, mode: str, n: int, reps: int) -> dict[str, list[float]]:
+    """Like :func:`time_calls` for several implementations, samples taken in turn (A B A B …):
+    a drift of the GPU's clock or temperature over the run (long large-M GEMMs) hits every
+    implementation alike instead of whichever runs last."""
+    runs = {name: make_runner(fn, inputs, mode=mode, n=n) for name, fn in fns.items()}
+    out: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        run()
-        e1.record()
-        e1.synchronize()
-        out.append(e0.elapsed_time(e1) * 1e3 / n)
+        for name, run in runs.items():
+            out[name].append(sample_us(run, n))
     return out
 
 
@@ -148,12 +170,9 @@ def run(shapes: Sequence[str], ms: Sequence[int], modes: Sequence[str], public: 
             inputs = make_inputs(m, k, n_out)
             n_calls, reps = _iters(m, k, n_out)
             for mode in modes:
-                res: dict[str, dict] = {}
-                for impl, fn in impls.items():
-                    if impl == "rlk.ops.gemm.linear" and mode == "graph":
-                        continue  # same kernels as rlk.triton.tile_gemm under a graph
-                    ts = time_calls(fn, inputs, mode=mode, n=n_calls, reps=reps)
-                    res[impl] = percentiles(ts)
+                # rlk.ops.gemm.linear under a graph is the same kernels as rlk.triton.tile_gemm
+                fns = {impl: fn for impl, fn in impls.items() if not (impl == "rlk.ops.gemm.linear" and mode == "graph")}
+                res = {impl: percentiles(ts) for impl, ts in time_interleaved(fns, inputs, mode=mode, n=n_calls, reps=reps).items()}
                 base = res["cublas.F.linear"]["p50_us"]
                 for impl, p in res.items():
                     row = {

@@ -7,7 +7,8 @@ does not:
 
 * ``PACK``   GQA rows packed into the query tile (row = token·G + g, one program per kv head)
              vs one program per query head (row = token);
-* ``TREE``   the fixed pairwise row sum (``rlk_attn_rowsum``) vs ``tl.sum``;
+* ``TREE``   the fixed pairwise row sum (``rlk_attn_rowsum``, strided halves since session 4) vs
+             ``tl.sum``; ``TREE=2``: session 3's adjacent-pair tree, side by side;
 * ``EXP2``   ``exp2`` with the scale folded into ``log2(e)`` vs ``exp`` after a scale multiply;
 * ``IND``    key rows through a loaded base and ``min(position, cap)`` (the shipped addressing,
              which hides the rows' contiguity from the compiler) vs ``b·S + position``;
@@ -43,6 +44,16 @@ HQ, HKV, D = 32, 8, 128
 
 
 @triton.jit
+def rlk_probe_adjacent_rowsum(x, BM: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
+    """Session 3's fixed tree (adjacent pairs), for the side-by-side timing only."""
+    for i in tl.static_range(LOG2N):
+        x = tl.reshape(x, [BM, N >> (i + 1), 2])
+        a, b = tl.split(x)
+        x = a + b
+    return tl.reshape(x, [BM])
+
+
+@triton.jit
 def rlk_probe_block(q, k_ptr, v_ptr, b, S, base, cap, kvh, pos, start, m, l, acc, scale, HKV: tl.constexpr,
                  D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2BN: tl.constexpr, TREE: tl.constexpr,
                  EXP2: tl.constexpr, IND: tl.constexpr, MASKED: tl.constexpr):
@@ -64,8 +75,10 @@ def rlk_probe_block(q, k_ptr, v_ptr, b, S, base, cap, kvh, pos, start, m, l, acc
     else:
         alpha = tl.exp(m - mn)
         p = tl.exp(s - mn[:, None])
-    if TREE:
+    if TREE == 1:
         rs = rlk_attn_rowsum(p, BM, BN, LOG2BN)
+    elif TREE == 2:
+        rs = rlk_probe_adjacent_rowsum(p, BM, BN, LOG2BN)
     else:
         rs = tl.sum(p, axis=1)
     l = l * alpha + rs
@@ -130,12 +143,14 @@ VARIANTS = {
     "+nofusion": (128, 64, False, False, True, False, 8, 2, False),
     "+exp": (128, 64, False, False, False, False, 8, 2, False),
     "+tree": (128, 64, False, True, False, False, 8, 2, False),
+    "+tree_adjacent (session 3)": (128, 64, False, 2, False, False, 8, 2, False),
     "+pack": (128, 64, True, True, False, False, 8, 2, False),
     "+ind (all shipped features)": (128, 64, True, True, False, True, 8, 2, False),
     "all_w4_s3": (128, 64, True, True, False, True, 4, 3, False),
     "all_m64_w4_s3": (64, 64, True, True, False, True, 4, 3, False),
     "pack_only": (128, 64, True, False, True, False, 8, 2, True),
     "tree_only": (128, 64, False, True, True, False, 8, 2, True),
+    "tree_adjacent_only (session 3)": (128, 64, False, 2, True, False, 8, 2, True),
     "ind_only": (128, 64, False, False, True, True, 8, 2, True),
     "tree_bn128": (128, 128, False, True, True, False, 8, 3, True),
 }

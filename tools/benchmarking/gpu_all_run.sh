@@ -7,7 +7,9 @@
 #
 # Steps: tests, bench_attention, bench_attention_configs, bench_logprob, debug_logprob, bench_gemm,
 # check_cuda (`rlk check --device cuda`: fp32 and bf16 R/R, the P/P control), ablation
-# (tools/benchmarking/attention_ablation_gpu.py). Two jobs can share a 2-GPU machine: give each
+# (tools/benchmarking/attention_ablation_gpu.py), sweep (tools/benchmarking/gemm_sweep.py),
+# host_overhead (tools/benchmarking/host_overhead_gpu.py), breakdown
+# (tools/benchmarking/attention_breakdown_gpu.py). Two jobs can share a 2-GPU machine: give each
 # its CUDA_VISIBLE_DEVICES, OUT and WORK (see reports/gpu/README.md, "Session 3").
 #
 # Carry .whl (pydantic & deps and the Liger-Kernel wheel, missing on the device image; see
@@ -68,6 +70,19 @@ for step in $STEPS; do
     ablation)
       timeout ${ABLATION_TIMEOUT:-150} python3 tools/benchmarking/attention_ablation_gpu.py --out "$OUT/bench_attention_ablation.json" \
         > "$OUT/attention_ablation.log" 2>&1; cut -c1-220 "$OUT/attention_ablation.log" | tail -40 ;;
+    sweep)  # gemm tile sweep (tools/benchmarking/gemm_sweep.py); SWEEP_ARGS / SWEEP2_ARGS: one or two invocations
+      timeout ${SWEEP_TIMEOUT:-200} python3 tools/benchmarking/gemm_sweep.py --out "$OUT/bench_gemm_sweep.json" ${SWEEP_ARGS:-} \
+        > "$OUT/gemm_sweep.log" 2>&1; grep -E "BEST|BITS|bits part|error|Error" "$OUT/gemm_sweep.log" | cut -c1-200 | tail -30
+      if [ -n "${SWEEP2_ARGS:-}" ]; then
+        timeout ${SWEEP2_TIMEOUT:-200} python3 tools/benchmarking/gemm_sweep.py --out "$OUT/gemm_sweep2.json" $SWEEP2_ARGS \
+          > "$OUT/gemm_sweep2.log" 2>&1; grep -E "BEST|error|Error" "$OUT/gemm_sweep2.log" | cut -c1-300 | tail -30
+      fi ;;
+    breakdown)  # per-kernel device time of each attention launcher (tools/benchmarking/attention_breakdown_gpu.py)
+      timeout ${BREAKDOWN_TIMEOUT:-120} python3 tools/benchmarking/attention_breakdown_gpu.py --out "$OUT/bench_attention_breakdown.json" \
+        > "$OUT/attention_breakdown.log" 2>&1; cut -c1-200 "$OUT/attention_breakdown.log" | tail -60 ;;
+    host_overhead)  # host time per eager call, where it goes (tools/benchmarking/host_overhead_gpu.py)
+      timeout ${HOST_TIMEOUT:-90} python3 tools/benchmarking/host_overhead_gpu.py --out "$OUT/bench_host_overhead.json" \
+        > "$OUT/host_overhead.log" 2>&1; head -60 "$OUT/host_overhead.log" ;;
     bench_gemm)
       timeout ${BENCH_GEMM_TIMEOUT:-150} python3 benchmarks/operators/bench_gemm_gpu.py --out "$OUT/bench_gemm_gpu.json" \
         ${BENCH_GEMM_ARGS:-} > "$OUT/bench_gemm_gpu.log" 2>&1; tail -32 "$OUT/bench_gemm_gpu.log" ;;

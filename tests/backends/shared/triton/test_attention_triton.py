@@ -45,6 +45,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rl_engine import contracts
+from rl_engine.backends.cpu.attention import fold_sum
 from rl_engine.ops.attention import ContiguousKVCache, PagedKVCache, cached_attention, varlen_attention
 from rl_engine.reference.attention import varlen_attention_f64
 from rl_engine.runtime import provenance
@@ -326,6 +327,22 @@ def test_interpreter_unmasked_interior_blocks_give_the_same_bits(window, monkeyp
     finally:
         sys.modules.pop(spec.name, None)
         os.remove(path)
+
+
+@interp
+@pytest.mark.parametrize("n", [32, 64, 128])
+def test_interpreter_rowsum_is_the_cpu_fold(n):
+    """``rlk_attn_rowsum`` (rowsum(P) over a 64-key block, ``Σ dO⊙O`` over D) is the CPU
+    backend's ``fold_sum`` bit for bit, whatever the tile's row count; the adjacent-pair tree
+    (also fixed, not the contract's) is caught by the same comparison (negative control)."""
+    from tests.backends.shared.triton._rowsum_probe import rowsum
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(64, n, generator=g) * torch.logspace(-6, 6, n)  # wide magnitudes: order shows
+    want = fold_sum(x, -1)
+    for bm in (16, 64):
+        assert bit_diff(rowsum(x, bm), want), bm
+    assert not bit_diff(rowsum(x, 16, adjacent=True), want)
 
 
 @interp

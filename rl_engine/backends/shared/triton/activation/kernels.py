@@ -11,21 +11,16 @@ sequence whatever its row, column or block position (divisions are the correctly
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from rl_engine.backends.shared.triton import device_guard
 
 __all__ = ["forward", "backward", "KERNEL_NAMES"]
 
 KERNEL_NAMES = ("rlk_silu_and_mul_fwd", "rlk_silu_and_mul_bwd")
 BLOCK = 1024
-
-
-def _guard(t: torch.Tensor):
-    """The device guard of ``t``'s GPU (none for CPU tensors: the interpreter, TRITON_INTERPRET=1)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -63,7 +58,7 @@ def forward(x2: torch.Tensor) -> torch.Tensor:
     y = x2.new_empty((M, D))
     if M == 0 or D == 0:
         return y
-    with _guard(x2):
+    with device_guard(x2):
         rlk_silu_and_mul_fwd[(M, triton.cdiv(D, BLOCK))](x2, y, M, D, BLOCK=BLOCK, num_warps=4)
     return y
 
@@ -74,6 +69,6 @@ def backward(g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     dx = torch.empty_like(x2)
     if M == 0 or D == 0:
         return dx
-    with _guard(x2):
+    with device_guard(x2):
         rlk_silu_and_mul_bwd[(M, triton.cdiv(D, BLOCK))](g2, x2, dx, M, D, BLOCK=BLOCK, num_warps=4)
     return dx

@@ -21,8 +21,8 @@ any page size, any packing). The rules that make this true:
   only BLOCK_M (and the warp count) differs between prefill (64/128 rows) and decode (16 rows),
   and the GPU tests prove the rows bitwise equal across every shipped configuration.
 * **Row sums never use ``tl.sum``** (whose association follows the register layout): ``rowsum(P)``
-  and ``Σ dO⊙O`` are a fixed pairwise tree (``rlk_attn_rowsum``: reshape to ``[BM, N/2, 2]``,
-  split, add, repeated). ``max`` is exact (``+ 0.0`` turns a ``-0`` maximum into ``+0``).
+  and ``Σ dO⊙O`` are a fixed pairwise tree (``rlk_attn_rowsum``: the CPU's ``fold_sum``,
+  ``x[:, :N/2] + x[:, N/2:]`` then halving). ``max`` is exact (``+ 0.0`` turns a ``-0`` maximum into ``+0``).
 * **Per-row activity**: a row updates ``(m, l)`` only in the blocks of ``[lo, hi]`` (``tl.where``
   on the state); outside its range ``α = 1`` and ``P = +0`` exactly, so ``acc`` is unchanged
   (exact zeros added to a never ``-0`` accumulator). Every split of the tile's range is merged
@@ -68,7 +68,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.backends._customop import wire_varlen_attention
-from rl_engine.backends.shared.triton import arch_reasons, unavailable_reasons
+from rl_engine.backends.shared.triton import arch_reasons, direct_call_ok, eager_entry, unavailable_reasons
 from rl_engine.runtime.registry import Implementation, Request, register
 
 __all__ = [
@@ -115,11 +115,16 @@ def varlen_attention_fwd_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(out, lse, out_fp32)``; ``out_fp32`` (the unrounded output, kept for the
     backward's ``delta = Σ dO ⊙ O``) is empty when ``q`` is already fp32."""
+    return _varlen_forward(q, k, v, cu_seqlens, scale, window, for_backward=True)
+
+
+def _varlen_forward(q, k, v, cu_seqlens, scale, window, *, for_backward: bool):
     _check_head_dim(q.shape[2])
     # the longest sequence (one host sync; the public op has synced on cu_seqlens to validate it)
     # picks the launch specialisation only: sequences of at most 1024 tokens skip the split merge
     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
-    return _kernels().varlen_forward(q, k, v, cu_seqlens, scale, window, max_seqlen=max_seqlen)
+    return _kernels().varlen_forward(q, k, v, cu_seqlens, scale, window, max_seqlen=max_seqlen,
+                                     for_backward=for_backward)
 
 
 @torch.library.custom_op("rlk::varlen_attention_triton_backward", mutates_args=(), device_types="cuda")
@@ -143,7 +148,11 @@ wire_varlen_attention(varlen_attention_fwd_triton, varlen_attention_bwd_triton)
 def varlen_attention_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, window: int | None
 ) -> torch.Tensor:
-    """Causal attention over a packed batch (arguments validated by ``rl_engine.ops.attention``)."""
+    """Causal attention over a packed batch (arguments validated by ``rl_engine.ops.attention``).
+    A plain no-grad eager call (``direct_call_ok``) runs the kernels without the custom-op layer
+    and without the backward's extra outputs (fp32 output, lse): same bits of ``out``."""
+    if direct_call_ok((q, k, v, cu_seqlens)):
+        return _varlen_forward(q, k, v, cu_seqlens, scale, window, for_backward=False)[0]
     return varlen_attention_fwd_triton(q, k, v, cu_seqlens, scale, window)[0]
 
 
@@ -182,7 +191,7 @@ def _(q, k_new, v_new, k_cache, v_cache, slot_mapping, page_rows, page_size, q_s
 _GUARANTEES = frozenset({"row", "chunk", "prefill_decode", "layout", "run_to_run"})
 
 for _op, _fn in (("attention.varlen_attention", varlen_attention_triton),
-                 ("attention.cached_attention", cached_attention_triton)):
+                 ("attention.cached_attention", eager_entry(cached_attention_triton))):
     # register_triton's wiring, with this module's call check (arch + head dim)
     register(
         Implementation(

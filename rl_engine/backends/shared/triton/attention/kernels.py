@@ -33,7 +33,6 @@ fixed pairwise row sum ``rlk_attn_rowsum``.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -41,12 +40,15 @@ import torch
 import triton
 import triton.language as tl
 
+from rl_engine.backends.shared.triton import device_guard
+
 __all__ = [
     "KV_BLOCK",
     "SPLIT_BLOCKS",
     "AttnConfig",
     "PREFILL_CONFIGS",
     "DECODE_CONFIGS",
+    "PAGED_DECODE_CONFIGS",
     "BWD_CONFIGS",
     "shipped_forward_configs",
     "select_prefill",
@@ -115,6 +117,14 @@ PREFILL_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 4, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
+# Decode over a paged cache whose pages are shorter than a key block (a block's 64 keys come from
+# several pages): 2 warps. On the H200 with 16-token pages (session 3's config sweep,
+# reports/gpu/2026-11-30-h200-session3/run3-configs) 4 warps cost 1.2-1.6x: batch 64 at 4096 /
+# 32768 keys 445 / 3397 µs with 4 warps, 294 / 2075 µs with 2; batch 1 at 512 / 4096 keys
+# 30.6 / 47.9 µs vs 25.1 / 37.5 µs.
+PAGED_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
+    (dt, d): C(16, 2, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
+}
 # Backward (dq tiles of 64 query rows; dk/dv blocks of 64 keys against 64-position query blocks).
 # 4 warps, 2 stages: 8.3 ms vs 13.2 ms (8 warps) for train fwd+bwd at B=4 x S=4096, D=128 bf16
 # on the H200 (same report).
@@ -151,15 +161,19 @@ def select_prefill(dtype: torch.dtype, head_dim: int) -> AttnConfig:
     return PREFILL_CONFIGS[(dtype, head_dim)]
 
 
-def select_decode(dtype: torch.dtype, head_dim: int) -> AttnConfig:
+def select_decode(dtype: torch.dtype, head_dim: int, page_size: int | None = None) -> AttnConfig:
+    """The decode tile; ``page_size``: that of a paged cache (``None``: contiguous)."""
+    if page_size is not None and page_size < KV_BLOCK:
+        return PAGED_DECODE_CONFIGS[(dtype, head_dim)]
     return DECODE_CONFIGS[(dtype, head_dim)]
 
 
 def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfig]:
     """Every forward configuration a call can use for ``(dtype, head_dim)`` (the tests cover each)."""
     out = [select_prefill(dtype, head_dim)]
-    if select_decode(dtype, head_dim) not in out:
-        out.append(select_decode(dtype, head_dim))
+    for cfg in (select_decode(dtype, head_dim), select_decode(dtype, head_dim, page_size=1)):
+        if cfg not in out:
+            out.append(cfg)
     return out
 
 
@@ -176,11 +190,17 @@ def use_decode_path(num_tokens: int, num_seqs: int, group: int) -> bool:
 
 @triton.jit
 def rlk_attn_rowsum(x, BLOCK_M: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
-    """``Σ_j x[:, j]`` by a fixed pairwise tree (adjacent pairs, ``LOG2N`` halvings): every step
-    is an elementwise IEEE add, so a row's sum does not depend on the register layout."""
+    """``Σ_j x[:, j]`` by the fixed pairwise fold of the CPU backend's ``fold_sum``
+    (``x[:, :N/2] + x[:, N/2:]``, then halving, ``LOG2N`` steps): every step is an elementwise
+    IEEE add, so a row's sum depends only on the row, never on the register layout.
+
+    The halves are strided (columns ``j`` and ``j + N/2``) rather than adjacent pairs: in the
+    MMA accumulator layouts (wgmma and mma.sync alike) a thread holds columns ``j`` and
+    ``j + 8·i``, so the first ``LOG2N - 3`` steps pair values inside one thread and the
+    reshape/permute/split are relabelings of registers, not shared-memory layout conversions."""
     for i in tl.static_range(LOG2N):
-        x = tl.reshape(x, [BLOCK_M, N >> (i + 1), 2])
-        a, b = tl.split(x)
+        x = tl.reshape(x, [BLOCK_M, 2, N >> (i + 1)])
+        a, b = tl.split(tl.permute(x, (0, 2, 1)))
         x = a + b
     return tl.reshape(x, [BLOCK_M])
 
@@ -738,11 +758,6 @@ def rlk_attn_tiles(q_seq_ptr, q_pos_ptr, tab_ptr, scr_ptr, T, B, NT, NBITS_T, NB
 # Host side
 
 
-def _guard(t: torch.Tensor):
-    """The device guard of ``t``'s GPU (none for CPU tensors: the interpreter, TRITON_INTERPRET=1)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def tile_table(counts: torch.Tensor, tok_start: torch.Tensor, pos_base: torch.Tensor, group: int, block_m: int,
                num_tokens: int) -> torch.Tensor:
     """Query tiles as an int64 ``[NT_max, 4]`` table ``[seq, unit0, unit1, pos_base]`` (torch ops on
@@ -819,11 +834,12 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     out32 = torch.empty((T, Hq, D), dtype=torch.float32, device=q.device) if want_f32 else None
     if T == 0 or B == 0:
         return out, lse, out32
-    cfg = config or (select_decode(q.dtype, D) if path == "decode" else select_prefill(q.dtype, D))
+    paged = page_rows.shape[1] > 1
+    cfg = config or (select_decode(q.dtype, D, page_size if paged else None) if path == "decode"
+                     else select_prefill(q.dtype, D))
     if tab is None:
         tab = tile_table(counts, tok_start, pos_base, G, cfg.block_m, T)
     nt = tab.shape[0]
-    paged = page_rows.shape[1] > 1
     ieee = q.dtype == torch.float32
     has_w = window is not None
     w = int(window) if has_w else 0
@@ -841,7 +857,7 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     # one KV split at most: the decode tiles run through the prefill kernel (the same split body
     # and merge from the same initial state, so the same bits), one launch and no workspace
     kernel = "prefill" if path == "prefill" or ns == 1 else "decode"
-    with _guard(q):
+    with device_guard(q):
         if kernel == "prefill":
             # a tile spans several KV splits only if some query position is >= 1024: then an fp32
             # scratch tile per program holds the merged accumulator between splits
@@ -875,18 +891,23 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
 
 
 def varlen_forward(q, k, v, cu_seqlens, scale, window, *, path: str = "prefill", config: AttnConfig | None = None,
-                   max_seqlen: int | None = None):
+                   max_seqlen: int | None = None, for_backward: bool = True):
     """Train-path forward: ``(out, lse, out_f32)`` (``out_f32`` only for 16-bit inputs, else empty).
 
     ``max_seqlen``: a host bound on the longest sequence (default: the token count). Only the
     launch specialisation depends on it (no tile spans two KV splits when it is at most 1024, so
-    the kernel is compiled without the split merge); the bits do not."""
+    the kernel is compiled without the split merge); the bits do not.
+    ``for_backward=False`` (a forward that no backward will follow): only ``out`` is stored and
+    ``(out, None, None)`` returned — the fp32 output and the lse are extra stores (about a
+    quarter of the prefill time at 32 × 512, bf16), the bits of ``out`` are the same."""
     counts, tok_start, pos_base = _varlen_rows(cu_seqlens)
     page_rows = tok_start[:, None].contiguous()
-    want_f32 = q.dtype != torch.float32
+    want_f32 = for_backward and q.dtype != torch.float32
     bound = q.shape[0] if max_seqlen is None else min(int(max_seqlen), q.shape[0])
     out, lse, out32 = attend(q, k, v, page_rows, _NO_PAGES, counts, tok_start, pos_base, bound, scale, window,
-                             path=path, config=config, want_lse=True, want_f32=want_f32)
+                             path=path, config=config, want_lse=for_backward, want_f32=want_f32)
+    if not for_backward:
+        return out, None, None
     if out32 is None:
         out32 = q.new_empty((0,), dtype=torch.float32)
     return out, lse, out32
@@ -912,7 +933,7 @@ def rollout_tiles(q_seq: torch.Tensor, q_pos: torch.Tensor, num_seqs: int, group
     nt = -(-T * group // block_m) + num_seqs
     tab = torch.empty((nt, 4), dtype=torch.int64, device=q_seq.device)
     scr = torch.empty((max(num_seqs, 1), 4), dtype=torch.int64, device=q_seq.device)
-    with _guard(q_seq):
+    with device_guard(q_seq):
         rlk_attn_tiles[(1,)](q_seq, q_pos, tab, scr, T, num_seqs, nt, T.bit_length() + 1, num_seqs.bit_length() + 1,
                              group, BLOCK_M=block_m, CHUNK=128, num_warps=4, enable_fp_fusion=False)
     return tab
@@ -929,7 +950,8 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     bound = page_size if P == 1 else P * page_size
     if path is None:
         path = "decode" if use_decode_path(T, B, G) else "prefill"
-    cfg = config or (select_decode(q.dtype, D) if path == "decode" else select_prefill(q.dtype, D))
+    cfg = config or (select_decode(q.dtype, D, page_size if P > 1 else None) if path == "decode"
+                     else select_prefill(q.dtype, D))
     q_seq = q_seq.to(torch.int64).contiguous()
     q_pos = q_pos.to(torch.int64).contiguous()
     tab = rollout_tiles(q_seq, q_pos, B, G, cfg.block_m) if T and B else None
@@ -959,7 +981,7 @@ def varlen_backward(grad, q, k, v, out, lse, cu_seqlens, scale, window, *, confi
     delta = torch.empty((T, Hq), dtype=torch.float32, device=q.device)
     R = T * Hq
     block_r = 64
-    with _guard(q):
+    with device_guard(q):
         rlk_attn_bwd_delta[(triton.cdiv(R, block_r),)](grad, out, delta, R, HEAD_D=D, LOG2D=int(math.log2(D)),
                                                        BLOCK_R=block_r, num_warps=4, enable_fp_fusion=False)
         tab = tile_table(counts, tok_start, pos_base, G, cfg.block_m, T)

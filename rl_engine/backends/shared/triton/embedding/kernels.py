@@ -18,21 +18,16 @@ and every step an IEEE fp32 addition, the same bits as the CPU implementation).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from rl_engine.backends.shared.triton import device_guard
 
 __all__ = ["forward", "backward", "KERNEL_NAMES"]
 
 KERNEL_NAMES = ("rlk_embedding_fwd", "rlk_embedding_bwd_tree")
 _BLOCK_H = 1024
-
-
-def _guard(t: torch.Tensor):
-    """The device guard of ``t``'s GPU (none for CPU tensors: the interpreter, TRITON_INTERPRET=1)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -72,7 +67,7 @@ def forward(ids_flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if N == 0:
         return out
     block = min(_BLOCK_H, max(16, triton.next_power_of_2(H)))
-    with _guard(weight):
+    with device_guard(weight):
         rlk_embedding_fwd[(N, triton.cdiv(H, block))](ids_flat, weight, out, N, H, BLOCK_H=block, num_warps=4)
     return out
 
@@ -93,7 +88,7 @@ def backward(grad2: torch.Tensor, ids_flat: torch.Tensor, num_weights: int) -> t
     counts = ends - starts
     gid = sid.index_select(0, starts)
     block = min(_BLOCK_H, max(16, triton.next_power_of_2(H)))
-    with _guard(grad2):
+    with device_guard(grad2):
         rlk_embedding_bwd_tree[(G, triton.cdiv(H, block))](
             buf, starts, counts, gid, dw, G, H, BLOCK_H=block, num_warps=4,
         )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.backends.shared.triton import arch_reasons, unavailable_reasons
+from rl_engine.backends.shared.triton import arch_reasons, call_op, unavailable_reasons
 from rl_engine.runtime.registry import Implementation, Request, register
 
 __all__ = ["linear_triton", "linear"]
@@ -87,8 +87,9 @@ linear_triton.register_autograd(_backward, setup_context=_setup)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The registered entry (same signature as the reference): calls ``rlk::linear_triton``."""
-    return linear_triton(x, weight, bias)
+    """The registered entry (same signature as the reference): calls ``rlk::linear_triton``
+    (directly in a plain no-grad eager call: ``call_op``)."""
+    return call_op(linear_triton, x, weight, bias)
 
 
 def _call_reasons(request: Request) -> list[str]:

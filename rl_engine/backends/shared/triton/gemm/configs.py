@@ -20,6 +20,7 @@ larger BLOCK_K only groups more steps per loop iteration.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,9 @@ class TileConfig:
     ``tma``: move tiles with the tensor-memory accelerator (host tensor descriptors, Hopper+)
     when the tensors' strides allow it (else pointer loads, same tile); ``persistent``: one
     program per SM walking the tiles (TMA only); ``warp_specialize``: Triton's producer/consumer
-    warp specialisation of that loop."""
+    warp specialisation of that loop; ``epilogue_subtile``: the persistent kernel stores the
+    output tile as two ``[block_m, block_n/2]`` halves (less shared memory for the epilogue,
+    which leaves room for another pipeline stage; stores only, same values)."""
 
     block_m: int
     block_n: int
@@ -45,10 +48,11 @@ class TileConfig:
     tma: bool = False
     persistent: bool = False
     warp_specialize: bool = False
+    epilogue_subtile: bool = False
 
     @property
     def key(self) -> str:
-        flags = "".join(f"_{f}" for f in ("tma", "persistent", "warp_specialize") if getattr(self, f))
+        flags = "".join(f"_{f}" for f in ("tma", "persistent", "warp_specialize", "epilogue_subtile") if getattr(self, f))
         return f"{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}_g{self.group_m}{flags}"
 
 
@@ -60,21 +64,23 @@ C = TileConfig
 _BIG = 1 << 62
 _WS = dict(tma=True, persistent=True, warp_specialize=True)
 _TABLE_16BIT: tuple[tuple[int, int, TileConfig], ...] = (
-    # decode-sized M: memory bound, enough programs to keep every SM streaming W
-    (16, 4096, C(16, 32, 256, 4, 4, tma=True)),
-    (1, 8192, C(16, 64, 128, 4, 4, tma=True)),
-    (16, 8192, C(16, 32, 256, 4, 4, tma=True)),
+    # decode-sized M: memory bound; few, deep programs streaming W (session 4 sweep: 16×64×256
+    # with 4 stages beats more, smaller programs at qkv and down M = 1)
+    (1, 4096, C(16, 64, 256, 4, 4, tma=True)),
+    (16, 4096, C(16, 32, 256, 4, 6, tma=True)),
+    (16, 8192, C(16, 64, 256, 4, 4, tma=True)),
     (16, _BIG, C(16, 64, 128, 4, 4, tma=True)),
-    (64, 4096, C(64, 32, 256, 4, 4, tma=True)),
-    (64, 8192, C(64, 64, 128, 4, 4, tma=True)),
+    (64, 8192, C(64, 64, 128, 4, 6, tma=True)),
     (64, _BIG, C(64, 128, 64, 4, 4, tma=True)),
     (256, 8192, C(64, 128, 128, 4, 3, tma=True)),
     (256, _BIG, C(128, 128, 64, 4, 4, tma=True, persistent=True)),
     # prefill / training M: compute bound; persistent, warp-specialised 128x256 tiles, except
-    # mid-sized N at M <= 2048 where 128x256 tiles leave a ragged last wave
+    # mid-sized N at M <= 2048 where 128x256 tiles leave a ragged last wave. Large M: the
+    # epilogue stores two 128x128 halves, which frees shared memory for a 4th stage, and tiles
+    # are grouped 16 along M for L2 reuse of the weight.
     (2048, 4096, C(128, 256, 64, 8, 3, **_WS)),
     (2048, 8192, C(128, 128, 64, 4, 5, tma=True)),
-    (_BIG, _BIG, C(128, 256, 64, 8, 3, **_WS)),
+    (_BIG, _BIG, C(128, 256, 64, 8, 4, group_m=16, epilogue_subtile=True, **_WS)),
 )
 _TABLE_FP32: tuple[tuple[int, int, TileConfig], ...] = (
     (64, _BIG, C(32, 64, 32, 4, 3)),
@@ -95,6 +101,7 @@ _WGRAD: dict[torch.dtype, TileConfig] = {
 }
 
 
+@functools.lru_cache(maxsize=4096)
 def select_forward(dtype: torch.dtype, m: int, n: int) -> TileConfig:
     """Configuration for ``y = x Wᵀ`` with ``m`` rows and ``n`` output features (also used for
     ``dx = dy W`` with ``n`` = K). Any choice gives the same bits (module docstring)."""

@@ -25,7 +25,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from rl_engine.backends.shared.triton import device_guard
 from rl_engine.backends.shared.triton.gemm.configs import TileConfig, select_forward, select_weight_grad
 
 __all__ = ["forward", "grad_input", "grad_weight", "grad_bias", "KERNEL_NAMES", "DEVICE_FUNCTIONS", "tma_supported"]
@@ -166,10 +168,12 @@ def rlk_linear_fwd_tma(a_desc, b_desc, c_desc, bias_ptr, M, N, K,
 def rlk_linear_fwd_tma_persistent(a_desc, b_desc, c_desc, bias_ptr, M, N, K, NUM_PROGRAMS,
                                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                  FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                                  FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                                  EPILOGUE_SUBTILE: tl.constexpr):
     """Persistent form of ``rlk_linear_fwd_tma``: NUM_PROGRAMS programs walk the output tiles;
     each tile is computed exactly as there (same K loop, same epilogue), only the schedule and
-    the software pipeline across tiles differ."""
+    the software pipeline across tiles differ. ``EPILOGUE_SUBTILE``: the rounded tile is stored
+    as two column halves (``c_desc``'s block is ``[BLOCK_M, BLOCK_N/2]``): same values."""
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
@@ -185,7 +189,12 @@ def rlk_linear_fwd_tma_persistent(a_desc, b_desc, c_desc, bias_ptr, M, N, K, NUM
             offs_n = off_n + tl.arange(0, BLOCK_N)
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
             acc = acc + bias.to(tl.float32)[None, :]
-        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        if EPILOGUE_SUBTILE:
+            c0, c1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            c_desc.store([off_m, off_n], c0.to(c_desc.dtype))
+            c_desc.store([off_m, off_n + BLOCK_N // 2], c1.to(c_desc.dtype))
+        else:
+            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -226,9 +235,16 @@ def _launch_abt(kernel, a, b, c, bias, M, N, K, sa, sb, sc, cfg: TileConfig) -> 
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _tma_device(index: int) -> bool:
+    return not torch.version.hip and torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def tma_supported(*tensors: torch.Tensor) -> bool:
-    """TMA needs a 16-byte aligned base, unit last stride and 16-byte aligned row strides."""
-    if torch.version.hip or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    """TMA needs a Hopper+ CUDA device, a 16-byte aligned base, unit last stride and 16-byte
+    aligned row strides."""
+    index = tensors[0].device.index
+    if not _tma_device(index if index is not None else torch.cuda.current_device()):
         return False
     for t in tensors:
         if t.dim() != 2 or t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
@@ -246,13 +262,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _launch_tma(x, w, y, bias, cfg: TileConfig) -> None:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     M, K = x.shape
     N = w.shape[0]
     a_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
-    c_desc = TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n])
+    subtile = cfg.persistent and cfg.epilogue_subtile
+    c_desc = TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n // 2 if subtile else cfg.block_n])
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     if cfg.persistent:
         programs = min(tiles, _sm_count(x.device))
@@ -260,7 +275,7 @@ def _launch_tma(x, w, y, bias, cfg: TileConfig) -> None:
             a_desc, b_desc, c_desc, bias if bias is not None else y, M, N, K, programs,
             HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m, FLATTEN=not cfg.warp_specialize,
-            WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            WARP_SPECIALIZE=cfg.warp_specialize, EPILOGUE_SUBTILE=subtile, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return
     grid = (tiles,)
@@ -287,7 +302,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config:
         return _empty_or_bias(M, N, x, bias)
     cfg = config or select_forward(x.dtype, M, N)
     y = x.new_empty((M, N))
-    with torch.cuda.device(x.device):
+    with device_guard(x):
         if cfg.tma and allow_tma and x.dtype != torch.float32 and tma_supported(x, w, y):
             _launch_tma(x, w, y, bias, cfg)
         else:
@@ -305,7 +320,7 @@ def grad_input(g: torch.Tensor, w: torch.Tensor, config: TileConfig | None = Non
     if cfg.tma:  # the dx orientation reads W transposed: pointer loads, same tile shape
         cfg = dataclasses.replace(cfg, tma=False, persistent=False, warp_specialize=False)
     dx = g.new_empty((M, K))
-    with torch.cuda.device(g.device):
+    with device_guard(g):
         _launch_abt(rlk_linear_dx, g, w, dx, None, M, K, N, g.stride(), (w.stride(1), w.stride(0)), dx.stride(), cfg)
     return dx
 
@@ -318,7 +333,7 @@ def grad_weight(g: torch.Tensor, x: torch.Tensor, config: TileConfig | None = No
         return g.new_zeros((N, K))
     cfg = config or select_weight_grad(g.dtype)
     dw = g.new_empty((N, K))
-    with torch.cuda.device(g.device):
+    with device_guard(g):
         _launch_abt(rlk_linear_dw, g, x, dw, None, N, K, M, (g.stride(1), g.stride(0)), (x.stride(1), x.stride(0)),
                     dw.stride(), cfg)
     return dw
@@ -333,6 +348,6 @@ def grad_bias(g: torch.Tensor) -> torch.Tensor:
     if M == 0:
         return db.zero_()
     block_n = 128
-    with torch.cuda.device(g.device):
+    with device_guard(g):
         rlk_linear_dbias[(triton.cdiv(N, block_n),)](g, db, M, N, g.stride(0), BLOCK_M=64, BLOCK_N=block_n, num_warps=4)
     return db

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.backends._customop import wire_entropy, wire_log_softmax, wire_token_logprobs
-from rl_engine.backends.shared.triton import register_triton
+from rl_engine.backends.shared.triton import call_op, register_triton
 from rl_engine.utils.checks import current_nan_policy
 
 __all__ = [
@@ -231,21 +231,21 @@ linear_token_logprobs_triton.register_autograd(_lt_backward, setup_context=_lt_s
 
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     V = logits.shape[-1]
-    out, lse = log_softmax_triton(logits.reshape(-1, V), float(temperature))
+    out, lse = call_op(log_softmax_triton, logits.reshape(-1, V), float(temperature))
     _check_lse(lse, "logits")
     return out.reshape(logits.shape)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     V = logits.shape[-1]
-    lp, lse = token_logprobs_triton(logits.reshape(-1, V), targets.reshape(-1), float(temperature))
+    lp, lse = call_op(token_logprobs_triton, logits.reshape(-1, V), targets.reshape(-1), float(temperature))
     _check_lse(lse, "logits")
     return lp.reshape(targets.shape)
 
 
 def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     V = logits.shape[-1]
-    ent, lse = entropy_triton(logits.reshape(-1, V), float(temperature))
+    ent, lse = call_op(entropy_triton, logits.reshape(-1, V), float(temperature))
     _check_lse(lse, "logits")
     return ent.reshape(logits.shape[:-1])
 
@@ -290,8 +290,8 @@ def linear_token_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     H = hidden.shape[-1]
     h2 = hidden.reshape(-1, H)
-    lp, ent, lse = linear_token_logprobs_triton(
-        h2, weight, targets.reshape(-1), float(temperature), bool(return_entropy),
+    lp, ent, lse = call_op(
+        linear_token_logprobs_triton, h2, weight, targets.reshape(-1), float(temperature), bool(return_entropy),
         *_chunks(h2.shape[0], weight.shape[0], hidden.dtype, token_chunk, vocab_chunk),
     )
     _check_lse(lse, "hidden", "the logits hidden @ weight.T / temperature")

@@ -52,12 +52,12 @@ import torch
 import triton
 import triton.language as tl
 
+from rl_engine.backends.shared.triton import device_guard
 from rl_engine.backends.shared.triton.gemm import kernels as gemm_kernels
 from rl_engine.backends.shared.triton.logprob.kernels import (
     _NEG_MAX,
     _WARPS,
     VOCAB_BLOCK,
-    _guard,
     rlk_load_z,
     rlk_lse_finish,
     rlk_lse_merge_block,
@@ -192,7 +192,7 @@ def forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, t
     state = torch.empty((4, min(token_chunk, N)), **f32)  # m, s, t, z_target of the rows of a chunk
     kernel = rlk_linear_logprob_fold if V % 16 == 0 else rlk_linear_logprob_fold_ns
     has_temp = temperature != 1.0
-    with _guard(hidden):
+    with device_guard(hidden):
         for r0 in range(0, N, token_chunk):
             r1 = min(N, r0 + token_chunk)
             R = r1 - r0
@@ -249,7 +249,7 @@ def backward(g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, hidden: torc
         return (targets[r0:r1], lse[r0:r1], g_lp[r0:r1] if g_lp is not None else None,
                 ent[r0:r1] if g_ent is not None else None, g_ent[r0:r1] if g_ent is not None else None)
 
-    with _guard(hidden):
+    with device_guard(hidden):
         if need_hidden:  # pass A: dh[rows] = dlogits[rows, :V] @ W, one K = V product per token chunk
             for r0 in range(0, N, token_chunk):
                 r1 = min(N, r0 + token_chunk)

@@ -22,11 +22,11 @@ rounded once to the logits dtype):
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from rl_engine.backends.shared.triton import device_guard
 
 __all__ = ["VOCAB_BLOCK", "forward", "log_softmax_backward", "token_logprobs_backward", "entropy_backward", "KERNEL_NAMES", "DEVICE_FUNCTIONS"]
 
@@ -37,11 +37,6 @@ DEVICE_FUNCTIONS = ("rlk_load_z", "rlk_lse_merge_block", "rlk_lse_finish")
 VOCAB_BLOCK = 1024
 _WARPS = 4
 _NEG_MAX = tl.constexpr(-3.4028234663852886e38)  # -FLT_MAX (a constexpr: read inside kernels)
-
-
-def _guard(t: torch.Tensor):
-    """The device guard of ``t``'s GPU (none for CPU tensors: the interpreter, TRITON_INTERPRET=1)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit
@@ -202,7 +197,7 @@ def forward(logits2: torch.Tensor, temperature: float, *, targets: torch.Tensor 
     ent = _f32(R, logits2) if entropy else None
     if R:
         dummy = lse
-        with _guard(logits2):
+        with device_guard(logits2):
             rlk_logprob_fwd[(R,)](
                 logits2, targets if targets is not None else lse, ls if ls is not None else dummy,
                 lp if lp is not None else dummy, lse, ent if ent is not None else dummy, R, V, float(temperature),
@@ -217,7 +212,7 @@ def log_softmax_backward(grad2: torch.Tensor, out2: torch.Tensor, temperature: f
     grad2, out2 = _aligned(grad2), _aligned(out2)
     dx = torch.empty((R, V), dtype=dtype, device=out2.device)
     if R:
-        with _guard(out2):
+        with device_guard(out2):
             rlk_log_softmax_bwd[(R,)](grad2, out2, dx, R, V, float(temperature), HAS_TEMP=temperature != 1.0,
                                       BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS)
     return dx
@@ -229,7 +224,7 @@ def token_logprobs_backward(grad: torch.Tensor, logits2: torch.Tensor, targets: 
     logits2 = _aligned(logits2)
     dx = torch.empty_like(logits2)
     if R:
-        with _guard(logits2):
+        with device_guard(logits2):
             rlk_token_logprobs_bwd[(R,)](grad, logits2, targets, lse, dx, R, V, float(temperature),
                                          HAS_TEMP=temperature != 1.0, BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS)
     return dx
@@ -241,7 +236,7 @@ def entropy_backward(grad: torch.Tensor, logits2: torch.Tensor, lse: torch.Tenso
     logits2 = _aligned(logits2)
     dx = torch.empty_like(logits2)
     if R:
-        with _guard(logits2):
+        with device_guard(logits2):
             rlk_entropy_bwd[(R,)](grad, logits2, lse, ent, dx, R, V, float(temperature),
                                   HAS_TEMP=temperature != 1.0, BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS)
     return dx

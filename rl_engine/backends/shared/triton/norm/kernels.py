@@ -19,12 +19,13 @@ the call has: row invariant by construction.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from rl_engine.backends.shared.triton import device_guard
 
 __all__ = ["forward", "backward", "KERNEL_NAMES", "block_of"]
 
@@ -44,11 +45,6 @@ def block_of(H: int) -> tuple[int, int, bool]:
     else:
         block, single = _CHUNK, False
     return block, max(1, min(16, block // 512)), single
-
-
-def _guard(t: torch.Tensor):
-    """The device guard of ``t``'s GPU (none for CPU tensors: the interpreter, TRITON_INTERPRET=1)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -191,7 +187,7 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, residual2: torch
     if M == 0:
         return y, new_res
     block, warps, _ = block_of(H)
-    with _guard(x2):
+    with device_guard(x2):
         rlk_rms_norm_fwd[(M,)](
             x2, residual2 if residual2 is not None else x2, weight, y, new_res if new_res is not None else y,
             M, H, float(H), float(eps), HAS_RES=residual2 is not None, BLOCK=block, num_warps=warps,
@@ -212,7 +208,7 @@ def backward(grad2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, eps: f
     tiles = triton.cdiv(M, rows)
     part = torch.empty((tiles, H), dtype=torch.float32, device=x2.device)
     dw = torch.empty_like(weight)
-    with _guard(x2):
+    with device_guard(x2):
         rlk_rms_norm_bwd[(tiles,)](
             grad2, x2, weight, extra2 if extra2 is not None else grad2, dx, part, M, H, float(H), float(eps), rows,
             HAS_EXTRA=extra2 is not None, SINGLE=single, BLOCK=block, num_warps=warps,

@@ -14,20 +14,15 @@ token's output depends only on its row and its position (**row invariant**).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
+from rl_engine.backends.shared.triton import device_guard
+
 __all__ = ["rotate", "KERNEL_NAMES"]
 
 KERNEL_NAMES = ("rlk_rope",)
-
-
-def _guard(t: torch.Tensor):
-    """The device guard of ``t``'s GPU (none for CPU tensors: the interpreter, TRITON_INTERPRET=1)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -72,7 +67,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: in
     rest = D - rotary_dim
     block_rest = max(2, triton.next_power_of_2(rest)) if rest else 2
     warps = 4 if block_nh * block_half >= 1024 else 1
-    with _guard(x):
+    with device_guard(x):
         rlk_rope[(T, triton.cdiv(NH, block_nh))](
             x, cos, sin, out, T, NH, D, half, TRANSPOSE=transpose, BLOCK_NH=block_nh, BLOCK_HALF=block_half,
             HAS_REST=rest > 0, BLOCK_REST=block_rest, num_warps=warps,

@@ -1,0 +1,106 @@
+"""Where the device time of one attention launcher call goes: every kernel it launches, on the GPU.
+
+Each shipped launcher (``rl_engine.backends.shared.triton.attention.kernels``) runs ``--iters``
+times under ``torch.profiler`` (CUDA activity) after warm-up; the kernels' device time is summed
+per name and divided by the iterations, next to the wall time of one CUDA-graph replay of the
+same call (``benchmarks.common.harness.cuda_graph_ms``). So a launcher's time splits into its
+main kernel, the small kernels that build its tables (torch ops or ``rlk_attn_tiles``) and the
+gaps between launches (graph time minus the kernels' sum). Qwen3-8B heads, bf16.
+
+    python3 tools/benchmarking/attention_breakdown_gpu.py --out /tmp/breakdown.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.common.harness import cuda_graph_ms, device_info, summarize, versions  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+
+
+def cases():
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+
+    out = {}
+    B, S = 32, 512
+    T = B * S
+    q, k, v = randn(T, HQ, D), randn(T, HKV, D), randn(T, HKV, D)
+    cu = torch.arange(0, T + 1, S, device="cuda", dtype=torch.int32)
+    q_seq = torch.arange(B, device="cuda").repeat_interleave(S)
+    q_pos = torch.arange(S, device="cuda").repeat(B)
+    rows = (torch.arange(B, device="cuda") * S)[:, None].contiguous()
+    out["prefill 32x512 varlen (out only)"] = lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S,
+                                                                         for_backward=False)
+    out["prefill 32x512 varlen (train: out+f32+lse)"] = lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S)
+    out["prefill 32x512 cached (rollout)"] = lambda: K.cached_forward(q, k, v, rows, S, q_seq, q_pos, D**-0.5, None,
+                                                                       path="prefill")
+    # the rollout prefill over a paged cache of 16-token pages (shuffled), shipped and two smaller tiles
+    ps = 16
+    pages = torch.randperm(T // ps, generator=torch.Generator().manual_seed(0)).cuda()
+    ptab = (pages.view(B, S // ps) * ps).contiguous()
+    prow = (ptab[:, torch.arange(S, device="cuda") // ps] + torch.arange(S, device="cuda") % ps).reshape(-1)
+    kp, vp = torch.empty_like(k), torch.empty_like(v)
+    kp[prow], vp[prow] = k, v
+    for cfg in (None, K.AttnConfig(128, 4, 2), K.AttnConfig(64, 4, 2)):
+        tag = "shipped" if cfg is None else cfg.key
+        out[f"prefill 32x512 cached paged16 ({tag})"] = (lambda cfg=cfg: K.cached_forward(
+            q, kp, vp, ptab, ps, q_seq, q_pos, D**-0.5, None, path="prefill", config=cfg))
+    for b, ctx in ((1, 4096), (64, 512), (64, 4096)):
+        kc, vc, qd = randn(b * ctx, HKV, D), randn(b * ctx, HKV, D), randn(b, HQ, D)
+        qs = torch.arange(b, device="cuda")
+        qp = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int64)
+        crow = (torch.arange(b, device="cuda", dtype=torch.int64) * ctx)[:, None].contiguous()
+        out[f"decode B={b} ctx={ctx}"] = (lambda kc=kc, vc=vc, qd=qd, qs=qs, qp=qp, crow=crow, ctx=ctx:
+                                          K.cached_forward(qd, kc, vc, crow, ctx, qs, qp, D**-0.5, None))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    rows = []
+    for name, fn in cases().items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        graph = summarize(cuda_graph_ms(fn, calls=10, repeats=7, warmup=2)).median * 1e3
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                fn()
+            torch.cuda.synchronize()
+        per = defaultdict(float)
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                per[e.name] += e.time_range.elapsed_us() / args.iters  # µs
+        kernels = sorted(({"kernel": n, "us": round(t, 2)} for n, t in per.items()), key=lambda r: -r["us"])
+        total = sum(r["us"] for r in kernels)
+        row = {"case": name, "graph_us": round(graph, 2), "kernels_sum_us": round(total, 2),
+               "gaps_us": round(graph - total, 2), "kernels": kernels}
+        rows.append(row)
+        print(f"{name:45s} graph {graph:9.1f} us  kernels {total:9.1f} us  gaps {graph - total:7.1f} us", flush=True)
+        for r in kernels[:8]:
+            print(f"    {r['us']:9.2f} us  {r['kernel'][:90]}", flush=True)
+    args.out.write_text(json.dumps({"device": device_info(), "versions": versions(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""Where an eager (Python-launched) rl-kernel call spends host time, on the GPU machine.
+
+At decode-sized M a GEMM takes ~16 µs on the device, so what the host does per call decides the
+eager speed (HF ``generate`` without graphs). This times, per call, at qkv M = 1 (bf16):
+
+* ``cublas``      ``F.linear`` (the baseline);
+* ``launch``      the Triton kernel alone, descriptors built once outside the loop;
+* ``descriptors`` building the three TMA descriptors only (no launch);
+* ``kernels``     ``gemm.kernels.forward`` (config lookup, descriptors, device guard, launch);
+* ``custom_op``   ``torch.ops.rlk.linear_triton`` (adds the dispatcher);
+* ``public``      ``rl_engine.ops.gemm.linear`` under ``nan_policy("propagate")`` (checks, dispatch);
+* ``public_nan``  the same under the default NaN policy (a NaN scan and a host sync per input);
+
+then other decode-step operators at batch 1 (``rms_norm``, ``silu_and_mul``, attention over a
+4096-token cache: kernels launcher, public ``cached_attention``) next to their torch
+counterparts. Each is the median of repeated loops after warm-up, with the GPU kept ahead by a
+CUDA sleep so the loop measures the host; calls that synchronise (the NaN scan, the attention
+op's ``cu_seqlens`` validation) run without the sleep and report host + device. A ``cProfile``
+of the custom-op loop gives the top functions. JSON rows to ``--out``.
+
+    python tools/benchmarking/host_overhead_gpu.py --out $OUT/host_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "operators"))
+sys.path.insert(0, str(ROOT))
+
+import bench_gemm_gpu as bench  # noqa: E402
+
+
+def per_call_us(fn, n: int = 400, reps: int = 7, syncs: bool = False) -> dict:
+    """Median µs per call over ``reps`` loops of ``n`` calls. The device is first given a CUDA
+    sleep longer than the loop, so the loop times the host alone — except for a call that
+    synchronises (``syncs``): it would wait for the sleep, so it runs without one and its time
+    is host + device (they are serialised by the sync anyway)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        if not syncs:
+            torch.cuda._sleep(int(2e9 * n * 1e-5))  # ~10 µs of device time per call queued ahead
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        ts.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return {"p50_us": round(statistics.median(ts), 2), "min_us": round(min(ts), 2), "host_only": not syncs}
+
+
+def other_ops() -> dict[str, tuple]:
+    """Decode-step operators at Qwen3-8B widths, batch 1: (callable, syncs, n) per case."""
+    from rl_engine.backends.shared.triton.attention import kernels as AK
+    from rl_engine.ops.activation import silu_and_mul
+    from rl_engine.ops.attention import ContiguousKVCache, cached_attention
+    from rl_engine.ops.norm import rms_norm
+    from rl_engine.utils.checks import nan_policy
+
+    h = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    nw = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    gu = torch.randn(1, 24576, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    cache = ContiguousKVCache(1, 16384, 8, 128, dtype=torch.bfloat16, device="cuda")
+    cu1 = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
+    pre = torch.randn(4096, 8, 128, device="cuda", dtype=torch.bfloat16)
+    with nan_policy("propagate"):
+        cached_attention(torch.randn(4096, 32, 128, device="cuda", dtype=torch.bfloat16), pre, pre, cache, [0],
+                         torch.tensor([0, 4096], device="cuda", dtype=torch.int32))
+    kc = torch.randn(4096, 8, 128, device="cuda", dtype=torch.bfloat16)
+    rows = torch.zeros(1, 1, device="cuda", dtype=torch.int64)
+    qs = torch.zeros(1, device="cuda", dtype=torch.int64)
+    qp = torch.full((1,), 4095, device="cuda", dtype=torch.int64)
+    ks = kc.view(1, 4096, 8, 128).transpose(1, 2)
+    q4 = q.view(1, 1, 32, 128).transpose(1, 2)
+
+    def propagate(f):
+        def g():
+            with nan_policy("propagate"):
+                return f()
+        return g
+
+    return {
+        "rms_norm torch": (lambda: torch.nn.functional.rms_norm(h, (4096,), nw, 1e-6), False, 400),
+        "rms_norm public": (propagate(lambda: rms_norm(h, nw, 1e-6)), False, 400),
+        "silu_and_mul torch": (lambda: torch.nn.functional.silu(gu[:, :12288]) * gu[:, 12288:], False, 400),
+        "silu_and_mul public": (propagate(lambda: silu_and_mul(gu)), False, 400),
+        "decode attn sdpa (ctx 4096)": (lambda: torch.nn.functional.scaled_dot_product_attention(q4, ks, ks, enable_gqa=True),
+                                        False, 400),
+        "decode attn kernels.cached_forward": (lambda: AK.cached_forward(q, kc, kc, rows, 4096, qs, qp, 0.088, None), False, 400),
+        "decode attn public cached_attention": (propagate(lambda: cached_attention(q, kv, kv, cache, [0], cu1)), True, 200),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--m", type=int, default=1)
+    args = ap.parse_args()
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    import rl_engine.backends.shared.triton.gemm  # noqa: F401  (registers torch.ops.rlk.linear_triton)
+    from rl_engine.backends.shared.triton.gemm import kernels as K
+    from rl_engine.ops import gemm
+    from rl_engine.utils.checks import nan_policy
+
+    k, n = bench.SHAPES["qkv"]
+    x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    cfg = K.select_forward(x.dtype, args.m, n)
+    y = torch.empty(args.m, n, device="cuda", dtype=torch.bfloat16)
+
+    def descriptors():
+        return (TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]), TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k]),
+                TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n]))
+
+    da, db, dc = descriptors()
+    grid = (-(-args.m // cfg.block_m) * -(-n // cfg.block_n),)
+
+    def launch():
+        K.rlk_linear_fwd_tma[grid](da, db, dc, y, args.m, n, k, HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                   BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def public():
+        with nan_policy("propagate"):
+            return gemm.linear(x, w)
+
+    cases = {
+        "cublas": lambda: F.linear(x, w),
+        "launch": launch,
+        "descriptors": descriptors,
+        "kernels": lambda: K.forward(x, w, None),
+        "custom_op": lambda: torch.ops.rlk.linear_triton(x, w, None),
+        "public": public,
+        "public_nan": lambda: gemm.linear(x, w),
+        "empty_like": lambda: torch.empty_like(y),
+    }
+    env = bench.environment()
+    rows = []
+    for name, fn in cases.items():
+        r = {**env, "bench": "host_overhead", "case": name, "M": args.m, "K": k, "N": n, "config": cfg.key,
+             **per_call_us(fn, syncs=name == "public_nan")}
+        rows.append(r)
+        print(f"{name:12s} {r['p50_us']:8.2f} us/call (min {r['min_us']:.2f})", flush=True)
+    for name, (fn, syncs, calls) in other_ops().items():
+        r = {**env, "bench": "host_overhead", "case": name, **per_call_us(fn, n=calls, syncs=syncs)}
+        rows.append(r)
+        print(f"{name:36s} {r['p50_us']:8.2f} us/call (min {r['min_us']:.2f}){'' if r['host_only'] else '  host + device (syncs)'}",
+              flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(500):
+        torch.ops.rlk.linear_triton(x, w, None)
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    print(s.getvalue()[:6000])
+    args.out.write_text(json.dumps({"rows": rows, "cprofile_custom_op": s.getvalue()[:20000]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
