@@ -38,6 +38,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+from itertools import accumulate
 
 import pytest
 import torch
@@ -343,6 +344,29 @@ def test_interpreter_rowsum_is_the_cpu_fold(n):
     for bm in (16, 64):
         assert bit_diff(rowsum(x, bm), want), bm
     assert not bit_diff(rowsum(x, 16, adjacent=True), want)
+
+
+@interp
+def test_interpreter_varlen_tiles_equal_the_torch_table():
+    """``varlen_tiles`` (one launch from ``cu_seqlens``) builds the integers of
+    ``tile_table(*_varlen_rows(cu_seqlens), ...)``: empty sequences anywhere, more sequences than
+    one 32-sequence chunk and more tiles than one 128-row program, int32 and int64 offsets,
+    several G / BLOCK_M, padding rows included; a moved boundary is seen (negative control)."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    rng = random.Random(7)
+    for B in (1, 2, 5, 70):
+        lens = [rng.choice([0, 1, 3, 16, 17, 64, 130]) for _ in range(B)]
+        lens[rng.randrange(B)] = max(lens[0], 1)
+        for dt in (torch.int32, torch.int64):
+            cu = torch.tensor([0, *accumulate(lens)], dtype=dt)
+            T = int(cu[-1])
+            for g, bm in ((1, 16), (4, 16), (2, 64), (4, 128)):
+                want = K.tile_table(*K._varlen_rows(cu), g, bm, T)
+                assert torch.equal(K.varlen_tiles(cu, g, bm, T), want), (B, dt, g, bm)
+    moved = cu.clone()
+    moved[1] += 1  # the first sequence takes a token of the second
+    assert not torch.equal(K.varlen_tiles(moved, 4, 128, T), want)
 
 
 @interp

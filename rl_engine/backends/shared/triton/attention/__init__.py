@@ -44,9 +44,9 @@ any page size, any packing). The rules that make this true:
   folds the splits left to right with the same merge. The prefill path folds the same splits in
   the same order inside one program. ``cached_attention`` picks the path by
   ``kernels.use_decode_path`` (rows per sequence), which cannot change a row's bits.
-* **Tile tables** without host sync: torch ops from ``cu_seqlens`` (train path), one
-  single-program kernel ``rlk_attn_tiles`` from ``q_seq``/``q_pos`` (rollout path: a decode
-  step is three launches, not ~30 small torch kernels and two launches).
+* **Tile tables** without host sync: one kernel ``rlk_attn_varlen_tiles`` from ``cu_seqlens``
+  (train path), one single-program kernel ``rlk_attn_tiles`` from ``q_seq``/``q_pos`` (rollout
+  path: a decode step is three launches, not ~30 small torch kernels and two launches).
 * **Paged cache**: key/value rows of position ``pos`` of batch sequence ``i`` are at storage row
   ``page_rows[i, pos // page_size] + pos % page_size`` (packed varlen layout and contiguous
   caches: one column, row ``page_rows[i, 0] + pos``), gathered per block; positions past the

@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_attn_bwd_delta", "rlk_attn_bwd_dq",
-                "rlk_attn_bwd_dkdv", "rlk_attn_tiles")
+                "rlk_attn_bwd_dkdv", "rlk_attn_tiles", "rlk_attn_varlen_tiles")
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_rowsum", "rlk_attn_rows", "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_block", "rlk_attn_split",
                     "rlk_attn_merge", "rlk_attn_finish", "rlk_attn_bwd_dq_block", "rlk_attn_bwd_dkdv_block")
@@ -754,6 +754,49 @@ def rlk_attn_tiles(q_seq_ptr, q_pos_ptr, tab_ptr, scr_ptr, T, B, NT, NBITS_T, NB
         tl.store(tab_ptr + t * 4 + 3, pbase, mask=live)
 
 
+@triton.jit
+def rlk_attn_varlen_tiles(cu_ptr, tab_ptr, B, NT, G, BLOCK_M: tl.constexpr, TBLOCK: tl.constexpr,
+                          SBLOCK: tl.constexpr):
+    """The tile table of ``tile_table(*_varlen_rows(cu_seqlens), G, BLOCK_M, T)`` (same integers)
+    from ``cu_seqlens`` alone, ``TBLOCK`` table rows per program and no cross-program state.
+
+    Each program walks all ``B`` sequences (``SBLOCK`` at a time: integer sums, exact): tile
+    row ``t`` belongs to sequence ``seq = #{i : tile_end_i <= t}`` (clamped to ``B - 1``, as
+    ``searchsorted(right=True)``), whose first tile row is the largest ``tile_end_i <= t`` —
+    except for padding rows past the last tile, which take the last sequence like the torch
+    table does. Sequence ``i`` has ``ceil((cu[i+1] - cu[i])·G / BLOCK_M)`` tiles."""
+    t = tl.program_id(0).to(tl.int64) * TBLOCK + tl.arange(0, TBLOCK).to(tl.int64)
+    cnt = tl.zeros([TBLOCK], tl.int64)
+    first = tl.zeros([TBLOCK], tl.int64)
+    carry = tl.zeros([], tl.int64)
+    offs = tl.arange(0, SBLOCK).to(tl.int64)
+    for s0 in range(0, B, SBLOCK):
+        i = s0 + offs
+        live = i < B
+        c0 = tl.load(cu_ptr + i, mask=live, other=0).to(tl.int64)
+        c1 = tl.load(cu_ptr + i + 1, mask=live, other=0).to(tl.int64)
+        ntiles = ((c1 - c0) * G + BLOCK_M - 1) // BLOCK_M
+        end = tl.cumsum(ntiles, 0) + carry
+        carry = carry + tl.sum(ntiles, 0)
+        le = live[None, :] & (end[None, :] <= t[:, None])
+        cnt += tl.sum(le.to(tl.int64), axis=1)
+        first = tl.maximum(first, tl.max(tl.where(le, end[None, :], 0), axis=1))
+    total = carry
+    last_n = ((tl.load(cu_ptr + B).to(tl.int64) - tl.load(cu_ptr + B - 1).to(tl.int64)) * G + BLOCK_M - 1) // BLOCK_M
+    seq = tl.minimum(cnt, B - 1)
+    first = tl.where(t < total, first, total - last_n)
+    c0 = tl.load(cu_ptr + seq).to(tl.int64)
+    c1 = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    u0 = c0 * G + (t - first) * BLOCK_M
+    u1 = tl.minimum(u0 + BLOCK_M, c1 * G)
+    u1 = tl.where(t < total, u1, u0)
+    live = t < NT
+    tl.store(tab_ptr + t * 4, seq, mask=live)
+    tl.store(tab_ptr + t * 4 + 1, u0, mask=live)
+    tl.store(tab_ptr + t * 4 + 2, u1, mask=live)
+    tl.store(tab_ptr + t * 4 + 3, c0, mask=live)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side
 
@@ -761,7 +804,8 @@ def rlk_attn_tiles(q_seq_ptr, q_pos_ptr, tab_ptr, scr_ptr, T, B, NT, NBITS_T, NB
 def tile_table(counts: torch.Tensor, tok_start: torch.Tensor, pos_base: torch.Tensor, group: int, block_m: int,
                num_tokens: int) -> torch.Tensor:
     """Query tiles as an int64 ``[NT_max, 4]`` table ``[seq, unit0, unit1, pos_base]`` (torch ops on
-    the device, no host sync).
+    the device, no host sync): the definition that ``varlen_tiles`` and ``rollout_tiles`` (one
+    launch each) are tested against, and ``attend``'s default when no table is passed.
 
     Sequence ``i`` has ``counts[i]`` tokens from row ``tok_start[i]``; its units (token·G + g)
     are cut into tiles of ``block_m`` from its first unit, so a sequence's tiles never depend on
@@ -900,12 +944,16 @@ def varlen_forward(q, k, v, cu_seqlens, scale, window, *, path: str = "prefill",
     ``for_backward=False`` (a forward that no backward will follow): only ``out`` is stored and
     ``(out, None, None)`` returned — the fp32 output and the lse are extra stores (about a
     quarter of the prefill time at 32 × 512, bf16), the bits of ``out`` are the same."""
-    counts, tok_start, pos_base = _varlen_rows(cu_seqlens)
-    page_rows = tok_start[:, None].contiguous()
+    T, Hq, D = q.shape
+    B = cu_seqlens.shape[0] - 1
+    cfg = config or (select_decode(q.dtype, D) if path == "decode" else select_prefill(q.dtype, D))
+    page_rows = cu_seqlens[:-1].to(torch.int64).unsqueeze(1)  # key row of position 0: the first token
+    nseq = page_rows.new_empty(B)  # only its length is read (the table is built)
+    tab = varlen_tiles(cu_seqlens, Hq // k.shape[1], cfg.block_m, T) if T and B > 0 else None
     want_f32 = for_backward and q.dtype != torch.float32
-    bound = q.shape[0] if max_seqlen is None else min(int(max_seqlen), q.shape[0])
-    out, lse, out32 = attend(q, k, v, page_rows, _NO_PAGES, counts, tok_start, pos_base, bound, scale, window,
-                             path=path, config=config, want_lse=for_backward, want_f32=want_f32)
+    bound = T if max_seqlen is None else min(int(max_seqlen), T)
+    out, lse, out32 = attend(q, k, v, page_rows, _NO_PAGES, nseq, nseq, nseq, bound, scale, window,
+                             path=path, config=cfg, want_lse=for_backward, want_f32=want_f32, tab=tab)
     if not for_backward:
         return out, None, None
     if out32 is None:
@@ -936,6 +984,21 @@ def rollout_tiles(q_seq: torch.Tensor, q_pos: torch.Tensor, num_seqs: int, group
     with device_guard(q_seq):
         rlk_attn_tiles[(1,)](q_seq, q_pos, tab, scr, T, num_seqs, nt, T.bit_length() + 1, num_seqs.bit_length() + 1,
                              group, BLOCK_M=block_m, CHUNK=128, num_warps=4, enable_fp_fusion=False)
+    return tab
+
+
+def varlen_tiles(cu_seqlens: torch.Tensor, group: int, block_m: int, num_tokens: int) -> torch.Tensor:
+    """``tile_table(*_varlen_rows(cu_seqlens), group, block_m, num_tokens)`` in one launch
+    (``rlk_attn_varlen_tiles``) instead of ~15 small torch kernels; same integers."""
+    B = cu_seqlens.shape[0] - 1
+    nt = -(-num_tokens * group // block_m) + B
+    tab = torch.empty((nt, 4), dtype=torch.int64, device=cu_seqlens.device)
+    if B <= 0 or nt == 0:
+        return tab
+    cu = cu_seqlens.contiguous()
+    with device_guard(cu):
+        rlk_attn_varlen_tiles[(triton.cdiv(nt, 128),)](cu, tab, B, nt, group, BLOCK_M=block_m, TBLOCK=128, SBLOCK=32,
+                                                       num_warps=4)
     return tab
 
 
@@ -984,7 +1047,7 @@ def varlen_backward(grad, q, k, v, out, lse, cu_seqlens, scale, window, *, confi
     with device_guard(q):
         rlk_attn_bwd_delta[(triton.cdiv(R, block_r),)](grad, out, delta, R, HEAD_D=D, LOG2D=int(math.log2(D)),
                                                        BLOCK_R=block_r, num_warps=4, enable_fp_fusion=False)
-        tab = tile_table(counts, tok_start, pos_base, G, cfg.block_m, T)
+        tab = varlen_tiles(cu_seqlens, G, cfg.block_m, T)
         rlk_attn_bwd_dq[(tab.shape[0], Hkv)](
             q, k, v, grad, lse, delta, dq, tab, tok_start, G, w, float(scale), float(scale), HQ=Hq, HKV=Hkv,
             HEAD_D=D, BLOCK_M=cfg.block_m, HAS_WINDOW=has_w, IEEE=ieee, SPLIT=runs, num_warps=cfg.num_warps,
