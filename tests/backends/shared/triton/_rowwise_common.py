@@ -2,18 +2,21 @@
 
 CPU-side checks of a registration (imports nothing of triton, routes CPU tensors to the CPU
 backend, pure eligibility checks), the GPU profiler-name rule (``rlk_`` prefix), evidence files
-for reports/gpu/ and CUDA-graph timing for the bounded-performance smoke tests.
+for reports/gpu/, CUDA-graph timing for the bounded-performance smoke tests, and the marker of
+the Triton-interpreter subset (``interp``).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import statistics
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from rl_engine import contracts
@@ -32,7 +35,15 @@ __all__ = [
     "event_us",
     "accuracy",
     "gpu_randn",
+    "interp",
 ]
+
+#: The Triton-interpreter subset: kernels run by ``TRITON_INTERPRET=1`` on CPU tensors (``make test``
+#: runs it in .venv-vllm, which has triton; .venv has none, so there it is skipped).
+interp = pytest.mark.skipif(
+    not (os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None),
+    reason="Triton-interpreter subset: needs triton and TRITON_INTERPRET=1 (make test runs it in .venv-vllm)",
+)
 
 
 def run_py(code: str) -> None:

@@ -35,7 +35,6 @@ every new fp32 specialisation recompiles kernels with IEEE products by FMA, slow
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 from itertools import accumulate
@@ -71,6 +70,7 @@ from tests.backends.shared.triton._rowwise_common import (
     check_static_and_fake_gpu,
     evidence,
     graph_us,
+    interp,
 )
 
 OPS = ("attention.varlen_attention", "attention.cached_attention")
@@ -218,10 +218,6 @@ def test_unsupported_head_dim_is_rejected_with_a_reason(op):
 
 # --------------------------------------------------------------------------- Triton interpreter subset (CPU)
 
-_INTERP = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-interp = pytest.mark.skipif(
-    not _INTERP, reason="Triton-interpreter subset: needs triton and TRITON_INTERPRET=1 (make test runs it in .venv-vllm)"
-)
 
 
 @interp

@@ -12,8 +12,6 @@ no-grad call of the public op skips the layer.
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import os
 import pkgutil
 
 import pytest
@@ -23,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl_engine.backends.shared.triton import call_op, device_guard, direct_call_ok, eager_entry
 from rl_engine.utils.bits import bit_diff
+from tests.backends.shared.triton._rowwise_common import interp
 
 gpu = pytest.mark.gpu
 
@@ -114,11 +113,7 @@ def test_device_guard_is_a_no_op_off_gpu_and_on_the_current_gpu():
         assert device_guard(t).__class__.__name__ == "nullcontext"
 
 
-_INTERP = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-
-
-@pytest.mark.skipif(not _INTERP, reason="Triton-interpreter subset: needs triton and TRITON_INTERPRET=1 "
-                                        "(make test runs it in .venv-vllm)")
+@interp
 def test_interpreter_every_kernel_module_imports():
     """Every module holding ``@triton.jit`` code imports (names it takes from the shared host
     helpers resolve) — the CPU suite cannot see this, it has no triton."""
