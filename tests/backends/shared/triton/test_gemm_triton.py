@@ -26,7 +26,7 @@ from rl_engine.runtime import provenance
 from rl_engine.runtime.registry import Request, implementations, make_request, select
 from rl_engine.utils.bits import bit_diff
 from rl_engine.validation.common import check_row_invariance
-from tests.backends.shared.triton._rowwise_common import defined_kernel_names, evidence, graph_us, run_py
+from tests.backends.shared.triton._rowwise_common import defined_kernel_names, evidence, graph_us, interp, run_py
 from tests.helpers.strategies import row_trials
 
 OP = "gemm.linear"
@@ -191,6 +191,75 @@ def test_every_shipped_config_gives_identical_bits(dtype, k):
         assert bit_diff(y, y0), f"forward {cfg.key} tma={tma} vs {base_cfg.key}: {bit_diff(y, y0)}"
         dx = kern.grad_input(gy, w, config=cfg)
         assert bit_diff(dx, dx0), f"dx {cfg.key} vs {base_cfg.key}: {bit_diff(dx, dx0)}"
+
+
+@interp
+def test_interpreter_grad_input_chained_over_n_is_one_product():
+    """The chained dx of the fused LM head's backward in the Triton interpreter (fp32, a 16x16x32
+    tile): three chunks (64, 96 and a ragged 40 columns) through the fp32 accumulator equal one
+    product over N = 200, raw bits; summing the per-chunk products does not; a partial chunk of 40
+    columns (not a multiple of BLOCK_K = 32) is refused. The GPU test below covers every shipped
+    configuration and the 16-bit dtypes."""
+    from rl_engine.backends.shared.triton.gemm.configs import TileConfig
+
+    kern = _kernels()
+    cfg = TileConfig(16, 16, 32, 4, 2)
+    M, N, K = 20, 200, 24
+    g = torch.Generator().manual_seed(0)
+    gy, w = torch.randn(M, N, generator=g), torch.randn(N, K, generator=g)
+    one = kern.grad_input(gy, w, config=cfg)
+    acc = torch.empty(M, K)
+    bounds = (0, 64, 160, N)
+    for i in range(3):
+        last = i == 2
+        out = kern.grad_input(gy[:, bounds[i]:bounds[i + 1]], w[bounds[i]:bounds[i + 1]], config=cfg,
+                              acc=acc if i else None, out=None if last else acc, partial=not last)
+    assert bit_diff(out, one)
+    summed = sum(kern.grad_input(gy[:, a:b], w[a:b], config=cfg) for a, b in zip(bounds[:-1], bounds[1:]))
+    assert not bit_diff(summed, one), "per-chunk products summed were not caught"
+    with pytest.raises(ValueError, match="partial chunk"):
+        kern.grad_input(gy[:, 160:], w[160:], config=cfg, out=torch.empty(M, K), partial=True)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_grad_input_chained_over_n_is_one_product(dtype):
+    """``dx = dy W`` over N = 5000 in chunks of 1024, 1024, 2048 and a ragged 904 (a K tail),
+    chained through the fp32 accumulator (``partial=True`` / ``acc=``, the fused LM head's
+    backward), is raw-bit equal to one ``grad_input`` over all N — and the unrounded accumulator
+    after 4096 columns to one unrounded product over them — for every shipped configuration.
+    Negative control: the per-chunk products summed in fp32 (chunking the reduction naively)
+    differ. A partial chunk that is not a multiple of BLOCK_K is refused."""
+    kern = _kernels()
+    dt = _dt(dtype)
+    M, N, K = 300, 5000, 264
+    g = torch.Generator().manual_seed(5)
+    gy = torch.randn(M, N, generator=g).to(dt).cuda()
+    w = (torch.randn(N, K, generator=g) / N**0.5).to(dt).cuda()
+    bounds = (0, 1024, 2048, 4096, N)
+
+    def f32():
+        return torch.empty((M, K), dtype=torch.float32, device="cuda")
+
+    for cfg in dict.fromkeys(c for c, _ in _all_forward_variants(dt)):
+        one = kern.grad_input(gy, w, config=cfg)
+        one32 = kern.grad_input(gy[:, :4096], w[:4096], config=cfg, out=f32(), partial=True)
+        acc = f32()
+        for i in range(len(bounds) - 1):
+            a, b = bounds[i], bounds[i + 1]
+            last = b == N
+            if last:
+                assert bit_diff(acc, one32), f"{cfg.key} fp32 accumulator: {bit_diff(acc, one32)}"
+            out = kern.grad_input(gy[:, a:b], w[a:b], config=cfg, acc=acc if i else None,
+                                  out=None if last else acc, partial=not last)
+        assert bit_diff(out, one), f"{cfg.key}: {bit_diff(out, one)}"
+        parts = [kern.grad_input(gy[:, a:b], w[a:b], config=cfg, out=f32(), partial=True)
+                 for a, b in zip(bounds[:3], bounds[1:4])]
+        assert not bit_diff((parts[0] + parts[1]) + parts[2], one32), f"{cfg.key}: summed chunk products not caught"
+        with pytest.raises(ValueError, match="partial chunk"):
+            kern.grad_input(gy[:, :1000], w[:1000], config=cfg, out=f32(), partial=True)
+    with pytest.raises(ValueError, match="acc: expected float32"):
+        kern.grad_input(gy, w, acc=torch.empty((M, K), dtype=torch.bfloat16, device="cuda"))
 
 
 @gpu

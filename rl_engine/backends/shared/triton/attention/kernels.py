@@ -33,7 +33,9 @@ fixed pairwise row sum ``rlk_attn_rowsum``.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +50,9 @@ __all__ = [
     "AttnConfig",
     "PREFILL_CONFIGS",
     "DECODE_CONFIGS",
-    "PAGED_DECODE_CONFIGS",
+    "FEW_DECODE_CONFIGS",
+    "FEW_PAGED_DECODE_CONFIGS",
+    "few_programs",
     "BWD_CONFIGS",
     "shipped_forward_configs",
     "select_prefill",
@@ -70,8 +74,9 @@ __all__ = [
 KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_attn_bwd_delta", "rlk_attn_bwd_dq",
                 "rlk_attn_bwd_dkdv", "rlk_attn_tiles", "rlk_attn_varlen_tiles")
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
-DEVICE_FUNCTIONS = ("rlk_attn_rowsum", "rlk_attn_rows", "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_block", "rlk_attn_split",
-                    "rlk_attn_merge", "rlk_attn_finish", "rlk_attn_bwd_dq_block", "rlk_attn_bwd_dkdv_block")
+DEVICE_FUNCTIONS = ("rlk_attn_exp", "rlk_attn_rowsum", "rlk_attn_rows", "rlk_attn_kv_rows", "rlk_attn_kv_base",
+                    "rlk_attn_block", "rlk_attn_split", "rlk_attn_merge", "rlk_attn_finish", "rlk_attn_bwd_dq_block",
+                    "rlk_attn_bwd_dkdv_block")
 
 #: Keys per block, at absolute positions 0, 64, 128, ... (the same on every path and kernel).
 KV_BLOCK = 64
@@ -100,29 +105,37 @@ class AttnConfig:
 
 C = AttnConfig
 # Prefill (one program per tile and kv head, splits in sequence): (dtype, head_dim) -> config.
+# D = 128, 16-bit: 64-row tiles, 4 warps, 2 stages (two programs per SM hide each other's
+# prologue and epilogue): 350 / 1779 µs at 32 x 512 / 4 x 4096 against 393 / 1820 µs with the
+# earlier 128-row, 8-warp tile (H200, session 5 run 5, bench_attention_configs.json).
 PREFILL_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (torch.bfloat16, 32): C(128, 4, 3),
     (torch.bfloat16, 64): C(128, 4, 3),
-    (torch.bfloat16, 128): C(128, 8, 2),
+    (torch.bfloat16, 128): C(64, 4, 2),
     (torch.float16, 32): C(128, 4, 3),
     (torch.float16, 64): C(128, 4, 3),
-    (torch.float16, 128): C(128, 8, 2),
+    (torch.float16, 128): C(64, 4, 2),
     (torch.float32, 32): C(64, 4, 2),
     (torch.float32, 64): C(64, 4, 2),
     (torch.float32, 128): C(32, 4, 2),
 }
-# Decode (split-parallel): 16-row tiles (the smallest tl.dot M), every split its own program.
-# 4 warps, 2 stages: the fastest candidate at batch 64 (contexts 4096 and 32768) on the H200
-# (reports/gpu/2026-11-30-h200-session2/run3, bench_attention_configs.json).
+# Decode (split-parallel): 16-row tiles (the smallest tl.dot M), every split its own program;
+# contiguous and paged caches alike (since the page arithmetic is compile-time, session 5).
+# 4 warps, 2 stages: the fastest candidate at batch 64 on the H200, contiguous 0.86 / 0.86 / 0.91
+# and 16-token pages 0.83 / 0.88 / 0.89 of SDPA's throughput at 512 / 4096 / 32768 keys
+# (session 5 run 5, bench_attention_configs.json).
 DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 4, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
-# Decode over a paged cache whose pages are shorter than a key block (a block's 64 keys come from
-# several pages): 2 warps. On the H200 with 16-token pages (session 3's config sweep,
-# reports/gpu/2026-11-30-h200-session3/run3-configs) 4 warps cost 1.2-1.6x: batch 64 at 4096 /
-# 32768 keys 445 / 3397 µs with 4 warps, 294 / 2075 µs with 2; batch 1 at 512 / 4096 keys
-# 30.6 / 47.9 µs vs 25.1 / 37.5 µs.
-PAGED_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
+# Decode with fewer (sequence, kv head) pairs than the GPU has SMs (batch 1): programs are few
+# and each walks up to 16 blocks in sequence, so latency decides. Contiguous: 3 stages, 0.60 /
+# 0.38 / 0.62 of SDPA at batch 1 against 0.54 / 0.34 / 0.56 with 2 (but 0.74 against 0.86 at batch
+# 64 x 512 keys); 16-token pages: 2 warps, 0.52 / 0.33 / 0.49 against 0.41 / 0.30 / 0.51.
+FEW_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
+    **{(dt, d): C(16, 4, 3) for dt in (torch.bfloat16, torch.float16) for d in (32, 64, 128)},
+    **{(torch.float32, d): C(16, 4, 2) for d in (32, 64, 128)},  # fp32 tiles: 2x the shared memory per stage
+}
+FEW_PAGED_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 2, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
 # Backward (dq tiles of 64 query rows; dk/dv blocks of 64 keys against 64-position query blocks).
@@ -136,7 +149,7 @@ BWD_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 #: contract holds for any fixed choice): pick the fastest into the tables above.
 CANDIDATE_CONFIGS: dict[str, tuple[AttnConfig, ...]] = {
     "prefill": (C(128, 8, 2), C(128, 8, 3), C(128, 4, 2), C(64, 4, 2), C(64, 4, 3), C(64, 8, 3)),
-    "decode": (C(16, 4, 3), C(16, 4, 2), C(16, 2, 2), C(16, 1, 2)),
+    "decode": (C(16, 4, 3), C(16, 4, 2), C(16, 2, 2), C(16, 1, 2), C(16, 8, 2), C(16, 4, 4), C(16, 8, 4)),
     "backward": (C(64, 4, 2), C(64, 8, 2), C(64, 4, 3), C(128, 8, 2)),
 }
 #: Block walk: 16-bit inputs walk the masked edge blocks and, without any mask, the interior blocks
@@ -161,17 +174,33 @@ def select_prefill(dtype: torch.dtype, head_dim: int) -> AttnConfig:
     return PREFILL_CONFIGS[(dtype, head_dim)]
 
 
-def select_decode(dtype: torch.dtype, head_dim: int, page_size: int | None = None) -> AttnConfig:
-    """The decode tile; ``page_size``: that of a paged cache (``None``: contiguous)."""
-    if page_size is not None and page_size < KV_BLOCK:
-        return PAGED_DECODE_CONFIGS[(dtype, head_dim)]
+def select_decode(dtype: torch.dtype, head_dim: int, page_size: int | None = None, *, few: bool = False) -> AttnConfig:
+    """The decode tile; ``page_size``: that of a paged cache (``None``: contiguous); ``few``: fewer
+    (sequence, kv head) pairs than SMs (``few_programs``). Every choice gives the same bits."""
+    paged = page_size is not None and page_size < KV_BLOCK
+    if few:
+        return (FEW_PAGED_DECODE_CONFIGS if paged else FEW_DECODE_CONFIGS)[(dtype, head_dim)]
     return DECODE_CONFIGS[(dtype, head_dim)]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def few_programs(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
+    """Whether a decode step has fewer (sequence, kv head) pairs than the device has SMs (the
+    latency-bound regime of ``FEW_DECODE_CONFIGS``); always False off CUDA."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return num_seqs * num_kv_heads < _sm_count_of(index)
 
 
 def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfig]:
     """Every forward configuration a call can use for ``(dtype, head_dim)`` (the tests cover each)."""
     out = [select_prefill(dtype, head_dim)]
-    for cfg in (select_decode(dtype, head_dim), select_decode(dtype, head_dim, page_size=1)):
+    for cfg in (select_decode(dtype, head_dim, page, few=few) for page in (None, 1) for few in (False, True)):
         if cfg not in out:
             out.append(cfg)
     return out
@@ -186,6 +215,27 @@ def use_decode_path(num_tokens: int, num_seqs: int, group: int) -> bool:
 
 # ----------------------------------------------------------------------------------------------
 # Device functions
+
+#: ``rlk_attn_exp`` as the flush-to-zero ``ex2`` (CUDA, compiled kernels); the Triton interpreter
+#: and ROCm (no PTX inline assembly) take ``tl.exp``. Decided once, when this module is imported.
+_FTZ_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.version.hip is None)
+
+
+@triton.jit
+def rlk_attn_exp(x):
+    """``e^x`` in fp32 as ``ex2.approx.ftz(x · log2 e)``: the product and the ``ex2`` of
+    ``tl.exp``, with the flush-to-zero ``ex2``. For results of at least ``2^-126`` the two are the
+    same instruction (MUFU.EX2); below, ``tl.exp``'s ``ex2.approx.f32`` halves the input and
+    squares the result (a compare, two predicated multiplies and their latency on every element:
+    H200 session 5, ncu — the largest stall of the prefill kernel) to return a subnormal, this
+    returns +0. ``e^{-inf} = +0`` either way. Every forward and backward kernel uses this one
+    function, so every path keeps the same bits; a probability below ``2^-126`` is below fp32
+    resolution next to the row's maximum term (``e^0 = 1``) anyway."""
+    if _FTZ_EXP:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.exp(x)
 
 
 @triton.jit
@@ -206,21 +256,28 @@ def rlk_attn_rowsum(x, BLOCK_M: tl.constexpr, N: tl.constexpr, LOG2N: tl.constex
 
 
 @triton.jit
-def rlk_attn_rows(tab_ptr, t, G, W, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):
+def rlk_attn_rows(tab_ptr, t, G: tl.constexpr, W, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):
     """Rows of query tile ``t``: ``(seq, valid, tok, g, pos, wlo, lo, hi, first, last, cap)``.
 
     Tile table row ``[seq, unit0, unit1, pos_base]``: the tile holds units ``unit0 .. unit1-1``
     (unit = token·G + g, g fastest) of batch sequence ``seq``; token ``tok`` sits at position
-    ``tok - pos_base``. Padding rows get ``lo = BIG``, ``hi = -1`` (never active)."""
+    ``tok - pos_base``. Padding rows get ``lo = BIG``, ``hi = -1`` (never active).
+
+    ``G`` is a compile-time constant and the per-row arithmetic is int32 relative to ``unit0``
+    (one scalar int64 division per program): a runtime int64 ``unit // G`` per row compiled to
+    the 64-bit division subroutine, ~1/3 of the extra instructions per program of the shipped
+    kernel against the ablation probe (H200, session 5). Same integers."""
     t64 = t.to(tl.int64)
     seq = tl.load(tab_ptr + t64 * 4)
     u0 = tl.load(tab_ptr + t64 * 4 + 1)
     u1 = tl.load(tab_ptr + t64 * 4 + 2)
     pbase = tl.load(tab_ptr + t64 * 4 + 3)
-    unit = u0 + tl.arange(0, BLOCK_M).to(tl.int64)
-    valid = unit < u1
-    tok = unit // G
-    g = unit - tok * G
+    tok0 = u0 // G
+    rel = (u0 - tok0 * G).to(tl.int32) + tl.arange(0, BLOCK_M)  # unit - G·tok0, in [0, G + BLOCK_M)
+    valid = tl.arange(0, BLOCK_M).to(tl.int64) < u1 - u0
+    tq = rel // G
+    g = rel - tq * G
+    tok = tok0 + tq
     pos = tl.where(valid, tok - pbase, 0).to(tl.int32)  # positions < 2**31: int32 keeps masks cheap
     if HAS_WINDOW:
         wlo = tl.maximum(pos - W + 1, 0)
@@ -236,14 +293,16 @@ def rlk_attn_rows(tab_ptr, t, G, W, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.conste
 
 @triton.jit
 def rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kbase, kpos, PAGED: tl.constexpr):
-    """Storage rows of key positions ``kpos`` of batch sequence ``seq``: through the page table,
-    or ``kbase + kpos`` for a contiguous cache (``kbase = page_rows[seq, 0]``, loaded once per
-    program by ``rlk_attn_kv_base`` so that no block's loads wait on a dependent scalar load)."""
+    """Storage rows (int64) of key positions ``kpos`` (int32) of batch sequence ``seq``: through
+    the page table, or ``kbase + kpos`` for a contiguous cache (``kbase = page_rows[seq, 0]``,
+    loaded once per program by ``rlk_attn_kv_base`` so that no block's loads wait on a dependent
+    scalar load). ``page_size`` is a compile-time constant of the forward kernels: the page
+    arithmetic is an int32 shift / multiply, not a 64-bit division per key of every block."""
     if PAGED:
         page = tl.load(pr_ptr + seq * pr_stride + kpos // page_size)
-        return page + kpos % page_size
+        return page + (kpos % page_size).to(tl.int64)
     else:
-        return kbase + kpos
+        return kbase + kpos.to(tl.int64)
 
 
 @triton.jit
@@ -253,18 +312,26 @@ def rlk_attn_kv_base(pr_ptr, seq, pr_stride):
 
 
 @triton.jit
-def rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo, hi, b, m, l, acc,
+def rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, b, m, l, acc,
                    qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    PAGED: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
     """One 64-key block ``b`` of the online softmax. ``MASKED=False`` is only used for blocks
     every row of the tile sees entirely (``wlo <= 64·b`` and ``64·b + 63 <= pos``, so every row is
-    active): there the score mask and the per-row selects are identities and are left out, the
+    active): there the score mask and the -inf guard are identities and are left out, the
     arithmetic of the visible entries is the same, hence the same bits (the kernels are compiled
-    with ``enable_fp_fusion=False``, so no multiply-add is contracted in one variant only)."""
+    with ``enable_fp_fusion=False``, so no multiply-add is contracted in one variant only).
+
+    A row that sees no key of a masked block (the block is outside its range ``[lo, hi]``, or a
+    padding row) keeps its state exactly, without a per-row select: its scores are all ``-inf``,
+    so ``m' = max(m, -inf) = m``. With ``m`` finite, ``α = e^0 = 1``, ``P = +0`` and
+    ``l·1 + 0 = l``, ``acc·1 + 0 = acc`` (never ``-0``); with ``m = -inf`` (no key seen yet) the
+    shift is taken as 0, so ``α = P = 0`` and the state stays ``(-inf, +0, +0)``. A row inside
+    its range sees at least one key of the block (its visible keys are contiguous), so ``m'`` is
+    finite and the guard changes nothing."""
     offs_n = tl.arange(0, 64)
     offs_d = tl.arange(0, HEAD_D)
     kpos = b * 64 + offs_n
-    rows = rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kbase, tl.minimum(kpos, cap).to(tl.int64), PAGED)
+    rows = rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kbase, tl.minimum(kpos, cap), PAGED)
     koff = rows * sk_row + kvh * sk_head
     voff = rows * sv_row + kvh * sv_head
     kt = tl.load(k_ptr + koff[None, :] + offs_d[:, None])  # [D, 64]
@@ -277,36 +344,28 @@ def rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
     if MASKED:
         vis = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= wlo[:, None])
         s = tl.where(vis, s, float("-inf"))
-        act = (lo <= b) & (hi >= b)
         mn = tl.maximum(m, tl.max(s, axis=1) + 0.0)
-        mn = tl.where(act, mn, 0.0)
-        alpha = tl.where(act, tl.exp(m - mn), 1.0)
+        shift = tl.where(mn == float("-inf"), 0.0, mn)
     else:
         mn = tl.maximum(m, tl.max(s, axis=1) + 0.0)
-        alpha = tl.exp(m - mn)
-    p = tl.exp(s - mn[:, None])  # exactly +0 where s is -inf (all of an inactive row)
-    l_new = tl.fma(l, alpha, rlk_attn_rowsum(p, BLOCK_M, 64, 6))
+        shift = mn
+    alpha = rlk_attn_exp(m - shift)
+    p = rlk_attn_exp(s - shift[:, None])  # exactly +0 where s is -inf (all of a row that sees no key)
+    l = tl.fma(l, alpha, rlk_attn_rowsum(p, BLOCK_M, 64, 6))
     if IEEE:
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
     else:
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    # An inactive row has alpha = 1 and P = +0 exactly, so the new acc equals the old one
-    # (adding exact zeros to a value that is never -0): only m and l need the select.
-    if MASKED:
-        m = tl.where(act, mn, m)
-        l = tl.where(act, l_new, l)
-    else:
-        m = mn
-        l = l_new
-    return m, l, acc
+    return mn, l, acc
 
 
 @triton.jit
-def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo, hi, valid, b0, b1,
+def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, valid, b0, b1,
                    qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    PAGED: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """One KV split's online softmax over blocks ``b0 .. b1`` (increasing) from the state
-    ``(-inf, 0, 0)``; a row updates its state only in the blocks of its own range ``[lo, hi]``.
+    ``(-inf, 0, 0)``; a row's state changes only in the blocks of its own range ``[lo, hi]``
+    (``rlk_attn_block``: no per-row select).
 
     The blocks are walked in three runs, in order: masked blocks before ``f0``, the blocks
     ``f0 .. f1`` that every valid row sees entirely (no masks), masked blocks after ``f1``.
@@ -322,12 +381,12 @@ def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
         u1 = tl.minimum(b1, f1)
         for b in range(b0, u1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       lo, hi, b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, False)
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
+                                       PAGED, IEEE, False)
         for b in range(tl.maximum(u1 + 1, b0), b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       lo, hi, b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, True)
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
+                                       PAGED, IEEE, True)
     elif SPLIT:
         f0 = (tl.max(tl.where(valid, wlo, 0), axis=0) + 63) // 64
         f1 = (tl.min(tl.where(valid, pos, 1 << 30), axis=0) + 1) // 64 - 1
@@ -337,21 +396,21 @@ def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
         u0 = tl.where(u1 >= u0, u0, b1 + 1)
         e1 = tl.minimum(u0 - 1, b1)
         for b in range(b0, e1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo,
-                                       hi, b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
                                        PAGED, IEEE, True)
         for b in range(u0, u1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo,
-                                       hi, b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
                                        PAGED, IEEE, False)
         for b in range(tl.maximum(u1 + 1, e1 + 1), b1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo,
-                                       hi, b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
                                        PAGED, IEEE, True)
     else:  # one masked run (fp32 by default: IEEE products by FMA, a third of the code to compile)
         for b in range(b0, b1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo,
-                                       hi, b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
                                        PAGED, IEEE, True)
     return m, l, acc
 
@@ -364,8 +423,8 @@ def rlk_attn_merge(M, L, A, m, l, a):
     (the shift is taken as 0 to avoid ``-inf - -inf``). No select on the accumulator."""
     Mn = tl.maximum(M, m)
     Ms = tl.where(Mn == float("-inf"), 0.0, Mn)
-    ea = tl.exp(M - Ms)
-    ec = tl.exp(m - Ms)
+    ea = rlk_attn_exp(M - Ms)
+    ec = rlk_attn_exp(m - Ms)
     Ln = tl.fma(l, ec, L * ea)
     An = tl.fma(a, ec[:, None], A * ea[:, None])
     return Mn, Ln, An
@@ -374,8 +433,15 @@ def rlk_attn_merge(M, L, A, m, l, a):
 @triton.jit
 def rlk_attn_finish(M, L, A, out_ptr, out32_ptr, lse_ptr, q_off, lse_off, valid, offs_d,
                     STORE_F32: tl.constexpr, STORE_LSE: tl.constexpr):
-    """``out = ACC / L`` rounded once to the output dtype (and the fp32 copy / lse if asked)."""
-    o = tl.div_rn(A, L[:, None])
+    """``out = ACC · (1 / L)`` rounded once to the output dtype (and the fp32 copy / lse if asked).
+
+    The reciprocal is one IEEE division per row (``div_rn``), then one fp32 product per element:
+    every forward kernel finishes here, so the train path, prefill and decode keep the same bits.
+    (A ``div_rn`` per element was ~1/3 of the shipped kernel's extra instructions against the
+    ablation probe: the IEEE division expands to a reciprocal, its refinement and a slow-path
+    branch, 64 times per thread at 128 × 128.)"""
+    r = tl.div_rn(tl.full(L.shape, 1.0, tl.float32), L)
+    o = A * r[:, None]
     mask = valid[:, None]
     tl.store(out_ptr + q_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
     if STORE_F32:
@@ -389,7 +455,8 @@ def rlk_attn_finish(M, L, A, out_ptr, out32_ptr, lse_ptr, q_off, lse_off, valid,
 
 
 @triton.jit
-def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_ptr, pr_ptr, pr_stride, page_size, G, W,
+def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_ptr, pr_ptr, pr_stride,
+                 page_size: tl.constexpr, G: tl.constexpr, W,
                  qk_scale, sk_row, sk_head, sv_row, sv_head, HQ, HKV, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, STORE_F32: tl.constexpr,
                  STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, MULTI: tl.constexpr):
@@ -416,7 +483,7 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_
                    + (tl.arange(0, BLOCK_M)[:, None] * HEAD_D + offs_d[None, :]))
             for sp in range(s_first, s_last):
                 m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos,
-                                         wlo, lo, hi, valid, tl.maximum(first, sp * 16), sp * 16 + 15, qk_scale,
+                                         wlo, valid, tl.maximum(first, sp * 16), sp * 16 + 15, qk_scale,
                                          sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M, PAGED, IEEE, SPLIT,
                                          HAS_WINDOW)
                 if sp > s_first:
@@ -428,8 +495,8 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_
         # The last split (the only one when MULTI is off: every query position < 1024), then the
         # output. A tile inside one split skips the scratch: merging one split into the initial
         # state is an exact identity (M = m; L = fma(l, 1, 0) = l; A = fma(a, 1, 0) = a, a never -0).
-        m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo,
-                                 hi, valid, tl.maximum(first, s_last * 16), last, qk_scale, sk_row, sk_head, sv_row,
+        m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+                                 valid, tl.maximum(first, s_last * 16), last, qk_scale, sk_row, sk_head, sv_row,
                                  sv_head, HEAD_D, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW)
         if MULTI:
             if s_last > s_first:
@@ -443,7 +510,8 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_
 
 
 @triton.jit
-def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_ptr, pr_ptr, pr_stride, page_size, G, W,
+def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_ptr, pr_ptr, pr_stride,
+                       page_size: tl.constexpr, G: tl.constexpr, W,
                        qk_scale, sk_row, sk_head, sv_row, sv_head, NS, HQ, HKV, HEAD_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr,
                        SPLIT: tl.constexpr):
@@ -459,7 +527,7 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_pt
         b0 = tl.maximum(first, sp * 16)
         b1 = tl.minimum(last, sp * 16 + 15)
         kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)
-        m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, lo, hi,
+        m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                  valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
                                  PAGED, IEEE, SPLIT, HAS_WINDOW)
         slot = ((t.to(tl.int64) * HKV + kvh) * NS + j) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -469,7 +537,7 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_pt
 
 
 @triton.jit
-def rlk_attn_combine(out_ptr, out32_ptr, lse_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_ptr, G, W, NS,
+def rlk_attn_combine(out_ptr, out32_ptr, lse_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_ptr, G: tl.constexpr, W, NS,
                      HQ, HKV, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      HAS_WINDOW: tl.constexpr, STORE_F32: tl.constexpr, STORE_LSE: tl.constexpr):
     t = tl.program_id(0)
@@ -528,7 +596,7 @@ def rlk_attn_bwd_dq_block(q, do, lse, delta, dq, k_ptr, v_ptr, base, cap, kvh, p
     if MASKED:
         vis = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= wlo[:, None]) & valid[:, None]
         s = tl.where(vis, s, float("-inf"))
-    p = tl.exp(s - lse[:, None])
+    p = rlk_attn_exp(s - lse[:, None])
     ds = p * (dp - delta[:, None])
     if MASKED:
         ds = tl.where(vis, ds, 0.0)
@@ -540,7 +608,8 @@ def rlk_attn_bwd_dq_block(q, do, lse, delta, dq, k_ptr, v_ptr, base, cap, kvh, p
 
 
 @triton.jit
-def rlk_attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, tab_ptr, pr_ptr, G, W, qk_scale, scale,
+def rlk_attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, tab_ptr, pr_ptr, G: tl.constexpr, W,
+                    qk_scale, scale,
                     HQ, HKV, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
     t = tl.program_id(0)
@@ -617,7 +686,7 @@ def rlk_attn_bwd_dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, bas
         s = s * qk_scale
         if MASKED:
             s = tl.where(vis, s, float("-inf"))
-        p = tl.exp(s - lse[:, None])
+        p = rlk_attn_exp(s - lse[:, None])
         ds = p * (dp - delta[:, None])
         if MASKED:
             ds = tl.where(vis, ds, 0.0)
@@ -879,6 +948,9 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     if T == 0 or B == 0:
         return out, lse, out32
     paged = page_rows.shape[1] > 1
+    # a compile-time constant of the forward kernels: 1 (unused) for a contiguous cache, so that
+    # contiguous caches of any length share one compilation
+    psz = int(page_size) if paged else 1
     cfg = config or (select_decode(q.dtype, D, page_size if paged else None) if path == "decode"
                      else select_prefill(q.dtype, D))
     if tab is None:
@@ -913,7 +985,7 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
                 scr = torch.empty((1,), dtype=torch.float32, device=q.device)
             rlk_attn_fwd[(nt, Hkv)](
                 q, k_rows, v_rows, out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, scr,
-                tab, page_rows, page_rows.stride(0), page_size, G, w, float(scale), *kv_strides, **common, PAGED=paged,
+                tab, page_rows, page_rows.stride(0), psz, G, w, float(scale), *kv_strides, **common, PAGED=paged,
                 IEEE=ieee, STORE_F32=want_f32, STORE_LSE=want_lse, SPLIT=runs, MULTI=multi, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, enable_fp_fusion=False,
             )
@@ -922,7 +994,7 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
             ws_l = torch.empty_like(ws_m)
             ws_a = torch.empty((nt, Hkv, ns, cfg.block_m, D), dtype=torch.float32, device=q.device)
             rlk_attn_fwd_split[(nt, Hkv, ns)](
-                q, k_rows, v_rows, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), page_size, G, w,
+                q, k_rows, v_rows, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), psz, G, w,
                 float(scale), *kv_strides, ns, **common, PAGED=paged, IEEE=ieee, SPLIT=runs, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, enable_fp_fusion=False,
             )
@@ -1013,7 +1085,8 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     bound = page_size if P == 1 else P * page_size
     if path is None:
         path = "decode" if use_decode_path(T, B, G) else "prefill"
-    cfg = config or (select_decode(q.dtype, D, page_size if P > 1 else None) if path == "decode"
+    cfg = config or (select_decode(q.dtype, D, page_size if P > 1 else None,
+                                   few=few_programs(B, k_rows.shape[1], q.device)) if path == "decode"
                      else select_prefill(q.dtype, D))
     q_seq = q_seq.to(torch.int64).contiguous()
     q_pos = q_pos.to(torch.int64).contiguous()

@@ -61,12 +61,16 @@ def rlk_tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M
 
 
 @triton.jit
-def rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
-              stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+def rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, acc_ptr, M, N, K,
+              stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_accm,
               HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-              IEEE: tl.constexpr, INDEX_64: tl.constexpr,
+              IEEE: tl.constexpr, INDEX_64: tl.constexpr, ACC_IN: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """``C[m, n] = Σ_k A[m, k] B[n, k] (+ bias[n])``, fp32 accumulation from k = 0 upwards."""
+    """``C[m, n] = Σ_k A[m, k] B[n, k] (+ bias[n])``, fp32 accumulation from k = 0 upwards.
+
+    ``ACC_IN``: the fp32 accumulator starts from ``acc[m, n]`` (unit column stride) instead of
+    +0 — the continuation of a product whose earlier K chunks were stored unrounded there
+    (``grad_input(..., acc=, partial=)``)."""
     pid_m, pid_n = rlk_tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,7 +95,11 @@ def rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + ld_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + ld_n[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ACC_IN:
+        acc = tl.load(acc_ptr + offs_m[:, None] * stride_accm + offs_n[None, :],
+                      mask=(offs_m[:, None] < M) & (offs_n[None, :] < N), other=0.0)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -114,33 +122,36 @@ def rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
 
 
 @triton.jit(do_not_specialize=["M", "N"])
-def rlk_linear_fwd(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
-                   stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+def rlk_linear_fwd(a_ptr, b_ptr, c_ptr, bias_ptr, acc_ptr, M, N, K,
+                   stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_accm,
                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                   IEEE: tl.constexpr, INDEX_64: tl.constexpr,
+                   IEEE: tl.constexpr, INDEX_64: tl.constexpr, ACC_IN: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-              HAS_BIAS, EVEN_K, EVEN_M, EVEN_N, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, acc_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm,
+              stride_cn, stride_accm, HAS_BIAS, EVEN_K, EVEN_M, EVEN_N, IEEE, INDEX_64, ACC_IN, BLOCK_M, BLOCK_N,
+              BLOCK_K, GROUP_M)
 
 
 @triton.jit(do_not_specialize=["M"])
-def rlk_linear_dx(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
-                  stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+def rlk_linear_dx(a_ptr, b_ptr, c_ptr, bias_ptr, acc_ptr, M, N, K,
+                  stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_accm,
                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                  IEEE: tl.constexpr, INDEX_64: tl.constexpr,
+                  IEEE: tl.constexpr, INDEX_64: tl.constexpr, ACC_IN: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-              HAS_BIAS, EVEN_K, EVEN_M, EVEN_N, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, acc_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm,
+              stride_cn, stride_accm, HAS_BIAS, EVEN_K, EVEN_M, EVEN_N, IEEE, INDEX_64, ACC_IN, BLOCK_M, BLOCK_N,
+              BLOCK_K, GROUP_M)
 
 
 @triton.jit(do_not_specialize=["K"])
-def rlk_linear_dw(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
-                  stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+def rlk_linear_dw(a_ptr, b_ptr, c_ptr, bias_ptr, acc_ptr, M, N, K,
+                  stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_accm,
                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                  IEEE: tl.constexpr, INDEX_64: tl.constexpr,
+                  IEEE: tl.constexpr, INDEX_64: tl.constexpr, ACC_IN: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-              HAS_BIAS, EVEN_K, EVEN_M, EVEN_N, IEEE, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, acc_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_cm,
+              stride_cn, stride_accm, HAS_BIAS, EVEN_K, EVEN_M, EVEN_N, IEEE, INDEX_64, ACC_IN, BLOCK_M, BLOCK_N,
+              BLOCK_K, GROUP_M)
 
 
 @triton.jit(do_not_specialize=["M", "N"])
@@ -221,15 +232,16 @@ def _needs_i64(*tensors: torch.Tensor) -> bool:
     return any(t.numel() > _I32_LIMIT for t in tensors)
 
 
-def _launch_abt(kernel, a, b, c, bias, M, N, K, sa, sb, sc, cfg: TileConfig) -> None:
-    """``c[:M, :N] = A Bᵀ (+bias)`` with ``A[m, k] = a[m*sa0 + k*sa1]``, ``B[n, k] = b[n*sb0 + k*sb1]``."""
+def _launch_abt(kernel, a, b, c, bias, M, N, K, sa, sb, sc, cfg: TileConfig, acc: torch.Tensor | None = None) -> None:
+    """``c[:M, :N] = A Bᵀ (+bias)`` with ``A[m, k] = a[m*sa0 + k*sa1]``, ``B[n, k] = b[n*sb0 + k*sb1]``
+    (``acc``: an fp32 ``[M, N]`` accumulator, unit column stride, to start from instead of +0)."""
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     kernel[grid](
-        a, b, c, bias if bias is not None else c, M, N, K,
-        sa[0], sa[1], sb[0], sb[1], sc[0], sc[1],
+        a, b, c, bias if bias is not None else c, acc if acc is not None else c, M, N, K,
+        sa[0], sa[1], sb[0], sb[1], sc[0], sc[1], acc.stride(0) if acc is not None else 0,
         HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0, EVEN_M=M % cfg.block_m == 0,
         EVEN_N=N % cfg.block_n == 0, IEEE=a.dtype == torch.float32,
-        INDEX_64=_needs_i64(a, b, c),
+        INDEX_64=_needs_i64(a, b, c, *(() if acc is None else (acc,))), ACC_IN=acc is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -310,18 +322,47 @@ def forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config:
     return y
 
 
-def grad_input(g: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
-    """``dx = dy W`` for ``dy [M, N]``, ``w [N, K]``: A = dy, B[k, n] = W[n, k]."""
+def grad_input(g: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None, *,
+               acc: torch.Tensor | None = None, out: torch.Tensor | None = None, partial: bool = False) -> torch.Tensor:
+    """``dx = dy W`` for ``dy [M, N]``, ``w [N, K]``: A = dy, B[k, n] = W[n, k].
+
+    **Chained over N** (the fused LM head's backward: one vocabulary chunk of ``dy`` and ``W``
+    at a time): ``partial=True`` stores the unrounded fp32 accumulator into ``out`` (fp32
+    ``[M, K]``, contiguous) instead of the result; ``acc`` (that buffer) makes the next call
+    start from it instead of +0; the last chunk is called with ``acc`` and without ``partial``.
+    The tiles consume N from the chunk's first column in ``BLOCK_K`` steps (16 products per
+    tensor-core instruction, in order), so when every chunk but the last has a multiple of
+    ``BLOCK_K`` columns the chained calls perform exactly the operations of one call over the
+    concatenated N (the fp32 store and reload are exact): raw-bit equal (GPU test
+    ``test_grad_input_chained_over_n_is_one_product``). A partial chunk of another width is
+    refused: its zero-padded tail would add ``+0`` products that the one-call product does not
+    have, and ``-0 + +0`` is ``+0``."""
     M, N = g.shape
     K = w.shape[1]
-    if M == 0 or K == 0 or N == 0:
-        return g.new_zeros((M, K))
     cfg = config or select_forward(g.dtype, M, K)
     if cfg.tma:  # the dx orientation reads W transposed: pointer loads, same tile shape
         cfg = dataclasses.replace(cfg, tma=False, persistent=False, warp_specialize=False)
-    dx = g.new_empty((M, K))
+    for name, t in (("acc", acc), ("out", out)):
+        if t is not None and (tuple(t.shape) != (M, K) or not t.is_contiguous() or t.device != g.device):
+            raise ValueError(f"{name}: expected a contiguous [{M}, {K}] tensor on {g.device}, got "
+                             f"{tuple(t.shape)} (contiguous={t.is_contiguous()}) on {t.device}")
+    if acc is not None and acc.dtype != torch.float32:
+        raise ValueError(f"acc: expected float32 (the unrounded accumulator), got {acc.dtype}")
+    if partial:
+        if out is None or out.dtype != torch.float32:
+            raise ValueError("partial=True: expected out= an fp32 [M, K] accumulator buffer")
+        if N % cfg.block_k:
+            raise ValueError(f"partial chunk: expected a multiple of BLOCK_K = {cfg.block_k} columns of dy, got {N}")
+    elif out is not None and out.dtype != g.dtype:
+        raise ValueError(f"out: expected {g.dtype} (the result; partial=False), got {out.dtype}")
+    dx = out if out is not None else g.new_empty((M, K))
+    if M == 0 or K == 0:
+        return dx
+    if N == 0:
+        return dx.copy_(acc) if acc is not None else dx.zero_()
     with device_guard(g):
-        _launch_abt(rlk_linear_dx, g, w, dx, None, M, K, N, g.stride(), (w.stride(1), w.stride(0)), dx.stride(), cfg)
+        _launch_abt(rlk_linear_dx, g, w, dx, None, M, K, N, g.stride(), (w.stride(1), w.stride(0)), dx.stride(), cfg,
+                    acc=acc)
     return dx
 
 

@@ -44,10 +44,12 @@ __all__ = [
 
 _DTYPES = (torch.float32, torch.bfloat16)
 #: Fused LM head default chunk sizes (``_chunks``): byte budgets of the forward ``[rows,
-#: vocab_chunk]`` logits chunk and of the backward blocks (pass A ``[rows, V]``, pass B ``[N,
-#: vocab_chunk]``), and row caps. Pass A's cap keeps the dx GEMM (``M`` = rows, output ``[rows,
-#: H]``) on the M <= 256 tile row of ``gemm/configs.py`` (64x128 tiles: 128 programs at H = 4096;
-#: 257..2048 rows would get 128x256 tiles, 48 programs at 320 rows).
+#: vocab_chunk]`` logits chunk and of the backward blocks (the vocabulary pass ``[N,
+#: vocab_chunk]``; pass A ``[rows, V]``, used for ``dhidden`` only when its fp32 accumulator is
+#: over ``fused.DX_ACCUMULATOR_BUDGET_BYTES``), and row caps. Pass A's cap keeps the dx GEMM
+#: (``M`` = rows, output ``[rows, H]``) on the M <= 256 tile row of ``gemm/configs.py`` (64x128
+#: tiles: 128 programs at H = 4096; 257..2048 rows would get 128x256 tiles, 48 programs at 320
+#: rows).
 FORWARD_BUDGET_BYTES = 64 * 2**20
 BACKWARD_BUDGET_BYTES = 80 * 2**20
 FORWARD_MAX_ROWS = 8192
@@ -252,13 +254,13 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
 
 def _chunks(n: int, v: int, dtype: torch.dtype, token_chunk: int | None, vocab_chunk: int | None
             ) -> tuple[int, int, int, int]:
-    """``(forward rows, forward vocab chunk, backward pass-A rows, backward pass-B vocab chunk)``.
+    """``(forward rows, forward vocab chunk, backward pass-A rows, backward vocab chunk)``.
 
     Pure arithmetic (no triton import). Explicit ``token_chunk`` / ``vocab_chunk`` are used by
     both passes. Defaults: the forward takes up to :data:`FORWARD_MAX_ROWS` rows and the widest
     vocabulary chunk (a multiple of 1024) whose ``[rows, chunk]`` logits fit
     :data:`FORWARD_BUDGET_BYTES`; pass A takes up to :data:`BACKWARD_MAX_ROWS` rows whose
-    ``[rows, V]`` block fits :data:`BACKWARD_BUDGET_BYTES`; pass B the widest chunk whose
+    ``[rows, V]`` block fits :data:`BACKWARD_BUDGET_BYTES`; the backward's vocabulary pass the widest chunk whose
     ``[N, chunk]`` block fits it. No choice changes a bit (``fused.py``); they set memory and
     GEMM efficiency."""
     es = torch.finfo(dtype).bits // 8

@@ -30,20 +30,28 @@ ever holding the ``[N, V]`` logits. Where the bits come from:
   what autograd's accumulation of the two unfused gradients does). Elementwise: no layout
   question; compiled with ``enable_fp_fusion=False`` so that no product is contracted into the
   following sum (fp32, τ = 1: ``(−p)·g + de`` would become one fma — the H200 run-1 mismatch;
-  :func:`_dlogits_`). Then
+  :func:`_dlogits_`). Then one pass over the vocabulary chunks, each holding the logits of
+  **all** ``N`` tokens ``[N, cols]`` and their gradient in place:
 
-  - pass A (``dhidden``): per token chunk the logits of **all** ``V`` columns ``[rows, V]``, their
-    gradient in place, and ``gemm.grad_input`` over ``K = V`` — the unfused dx kernel on the same
-    rows (row invariant across configurations);
-  - pass B (``dweight``): per vocabulary chunk the logits of **all** ``N`` tokens ``[N, cols]``,
-    their gradient in place, and ``gemm.grad_weight`` over ``K = N`` — the unfused dW kernel on
-    the same output rows (fixed configuration, K from row 0 upwards).
+  - ``dweight[cols]`` by ``gemm.grad_weight`` over ``K = N`` — the unfused dW kernel on the same
+    output rows (fixed configuration, K from row 0 upwards);
+  - ``dhidden += dlogits[:, cols] @ W[cols]`` by ``gemm.grad_input`` **chained** over the chunks:
+    the unrounded fp32 accumulator ``[N, H]`` is stored after each chunk and reloaded by the
+    next, and the last chunk rounds once. The tiles consume K in ``BLOCK_K`` steps from each
+    chunk's first column and every chunk but the last is a multiple of 1024 columns, so this is
+    the unfused dx product over ``K = V`` operation for operation (``gemm.grad_input``).
+    Four ``2·N·H·V`` products in all with the forward (the unfused path has three, and holds the
+    ``[N, V]`` logits); when the fp32 accumulator exceeds ``DX_ACCUMULATOR_BUDGET_BYTES``,
+    ``dhidden`` comes from a separate pass A instead: per token chunk the logits of all ``V``
+    columns ``[rows, V]``, their gradient, and one ``grad_input`` over ``K = V`` (the same bits,
+    one product more).
 
 Memory beyond inputs and outputs: forward ``rows · vocab_chunk`` logits in the dtype plus four
-fp32 values per row of a chunk; backward ``max(rows · V, N · vocab_chunk)`` in the dtype plus one
-``[rows, H]`` / ``[vocab_chunk, H]`` gradient block. The forward and the two backward passes may
-use different chunk sizes (none changes a bit); the defaults come from byte budgets
-(``rl_engine/backends/shared/triton/logprob/__init__.py``: ``_chunks``).
+fp32 values per row of a chunk; backward ``N · vocab_chunk`` in the dtype, a ``[vocab_chunk, H]``
+gradient block and the fp32 ``[N, H]`` accumulator (pass A instead: ``rows · V`` in the dtype and
+a ``[rows, H]`` block). The forward and the backward may use different chunk sizes (none changes
+a bit); the defaults come from byte budgets (``rl_engine/backends/shared/triton/logprob/__init__.py``:
+``_chunks``).
 """
 
 from __future__ import annotations
@@ -234,10 +242,26 @@ def _dlogits_(logits: torch.Tensor, c0: int, targets, lse, g_lp, ent, g_ent, tem
     return logits
 
 
+#: The backward computes ``dhidden`` by chaining ``gemm.grad_input`` over the vocabulary chunks of
+#: its one pass (4 products of ``2·N·H·V`` flops in all, with the forward) when the fp32
+#: accumulator ``[N, H]`` fits this many bytes; else it runs pass A (one more product: the logits
+#: recomputed per token chunk). Same bits either way (``test_backward_strategies_give_the_same_bits``).
+DX_ACCUMULATOR_BUDGET_BYTES = 2**30
+
+
 def backward(g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor,
              targets: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, temperature: float, token_chunk: int,
              vocab_chunk: int, need_hidden: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dhidden [N, H] | [0], dweight [V, H] | [0])`` in the inputs' dtype (passes A and B)."""
+    """``(dhidden [N, H] | [0], dweight [V, H] | [0])`` in the inputs' dtype.
+
+    One pass over the vocabulary chunks (``vocab_chunk`` columns, all ``N`` tokens): the logits
+    chunk, its gradient in place, then ``dW[cols] = dlogitsᵀ h`` (``gemm.grad_weight``, K = N: the
+    unfused dW kernel on the same output rows) and ``dh += dlogits W[cols]`` (``gemm.grad_input``
+    chained over the chunks in an fp32 ``[N, H]`` accumulator, rounded once after the last: the
+    unfused dx product over K = V, bit for bit, since chunks are multiples of 1024 columns). When
+    that accumulator exceeds :data:`DX_ACCUMULATOR_BUDGET_BYTES`, ``dhidden`` comes from pass A
+    instead: per ``token_chunk`` rows, the logits of all ``V`` columns, their gradient, and one
+    ``grad_input`` over K = V."""
     N, H = hidden.shape
     V = weight.shape[0]
     dhidden = hidden.new_zeros((N, H) if need_hidden else (0,))
@@ -249,17 +273,26 @@ def backward(g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, hidden: torc
         return (targets[r0:r1], lse[r0:r1], g_lp[r0:r1] if g_lp is not None else None,
                 ent[r0:r1] if g_ent is not None else None, g_ent[r0:r1] if g_ent is not None else None)
 
+    chained = need_hidden and N * H * 4 <= DX_ACCUMULATOR_BUDGET_BYTES
     with device_guard(hidden):
-        if need_hidden:  # pass A: dh[rows] = dlogits[rows, :V] @ W, one K = V product per token chunk
+        if need_weight or chained:
+            acc = None
+            if chained and V > vocab_chunk:  # the fp32 partial sums of dhidden between chunks
+                acc = torch.empty((N, H), dtype=torch.float32, device=hidden.device)
+            for c0 in range(0, V, vocab_chunk):
+                w = weight[c0 : c0 + vocab_chunk]
+                dl = _dlogits_(gemm_kernels.forward(hidden, w, None), c0, *rows(0, N), temperature)
+                if need_weight:
+                    dweight[c0 : c0 + dl.shape[1]] = gemm_kernels.grad_weight(dl, hidden)
+                if chained:
+                    last = c0 + vocab_chunk >= V
+                    gemm_kernels.grad_input(dl, w, acc=acc if c0 > 0 else None, out=dhidden if last else acc,
+                                            partial=not last)
+                del dl
+        if need_hidden and not chained:  # pass A: dh[rows] = dlogits[rows, :V] @ W, one K = V product per token chunk
             for r0 in range(0, N, token_chunk):
                 r1 = min(N, r0 + token_chunk)
                 dl = _dlogits_(gemm_kernels.forward(hidden[r0:r1], weight, None), 0, *rows(r0, r1), temperature)
                 dhidden[r0:r1] = gemm_kernels.grad_input(dl, weight)
-                del dl
-        if need_weight:  # pass B: dW[cols] = dlogits[:, cols]ᵀ @ h, one K = N product per vocabulary chunk
-            for c0 in range(0, V, vocab_chunk):
-                dl = _dlogits_(gemm_kernels.forward(hidden, weight[c0 : c0 + vocab_chunk], None), c0,
-                               *rows(0, N), temperature)
-                dweight[c0 : c0 + dl.shape[1]] = gemm_kernels.grad_weight(dl, hidden)
                 del dl
     return dhidden, dweight
