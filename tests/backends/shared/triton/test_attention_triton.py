@@ -366,6 +366,36 @@ def test_interpreter_varlen_tiles_equal_the_torch_table():
 
 
 @interp
+def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
+    """Every configuration the launchers can select — prefill, decode on a contiguous or a paged
+    cache, with many or few (sequence, kv head) pairs — is in ``shipped_forward_configs``, the
+    list the GPU test proves raw-bit equal; ``few_programs`` compares the pairs with the SM count
+    and is False off CUDA. Negative control: the list without the few-programs variants is caught."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    def uncovered():
+        missing = []
+        for dt in (torch.float32, torch.bfloat16, torch.float16):
+            for d in (32, 64, 128):
+                shipped = K.shipped_forward_configs(dt, d)
+                chosen = [K.select_prefill(dt, d)] + [K.select_decode(dt, d, page, few=few)
+                                                       for page in (None, 16, 64, 256) for few in (False, True)]
+                missing += [(dt, d, c) for c in chosen if c not in shipped]
+        return missing
+
+    assert uncovered() == []
+    assert not K.few_programs(1, 8, torch.device("cpu"))
+    monkeypatch.setattr(K, "_sm_count_of", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert K.few_programs(16, 8, torch.device("cuda")) and not K.few_programs(17, 8, torch.device("cuda"))
+    assert K.few_programs(1, 8, torch.device("cuda", 0))
+    # negative control: the list as it was before the few-programs variants (it misses them)
+    monkeypatch.setattr(K, "shipped_forward_configs", lambda dt, d: [
+        K.select_prefill(dt, d), K.select_decode(dt, d), K.select_decode(dt, d, page_size=1)])
+    assert uncovered(), "an unlisted selection was not caught"
+
+
+@interp
 def test_interpreter_rollout_tiles_equal_the_torch_table():
     """``rollout_tiles`` (one launch) builds the integers of ``tile_table(cached_rows(...))``:
     empty sequences, more sequences than one 128-lane chunk, several G / BLOCK_M; a shifted
