@@ -93,6 +93,25 @@ def rlk_probe_block(q, k_ptr, v_ptr, b, S, base, cap, kvh, pos, start, m, l, acc
 
 
 @triton.jit
+def rlk_probe_walk(q, k_ptr, v_ptr, b, S, base, lo_pos, hi_pos, kvh, pos, scale, HKV: tl.constexpr, D: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, LOG2BN: tl.constexpr, TREE: tl.constexpr, EXP2: tl.constexpr,
+                   IND: tl.constexpr):
+    """The causal block walk of both probe kernels: unmasked blocks every row sees entirely, then
+    the masked ones up to the tile's last position; returns the normalised output tile."""
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    n_full = (lo_pos + 1) // BN
+    for i in range(0, n_full):
+        m, l, acc = rlk_probe_block(q, k_ptr, v_ptr, b, S, base, hi_pos, kvh, pos, i * BN, m, l, acc, scale, HKV, D,
+                                    BM, BN, LOG2BN, TREE, EXP2, IND, False)
+    for i in range(n_full, hi_pos // BN + 1):
+        m, l, acc = rlk_probe_block(q, k_ptr, v_ptr, b, S, base, hi_pos, kvh, pos, i * BN, m, l, acc, scale, HKV, D,
+                                    BM, BN, LOG2BN, TREE, EXP2, IND, True)
+    return acc / l[:, None]
+
+
+@triton.jit
 def rlk_probe_attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, S, scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, LOG2BN: tl.constexpr, PACK: tl.constexpr,
                        TREE: tl.constexpr, EXP2: tl.constexpr, IND: tl.constexpr):
@@ -113,19 +132,8 @@ def rlk_probe_attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, S, scale, HQ: tl.cons
     qoff = ((b * S + tok).to(tl.int64) * HQ + head) * D
     q = tl.load(q_ptr + qoff[:, None] + offs_d[None, :])
     base = tl.load(cu_ptr + b).to(tl.int64)
-    lo_pos = tl.min(tok, axis=0)
-    hi_pos = tl.max(tok, axis=0)
-    m = tl.full([BM], float("-inf"), tl.float32)
-    l = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, D], tl.float32)
-    n_full = (lo_pos + 1) // BN
-    for i in range(0, n_full):
-        m, l, acc = rlk_probe_block(q, k_ptr, v_ptr, b, S, base, hi_pos, kvh, tok, i * BN, m, l, acc, scale, HKV, D,
-                                 BM, BN, LOG2BN, TREE, EXP2, IND, False)
-    for i in range(n_full, hi_pos // BN + 1):
-        m, l, acc = rlk_probe_block(q, k_ptr, v_ptr, b, S, base, hi_pos, kvh, tok, i * BN, m, l, acc, scale, HKV, D,
-                                 BM, BN, LOG2BN, TREE, EXP2, IND, True)
-    o = acc / l[:, None]
+    o = rlk_probe_walk(q, k_ptr, v_ptr, b, S, base, tl.min(tok, axis=0), tl.max(tok, axis=0), kvh, tok, scale, HKV, D,
+                       BM, BN, LOG2BN, TREE, EXP2, IND)
     tl.store(o_ptr + qoff[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty))
 
 
@@ -158,17 +166,8 @@ def rlk_probe_attn_fwd_tab(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, tab_ptr, S, scale
     if hi_pos >= 0:
         q = tl.load(q_ptr + qoff[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         base = tl.load(cu_ptr + seq).to(tl.int64)
-        m = tl.full([BM], float("-inf"), tl.float32)
-        l = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, D], tl.float32)
-        n_full = (lo_pos + 1) // BN
-        for i in range(0, n_full):
-            m, l, acc = rlk_probe_block(q, k_ptr, v_ptr, seq, S, base, hi_pos, kvh, pos, i * BN, m, l, acc, scale, HKV,
-                                        D, BM, BN, LOG2BN, TREE, EXP2, True, False)
-        for i in range(n_full, hi_pos // BN + 1):
-            m, l, acc = rlk_probe_block(q, k_ptr, v_ptr, seq, S, base, hi_pos, kvh, pos, i * BN, m, l, acc, scale, HKV,
-                                        D, BM, BN, LOG2BN, TREE, EXP2, True, True)
-        o = acc / l[:, None]
+        o = rlk_probe_walk(q, k_ptr, v_ptr, seq, S, base, lo_pos, hi_pos, kvh, pos, scale, HKV, D, BM, BN, LOG2BN, TREE,
+                           EXP2, True)
         tl.store(o_ptr + qoff[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=valid[:, None])
 
 
