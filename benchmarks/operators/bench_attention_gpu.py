@@ -15,6 +15,10 @@ Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
   K/V with ``enable_gqa=True`` (no expanded copies).
 * ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.
 
+Rows ending ``.no_pdl`` (prefill output-only and both decode launchers) are the same calls with
+every kernel launched plainly (``kernels.PDL = False``), side by side with the default's
+programmatic dependent launch.
+
 Timing: ``prefill`` and ``decode`` are captured ``n`` times in a CUDA graph and replayed (device
 time, no Python launch overhead; per call = replay time / n); ``train`` (autograd, milliseconds
 of work per call) is timed eagerly. Warm-up calls (compilation included) are excluded; every
@@ -87,6 +91,18 @@ def _candidates(kind: str, all_configs: bool):
     return K.CANDIDATE_CONFIGS[kind] if all_configs else ()
 
 
+def _without_pdl(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with every kernel launched plainly (``kernels.launch_plainly()``): the side-by-side
+    row that shows what programmatic dependent launch buys."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    def call():
+        with K.launch_plainly():
+            return fn()
+
+    return call
+
+
 def prefill_case(B: int, S: int, all_configs: bool = False):
     from rl_engine.backends.shared.triton.attention import kernels as K
 
@@ -104,6 +120,7 @@ def prefill_case(B: int, S: int, all_configs: bool = False):
         f"{OURS}.train_forward": lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S),
         "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
     }
+    impls[f"{OURS}.no_pdl"] = _without_pdl(impls[OURS])
     for c in _candidates("prefill", all_configs):
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.varlen_forward(q, k, v, cu, D**-0.5, None, config=c, max_seqlen=S,
                                                                 for_backward=False)
@@ -136,6 +153,8 @@ def decode_case(B: int, ctx: int, all_configs: bool = False):
                                                                               q_seq, q_pos, D**-0.5, None),
         "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
     }
+    impls[f"{OURS}.no_pdl"] = _without_pdl(impls[OURS])
+    impls[f"{OURS}.paged16.no_pdl"] = _without_pdl(impls[f"{OURS}.paged16"])
     for c in _candidates("decode", all_configs):
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5,
                                                                 None, path="decode", config=c)

@@ -61,7 +61,7 @@ def cases():
         tag = "shipped" if cfg is None else cfg.key
         out[f"prefill 32x512 cached paged16 ({tag})"] = (lambda cfg=cfg: K.cached_forward(
             q, kp, vp, ptab, ps, q_seq, q_pos, D**-0.5, None, path="prefill", config=cfg))
-    for b, ctx in ((1, 4096), (64, 512), (64, 4096)):
+    for b, ctx in ((1, 512), (1, 4096), (1, 32768), (64, 512), (64, 4096)):
         kc, vc, qd = randn(b * ctx, HKV, D), randn(b * ctx, HKV, D), randn(b, HQ, D)
         qs = torch.arange(b, device="cuda")
         qp = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int64)

@@ -12,8 +12,9 @@ eager speed (HF ``generate`` without graphs). This times, per call, at qkv M = 1
 * ``public_nan``  the same under the default NaN policy (a NaN scan and a host sync per input);
 
 then other decode-step operators at batch 1 (``rms_norm``, ``silu_and_mul``, attention over a
-4096-token cache: kernels launcher, public ``cached_attention``) next to their torch
-counterparts. Each is the median of repeated loops after warm-up, with the GPU kept ahead by a
+4096-token cache: kernels launcher, public ``cached_attention``, the engine form
+``paged_attention`` against a step's ``plan_paged_attention`` + per-layer
+``paged_attention_step``) next to their torch counterparts. Each is the median of repeated loops after warm-up, with the GPU kept ahead by a
 CUDA sleep so the loop measures the host; calls that synchronise (the NaN scan, the attention
 op's ``cu_seqlens`` validation) run without the sleep and report host + device. A ``cProfile``
 of the custom-op loop gives the top functions. JSON rows to ``--out``.
@@ -67,7 +68,8 @@ def other_ops() -> dict[str, tuple]:
     """Decode-step operators at Qwen3-8B widths, batch 1: (callable, syncs, n) per case."""
     from rl_engine.backends.shared.triton.attention import kernels as AK
     from rl_engine.ops.activation import silu_and_mul
-    from rl_engine.ops.attention import ContiguousKVCache, cached_attention
+    from rl_engine.ops.attention import (ContiguousKVCache, cached_attention, paged_attention, paged_attention_step,
+                                         plan_paged_attention)
     from rl_engine.ops.norm import rms_norm
     from rl_engine.utils.checks import nan_policy
 
@@ -95,6 +97,13 @@ def other_ops() -> dict[str, tuple]:
                 return f()
         return g
 
+    # an engine-owned paged cache (16-token pages) holding 4095 tokens; the step appends the 4096th
+    pk = torch.randn(257, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    pv = torch.randn(257, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    meta = (torch.tensor([255 * 16 + 15], device="cuda"), torch.arange(257, device="cuda")[None], 16, cu1,
+            torch.tensor([4096], device="cuda"))
+    plan = plan_paged_attention(*meta, num_blocks=257)
+
     return {
         "rms_norm torch": (lambda: torch.nn.functional.rms_norm(h, (4096,), nw, 1e-6), False, 400),
         "rms_norm public": (propagate(lambda: rms_norm(h, nw, 1e-6)), False, 400),
@@ -104,6 +113,12 @@ def other_ops() -> dict[str, tuple]:
                                         False, 400),
         "decode attn kernels.cached_forward": (lambda: AK.cached_forward(q, kc, kc, rows, 4096, qs, qp, 0.088, None), False, 400),
         "decode attn public cached_attention": (propagate(lambda: cached_attention(q, kv, kv, cache, [0], cu1)), True, 200),
+        # the engine form: one call validating its metadata per layer, or a plan per step + a step per layer
+        "decode attn public paged_attention": (propagate(lambda: paged_attention(q, kv, kv, pk, pv, *meta)), True, 200),
+        "decode attn plan_paged_attention (once per step)": (lambda: plan_paged_attention(*meta, num_blocks=257), True,
+                                                             200),
+        "decode attn paged_attention_step (per layer)": (propagate(lambda: paged_attention_step(q, kv, kv, pk, pv, plan)),
+                                                          False, 400),
     }
 
 

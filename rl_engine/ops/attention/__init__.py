@@ -7,7 +7,9 @@
   call covers full prefill, chunked prefill, decode and mixed batches.
 * :func:`paged_attention` — the same rollout path on an engine-owned paged cache (raw key/value
   storage, a slot mapping and block tables, as vLLM keeps them): no cache object, the same
-  ``attention.cached_attention`` implementations.
+  ``attention.cached_attention`` implementations. :func:`plan_paged_attention` validates a step's
+  metadata once and :func:`paged_attention_step` runs each layer with it (no host
+  synchronisation per layer; capturable in a CUDA graph).
 
 For a query at position ``p`` both return the **same bits** whatever the path, the chunking,
 the batch around it, the cache layout or the page size: the contracts
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +29,17 @@ from rl_engine.ops.attention.cache import ContiguousKVCache, KVCache, PagedKVCac
 from rl_engine.runtime.registry import dispatch, make_request
 from rl_engine.utils.checks import FLOAT_DTYPES, check_no_nan, current_nan_policy, require_same_device, require_tensor
 
-__all__ = ["varlen_attention", "cached_attention", "paged_attention", "ContiguousKVCache", "PagedKVCache", "KVCache"]
+__all__ = [
+    "varlen_attention",
+    "cached_attention",
+    "paged_attention",
+    "plan_paged_attention",
+    "paged_attention_step",
+    "PagedAttentionPlan",
+    "ContiguousKVCache",
+    "PagedKVCache",
+    "KVCache",
+]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -36,6 +49,9 @@ def _finite(name: str, t: torch.Tensor) -> None:
     values even where a query must not look: masked slots contribute ``0 · v``."""
     if current_nan_policy() == "propagate" or t.numel() == 0 or t.device.type == "meta":
         return
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{name}: the finite-value check reads the tensor on the host, which a CUDA-graph capture "
+                           "forbids; capture under rl_engine.utils.checks.nan_policy('propagate')")
     if not bool(torch.isfinite(t).all()):
         check_no_nan(name, t)
         raise ValueError(f"{name}: contains inf (attention inputs must be finite)")
@@ -277,6 +293,173 @@ def _index_tensor(name: str, t: object, ndim: int, device: torch.device) -> torc
     return t
 
 
+@dataclass(frozen=True, eq=False)
+class PagedAttentionPlan:
+    """One step's batch over an engine-owned paged KV cache, validated once and shared by every
+    layer of the step (:func:`plan_paged_attention`, :func:`paged_attention_step`).
+
+    Attributes (device tensors on ``device``, int64):
+        num_tokens, num_seqs: ``T`` new tokens of ``B`` sequences.
+        block_size, num_blocks: the page size and the number of blocks of the caches the block
+            ids were checked against (``k_cache.shape[0]``).
+        slot_mapping: ``[T]`` storage row of each new token.
+        page_rows: ``[B, P]`` first storage row of each page of each sequence (``block_table ·
+            block_size``; entries past a sequence's last page are 0 and never read).
+        q_seq, q_pos: ``[T]`` batch sequence and position of each new token.
+    """
+
+    num_tokens: int
+    num_seqs: int
+    block_size: int
+    num_blocks: int
+    device: torch.device
+    slot_mapping: torch.Tensor
+    page_rows: torch.Tensor
+    q_seq: torch.Tensor
+    q_pos: torch.Tensor
+
+
+def plan_paged_attention(
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    num_blocks: int,
+) -> PagedAttentionPlan:
+    r"""Validate one step's paged-cache metadata once, for every layer of the step.
+
+    The arguments are :func:`paged_attention`'s (the same meaning and the same checks: the
+    error names the argument); ``num_blocks`` is the number of blocks of the layers' caches
+    (``k_cache.shape[0]``), which bounds the block ids. The checks read the metadata on the host
+    (one device-to-host copy of each index tensor); :func:`paged_attention_step` then runs a
+    layer with no host synchronisation of its own, so a decode step of ``L`` layers validates
+    once instead of ``L`` times, and the per-layer calls can be captured in a CUDA graph.
+
+    Shapes:
+        slot_mapping: ``[T]``; block_table: ``[B', max_blocks]`` with ``B' >= B``;
+        cu_seqlens_q: ``[B+1]`` ending at ``T``; seq_lens: ``[B]`` (int32/int64, one device).
+
+    Raises:
+        TypeError / ValueError: as :func:`paged_attention` for these arguments; ``num_blocks``
+            not a positive int.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+        raise ValueError(f"num_blocks: expected a positive int (k_cache.shape[0]), got {num_blocks!r}")
+    if not isinstance(slot_mapping, torch.Tensor):
+        raise TypeError(f"slot_mapping: expected a torch.Tensor, got {type(slot_mapping).__name__}")
+    dev = slot_mapping.device
+    slot_mapping = _index_tensor("slot_mapping", slot_mapping, 1, dev)
+    T = slot_mapping.shape[0]
+    block_table = _index_tensor("block_table", block_table, 2, dev)
+    seq_lens = _index_tensor("seq_lens", seq_lens, 1, dev)
+    B = seq_lens.shape[0]
+    if block_table.shape[0] < B:
+        raise ValueError(f"block_table: expected at least {B} rows (one per sequence of seq_lens), got {block_table.shape[0]}")
+    cu = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, T, dev, batch=B)
+    lens = seq_lens.to(torch.int64).cpu()
+    n_new = cu[1:] - cu[:-1]
+    if bool((lens < n_new).any()):
+        i = int((lens < n_new).nonzero()[0, 0])
+        raise ValueError(f"seq_lens: sequence {i} has {int(lens[i])} tokens but {int(n_new[i])} new ones "
+                         f"(seq_lens counts the new tokens too)")
+    pages = -(-lens // block_size)
+    width = max(1, int(pages.max())) if B else 1
+    if width > block_table.shape[1]:
+        raise ValueError(f"block_table: {width} blocks of {block_size} are needed for seq_lens up to {int(lens.max())}, "
+                         f"the table has {block_table.shape[1]} columns")
+    bt = block_table[:B, :width].to(torch.int64).cpu()
+    used = torch.arange(width)[None, :] < pages[:, None]
+    if B and bool(((bt < 0) | (bt >= num_blocks))[used].any()):
+        raise ValueError(f"block_table: expected block ids in [0, {num_blocks}) for every used block")
+    q_seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int64), n_new, output_size=T)
+    q_pos = (lens - n_new)[q_seq] + torch.arange(T, dtype=torch.int64) - cu[:-1][q_seq]
+    page_rows = torch.where(used, bt, 0) * block_size
+    slots = slot_mapping.to(torch.int64)
+    expect = page_rows[q_seq, torch.div(q_pos, block_size, rounding_mode="floor")] + q_pos % block_size
+    if T and not torch.equal(slots.cpu(), expect):
+        bad = int((slots.cpu() != expect).nonzero()[0, 0])
+        raise ValueError(f"slot_mapping: token {bad} (sequence {int(q_seq[bad])}, position {int(q_pos[bad])}) maps to row "
+                         f"{int(slots[bad])}, its block table says row {int(expect[bad])}")
+    return PagedAttentionPlan(T, B, block_size, num_blocks, dev, slots.contiguous(), page_rows.to(dev),
+                              q_seq.to(dev), q_pos.to(dev))
+
+
+def _paged_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int,
+                  Hkv: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the two caches (dtype, rank, device, shape, contiguity); ``[N, Hkv, D]`` row views."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        require_tensor(name, c, dtypes=(q.dtype,), ndim=4)
+        if c.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (q's), got {c.device}")
+        if tuple(c.shape[1:]) != (block_size, Hkv, D):
+            raise ValueError(f"{name}: expected [num_blocks, block_size={block_size}, Hkv={Hkv}, D={D}], "
+                             f"got {tuple(c.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (k_cache's), got {tuple(v_cache.shape)}")
+    rows = k_cache.shape[0] * block_size
+    return k_cache.view(rows, Hkv, D), v_cache.view(rows, Hkv, D)
+
+
+def _run_paged(q, k_new, v_new, k_rows, v_rows, plan: PagedAttentionPlan, s: float, w: int | None) -> torch.Tensor:
+    req = make_request(
+        "attention.cached_attention",
+        q,
+        features={"T": q.shape[0], "heads": q.shape[1], "kv_heads": k_new.shape[1], "head_dim": q.shape[2],
+                  "window": w, "cache": "paged(engine)"},
+    )
+    with torch.no_grad():
+        return dispatch(req, q, k_new, v_new, k_rows, v_rows, plan.slot_mapping, plan.page_rows, plan.block_size,
+                        plan.q_seq, plan.q_pos, s, w)
+
+
+def paged_attention_step(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PagedAttentionPlan,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    r"""One layer of a step planned by :func:`plan_paged_attention`: write the new keys/values
+    into ``k_cache``/``v_cache`` at ``plan.slot_mapping`` **in place**, then attend — exactly
+    :func:`paged_attention` with the plan's metadata (the same dispatch, hence the same bits).
+
+    Only what the plan cannot know is checked here, on the host (shapes, dtypes, devices; the
+    caches against ``plan.block_size`` / ``plan.num_blocks``; ``q`` has ``plan.num_tokens``
+    rows). The finite-value check of ``q``/``k_new``/``v_new`` follows the NaN policy
+    (:func:`rl_engine.utils.checks.nan_policy`); it is the only host synchronisation, so a
+    CUDA-graph capture of the step runs under ``nan_policy("propagate")`` (capturing under a
+    checking policy raises a clear error instead of a failed capture).
+
+    Shapes:
+        q: ``[T, Hq, D]``; k_new, v_new: ``[T, Hkv, D]``; k_cache, v_cache:
+        ``[plan.num_blocks, plan.block_size, Hkv, D]``, contiguous. Returns ``[T, Hq, D]``.
+
+    Raises:
+        TypeError / ValueError: a bad tensor (the message names it), a plan for other caches or
+            another token count.
+        NoEligibleImplementation: strict policy and no implementation covers the request.
+    """
+    if not isinstance(plan, PagedAttentionPlan):
+        raise TypeError(f"plan: expected a PagedAttentionPlan (plan_paged_attention), got {type(plan).__name__}")
+    T = _qkv(q, k_new, v_new, "k_new", "v_new")
+    if T != plan.num_tokens:
+        raise ValueError(f"q: expected {plan.num_tokens} rows (the plan's tokens), got {T}")
+    if q.device != plan.device:
+        raise ValueError(f"plan: planned for device {plan.device}, q is on {q.device}")
+    k_rows, v_rows = _paged_caches(q, k_cache, v_cache, plan.block_size, k_new.shape[1], k_new.shape[2])
+    if k_cache.shape[0] != plan.num_blocks:
+        raise ValueError(f"k_cache: expected {plan.num_blocks} blocks (the plan's num_blocks), got {k_cache.shape[0]}")
+    return _run_paged(q, k_new, v_new, k_rows, v_rows, plan, _scale(scale, q.shape[2]), _window(window))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -338,60 +521,10 @@ def paged_attention(
     T = _qkv(q, k_new, v_new, "k_new", "v_new")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
-    Hkv, D = k_new.shape[1], k_new.shape[2]
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        require_tensor(name, c, dtypes=(q.dtype,), ndim=4)
-        if c.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} (q's), got {c.device}")
-        if tuple(c.shape[1:]) != (block_size, Hkv, D):
-            raise ValueError(f"{name}: expected [num_blocks, block_size={block_size}, Hkv={Hkv}, D={D}], "
-                             f"got {tuple(c.shape)}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (k_cache's), got {tuple(v_cache.shape)}")
-    rows = k_cache.shape[0] * block_size
-    k_rows = k_cache.view(rows, Hkv, D)
-    v_rows = v_cache.view(rows, Hkv, D)
-    dev = q.device
-    slot_mapping = _index_tensor("slot_mapping", slot_mapping, 1, dev)
+    k_rows, v_rows = _paged_caches(q, k_cache, v_cache, block_size, k_new.shape[1], k_new.shape[2])
+    slot_mapping = _index_tensor("slot_mapping", slot_mapping, 1, q.device)
     if slot_mapping.shape[0] != T:
         raise ValueError(f"slot_mapping: expected {T} entries (one per token of q), got {slot_mapping.shape[0]}")
-    block_table = _index_tensor("block_table", block_table, 2, dev)
-    seq_lens = _index_tensor("seq_lens", seq_lens, 1, dev)
-    B = seq_lens.shape[0]
-    if block_table.shape[0] < B:
-        raise ValueError(f"block_table: expected at least {B} rows (one per sequence of seq_lens), got {block_table.shape[0]}")
-    cu = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, T, dev, batch=B)
-    lens = seq_lens.to(torch.int64).cpu()
-    n_new = cu[1:] - cu[:-1]
-    if bool((lens < n_new).any()):
-        i = int((lens < n_new).nonzero()[0, 0])
-        raise ValueError(f"seq_lens: sequence {i} has {int(lens[i])} tokens but {int(n_new[i])} new ones "
-                         f"(seq_lens counts the new tokens too)")
-    pages = -(-lens // block_size)
-    width = max(1, int(pages.max())) if B else 1
-    if width > block_table.shape[1]:
-        raise ValueError(f"block_table: {width} blocks of {block_size} are needed for seq_lens up to {int(lens.max())}, "
-                         f"the table has {block_table.shape[1]} columns")
-    bt = block_table[:B, :width].to(torch.int64).cpu()
-    used = torch.arange(width)[None, :] < pages[:, None]
-    if B and bool(((bt < 0) | (bt >= k_cache.shape[0]))[used].any()):
-        raise ValueError(f"block_table: expected block ids in [0, {k_cache.shape[0]}) for every used block")
-    s = _scale(scale, q.shape[2])
-    w = _window(window)
-    q_seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int64), n_new, output_size=T)
-    q_pos = (lens - n_new)[q_seq] + torch.arange(T, dtype=torch.int64) - cu[:-1][q_seq]
-    page_rows = torch.where(used, bt, 0) * block_size
-    slots = slot_mapping.to(torch.int64)
-    expect = page_rows[q_seq, torch.div(q_pos, block_size, rounding_mode="floor")] + q_pos % block_size
-    if T and not torch.equal(slots.cpu(), expect):
-        bad = int((slots.cpu() != expect).nonzero()[0, 0])
-        raise ValueError(f"slot_mapping: token {bad} (sequence {int(q_seq[bad])}, position {int(q_pos[bad])}) maps to row "
-                         f"{int(slots[bad])}, its block table says row {int(expect[bad])}")
-    req = make_request(
-        "attention.cached_attention",
-        q,
-        features={"T": T, "heads": q.shape[1], "kv_heads": Hkv, "head_dim": D, "window": w, "cache": "paged(engine)"},
-    )
-    with torch.no_grad():
-        return dispatch(req, q, k_new, v_new, k_rows, v_rows, slots, page_rows.to(dev), block_size,
-                        q_seq.to(dev), q_pos.to(dev), s, w)
+    plan = plan_paged_attention(slot_mapping, block_table, block_size, cu_seqlens_q, seq_lens,
+                                num_blocks=k_cache.shape[0])
+    return _run_paged(q, k_new, v_new, k_rows, v_rows, plan, _scale(scale, q.shape[2]), _window(window))

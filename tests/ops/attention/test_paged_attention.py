@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from rl_engine import contracts
-from rl_engine.ops.attention import PagedKVCache, cached_attention, paged_attention, varlen_attention
+from rl_engine.ops.attention import (
+    PagedAttentionPlan,
+    PagedKVCache,
+    cached_attention,
+    paged_attention,
+    paged_attention_step,
+    plan_paged_attention,
+    varlen_attention,
+)
+from rl_engine.utils.checks import nan_policy
 from rl_engine.reference.attention import varlen_attention_f64
 from rl_engine.runtime import provenance
 from rl_engine.utils.bits import bit_diff
@@ -68,8 +77,9 @@ class Engine:
         b = self.tables[i][p // self.bs]
         return (2 * b if self.split else b) * self.bs + p % self.bs
 
-    def step(self, q, k, v, start, ids, ns, window=None):
-        """Run one batch: sequence ``ids[j]`` appends ``ns[j]`` tokens (rows of q/k/v from ``start``)."""
+    def step(self, q, k, v, start, ids, ns, window=None, planned=False):
+        """Run one batch: sequence ``ids[j]`` appends ``ns[j]`` tokens (rows of q/k/v from ``start``);
+        ``planned``: through ``plan_paged_attention`` + ``paged_attention_step``."""
         qs, ks, vs, slots = [], [], [], []
         for i, n in zip(ids, ns):
             a = start[i] + self.done[i]
@@ -77,9 +87,14 @@ class Engine:
             slots += [self.slot(i, p) for p in range(self.done[i], self.done[i] + n)]
         bt = self.bt[ids].to(torch.int64) * (2 if self.split else 1)
         dev = self.dev
-        out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), self.k, self.v,
-                              torch.tensor(slots, device=dev), bt.to(dev), self.bs, cu(ns).to(dev),
-                              torch.tensor([self.done[i] + n for i, n in zip(ids, ns)], device=dev), window=window)
+        meta = (torch.tensor(slots, device=dev), bt.to(dev), self.bs, cu(ns).to(dev),
+                torch.tensor([self.done[i] + n for i, n in zip(ids, ns)], device=dev))
+        if planned:
+            plan = plan_paged_attention(*meta, num_blocks=self.k.shape[0])
+            out = paged_attention_step(torch.cat(qs), torch.cat(ks), torch.cat(vs), self.k, self.v, plan,
+                                       window=window)
+        else:
+            out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), self.k, self.v, *meta, window=window)
         rows = {}
         c = 0
         for i, n in zip(ids, ns):
@@ -90,7 +105,7 @@ class Engine:
         return rows
 
 
-def run_schedule(lens, dtype, bs, seed, split=False, window=None, device="cpu"):
+def run_schedule(lens, dtype, bs, seed, split=False, window=None, device="cpu", planned=False):
     """Serve ``lens`` with random chunk sizes (prefill chunks, decode steps, mixed batches)."""
     q, k, v = (t.to(device) for t in qkv(sum(lens), dtype, seed))
     starts = cu(lens)[:-1].tolist()
@@ -102,7 +117,7 @@ def run_schedule(lens, dtype, bs, seed, split=False, window=None, device="cpu"):
         rng.shuffle(ids)
         ids = ids[: rng.randint(1, len(ids))]
         ns = [min(rng.choice([1, 1, 5, 17, 40]), lens[i] - eng.done[i]) for i in ids]
-        got.update(eng.step(q, k, v, starts, ids, ns, window))
+        got.update(eng.step(q, k, v, starts, ids, ns, window, planned))
     out = torch.stack([got[(i, p)] for i in range(len(lens)) for p in range(lens[i])])
     return out, (q, k, v)
 
@@ -233,6 +248,99 @@ def test_bad_input_names_the_argument(over, match):
         _call(_args(**over))
 
 
+# --------------------------------------------------------------------------- plan once, run every layer
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [False, True], ids=["separate", "vllm-split-views"])
+def test_planned_steps_equal_one_call_each(dtype, split):
+    """``plan_paged_attention`` + ``paged_attention_step`` over a random schedule gives the bits
+    of one ``paged_attention`` call per step (and of varlen_attention)."""
+    lens = [70, 5, 33, 1]
+    dt = getattr(torch, dtype)
+    out, (q, k, v) = run_schedule(lens, dt, 16, seed=9, split=split, planned=True)
+    ref, _ = run_schedule(lens, dt, 16, seed=9, split=split)
+    assert bit_diff(out, ref) and bit_diff(out, varlen_attention(q, k, v, cu(lens)))
+
+
+def _plan_args(**over):
+    a = _args(**over)
+    return dict(slot_mapping=a["slot_mapping"], block_table=a["block_table"], block_size=a["block_size"],
+                cu_seqlens_q=a["cu_seqlens_q"], seq_lens=a["seq_lens"], num_blocks=a.get("num_blocks", 4))
+
+
+def test_one_plan_serves_every_layer():
+    """One plan, two layers (their own caches and tokens): each layer's output and cache equal
+    those of its own ``paged_attention`` call; the plan holds the validated metadata."""
+    plan = plan_paged_attention(**_plan_args())
+    assert isinstance(plan, PagedAttentionPlan) and (plan.num_tokens, plan.num_seqs, plan.num_blocks) == (4, 1, 4)
+    assert plan.q_pos.tolist() == [0, 1, 2, 3] and plan.page_rows.tolist() == [[8]]
+    for seed in (1, 2):  # two layers
+        a = _args()
+        q, k, v = qkv(4, seed=seed)
+        ref_k, ref_v = a["k_cache"].clone(), a["v_cache"].clone()
+        ref = paged_attention(q, k, v, ref_k, ref_v, a["slot_mapping"], a["block_table"], 8, a["cu_seqlens_q"],
+                              a["seq_lens"])
+        got = paged_attention_step(q, k, v, a["k_cache"], a["v_cache"], plan)
+        assert bit_diff(got, ref) and bit_diff(a["k_cache"], ref_k) and bit_diff(a["v_cache"], ref_v)
+    # negative control: a plan of a shifted sequence (one more cached token) changes the bits
+    shifted = plan_paged_attention(**{**_plan_args(), "slot_mapping": torch.tensor([9, 10, 11, 12]),
+                                      "seq_lens": torch.tensor([5])})
+    a = _args()
+    q5, k5, v5 = qkv(5, seed=1)
+    paged_attention_step(q5[:1], k5[:1], v5[:1], a["k_cache"], a["v_cache"],
+                         plan_paged_attention(**{**_plan_args(), "slot_mapping": torch.tensor([8]),
+                                                 "cu_seqlens_q": cu([1]), "seq_lens": torch.tensor([1])}))
+    moved = paged_attention_step(q5[1:], k5[1:], v5[1:], a["k_cache"], a["v_cache"], shifted)
+    assert not bit_diff(moved, paged_attention_step(q5[1:], k5[1:], v5[1:], torch.zeros(4, 8, HKV, D),
+                                                    torch.zeros(4, 8, HKV, D), plan))
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(num_blocks=0), "num_blocks"),
+    (dict(num_blocks=1), "block_table"),  # the used block 1 is out of range for 1 block
+    (dict(block_size=0), "block_size"),
+    (dict(slot_mapping=torch.tensor([0, 1, 2, 3])), "slot_mapping"),
+    (dict(slot_mapping=[8, 9, 10, 11]), "slot_mapping"),
+    (dict(block_table=torch.tensor([1, 2])), "block_table"),
+    (dict(seq_lens=torch.tensor([3])), "seq_lens"),
+    (dict(cu_seqlens_q=cu([3])), "cu_seqlens_q"),
+])
+def test_plan_bad_input_names_the_argument(over, match):
+    a = _plan_args()
+    a.update(over)
+    with pytest.raises((TypeError, ValueError), match=match):
+        plan_paged_attention(**a)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("not_a_plan", "plan"),
+    ("rows", "q"),
+    ("blocks", "k_cache"),
+    ("block_size", "k_cache"),
+    ("nan", "q"),
+])
+def test_step_checks_what_the_plan_cannot_know(case, match):
+    plan = plan_paged_attention(**_plan_args())
+    a = _args()
+    q, k, v, kc, vc = a["q"], a["k_new"], a["v_new"], a["k_cache"], a["v_cache"]
+    if case == "not_a_plan":
+        plan = _plan_args()
+    elif case == "rows":
+        q, k, v = q[:3], k[:3], v[:3]
+    elif case == "blocks":
+        kc, vc = torch.zeros(5, 8, HKV, D), torch.zeros(5, 8, HKV, D)
+    elif case == "block_size":
+        kc, vc = torch.zeros(8, 4, HKV, D), torch.zeros(8, 4, HKV, D)
+    else:
+        q = torch.full_like(q, float("nan"))
+    with pytest.raises((TypeError, ValueError), match=match):
+        paged_attention_step(q, k, v, kc, vc, plan)
+    if case == "nan":  # the finite check follows the NaN policy
+        with nan_policy("propagate"):
+            assert torch.isnan(paged_attention_step(q, k, v, kc, vc, plan)).all()
+
+
 # --------------------------------------------------------------------------- GPU (the device run)
 
 
@@ -264,3 +372,47 @@ def test_gpu_paged_attention_profiler_names():
         run_schedule(lens, torch.bfloat16, 16, seed=4, split=True, device="cuda")
 
     check_profiler_names("rl_engine.backends.shared.triton.attention.kernels", call, {"rlk_attn"}, "paged_attention")
+
+
+@pytest.mark.gpu
+def test_gpu_paged_attention_step_syncs_nothing_and_is_capturable():
+    """On CUDA a planned layer (``paged_attention_step`` under ``nan_policy("propagate")``) makes
+    no host synchronisation (``torch.cuda.set_sync_debug_mode("error")``; negative control: the
+    one-call ``paged_attention``, which validates its metadata on the host, is caught by the same
+    mode) and replays from a CUDA graph with the eager bits; capturing under the checking NaN
+    policy raises an error naming ``q`` instead of a failed capture."""
+    lens = [40, 3, 17]
+    dt = torch.bfloat16
+    q, k, v = (t.cuda() for t in qkv(sum(lens), dt, seed=5))
+    eng = Engine(lens, 16, dt, seed=5, split=True, device="cuda")
+    slots = torch.tensor([eng.slot(i, p) for i, n in enumerate(lens) for p in range(n)], device="cuda")
+    bt = (eng.bt.to(torch.int64) * 2).cuda()
+    meta = (slots, bt, 16, cu(lens).cuda(), torch.tensor(lens, device="cuda"))
+    plan = plan_paged_attention(*meta, num_blocks=eng.k.shape[0])
+    ref = varlen_attention(q, k, v, cu(lens).cuda())
+    with nan_policy("propagate"):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = paged_attention_step(q, k, v, eng.k, eng.v, plan)
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                paged_attention(q, k, v, eng.k, eng.v, *meta)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert bit_diff(out, ref), bit_diff(out, ref)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            paged_attention_step(q, k, v, eng.k, eng.v, plan)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = paged_attention_step(q, k, v, eng.k, eng.v, plan)
+        eng.k.zero_(), eng.v.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert bit_diff(captured, ref)
+    graph2 = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="q: the finite-value check"):
+        with torch.cuda.graph(graph2):
+            paged_attention_step(q, k, v, eng.k, eng.v, plan)

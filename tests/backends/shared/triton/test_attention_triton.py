@@ -264,7 +264,7 @@ def test_interpreter_paged_decode_equals_varlen_rows():
     # the combine (with one split it takes the prefill kernel); same rows
     kk = torch.cat([k, torch.full((2048 - n, 1, 32), GARBAGE)])
     vv = torch.cat([v, torch.full((2048 - n, 1, 32), -GARBAGE)])
-    for path in ("decode", "prefill"):
+    for path in ("decode", "prefill"):  # decode: 3 of the 16 workspace rows of a tile stored and merged
         o = K.cached_forward(q[n - 3:].contiguous(), kk, vv, torch.zeros((1, 1), dtype=torch.int64), 2048,
                              torch.zeros(3, dtype=torch.int64), torch.tensor([n - 3, n - 2, n - 1]), 0.2, None,
                              path=path)
@@ -396,9 +396,26 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
 
 
 @interp
+def test_interpreter_launch_plainly_is_scoped():
+    """``launch_plainly()`` turns programmatic dependent launch off inside its block only, and
+    restores it when the block raises; off CUDA (and in the interpreter) it is never used."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    assert K.PDL is True and not K.use_pdl(torch.device("cpu"))
+    with K.launch_plainly():
+        assert K.PDL is False
+    assert K.PDL is True
+    with pytest.raises(RuntimeError, match="inside"):
+        with K.launch_plainly():
+            raise RuntimeError("inside")
+    assert K.PDL is True
+
+
+@interp
 def test_interpreter_rollout_tiles_equal_the_torch_table():
     """``rollout_tiles`` (one launch) builds the integers of ``tile_table(cached_rows(...))``:
-    empty sequences, more sequences than one 128-lane chunk, several G / BLOCK_M; a shifted
+    empty sequences, more sequences than one 64-lane chunk, one to three rounds of the 16-ary
+    search, several G / BLOCK_M; a shifted
     position (another ``pos_base``) is seen by the same comparison (negative control)."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
@@ -408,7 +425,7 @@ def test_interpreter_rollout_tiles_equal_the_torch_table():
         counts[-1] = max(counts[-1], 1)
         q_seq = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
         q_pos = torch.cat([torch.arange(c) + rng.randint(0, 300) for c in counts])
-        for g, bm in ((1, 16), (4, 16), (2, 64)):
+        for g, bm in ((1, 16), (4, 16), (2, 64), (8, 128)):
             want = K.tile_table(*K.cached_rows(q_seq, q_pos, B), g, bm, q_seq.numel())
             assert torch.equal(K.rollout_tiles(q_seq, q_pos, B, g, bm), want), (B, g, bm)
     shifted = q_pos.clone()
@@ -691,6 +708,121 @@ def test_every_shipped_config_and_path_gives_the_same_rows(dtype, d, g):
                                  torch.tensor([n - 1], device="cuda"), scale, None, path=path)
             assert bit_diff(o, ref[t : t + 1]), (t, path)
     evidence(f"attention_configs_{dtype}_d{d}_g{g}", {"compared_equal": seen})
+
+
+def _load_planted(K, edits, tag):
+    """A copy of the kernels module with source ``edits`` (the planted negative controls)."""
+    import importlib.util
+    import sys
+
+    src = open(K.__file__).read()
+    for a, b in edits:
+        assert src.count(a) == 1, a
+        src = src.replace(a, b)
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"rlk_planted_{tag}_{os.getpid()}.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(f"rlk_planted_{tag}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod, path
+
+
+def _graph_replay(fn):
+    """``fn()`` captured in a CUDA graph (after an eager warm-up on a side stream), replayed once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+@gpu
+def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch):
+    """The attention kernels launched with programmatic dependent launch (each starts while the
+    tile-table / split kernel before it runs, and waits on the device before its first load) give
+    the rows of plain launches — varlen prefill (out, lse), rollout prefill, decode over three KV
+    splits (split kernel + combine) — eager and replayed from a CUDA graph. Negative control: with
+    a tile-table kernel made slow (and its table pre-filled with -1), the attention kernels stay
+    right while they wait and are caught when a planted copy skips the wait."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    dev = torch.device("cuda")
+    assert K.use_pdl(dev), "programmatic dependent launch is expected on an sm90 device"
+    lens = [2085, 300, 1]
+    q, k, v, cu = (t.cuda() for t in make_qkv(lens, 2, 4, 64, "bfloat16", seed=17))
+    B, scale = len(lens), 64**-0.5
+    starts = cu[:-1].to(torch.int64)
+    page_rows = starts[:, None].contiguous()  # contiguous rows of each sequence in the packed k / v
+    q_seq = torch.repeat_interleave(torch.arange(B, device="cuda"), torch.tensor(lens, device="cuda"))
+    q_pos = torch.arange(q.shape[0], device="cuda") - starts[q_seq]
+    last = (cu[1:] - 1).to(torch.int64)
+    qd = q[last].contiguous()
+    d_seq, d_pos = torch.arange(B, device="cuda"), torch.tensor(lens, device="cuda") - 1  # (no copies while capturing)
+
+    def calls(mod):
+        return {
+            "varlen": lambda: mod.varlen_forward(q, k, v, cu, scale, None)[:2],
+            "rollout prefill": lambda: mod.cached_forward(q, k, v, page_rows, 4096, q_seq, q_pos, scale, None,
+                                                          path="prefill"),
+            "decode": lambda: mod.cached_forward(qd, k, v, page_rows, 4096, d_seq, d_pos, scale, None, path="decode"),
+        }
+
+    def flat(x):
+        return x if isinstance(x, tuple) else (x,)
+
+    monkeypatch.setattr(K, "PDL", False)
+    assert not K.use_pdl(dev)
+    plain = {name: flat(fn()) for name, fn in calls(K).items()}
+    monkeypatch.setattr(K, "PDL", True)
+    for name, fn in calls(K).items():
+        for how, got in (("eager", flat(fn())), ("graph", flat(_graph_replay(fn)))):
+            for a, b in zip(got, plain[name]):
+                assert bit_diff(a, b), (name, how, bit_diff(a, b))
+    # negative control: a slow table kernel (a chain of 4000 dependent loads of q_seq[0] = 0, which
+    # every write of the table depends on through T) over a table pre-filled with -1 (rows that
+    # no program reads as work)
+    slow = (("    tab = torch.empty((nt, 4), dtype=torch.int64, device=q_seq.device)\n    radix, rounds",
+             "    tab = torch.full((nt, 4), -1, dtype=torch.int64, device=q_seq.device)\n    radix, rounds"),
+            ("    rlk_attn_gdc_launch(PDL)  # the attention kernel may launch (it waits for this kernel's end)\n"
+             "    offs = tl.arange(0, CHUNK)\n",
+             "    rlk_attn_gdc_launch(PDL)  # the attention kernel may launch (it waits for this kernel's end)\n"
+             "    spin = tl.zeros([], tl.int64)\n    for _ in range(0, 4000):\n"
+             "        spin += tl.load(q_seq_ptr + spin, volatile=True)\n    T = T + spin.to(tl.int32)\n"
+             "    offs = tl.arange(0, CHUNK)\n"))
+    no_wait = (("    if PDL:\n        tl.extra.cuda.gdc_wait()", "    if PDL:\n        pass"),)
+    mods = []
+    try:
+        waits, p1 = _load_planted(K, slow, "pdl_slow")
+        mods.append((waits, p1))
+        skips, p2 = _load_planted(K, slow + no_wait, "pdl_nowait")
+        mods.append((skips, p2))
+        kept = []  # outputs stay alive: a freed one's memory could come back holding the right rows
+        for name in ("rollout prefill", "decode"):
+            # compile first: a first call's compilation between the two launches outlasts the slow
+            # table kernel, so the attention kernel would start after it whatever the wait
+            kept += [calls(waits)[name](), calls(skips)[name]()]
+            torch.cuda.synchronize()
+            for mod, caught in ((waits, False), (skips, True)):
+                # the output memory the caching allocator hands out next holds NaN, not an earlier result
+                poison = torch.full_like(plain[name][0], float("nan"))
+                del poison
+                kept.append(calls(mod)[name]())
+                torch.cuda.synchronize()
+                assert bool(bit_diff(kept[-1], plain[name][0])) is not caught, (name, mod.__name__)
+    finally:
+        import sys
+
+        for mod, path in mods:
+            sys.modules.pop(mod.__name__, None)
+            os.remove(path)
 
 
 @gpu

@@ -9,7 +9,8 @@ positions, the row's range ``lo = max(0, p-W+1) // 64 .. hi = p // 64``; KV spli
 ``l = fma(l, α, rowsum(P))``, ``acc = acc·α + P·V`` with ``P·V`` accumulated onto ``acc·α`` by the
 MMA), split states merged in increasing split order
 (``merge((M, L, A), (m, l, a)) = (M', fma(l, e^{m-M'}, L·e^{M-M'}), fma(a, e^{m-M'}, A·e^{M-M'}))``),
-``out = ACC / L`` (IEEE division) rounded once, ``lse = M + log L``. Masked keys get ``s = -inf``.
+``out = ACC · (1 / L)`` (one IEEE reciprocal per row: a GPU-only definition every kernel shares)
+rounded once, ``lse = M + log L``. Masked keys get ``s = -inf``.
 
 GPU bits need not equal the CPU's; on the GPU every row is **raw-bit identical** whatever path
 computed it (varlen, full or chunked prefill, decode in any batch, contiguous or paged cache of
@@ -23,11 +24,13 @@ any page size, any packing). The rules that make this true:
 * **Row sums never use ``tl.sum``** (whose association follows the register layout): ``rowsum(P)``
   and ``Σ dO⊙O`` are a fixed pairwise tree (``rlk_attn_rowsum``: the CPU's ``fold_sum``,
   ``x[:, :N/2] + x[:, N/2:]`` then halving). ``max`` is exact (``+ 0.0`` turns a ``-0`` maximum into ``+0``).
-* **Per-row activity**: a row updates ``(m, l)`` only in the blocks of ``[lo, hi]`` (``tl.where``
-  on the state); outside its range ``α = 1`` and ``P = +0`` exactly, so ``acc`` is unchanged
-  (exact zeros added to a never ``-0`` accumulator). Every split of the tile's range is merged
-  into every row: merging a split the row does not reach, ``(-inf, 0, +0)``, is an exact
-  identity (``rlk_attn_merge``). The prefill kernel keeps the merged accumulator in a tile-major
+* **Per-row activity**: a row's state changes only in the blocks of its range ``[lo, hi]``:
+  outside it every score is ``-inf``, so ``m' = m``, ``α = 1`` and ``P = +0`` exactly (a ``-inf``
+  guard on the softmax shift keeps a row that has seen no key at ``(-inf, 0, +0)``), and ``acc``
+  is unchanged (exact zeros added to a never ``-0`` accumulator); no per-row select. Every
+  split of the tile's range is merged into every row: merging a split the row does not reach,
+  ``(-inf, 0, +0)``, is an exact identity (``rlk_attn_merge``). The prefill kernel keeps the
+  merged accumulator in a tile-major
   fp32 scratch between splits (one accumulator in registers); the store/reload is exact. When no
   query position reaches 1024 it is compiled without the merge (one split per tile: merging it
   into the initial state is an exact identity).
@@ -46,7 +49,10 @@ any page size, any packing). The rules that make this true:
   ``kernels.use_decode_path`` (rows per sequence), which cannot change a row's bits.
 * **Tile tables** without host sync: one kernel ``rlk_attn_varlen_tiles`` from ``cu_seqlens``
   (train path), one single-program kernel ``rlk_attn_tiles`` from ``q_seq``/``q_pos`` (rollout
-  path: a decode step is three launches, not ~30 small torch kernels and two launches).
+  path: a decode step is three launches, not ~30 small torch kernels and two launches). On
+  sm90+ the kernel reading a table (and the combine after the split kernel) is launched with
+  programmatic dependent launch and waits on the device for its predecessor
+  (``kernels.PDL``): the launch gap is hidden, nothing computed changes.
 * **Paged cache**: key/value rows of position ``pos`` of batch sequence ``i`` are at storage row
   ``page_rows[i, pos // page_size] + pos % page_size`` (packed varlen layout and contiguous
   caches: one column, row ``page_rows[i, 0] + pos``), gathered per block; positions past the

@@ -27,16 +27,18 @@ sequence's own positions are read.
 
 Each forward (prefill, chunked prefill, decode or any mix: the metadata carries
 ``query_start_loc``, ``seq_lens``, ``block_table`` and ``slot_mapping``) is one
-:func:`~rl_engine.ops.attention.paged_attention` call, which writes the new tokens' keys and
-values into the cache and dispatches to the ``attention.cached_attention`` implementations, so
-every output row has the bits :func:`~rl_engine.ops.attention.varlen_attention` gives the same
-token in training.
+:func:`~rl_engine.ops.attention.paged_attention_step` call with the step's plan
+(:func:`~rl_engine.ops.attention.plan_paged_attention`, made once by the first layer and kept
+on the shared metadata): it writes the new tokens' keys and values into the cache and
+dispatches to the ``attention.cached_attention`` implementations, exactly as one
+:func:`~rl_engine.ops.attention.paged_attention` call, so every output row has the bits
+:func:`~rl_engine.ops.attention.varlen_attention` gives the same token in training.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from vllm.v1.attention.backend import (
@@ -50,6 +52,9 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from rl_engine.integrations.engines.rollout.vllm import stats
+
+if TYPE_CHECKING:
+    from rl_engine.ops.attention import PagedAttentionPlan
 
 __all__ = ["RlkAttentionBackend", "RlkAttentionMetadata", "RlkAttentionMetadataBuilder", "RlkAttentionImpl"]
 
@@ -107,6 +112,9 @@ class RlkAttentionMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     causal: bool = True
+    #: The step's validated metadata (``plan_paged_attention``), made by the first layer that runs
+    #: and reused by the others: one validation per step, not one per layer.
+    plan: PagedAttentionPlan | None = None
 
 
 class RlkAttentionMetadataBuilder(AttentionMetadataBuilder[RlkAttentionMetadata]):
@@ -184,7 +192,14 @@ class RlkAttentionImpl(AttentionImpl[RlkAttentionMetadata]):
 
 
 def _paged(q, k, v, k_cache, v_cache, md: RlkAttentionMetadata, block_size: int, scale: float, window):
-    from rl_engine.ops.attention import paged_attention
+    """One layer: the step's plan (made by the first layer: the metadata is shared by the layers
+    of a step), then :func:`~rl_engine.ops.attention.paged_attention_step` — the bits of one
+    :func:`~rl_engine.ops.attention.paged_attention` call."""
+    from rl_engine.ops.attention import paged_attention_step, plan_paged_attention
 
-    return paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, md.slot_mapping,
-                           md.block_table, block_size, md.query_start_loc, md.seq_lens, scale=scale, window=window)
+    plan = md.plan
+    if plan is None or plan.num_blocks != k_cache.shape[0] or plan.block_size != block_size or plan.device != q.device:
+        plan = md.plan = plan_paged_attention(md.slot_mapping, md.block_table, block_size, md.query_start_loc,
+                                              md.seq_lens, num_blocks=k_cache.shape[0])
+    return paged_attention_step(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, plan, scale=scale,
+                                window=window)

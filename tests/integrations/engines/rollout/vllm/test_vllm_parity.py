@@ -13,6 +13,7 @@ Runs in .venv-vllm only; all LLM builds happen once, in the module fixture."""
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 
@@ -124,12 +125,17 @@ def runs(tmp_path_factory):
     steps: list[tuple[int, ...]] = []
     orig = _ab._paged
 
+    layer_calls: list[tuple[int, bool, int]] = []  # (metadata, planned before the call, plan after it)
+
     def spy(q, k, v, kc, vc, md, bs, scale, window):
         qsl = md.query_start_loc.tolist()
         steps.append(tuple(b - a for a, b in zip(qsl, qsl[1:])) + (-1,) + tuple(md.seq_lens.tolist()))
-        return orig(q, k, v, kc, vc, md, bs, scale, window)
+        fresh = md.plan is None
+        out = orig(q, k, v, kc, vc, md, bs, scale, window)
+        layer_calls.append((id(md), fresh, id(md.plan)))
+        return out
 
-    res: dict = {"ckpt": ckpt, "steps": steps}
+    res: dict = {"ckpt": ckpt, "steps": steps, "layer_calls": layer_calls}
     assert not is_installed()
     # in-process engines (the model is reachable for the column and weight-sync checks), 1 GiB KV
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
@@ -205,6 +211,23 @@ def test_batches_mixed_chunked_prefill_and_decode(runs):
     assert any(1 in q and any(n > 1 for n in q) for q in q_lens)  # a decode token next to a prefill chunk
     assert any(n > 1 and L > n for q, s in zip(q_lens, seq_lens) for n, L in zip(q, s))  # a later prefill chunk
     assert any(len(q) >= 3 for q in q_lens)
+
+
+def test_one_plan_per_step_shared_by_the_layers(runs):
+    """The attention metadata of a step is planned once (``plan_paged_attention``, the host
+    checks) by its first layer; every other layer of the step reuses that plan."""
+    layers = json.loads((runs["ckpt"] / "config.json").read_text())["num_hidden_layers"]
+    calls = runs["layer_calls"]
+    groups: list[list[tuple[int, bool, int]]] = []
+    for c in calls:
+        if groups and groups[-1][0][0] == c[0] and len(groups[-1]) < layers:
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    assert groups and all(len(g) == layers for g in groups), [len(g) for g in groups][:20]
+    for g in groups:
+        assert g[0][1] and not any(fresh for _, fresh, _ in g[1:])
+        assert len({plan for _, _, plan in g}) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
