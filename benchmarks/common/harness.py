@@ -56,6 +56,8 @@ __all__ = [
     "time_samples",
     "measure",
     "measure_interleaved",
+    "cuda_graph_ms",
+    "capture_cuda_graph",
     "peak_memory",
     "device_info",
     "versions",
@@ -149,6 +151,26 @@ def time_samples(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 20, d
     return [_timed_call(fn, device) for _ in range(repeats)]
 
 
+def capture_cuda_graph(fn: Callable[[], Any], *, calls: int = 1) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``fn`` captured ``calls`` times in one CUDA graph after one eager call on a side stream
+    (what capture needs: lazy initialisation and compilation happen outside the graph); returns
+    the graph, not yet replayed, and what the last captured call returned (tensors the replays
+    write)."""
+    if calls < 1:
+        raise ValueError(f"calls: expected >= 1, got {calls}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    out = None
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            out = fn()
+    return graph, out
+
+
 def cuda_graph_ms(fn: Callable[[], Any], *, calls: int, repeats: int, warmup: int = 1) -> list[float]:
     """Per-call device time (ms) of ``fn`` captured ``calls`` times in one CUDA graph: one sample
     per replay, ``repeats`` replays, after ``warmup`` eager calls and one call on a side stream
@@ -158,15 +180,7 @@ def cuda_graph_ms(fn: Callable[[], Any], *, calls: int, repeats: int, warmup: in
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    graph, _ = capture_cuda_graph(fn, calls=calls)
     graph.replay()
     torch.cuda.synchronize()
     out = []

@@ -381,6 +381,8 @@ def test_gpu_paged_attention_step_syncs_nothing_and_is_capturable():
     one-call ``paged_attention``, which validates its metadata on the host, is caught by the same
     mode) and replays from a CUDA graph with the eager bits; capturing under the checking NaN
     policy raises an error naming ``q`` instead of a failed capture."""
+    from benchmarks.common.harness import capture_cuda_graph
+
     lens = [40, 3, 17]
     dt = torch.bfloat16
     q, k, v = (t.cuda() for t in qkv(sum(lens), dt, seed=5))
@@ -400,19 +402,10 @@ def test_gpu_paged_attention_step_syncs_nothing_and_is_capturable():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert bit_diff(out, ref), bit_diff(out, ref)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            paged_attention_step(q, k, v, eng.k, eng.v, plan)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = paged_attention_step(q, k, v, eng.k, eng.v, plan)
+        graph, captured = capture_cuda_graph(lambda: paged_attention_step(q, k, v, eng.k, eng.v, plan))
         eng.k.zero_(), eng.v.zero_()
         graph.replay()
         torch.cuda.synchronize()
         assert bit_diff(captured, ref)
-    graph2 = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="q: the finite-value check"):
-        with torch.cuda.graph(graph2):
-            paged_attention_step(q, k, v, eng.k, eng.v, plan)
+        capture_cuda_graph(lambda: paged_attention_step(q, k, v, eng.k, eng.v, plan))

@@ -219,6 +219,24 @@ def test_unsupported_head_dim_is_rejected_with_a_reason(op):
 # --------------------------------------------------------------------------- Triton interpreter subset (CPU)
 
 
+def _load_planted(K, edits, tag):
+    """A copy of the kernels module with source ``edits`` (the planted negative controls)."""
+    import importlib.util
+    import sys
+
+    src = open(K.__file__).read()
+    for a, b in edits:
+        assert src.count(a) == 1, a
+        src = src.replace(a, b)
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"rlk_planted_{tag}_{os.getpid()}.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(f"rlk_planted_{tag}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod, path
+
 
 @interp
 @pytest.mark.parametrize("window", [None, 7])
@@ -278,7 +296,6 @@ def test_interpreter_unmasked_interior_blocks_give_the_same_bits(window, monkeyp
     edge blocks, unmasked interior blocks) against the one-run walk (every block masked): forward
     on both paths and several tiles, and dq/dk/dv, raw-bit equal; a planted change in the
     unmasked variant alone is caught (so the unmasked runs do execute here)."""
-    import importlib.util
     import sys
 
     from rl_engine.backends.shared.triton.attention import kernels as K
@@ -302,27 +319,17 @@ def test_interpreter_unmasked_interior_blocks_give_the_same_bits(window, monkeyp
         for name, a, b in zip(("dq", "dk", "dv"), grads, ref_g):
             assert bit_diff(a, b), (name, path, cfg)
     # negative control: scale the unmasked variant's softmax shift and dS (a module copy with the edit)
-    src = open(K.__file__).read()
     edits = (("        shift = mn\n    alpha = rlk_attn_exp", "        shift = mn * 1.0001\n    alpha = rlk_attn_exp"),
              ("        ds = tl.where(vis, ds, 0.0)\n    if IEEE:", "        ds = tl.where(vis, ds, 0.0)\n    else:\n"
               "        ds = ds * 1.0001\n    if IEEE:"))
-    for a, b in edits:
-        assert src.count(a) == 1, a
-        src = src.replace(a, b)
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"rlk_planted_attention_{os.getpid()}.py")
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location("rlk_planted_attention", path)
-    planted = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = planted
+    planted, path = _load_planted(K, edits, "attention")
     try:
-        spec.loader.exec_module(planted)
         bad_out, _, bad_g = run(planted, True, "prefill", K.AttnConfig(16, 4, 1))
         assert not bit_diff(bad_out, ref), "planted unmasked-variant change not caught (forward)"
         assert not bit_diff(bad_g[0], ref_g[0]), "planted unmasked-variant change not caught (dq)"
         assert bit_diff(run(planted, False)[0], ref)  # the one-run walk never uses the unmasked variant
     finally:
-        sys.modules.pop(spec.name, None)
+        sys.modules.pop(planted.__name__, None)
         os.remove(path)
 
 
@@ -710,35 +717,11 @@ def test_every_shipped_config_and_path_gives_the_same_rows(dtype, d, g):
     evidence(f"attention_configs_{dtype}_d{d}_g{g}", {"compared_equal": seen})
 
 
-def _load_planted(K, edits, tag):
-    """A copy of the kernels module with source ``edits`` (the planted negative controls)."""
-    import importlib.util
-    import sys
-
-    src = open(K.__file__).read()
-    for a, b in edits:
-        assert src.count(a) == 1, a
-        src = src.replace(a, b)
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"rlk_planted_{tag}_{os.getpid()}.py")
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location(f"rlk_planted_{tag}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod, path
-
-
 def _graph_replay(fn):
     """``fn()`` captured in a CUDA graph (after an eager warm-up on a side stream), replayed once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    from benchmarks.common.harness import capture_cuda_graph
+
+    graph, out = capture_cuda_graph(fn)
     graph.replay()
     torch.cuda.synchronize()
     return out
