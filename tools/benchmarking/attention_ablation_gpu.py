@@ -45,18 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common.harness import cuda_graph_ms, device_info, summarize, versions  # noqa: E402
 from rl_engine.backends.shared.triton.attention.kernels import rlk_attn_rowsum  # noqa: E402
+# session 3's fixed tree (adjacent pairs), the row-sum tests' negative control, timed side by side
+from tests.backends.shared.triton._rowsum_probe import rlk_test_adjacent_rowsum  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
-
-
-@triton.jit
-def rlk_probe_adjacent_rowsum(x, BM: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
-    """Session 3's fixed tree (adjacent pairs), for the side-by-side timing only."""
-    for i in tl.static_range(LOG2N):
-        x = tl.reshape(x, [BM, N >> (i + 1), 2])
-        a, b = tl.split(x)
-        x = a + b
-    return tl.reshape(x, [BM])
 
 
 @triton.jit
@@ -84,7 +76,7 @@ def rlk_probe_block(q, k_ptr, v_ptr, b, S, base, cap, kvh, pos, start, m, l, acc
     if TREE == 1:
         rs = rlk_attn_rowsum(p, BM, BN, LOG2BN)
     elif TREE == 2:
-        rs = rlk_probe_adjacent_rowsum(p, BM, BN, LOG2BN)
+        rs = rlk_test_adjacent_rowsum(p, BM, BN, LOG2BN)
     else:
         rs = tl.sum(p, axis=1)
     l = l * alpha + rs
