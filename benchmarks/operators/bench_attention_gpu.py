@@ -9,9 +9,12 @@ Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
   ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` on
   ``[B, H, S, D]`` (the layout it is fastest in; the transposes are not timed).
 * ``decode``   one query token per sequence, batch ∈ {1, 64} × context ∈ {512, 4096, 32768}.
-  Ours: ``kernels.cached_forward`` (split-parallel path, ``rlk_attn_fwd_split`` +
-  ``rlk_attn_combine``) over a contiguous cache, and over a paged cache of 16-token pages in
-  shuffled order (``rlk.paged16``); SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
+  Ours: ``kernels.cached_forward(decode_only=True)`` (what ``cached_attention`` and
+  ``paged_attention_step`` pass for such a step: no tile-table kernel; split-parallel path,
+  ``rlk_attn_fwd_split`` + ``rlk_attn_combine``, or one ``rlk_attn_fwd`` launch at 512 keys)
+  over a contiguous cache, and over a paged cache of 16-token pages in shuffled order
+  (``rlk.paged16``); rows ending ``.tile_table`` are the same step with the tile table built
+  first (``rlk_attn_tiles``, what a step of mixed lengths runs); SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
   K/V with ``enable_gqa=True`` (no expanded copies).
 * ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.
 
@@ -146,20 +149,27 @@ def decode_case(B: int, ctx: int, all_configs: bool = False):
     kp[rows], vp[rows] = kc, vc
     ks, vs = (t.view(B, ctx, HKV, D).transpose(1, 2).contiguous() for t in (kc, vc))
     qs = q.view(B, 1, HQ, D).transpose(1, 2).contiguous()
+    # A decode step: one token per sequence, which the ops layer knows on the host and passes as
+    # decode_only (cached_attention, plan_paged_attention): the kernels form their tile rows from
+    # q_pos. The ".tile_table" rows run the same step through the tile-table kernel (a step of
+    # mixed lengths always does), side by side.
     impls = {
-        "rlk.triton.blocked_online_softmax": lambda: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos,
-                                                                      D**-0.5, None),
-        "rlk.triton.blocked_online_softmax.paged16": lambda: K.cached_forward(q, kp, vp, page_table.contiguous(), ps,
-                                                                              q_seq, q_pos, D**-0.5, None),
+        OURS: lambda: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5, None, decode_only=True),
+        f"{OURS}.paged16": lambda: K.cached_forward(q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None,
+                                                    decode_only=True),
         "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
+        f"{OURS}.tile_table": lambda: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5, None),
+        f"{OURS}.paged16.tile_table": lambda: K.cached_forward(q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos,
+                                                               D**-0.5, None),
     }
     impls[f"{OURS}.no_pdl"] = _without_pdl(impls[OURS])
     impls[f"{OURS}.paged16.no_pdl"] = _without_pdl(impls[f"{OURS}.paged16"])
     for c in _candidates("decode", all_configs):
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5,
-                                                                None, path="decode", config=c)
+                                                                None, path="decode", config=c, decode_only=True)
         impls[f"{OURS}.paged16@{c.key}"] = lambda c=c: K.cached_forward(
-            q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None, path="decode", config=c)
+            q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None, path="decode", config=c,
+            decode_only=True)
     kv_bytes = 2 * B * ctx * HKV * D * 2
     return impls, kv_bytes, {"B": B, "context": ctx, "sdpa_gqa": "enable_gqa=True (no expanded K/V)"}
 

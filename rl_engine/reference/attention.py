@@ -46,8 +46,10 @@ def varlen_attention(q, k, v, cu_seqlens, scale=None, window=None):
 
 
 @register_reference("attention.cached_attention")
-def cached_attention(q, k_new, v_new, k_cache, v_cache, slot_mapping, page_rows, page_size, q_seq, q_pos, scale, window):
-    """Same arguments as the CPU implementation: write the new rows, then attend in float64."""
+def cached_attention(q, k_new, v_new, k_cache, v_cache, slot_mapping, page_rows, page_size, q_seq, q_pos, scale, window,
+                     decode_only=False):
+    """Same arguments as the CPU implementation: write the new rows, then attend in float64
+    (``decode_only``, a scheduling hint of the GPU kernels, changes nothing here)."""
     k_cache.index_copy_(0, slot_mapping, k_new)
     v_cache.index_copy_(0, slot_mapping, v_new)
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)

@@ -61,13 +61,30 @@ def cases():
         tag = "shipped" if cfg is None else cfg.key
         out[f"prefill 32x512 cached paged16 ({tag})"] = (lambda cfg=cfg: K.cached_forward(
             q, kp, vp, ptab, ps, q_seq, q_pos, D**-0.5, None, path="prefill", config=cfg))
+    # the same at 4 x 4096 (the long-prompt shape of the prefill target)
+    B4, S4 = 4, 4096
+    q4 = randn(B4 * S4, HQ, D)
+    qs4 = torch.arange(B4, device="cuda").repeat_interleave(S4)
+    qp4 = torch.arange(S4, device="cuda").repeat(B4)
+    pages4 = torch.randperm(B4 * S4 // ps, generator=torch.Generator().manual_seed(1)).cuda()
+    ptab4 = (pages4.view(B4, S4 // ps) * ps).contiguous()
+    prow4 = (ptab4[:, torch.arange(S4, device="cuda") // ps] + torch.arange(S4, device="cuda") % ps).reshape(-1)
+    kp4, vp4 = randn(B4 * S4, HKV, D), randn(B4 * S4, HKV, D)
+    kp4[prow4], vp4[prow4] = kp4.clone(), vp4.clone()
+    for cfg in (None, K.AttnConfig(128, 4, 2)):
+        tag = "shipped" if cfg is None else cfg.key
+        out[f"prefill 4x4096 cached paged16 ({tag})"] = (lambda cfg=cfg: K.cached_forward(
+            q4, kp4, vp4, ptab4, ps, qs4, qp4, D**-0.5, None, path="prefill", config=cfg))
     for b, ctx in ((1, 512), (1, 4096), (1, 32768), (64, 512), (64, 4096)):
         kc, vc, qd = randn(b * ctx, HKV, D), randn(b * ctx, HKV, D), randn(b, HQ, D)
         qs = torch.arange(b, device="cuda")
         qp = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int64)
         crow = (torch.arange(b, device="cuda", dtype=torch.int64) * ctx)[:, None].contiguous()
-        out[f"decode B={b} ctx={ctx}"] = (lambda kc=kc, vc=vc, qd=qd, qs=qs, qp=qp, crow=crow, ctx=ctx:
-                                          K.cached_forward(qd, kc, vc, crow, ctx, qs, qp, D**-0.5, None))
+        for one in (True, False):  # decode_only (no tile table: what the ops layer passes), tile table
+            tag = "" if one else " (tile table)"
+            out[f"decode B={b} ctx={ctx}{tag}"] = (
+                lambda kc=kc, vc=vc, qd=qd, qs=qs, qp=qp, crow=crow, ctx=ctx, one=one:
+                K.cached_forward(qd, kc, vc, crow, ctx, qs, qp, D**-0.5, None, decode_only=one))
     return out
 
 

@@ -279,7 +279,7 @@ def cached_attention(
     dev = q.device
     with torch.no_grad():
         out = dispatch(req, q, k_new, v_new, k_rows, v_rows, plan.slot_mapping, plan.page_rows, plan.page_size,
-                       q_seq.to(dev), q_pos.to(dev), s, w)
+                       q_seq.to(dev), q_pos.to(dev), s, w, bool(n_new) and all(n == 1 for n in n_new))
     cache._commit(plan)
     return out
 
@@ -306,6 +306,8 @@ class PagedAttentionPlan:
         page_rows: ``[B, P]`` first storage row of each page of each sequence (``block_table ·
             block_size``; entries past a sequence's last page are 0 and never read).
         q_seq, q_pos: ``[T]`` batch sequence and position of each new token.
+        decode_only: every sequence has exactly one new token (``T == B``, ``q_seq = arange(B)``):
+            the GPU kernels then need no tile table (one launch less per layer).
     """
 
     num_tokens: int
@@ -317,6 +319,7 @@ class PagedAttentionPlan:
     page_rows: torch.Tensor
     q_seq: torch.Tensor
     q_pos: torch.Tensor
+    decode_only: bool = False
 
 
 def plan_paged_attention(
@@ -385,7 +388,7 @@ def plan_paged_attention(
         raise ValueError(f"slot_mapping: token {bad} (sequence {int(q_seq[bad])}, position {int(q_pos[bad])}) maps to row "
                          f"{int(slots[bad])}, its block table says row {int(expect[bad])}")
     return PagedAttentionPlan(T, B, block_size, num_blocks, dev, slots.contiguous(), page_rows.to(dev),
-                              q_seq.to(dev), q_pos.to(dev))
+                              q_seq.to(dev), q_pos.to(dev), decode_only=B > 0 and bool((n_new == 1).all()))
 
 
 def _paged_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int,
@@ -413,7 +416,7 @@ def _run_paged(q, k_new, v_new, k_rows, v_rows, plan: PagedAttentionPlan, s: flo
     )
     with torch.no_grad():
         return dispatch(req, q, k_new, v_new, k_rows, v_rows, plan.slot_mapping, plan.page_rows, plan.block_size,
-                        plan.q_seq, plan.q_pos, s, w)
+                        plan.q_seq, plan.q_pos, s, w, plan.decode_only)
 
 
 def paged_attention_step(

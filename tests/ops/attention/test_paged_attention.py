@@ -296,6 +296,29 @@ def test_one_plan_serves_every_layer():
                                                     torch.zeros(4, 8, HKV, D), plan))
 
 
+def test_plan_knows_a_decode_step():
+    """``plan.decode_only`` (the GPU kernels' no-tile-table schedule) is derived from the step's
+    lengths: True only when every sequence has exactly one new token; the bits are the same
+    either way (checked on the GPU), and the CPU op rejects the flag on a step that is not one."""
+    from rl_engine.backends.cpu.attention import cached_attention_cpu
+
+    def plan_of(ns, lens):
+        eng = Engine(lens, 16, torch.float32)
+        slots = torch.tensor([eng.slot(i, p) for i, (n, L) in enumerate(zip(ns, lens)) for p in range(L - n, L)])
+        return plan_paged_attention(slots, eng.bt.to(torch.int64), 16, cu(ns), torch.tensor(lens),
+                                    num_blocks=eng.k.shape[0])
+
+    assert plan_of([1, 1, 1], [5, 1, 40]).decode_only
+    assert not plan_of([1, 2, 1], [5, 2, 40]).decode_only
+    assert not plan_of([1, 0, 1], [5, 3, 40]).decode_only  # a sequence without a new token
+    assert not plan_of([4], [4]).decode_only
+    q, k, v = qkv(3)
+    kc = torch.zeros(64, HKV, D)
+    with pytest.raises(ValueError, match="decode_only"):
+        cached_attention_cpu(q, k, v, kc, kc.clone(), torch.arange(3), torch.zeros((2, 1), dtype=torch.int64), 1 << 62,
+                             torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0]), 0.1, None, True)
+
+
 @pytest.mark.parametrize("over, match", [
     (dict(num_blocks=0), "num_blocks"),
     (dict(num_blocks=1), "block_table"),  # the used block 1 is out of range for 1 block
@@ -372,6 +395,61 @@ def test_gpu_paged_attention_profiler_names():
         run_schedule(lens, torch.bfloat16, 16, seed=4, split=True, device="cuda")
 
     check_profiler_names("rl_engine.backends.shared.triton.attention.kernels", call, {"rlk_attn"}, "paged_attention")
+
+
+@pytest.mark.gpu
+def test_gpu_planned_decode_step_runs_without_a_tile_table():
+    """A planned decode step (one new token per sequence: ``plan.decode_only``) launches no
+    ``rlk_attn_tiles`` kernel (the profiler sees none; negative control: the prefill step before
+    it, planned the same way, does launch it), makes no host synchronisation, replays from a
+    CUDA graph, and gives varlen_attention's rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.common.harness import capture_cuda_graph
+
+    lens = [40, 3, 17, 1]
+    full = [n + 1 for n in lens]
+    dt = torch.bfloat16
+    q, k, v = (t.cuda() for t in qkv(sum(full), dt, seed=8))
+    eng = Engine(full, 16, dt, seed=8, split=True, device="cuda")
+    bt = (eng.bt.to(torch.int64) * 2).cuda()
+    starts = cu(full)[:-1].tolist()
+    ref = varlen_attention(q, k, v, cu(full).cuda())
+
+    def kernels_of(fn):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = fn()
+            torch.cuda.synchronize()
+        return out, {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+
+    pre = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).cuda()
+    slots = torch.tensor([eng.slot(i, p) for i, n in enumerate(lens) for p in range(n)], device="cuda")
+    plan = plan_paged_attention(slots, bt, 16, cu(lens).cuda(), torch.tensor(lens, device="cuda"),
+                                num_blocks=eng.k.shape[0])
+    assert not plan.decode_only
+    with nan_policy("propagate"):
+        out, names = kernels_of(lambda: paged_attention_step(q[pre], k[pre], v[pre], eng.k, eng.v, plan))
+    assert "rlk_attn_tiles" in names and bit_diff(out, ref[pre])
+    dec = torch.tensor([s + n for s, n in zip(starts, lens)], device="cuda")
+    slots = torch.tensor([eng.slot(i, n) for i, n in enumerate(lens)], device="cuda")
+    plan = plan_paged_attention(slots, bt, 16, cu([1] * len(lens)).cuda(), torch.tensor(full, device="cuda"),
+                                num_blocks=eng.k.shape[0])
+    assert plan.decode_only
+    qd, kd, vd = q[dec], k[dec], v[dec]
+    with nan_policy("propagate"):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = paged_attention_step(qd, kd, vd, eng.k, eng.v, plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        out, names = kernels_of(lambda: paged_attention_step(qd, kd, vd, eng.k, eng.v, plan))
+        assert "rlk_attn_tiles" not in names and any(n.startswith("rlk_attn_fwd") for n in names), names
+        assert bit_diff(out, ref[dec]) and bit_diff(eager, ref[dec]), bit_diff(out, ref[dec])
+        graph, captured = capture_cuda_graph(lambda: paged_attention_step(qd, kd, vd, eng.k, eng.v, plan))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert bit_diff(captured, ref[dec])
 
 
 @pytest.mark.gpu

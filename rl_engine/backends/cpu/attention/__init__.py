@@ -554,10 +554,15 @@ def cached_attention_cpu(
     q_pos: torch.Tensor,
     scale: float,
     window: int | None,
+    decode_only: bool = False,
 ) -> torch.Tensor:
     """Write ``k_new``/``v_new`` into storage rows ``slot_mapping`` of ``k_cache``/``v_cache``
     (``[N, Hkv, D]``), then run the forward program for every query row (arguments prepared and
-    validated by ``rl_engine.ops.attention.cached_attention``)."""
+    validated by ``rl_engine.ops.attention.cached_attention``). ``decode_only`` (one query token
+    per sequence) is a scheduling hint of the GPU kernels; here it is only checked (``T == B``)."""
+    if decode_only and q_seq.shape[0] != page_rows.shape[0]:
+        raise ValueError(f"decode_only: expected one query token per sequence, got {q_seq.shape[0]} tokens "
+                         f"for {page_rows.shape[0]} sequences")
     k_cache.index_copy_(0, slot_mapping, k_new)
     v_cache.index_copy_(0, slot_mapping, v_new)
     out, _ = attend_rows(q, k_cache, v_cache, page_rows, page_size, q_seq, q_pos, scale, window)
@@ -565,7 +570,8 @@ def cached_attention_cpu(
 
 
 @cached_attention_cpu.register_fake
-def _(q, k_new, v_new, k_cache, v_cache, slot_mapping, page_rows, page_size, q_seq, q_pos, scale, window):
+def _(q, k_new, v_new, k_cache, v_cache, slot_mapping, page_rows, page_size, q_seq, q_pos, scale, window,
+      decode_only=False):
     return q.new_empty(q.shape)
 
 

@@ -374,8 +374,8 @@ def test_interpreter_varlen_tiles_equal_the_torch_table():
 
 @interp
 def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
-    """Every configuration the launchers can select — prefill, decode on a contiguous or a paged
-    cache, with many or few (sequence, kv head) pairs — is in ``shipped_forward_configs``, the
+    """Every configuration the launchers can select — prefill and decode on a contiguous or a
+    paged cache, decode with many or few (sequence, kv head) pairs — is in ``shipped_forward_configs``, the
     list the GPU test proves raw-bit equal; ``few_programs`` compares the pairs with the SM count
     and is False off CUDA. Negative control: the list without the few-programs variants is caught."""
     from rl_engine.backends.shared.triton.attention import kernels as K
@@ -385,8 +385,8 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
         for dt in (torch.float32, torch.bfloat16, torch.float16):
             for d in (32, 64, 128):
                 shipped = K.shipped_forward_configs(dt, d)
-                chosen = [K.select_prefill(dt, d)] + [K.select_decode(dt, d, page, few=few)
-                                                       for page in (None, 16, 64, 256) for few in (False, True)]
+                chosen = [K.select_prefill(dt, d, page) for page in (None, 16, 64, 256)]
+                chosen += [K.select_decode(dt, d, page, few=few) for page in (None, 16, 64, 256) for few in (False, True)]
                 missing += [(dt, d, c) for c in chosen if c not in shipped]
         return missing
 
@@ -396,10 +396,14 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert K.few_programs(16, 8, torch.device("cuda")) and not K.few_programs(17, 8, torch.device("cuda"))
     assert K.few_programs(1, 8, torch.device("cuda", 0))
-    # negative control: the list as it was before the few-programs variants (it misses them)
+    # negative controls: the list as it was before the few-programs variants, and before the
+    # paged prefill tile (each misses selections)
     monkeypatch.setattr(K, "shipped_forward_configs", lambda dt, d: [
         K.select_prefill(dt, d), K.select_decode(dt, d), K.select_decode(dt, d, page_size=1)])
     assert uncovered(), "an unlisted selection was not caught"
+    monkeypatch.setattr(K, "shipped_forward_configs", lambda dt, d: [
+        K.select_prefill(dt, d), *(K.select_decode(dt, d, p, few=f) for p in (None, 1) for f in (False, True))])
+    assert any(c == K.PAGED_PREFILL_CONFIGS[(torch.bfloat16, 128)] for _, _, c in uncovered())
 
 
 @interp
@@ -439,6 +443,50 @@ def test_interpreter_rollout_tiles_equal_the_torch_table():
     shifted[-1] += 1  # the last sequence's first row moves: its pos_base changes
     shifted[q_seq == q_seq[-1]] = shifted[-1] - (q_seq == q_seq[-1]).sum() + 1 + torch.arange(counts[-1])
     assert not torch.equal(K.rollout_tiles(q_seq, shifted, B, 2, 64), want)
+
+
+@interp
+def test_interpreter_decode_step_without_tile_table_and_long_combine():
+    """A decode step with one token per sequence (``decode_only``: the kernels form their tile
+    rows from ``q_pos``, no tile table) gives the rows of the tile-table launch and of the
+    varlen rows, through the prefill kernel (one split) and through the split kernel + combine;
+    a 17-split context (16484 keys) folds across the combine's group of sixteen splits and equals
+    the prefill kernel's in-program merge. Negative controls: a position shifted by one under
+    ``decode_only`` (a wrong tile row) and one perturbed key in the seventeenth split are caught."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    lens = [50, 1, 30]
+    q, k, v, cu = make_qkv(lens, 1, 2, 32, "float32", seed=6)
+    out, _, _ = K.varlen_forward(q, k, v, cu, 0.2, None)
+    last = torch.tensor([c - 1 for c in accumulate(lens)])
+    q_seq, q_pos = torch.arange(3), torch.tensor([n - 1 for n in lens])
+    page_rows = torch.tensor([[0], [50], [51]])  # a contiguous (packed) cache: one column
+    for bound in (64, 2048):  # 2048: the split kernel and the combine
+        kk = torch.cat([k, torch.full((bound, 1, 32), GARBAGE)])
+        vv = torch.cat([v, torch.full((bound, 1, 32), -GARBAGE)])
+        rows = {one: K.cached_forward(q[last].contiguous(), kk, vv, page_rows, bound, q_seq, q_pos, 0.2, None,
+                                      path="decode", decode_only=one) for one in (False, True)}
+        assert bit_diff(rows[True], out[last]) and bit_diff(rows[False], out[last]), bound
+        wrong = K.cached_forward(q[last].contiguous(), kk, vv, page_rows, bound, q_seq, q_pos - (q_pos > 0).long(),
+                                 0.2, None, path="decode", decode_only=True)
+        assert not bit_diff(wrong, out[last]), bound
+    with pytest.raises(ValueError, match="decode_only"):
+        K.cached_forward(q[:4].contiguous(), k, v, page_rows, 64, torch.tensor([0, 0, 1, 2]), torch.arange(4), 0.2,
+                         None, path="decode", decode_only=True)
+    # the measured rule: a contiguous cache of 2-4 splits keeps the table launch (faster there)
+    assert [K.tile_free_rows(False, s) for s in (1, 2, 4, 5, 17)] == [True, False, False, True, True]
+    assert all(K.tile_free_rows(True, s) for s in (1, 2, 4, 17))
+    n = 16 * 1024 + 100
+    q1, k1, v1, _ = make_qkv([n], 1, 2, 32, "float32", seed=7)
+    args = (q1[n - 1 :].contiguous(), k1, v1, torch.zeros((1, 1), dtype=torch.int64), n, torch.zeros(1, dtype=torch.int64),
+            torch.tensor([n - 1]), 0.2, None)
+    merged = K.cached_forward(*args, path="prefill")
+    for one in (False, True):
+        assert bit_diff(K.cached_forward(*args, path="decode", decode_only=one), merged), one
+    k2 = k1.clone()
+    k2[16 * 1024 + 7, 0, 3] += 0.5
+    perturbed = K.cached_forward(args[0], k2, *args[2:], path="decode", decode_only=True)
+    assert not bit_diff(perturbed, merged)
 
 
 # --------------------------------------------------------------------------- GPU: accuracy
@@ -653,6 +701,55 @@ def test_long_contexts_across_kv_splits(dtype, block, lens, window):
     rep = check_prefill_decode_invariance(gpu_train(**kw), runs, q, k, v, cu)
     assert rep.ok, str(rep)
     assert rep.cases == 8
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("g", [4, 32])
+@pytest.mark.parametrize("window", [None, 17200])
+def test_decode_step_without_tile_table_across_many_kv_splits(dtype, g, window):
+    """A decode step (one token per sequence) at contexts of up to 18 KV splits, so that
+    ``rlk_attn_combine`` folds more than its group of sixteen splits: ``decode_only`` (tile rows
+    formed from ``q_pos``; G = 32 exceeds the 16-row decode tile and falls back to the table) and
+    the tile-table launch give the train path's rows, contiguous and paged (16-token pages,
+    shuffled); the 17200-key window masks the first 300 keys of the 17500-token row and the
+    first split of the 9000-token one still holds visible keys. Negative control: one key of the
+    seventeenth split perturbed changes that row and no other."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    lens = [9000, 17500, 1, 1500]
+    q, k, v, cu = (t.cuda() for t in make_qkv(lens, 2, g, 128, dtype, seed=g + (window or 0)))
+    scale = 128**-0.5
+    ref = K.varlen_forward(q, k, v, cu, scale, window)[0]
+    last = cu[1:] - 1
+    qd = q[last].contiguous()
+    q_seq = torch.arange(len(lens), device="cuda")
+    q_pos = torch.tensor([n - 1 for n in lens], device="cuda")
+    ps = 16
+    npages = [-(-n // ps) for n in lens]
+    order = torch.randperm(sum(npages), generator=torch.Generator().manual_seed(3)).cuda()
+    ptab = torch.zeros((len(lens), max(npages)), dtype=torch.int64, device="cuda")
+    kp = torch.full((sum(npages) * ps, 2, 128), GARBAGE, dtype=k.dtype, device="cuda")
+    vp = torch.full_like(kp, -GARBAGE)
+    used = 0
+    for i, n in enumerate(lens):
+        ptab[i, : npages[i]] = order[used : used + npages[i]] * ps
+        used += npages[i]
+        pos = torch.arange(n, device="cuda")
+        rows = ptab[i, pos // ps] + pos % ps
+        kp[rows], vp[rows] = k[cu[i] : cu[i + 1]], v[cu[i] : cu[i + 1]]
+    caches = {"contiguous": (k, v, cu[:-1, None].to(torch.int64).contiguous(), 1 << 20), "paged": (kp, vp, ptab, ps)}
+    for name, (kk, vv, page_rows, psz) in caches.items():
+        for one in (True, False):
+            o = K.cached_forward(qd, kk, vv, page_rows, psz, q_seq, q_pos, scale, window, path="decode",
+                                 decode_only=one)
+            assert bit_diff(o, ref[last]), (name, one, bit_diff(o, ref[last]))
+    k2 = k.clone()
+    k2[int(cu[1]) + 17000, 0] *= 1.5  # sequence 1, position 17000: split 16, the first of the second group
+    o = K.cached_forward(qd, k2, v, caches["contiguous"][2], 1 << 20, q_seq, q_pos, scale, window, path="decode",
+                         decode_only=True)
+    assert bit_diff(o[[0, 2, 3]], ref[last][[0, 2, 3]])
+    assert not bit_diff(o[1], ref[last][1])
 
 
 @gpu

@@ -49,7 +49,9 @@ any page size, any packing). The rules that make this true:
   ``kernels.use_decode_path`` (rows per sequence), which cannot change a row's bits.
 * **Tile tables** without host sync: one kernel ``rlk_attn_varlen_tiles`` from ``cu_seqlens``
   (train path), one single-program kernel ``rlk_attn_tiles`` from ``q_seq``/``q_pos`` (rollout
-  path: a decode step is three launches, not ~30 small torch kernels and two launches). On
+  path: a decode step is three launches, not ~30 small torch kernels and two launches; a
+  decode step with one token per sequence, ``decode_only``, forms its tile rows from ``q_pos``
+  and launches no table kernel where ``kernels.tile_free_rows`` says so). On
   sm90+ the kernel reading a table (and the combine after the split kernel) is launched with
   programmatic dependent launch and waits on the device for its predecessor
   (``kernels.PDL``): the launch gap is hidden, nothing computed changes.
@@ -179,18 +181,23 @@ def cached_attention_triton(
     q_pos: torch.Tensor,
     scale: float,
     window: int | None,
+    decode_only: bool = False,
 ) -> torch.Tensor:
     """Write ``k_new``/``v_new`` into storage rows ``slot_mapping`` of ``k_cache``/``v_cache``
     (``[N, Hkv, D]``, a copy: ``index_copy_``), then run the forward for every query row
-    (arguments prepared and validated by ``rl_engine.ops.attention.cached_attention``)."""
+    (arguments prepared and validated by ``rl_engine.ops.attention.cached_attention``).
+    ``decode_only``: one query token per sequence (derived on the host by the ops layer); the
+    kernels then form their tile rows from ``q_pos`` instead of a tile table (same bits)."""
     _check_head_dim(q.shape[2])
     k_cache.index_copy_(0, slot_mapping, k_new)
     v_cache.index_copy_(0, slot_mapping, v_new)
-    return _kernels().cached_forward(q, k_cache, v_cache, page_rows, page_size, q_seq, q_pos, scale, window)
+    return _kernels().cached_forward(q, k_cache, v_cache, page_rows, page_size, q_seq, q_pos, scale, window,
+                                     decode_only=decode_only)
 
 
 @cached_attention_triton.register_fake
-def _(q, k_new, v_new, k_cache, v_cache, slot_mapping, page_rows, page_size, q_seq, q_pos, scale, window):
+def _(q, k_new, v_new, k_cache, v_cache, slot_mapping, page_rows, page_size, q_seq, q_pos, scale, window,
+      decode_only=False):
     return q.new_empty(q.shape)
 
 
