@@ -171,6 +171,18 @@ class OpsProvider:
             return _ops("attention").cached_attention(q, k_new, v_new, cache, seq_ids, cu_seqlens_q, scale=scale)
         return native.cached_attention(q, k_new, v_new, cache, seq_ids, cu_seqlens_q, scale=scale)
 
+    def cached_attention_layers(self, caches, seq_ids, cu_seqlens_q, *, scale: float | None = None):
+        """``attend(i, q, k_new, v_new)`` for layer ``i`` of one rollout step over the per-layer
+        ``caches``: on rl-kernel, the step is planned once for every layer
+        (``plan_cached_attention``, then ``cached_attention_step`` per layer: the bits of one
+        ``cached_attention`` call per layer, without redoing the step's bookkeeping and its
+        host-to-device copies in every layer); natively, one call per layer."""
+        if self._r("attention"):
+            attn = _ops("attention")
+            plan = attn.plan_cached_attention(caches, seq_ids, cu_seqlens_q)
+            return lambda i, q, k, v: attn.cached_attention_step(q, k, v, caches[i], plan, scale=scale)
+        return lambda i, q, k, v: native.cached_attention(q, k, v, caches[i], seq_ids, cu_seqlens_q, scale=scale)
+
     # --- log-probs --------------------------------------------------------------------------
     def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         if self._r("logprob"):

@@ -14,7 +14,9 @@ eager speed (HF ``generate`` without graphs). This times, per call, at qkv M = 1
 then other decode-step operators at batch 1 (``rms_norm``, ``silu_and_mul``, attention over a
 4096-token cache: kernels launcher, public ``cached_attention``, the engine form
 ``paged_attention`` against a step's ``plan_paged_attention`` + per-layer
-``paged_attention_step``) next to their torch counterparts. Each is the median of repeated loops after warm-up, with the GPU kept ahead by a
+``paged_attention_step``; a whole 36-layer decode step of per-layer caches, one
+``cached_attention`` per layer against ``plan_cached_attention`` + ``cached_attention_step``)
+next to their torch counterparts. Each is the median of repeated loops after warm-up, with the GPU kept ahead by a
 CUDA sleep so the loop measures the host; calls that synchronise (the NaN scan, the attention
 op's ``cu_seqlens`` validation) run without the sleep and report host + device. A ``cProfile``
 of the custom-op loop gives the top functions. JSON rows to ``--out``.
@@ -68,8 +70,8 @@ def other_ops() -> dict[str, tuple]:
     """Decode-step operators at Qwen3-8B widths, batch 1: (callable, syncs, n) per case."""
     from rl_engine.backends.shared.triton.attention import kernels as AK
     from rl_engine.ops.activation import silu_and_mul
-    from rl_engine.ops.attention import (ContiguousKVCache, cached_attention, paged_attention, paged_attention_step,
-                                         plan_paged_attention)
+    from rl_engine.ops.attention import (ContiguousKVCache, cached_attention, cached_attention_step, paged_attention,
+                                         paged_attention_step, plan_cached_attention, plan_paged_attention)
     from rl_engine.ops.norm import rms_norm
     from rl_engine.utils.checks import nan_policy
 
@@ -104,6 +106,23 @@ def other_ops() -> dict[str, tuple]:
             torch.tensor([4096], device="cuda"))
     plan = plan_paged_attention(*meta, num_blocks=257)
 
+    # our own runtime's form: a 36-layer model, one ContiguousKVCache per layer holding 4096 tokens;
+    # a decode step appends one token to every layer (rl_engine.models: planned once per step)
+    layers = [ContiguousKVCache(1, 8192, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(36)]
+    with nan_policy("propagate"):
+        plan0 = plan_cached_attention(layers, [0], torch.tensor([0, 4096], device="cuda", dtype=torch.int32))
+        for c in layers:
+            cached_attention_step(q.new_empty(4096, 32, 128).normal_(), pre, pre, c, plan0)
+
+    def step_per_layer_calls():
+        for c in layers:
+            cached_attention(q, kv, kv, c, [0], cu1)
+
+    def step_planned():
+        p = plan_cached_attention(layers, [0], cu1)
+        for c in layers:
+            cached_attention_step(q, kv, kv, c, p)
+
     return {
         "rms_norm torch": (lambda: torch.nn.functional.rms_norm(h, (4096,), nw, 1e-6), False, 400),
         "rms_norm public": (propagate(lambda: rms_norm(h, nw, 1e-6)), False, 400),
@@ -119,6 +138,9 @@ def other_ops() -> dict[str, tuple]:
                                                              200),
         "decode attn paged_attention_step (per layer)": (propagate(lambda: paged_attention_step(q, kv, kv, pk, pv, plan)),
                                                           False, 400),
+        # per decode step of 36 layers (host + device: both forms read cu_seqlens_q on the host)
+        "decode step x36 layers: cached_attention per layer": (propagate(step_per_layer_calls), True, 20),
+        "decode step x36 layers: plan_cached_attention + cached_attention_step": (propagate(step_planned), True, 20),
     }
 
 

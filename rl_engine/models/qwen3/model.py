@@ -271,12 +271,10 @@ class Qwen3ForCausalLM:
     def hidden_cached(self, ids: torch.Tensor, positions: torch.Tensor, caches: list, seq_ids: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, ops) -> torch.Tensor:
         """Final-norm hidden states ``[T, H]`` of one rollout step (prefill, chunk or decode rows)
-        against per-layer KV caches; the new tokens' k/v are appended to the caches."""
+        against per-layer KV caches; the new tokens' k/v are appended to the caches. The step is
+        planned once for all layers (``ops.cached_attention_layers``)."""
         scale = self.spec.head_dim ** -0.5
-        return self._layers(
-            ids, positions, ops,
-            lambda i, q, k, v: ops.cached_attention(q, k, v, caches[i], seq_ids, cu_seqlens_q, scale=scale),
-        )
+        return self._layers(ids, positions, ops, ops.cached_attention_layers(caches, seq_ids, cu_seqlens_q, scale=scale))
 
     def logits(self, hidden: torch.Tensor, ops) -> torch.Tensor:
         return ops.linear(hidden, self.lm_head_weight)

@@ -5,6 +5,9 @@
 * :func:`cached_attention` — the rollout path: append the new tokens' keys/values to a KV cache
   (:class:`ContiguousKVCache` or :class:`PagedKVCache`) and attend over everything cached. One
   call covers full prefill, chunked prefill, decode and mixed batches.
+* :func:`plan_cached_attention` / :func:`cached_attention_step` — the same, one step of a
+  model whose layers each own a cache: the step is validated and laid out once, then each layer
+  runs with it (what ``rl_engine.models`` does).
 * :func:`paged_attention` — the same rollout path on an engine-owned paged cache (raw key/value
   storage, a slot mapping and block tables, as vLLM keeps them): no cache object, the same
   ``attention.cached_attention`` implementations. :func:`plan_paged_attention` validates a step's
@@ -25,13 +28,16 @@ from dataclasses import dataclass
 
 import torch
 
-from rl_engine.ops.attention.cache import ContiguousKVCache, KVCache, PagedKVCache
+from rl_engine.ops.attention.cache import ContiguousKVCache, KVCache, PagedKVCache, _AppendPlan
 from rl_engine.runtime.registry import dispatch, make_request
 from rl_engine.utils.checks import FLOAT_DTYPES, check_no_nan, current_nan_policy, require_same_device, require_tensor
 
 __all__ = [
     "varlen_attention",
     "cached_attention",
+    "plan_cached_attention",
+    "cached_attention_step",
+    "CachedAttentionPlan",
     "paged_attention",
     "plan_paged_attention",
     "paged_attention_step",
@@ -77,13 +83,15 @@ def _window(window: object) -> int | None:
     return window
 
 
-def _cu_seqlens(name: str, cu: object, total: int, device: torch.device, batch: int | None = None) -> torch.Tensor:
-    """Validate a ``[B+1]`` offsets tensor (0, non-decreasing, last = ``total``); returns int64."""
+def _cu_seqlens(name: str, cu: object, total: int | None, device: torch.device, batch: int | None = None,
+                where: str = "the device of q") -> torch.Tensor:
+    """Validate a ``[B+1]`` offsets tensor (0, non-decreasing, last = ``total`` unless ``None``);
+    returns int64 on the host."""
     if isinstance(cu, (list, tuple)):
         cu = torch.tensor(cu, dtype=torch.int64, device=device)
     require_tensor(name, cu, dtypes=_INDEX_DTYPES, ndim=1, contiguous=False, non_empty=True)
     if cu.device != device:
-        raise ValueError(f"{name}: expected device {device} (the device of q), got {cu.device}")
+        raise ValueError(f"{name}: expected device {device} ({where}), got {cu.device}")
     if batch is not None and cu.shape[0] != batch + 1:
         raise ValueError(f"{name}: expected {batch + 1} entries (one more than seq_ids), got {cu.shape[0]}")
     c = cu.to(torch.int64).cpu()
@@ -91,7 +99,7 @@ def _cu_seqlens(name: str, cu: object, total: int, device: torch.device, batch: 
         raise ValueError(f"{name}: expected {name}[0] == 0, got {int(c[0])}")
     if bool((c[1:] < c[:-1]).any()):
         raise ValueError(f"{name}: expected non-decreasing offsets, got {c.tolist()[:16]}")
-    if int(c[-1]) != total:
+    if total is not None and int(c[-1]) != total:
         raise ValueError(f"{name}: expected the last offset to equal the number of tokens T={total}, got {int(c[-1])}")
     return c
 
@@ -247,6 +255,16 @@ def cached_attention(
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     T = _qkv(q, k_new, v_new, "k_new", "v_new")
+    _check_cache(q, k_new, cache)
+    ids = _seq_ids(seq_ids, cache)
+    cu = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, T, q.device, batch=len(ids))
+    s = _scale(scale, q.shape[2])
+    w = _window(window)
+    return _run_cached(q, k_new, v_new, cache, _plan_cached(cache, ids, cu), s, w)
+
+
+def _check_cache(q: torch.Tensor, k_new: torch.Tensor, cache: object) -> None:
+    """The cache against the queries and the new keys: kind, heads, head dim, dtype, device."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache: expected a ContiguousKVCache or PagedKVCache, got {type(cache).__name__}")
     if k_new.shape[1] != cache.num_kv_heads or k_new.shape[2] != cache.head_dim:
@@ -258,29 +276,142 @@ def cached_attention(
         raise ValueError(f"cache: expected dtype {q.dtype} (q's), got {cache.dtype}")
     if cache.device != q.device:
         raise ValueError(f"cache: expected device {q.device} (q's), got {cache.device}")
-    ids = _seq_ids(seq_ids, cache)
-    cu = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, T, q.device, batch=len(ids))
-    s = _scale(scale, q.shape[2])
-    w = _window(window)
+
+
+@dataclass(frozen=True, eq=False)
+class CachedAttentionPlan:
+    """One rollout step over the per-layer KV caches of a model, validated and laid out once
+    (:func:`plan_cached_attention`) and run by every layer (:func:`cached_attention_step`).
+
+    Attributes:
+        num_tokens, num_seqs: ``T`` new tokens of ``B`` sequences.
+        seq_ids: the cache slot of each batch sequence.
+        device: the caches' device; ``slot_mapping``, ``page_rows``, ``q_seq``, ``q_pos`` live there.
+        state: the caches' state digest the step applies to (each layer's cache must still
+            carry it when its layer runs; the step then moves it on).
+        q_seq, q_pos: ``[T]`` batch sequence and position of each new token (int64).
+        decode_only: every sequence has exactly one new token (the GPU kernels then need no
+            tile table).
+    """
+
+    num_tokens: int
+    num_seqs: int
+    seq_ids: tuple[int, ...]
+    device: torch.device
+    state: int
+    q_seq: torch.Tensor
+    q_pos: torch.Tensor
+    decode_only: bool
+    _append: _AppendPlan
+
+
+def plan_cached_attention(
+    caches: Sequence[KVCache] | KVCache,
+    seq_ids: Sequence[int] | torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+) -> CachedAttentionPlan:
+    r"""Plan one rollout step for every layer's KV cache at once.
+
+    A model with ``L`` layers keeps ``L`` caches that go through the same appends, so a step's
+    bookkeeping — slot ids, ``cu_seqlens_q``, overflow, storage rows, pages, each token's
+    sequence and position — is the same for all of them. This makes it once (host work and the
+    host-to-device copies of the index tensors); :func:`cached_attention_step` then runs each
+    layer with it. :func:`cached_attention` is this plan for one cache followed by the step.
+
+    Args:
+        caches: the layers' caches (or one cache); they must hold the same sequences — the
+            same kind and geometry and the same history of appends and frees (their state
+            digests are compared).
+        seq_ids, cu_seqlens_q: as for :func:`cached_attention` (``B`` distinct slots, ``[B+1]``
+            offsets on the caches' device).
+
+    Raises:
+        TypeError / ValueError: no cache, a cache of another kind, caches that do not hold the
+            same sequences (``caches: cache i ...``), bad ``seq_ids`` or ``cu_seqlens_q``, cache
+            overflow (``cache:``; nothing is written or committed).
+    """
+    group = [caches] if isinstance(caches, KVCache) else caches
+    if isinstance(group, (str, bytes)) or not isinstance(group, Sequence) or len(group) == 0:
+        raise TypeError(f"caches: expected a non-empty sequence of KV caches, got {type(caches).__name__}")
+    for i, c in enumerate(group):
+        if not isinstance(c, KVCache):
+            raise TypeError(f"caches: expected ContiguousKVCache or PagedKVCache objects, item {i} is {type(c).__name__}")
+    first = group[0]
+    for i, c in enumerate(group[1:], 1):
+        if c._state != first._state:
+            raise ValueError(f"caches: cache {i} does not hold the same sequences as cache 0 (another geometry or "
+                             f"another history of appends and frees: {c!r} against {first!r})")
+    ids = _seq_ids(seq_ids, first)
+    cu = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, first.device, batch=len(ids), where="the caches' device")
+    return _plan_cached(first, ids, cu)
+
+
+def _plan_cached(first: KVCache, ids: list[int], cu: torch.Tensor) -> CachedAttentionPlan:
+    """The step's bookkeeping from checked slot ids and host offsets ``cu`` (``[B+1]`` int64)."""
+    dev = first.device
+    T = int(cu[-1])
     n_new = (cu[1:] - cu[:-1]).tolist()
-    plan = cache._plan(ids, n_new)  # raises on overflow before anything is written
+    append = first._plan(ids, n_new)  # raises on overflow before anything is written
     B = len(ids)
     lens = torch.tensor(n_new, dtype=torch.int64)
     q_seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int64), lens, output_size=T)
-    starts = torch.tensor(plan.starts, dtype=torch.int64).reshape(B)
+    starts = torch.tensor(append.starts, dtype=torch.int64).reshape(B)
     q_pos = starts[q_seq] + torch.arange(T, dtype=torch.int64) - cu[:-1][q_seq]
+    return CachedAttentionPlan(T, B, tuple(ids), dev, first._state, q_seq.to(dev), q_pos.to(dev),
+                               B > 0 and all(n == 1 for n in n_new), append)
+
+
+def cached_attention_step(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache: KVCache,
+    plan: CachedAttentionPlan,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    r"""One layer of a planned rollout step: :func:`cached_attention` with the step's
+    bookkeeping taken from ``plan`` (:func:`plan_cached_attention`) instead of redone.
+
+    Appends ``k_new``/``v_new`` to ``cache`` and attends, with the bits of
+    :func:`cached_attention` (the same dispatch); then the cache's state moves on, so a cache
+    runs a plan once. Checks only what the plan cannot know: the tensors (dtype, rank, finite
+    under the NaN policy, shapes, device) against each other, the cache and the plan.
+
+    Shapes: as :func:`cached_attention`, with ``T = plan.num_tokens``.
+
+    Raises:
+        TypeError / ValueError: as :func:`cached_attention` for the tensors and the cache;
+            ``plan`` not a :class:`CachedAttentionPlan`; ``q`` with another token count; a
+            cache that does not carry the plan's state (another cache, or one that already ran
+            this step: ``cache: ...``).
+    """
+    T = _qkv(q, k_new, v_new, "k_new", "v_new")
+    _check_cache(q, k_new, cache)
+    if not isinstance(plan, CachedAttentionPlan):
+        raise TypeError(f"plan: expected a CachedAttentionPlan (plan_cached_attention), got {type(plan).__name__}")
+    if T != plan.num_tokens:
+        raise ValueError(f"q: expected {plan.num_tokens} rows (plan.num_tokens), got shape {tuple(q.shape)}")
+    if cache._state != plan.state:
+        raise ValueError("cache: it does not carry the state the plan was made for (another cache, or one that "
+                         "already ran this step: plan each step anew)")
+    return _run_cached(q, k_new, v_new, cache, plan, _scale(scale, q.shape[2]), _window(window))
+
+
+def _run_cached(q, k_new, v_new, cache: KVCache, plan: CachedAttentionPlan, s: float, w: int | None) -> torch.Tensor:
     k_rows, v_rows = cache.rows()
     req = make_request(
         "attention.cached_attention",
         q,
-        features={"T": T, "heads": q.shape[1], "kv_heads": k_new.shape[1], "head_dim": q.shape[2], "window": w,
-                  "cache": type(cache).__name__},
+        features={"T": plan.num_tokens, "heads": q.shape[1], "kv_heads": k_new.shape[1], "head_dim": q.shape[2],
+                  "window": w, "cache": type(cache).__name__},
     )
-    dev = q.device
+    a = plan._append
     with torch.no_grad():
-        out = dispatch(req, q, k_new, v_new, k_rows, v_rows, plan.slot_mapping, plan.page_rows, plan.page_size,
-                       q_seq.to(dev), q_pos.to(dev), s, w, bool(n_new) and all(n == 1 for n in n_new))
-    cache._commit(plan)
+        out = dispatch(req, q, k_new, v_new, k_rows, v_rows, a.slot_mapping, a.page_rows, a.page_size, plan.q_seq,
+                       plan.q_pos, s, w, plan.decode_only)
+    cache._commit(a)
     return out
 
 

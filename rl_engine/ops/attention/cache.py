@@ -9,6 +9,12 @@ both give the same bits (docs/design/attention.md).
 
 An append is planned first (overflow checked, pages chosen) and committed only after the kernel
 ran, so a rejected call leaves the cache unchanged.
+
+Every cache keeps a *state digest* (``_state``): a hash of its geometry and of every append and
+free since it was made. The per-layer caches of one model go through the same appends and
+frees, so they carry the same digest, which is how
+:func:`rl_engine.ops.attention.plan_cached_attention` plans one step for all of them at once and
+:func:`rl_engine.ops.attention.cached_attention_step` refuses a cache that has moved on.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ class KVCache(abc.ABC):
         self._lens = [0] * self.max_seqs
         self.k: torch.Tensor
         self.v: torch.Tensor
+        self._state: int  # the state digest; each concrete cache sets it from its geometry
 
     def _slot(self, seq_id: object, name: str = "seq_id") -> int:
         if isinstance(seq_id, torch.Tensor) and seq_id.numel() == 1 and not seq_id.is_floating_point():
@@ -76,7 +83,9 @@ class KVCache(abc.ABC):
 
     def free(self, seq_id: int) -> None:
         """Forget the sequence in slot ``seq_id``; the slot can start a new sequence."""
-        self._lens[self._slot(seq_id)] = 0
+        s = self._slot(seq_id)
+        self._lens[s] = 0
+        self._state = hash((self._state, "free", s))
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value storage as ``[N, Hkv, D]`` views (what the kernel reads and writes)."""
@@ -122,6 +131,7 @@ class KVCache(abc.ABC):
     def _commit(self, plan: _AppendPlan) -> None:
         for s, start, n in zip(plan.seq_ids, plan.starts, plan.n_new):
             self._lens[s] = start + n
+        self._state = hash((self._state, "append", tuple(plan.seq_ids), tuple(plan.starts), tuple(plan.n_new)))
 
 
 class ContiguousKVCache(KVCache):
@@ -145,6 +155,7 @@ class ContiguousKVCache(KVCache):
         shape = (self.max_seqs, self.max_len, self.num_kv_heads, self.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._state = hash(repr(self))
 
     def __repr__(self) -> str:
         return (f"ContiguousKVCache(max_seqs={self.max_seqs}, max_len={self.max_len}, num_kv_heads={self.num_kv_heads}, "
@@ -196,6 +207,7 @@ class PagedKVCache(KVCache):
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self._tables: list[list[int]] = [[] for _ in range(self.max_seqs)]
         self._free: list[int] = list(range(self.num_blocks))  # handed out from the front
+        self._state = hash(repr(self))
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, "
@@ -216,6 +228,7 @@ class PagedKVCache(KVCache):
         self._free.extend(self._tables[s])
         self._tables[s] = []
         self._lens[s] = 0
+        self._state = hash((self._state, "free", s))
 
     def _plan(self, seq_ids: Sequence[int], n_new: Sequence[int]) -> _AppendPlan:
         bs = self.block_size

@@ -101,6 +101,46 @@ def test_rollout_independent_of_batching_and_cache_layout(dtype):
             assert bit_diff(other[sid].logprob_tensor(), s.logprob_tensor()), kw
 
 
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
+def test_rollout_plans_each_step_once_for_every_layer(kv_cache, monkeypatch):
+    """Under R, a rollout step of the model plans its attention bookkeeping once
+    (``plan_cached_attention``) and every layer runs ``cached_attention_step`` with that plan:
+    the plans equal the model's rollout steps, the layer calls are plans x layers, and the
+    output is that of a rollout through one ``cached_attention`` call per layer (the R/R parity
+    tests above check the bits against training; here against the pre-plan path, in which
+    every layer validated and laid out the step itself)."""
+    import rl_engine.ops.attention as attn
+
+    model = _model("h32-gqa6-untied-3l", torch.float32)
+    plan = Plan.parse("R/R")
+    counts = {"steps": 0, "plans": 0, "layers": 0}
+    hidden, make_plan, step = model.hidden_cached, attn.plan_cached_attention, attn.cached_attention_step
+
+    def counted(name, fn):
+        def wrapper(*a, **kw):
+            counts[name] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    monkeypatch.setattr(model, "hidden_cached", counted("steps", hidden))
+    monkeypatch.setattr(attn, "plan_cached_attention", counted("plans", make_plan))
+    monkeypatch.setattr(attn, "cached_attention_step", counted("layers", step))
+    out, _ = _rollout(model, plan, SAMPLING["sampled"], kv_cache=kv_cache)
+    layers = model.spec.num_hidden_layers
+    assert counts["steps"] > 3 and counts["plans"] == counts["steps"]
+    assert counts["layers"] == layers * counts["steps"]
+    monkeypatch.undo()
+    # the same rollout with one cached_attention call per layer (the path before the plan)
+    from rl_engine.runtime.plan import OpsProvider
+
+    monkeypatch.setattr(OpsProvider, "cached_attention_layers", lambda self, caches, ids, cu, *, scale=None: (
+        lambda i, q, k, v: self.cached_attention(q, k, v, caches[i], ids, cu, scale=scale)))
+    per_layer, _ = _rollout(model, plan, SAMPLING["sampled"], kv_cache=kv_cache)
+    for sid, s in out.items():
+        assert per_layer[sid].response == s.response
+        assert bit_diff(per_layer[sid].logprob_tensor(), s.logprob_tensor())
+
+
 def test_logprob_of_token_t_comes_from_logits_at_t_minus_1():
     model = _model("h16-gqa2-tied-2l", torch.float32)
     ops = Plan.parse("R/R").provider("train")

@@ -1,6 +1,7 @@
 """attention.cached_attention (rollout path) and the KV caches: accuracy vs float64, cache
 bookkeeping (lengths, free, block tables, reuse of freed slots and pages), atomic overflow
-errors, dispatch, no autograd, and bad input."""
+errors, dispatch, no autograd, and bad input; one plan per step over per-layer caches
+(plan_cached_attention / cached_attention_step)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import pytest
 import torch
 
 from rl_engine import contracts
-from rl_engine.ops.attention import ContiguousKVCache, PagedKVCache, cached_attention, varlen_attention
+from rl_engine.ops.attention import (
+    ContiguousKVCache,
+    PagedKVCache,
+    cached_attention,
+    cached_attention_step,
+    plan_cached_attention,
+    varlen_attention,
+)
 from rl_engine.reference.attention import varlen_attention_f64
 from rl_engine.runtime import provenance, use_policy
 from rl_engine.utils.bits import bit_diff
@@ -173,3 +181,86 @@ def test_bad_input_messages_name_the_argument():
         PagedKVCache(4, 4, 1, 32, dtype=torch.float16)
     with pytest.raises(TypeError, match="^block_size: expected an int"):
         PagedKVCache(4, 4.0, 1, 32)
+
+
+# --------------------------------------------------------------------------- one plan per step
+
+
+def _layer_caches(paged, n=3, dt=torch.float32):
+    if paged:
+        return [PagedKVCache(30, 16, 2, 32, dtype=dt, max_seqs=3) for _ in range(n)]
+    return [ContiguousKVCache(3, 120, 2, 32, dtype=dt) for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_planned_steps_equal_one_call_per_layer(dtype, paged):
+    """Three layers' caches through prefill, a freed and reused slot, and decode steps: one
+    ``plan_cached_attention`` per step with ``cached_attention_step`` per layer gives the bits
+    of one ``cached_attention`` per layer, and leaves every cache in the same state (lengths,
+    block tables, storage)."""
+    dt = getattr(torch, dtype)
+    planned, called = _layer_caches(paged, dt=dt), _layer_caches(paged, dt=dt)
+    steps = [([0, 2], (40, 7)), ([2], (1,)), ([0, 2], (1, 1)), ("free", 0), ([1, 0, 2], (5, 30, 1)), ([0, 1, 2], (1, 1, 1))]
+    for n, step in enumerate(steps):
+        if step[0] == "free":
+            for c in planned + called:
+                c.free(step[1])
+            continue
+        ids, lens = step
+        plan = plan_cached_attention(planned, ids, cu(*lens))
+        assert plan.decode_only == all(x == 1 for x in lens) and plan.num_tokens == sum(lens)
+        for layer in range(3):
+            q, k, v = qkv(sum(lens), dtype=dt, seed=10 * n + layer)
+            got = cached_attention_step(q, k, v, planned[layer], plan)
+            want = cached_attention(q, k, v, called[layer], ids, cu(*lens))
+            assert bit_diff(got, want), (n, layer)
+    for a, b in zip(planned, called):
+        assert [a.seq_len(i) for i in range(3)] == [b.seq_len(i) for i in range(3)]
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and a._state == b._state
+        if paged:
+            assert [a.block_table(i) for i in range(3)] == [b.block_table(i) for i in range(3)]
+
+
+def test_plan_refuses_caches_that_moved_apart_and_a_second_run():
+    """The plan needs every layer's cache in the same state; a cache runs a plan once. Negative
+    controls: a cache with one more append, one of another geometry, a step run twice on one
+    cache and a plan of one step used on the next all raise, naming the argument."""
+    caches = _layer_caches(False)
+    q, k, v = qkv(4)
+    cached_attention(q, k, v, caches[1], [0], cu(4))  # layer 1 alone moves on
+    with pytest.raises(ValueError, match="^caches: cache 1 does not hold the same sequences"):
+        plan_cached_attention(caches, [0], cu(4))
+    with pytest.raises(ValueError, match="^caches: cache 1 does not hold"):
+        plan_cached_attention([ContiguousKVCache(3, 120, 2, 32), ContiguousKVCache(3, 121, 2, 32)], [0], cu(4))
+    caches = _layer_caches(True)
+    plan = plan_cached_attention(caches, [0, 1], cu(3, 1))
+    cached_attention_step(q, k, v, caches[0], plan)
+    with pytest.raises(ValueError, match="^cache: it does not carry the state the plan was made for"):
+        cached_attention_step(q, k, v, caches[0], plan)
+    for c in caches[1:]:
+        cached_attention_step(q, k, v, c, plan)
+    with pytest.raises(ValueError, match="^cache: it does not carry"):
+        cached_attention_step(q, k, v, caches[2], plan)  # the step is done: plan the next one
+    nxt = plan_cached_attention(caches, [0, 1], cu(1, 1))
+    assert nxt.q_pos.tolist() == [3, 1] and nxt.decode_only
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda c, q, k, v, p: plan_cached_attention([], [0], cu(4)), "^caches: expected a non-empty"),
+    (lambda c, q, k, v, p: plan_cached_attention([c, "x"], [0], cu(4)), "^caches: expected ContiguousKVCache"),
+    (lambda c, q, k, v, p: plan_cached_attention([c], [0, 0], cu(2, 2)), "^seq_ids: expected distinct"),
+    (lambda c, q, k, v, p: plan_cached_attention([c], [0], cu(2, 2)), "^cu_seqlens_q: expected 2 entries"),
+    (lambda c, q, k, v, p: plan_cached_attention([c], [0], cu(500)), "^cache: slot 0 holds 0 tokens"),
+    (lambda c, q, k, v, p: cached_attention_step(q, k, v, c, "plan"), "^plan: expected a CachedAttentionPlan"),
+    (lambda c, q, k, v, p: cached_attention_step(q[:3], k[:3], v[:3], c, p), r"^q: expected 4 rows \(plan.num_tokens\)"),
+    (lambda c, q, k, v, p: cached_attention_step(q, k, v, "cache", p), "^cache: expected a ContiguousKVCache"),
+    (lambda c, q, k, v, p: cached_attention_step(q.double(), k, v, c, p), "^q: expected dtype"),
+])
+def test_plan_and_step_bad_input_names_the_argument(call, match):
+    c = ContiguousKVCache(3, 120, 2, 32)
+    q, k, v = qkv(4)
+    plan = plan_cached_attention([c], [0], cu(4))
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(c, q, k, v, plan)
+    assert c.seq_len(0) == 0  # nothing was committed
