@@ -286,7 +286,7 @@ class CachedAttentionPlan:
     Attributes:
         num_tokens, num_seqs: ``T`` new tokens of ``B`` sequences.
         seq_ids: the cache slot of each batch sequence.
-        device: the caches' device; ``slot_mapping``, ``page_rows``, ``q_seq``, ``q_pos`` live there.
+        device: the caches' device, where the plan's index tensors live.
         state: the caches' state digest the step applies to (each layer's cache must still
             carry it when its layer runs; the step then moves it on).
         q_seq, q_pos: ``[T]`` batch sequence and position of each new token (int64).
