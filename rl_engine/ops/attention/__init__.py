@@ -346,6 +346,17 @@ def plan_cached_attention(
     return _plan_cached(first, ids, cu)
 
 
+def _token_rows(cu: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(q_seq, q_pos, decode_only)`` of a step on the host: new token ``t`` of batch sequence
+    ``i`` (rows ``cu[i] .. cu[i+1]-1``) sits at position ``starts[i] + t - cu[i]``;
+    ``decode_only``: every sequence has exactly one new token."""
+    n_new = cu[1:] - cu[:-1]
+    B, T = n_new.shape[0], int(cu[-1])
+    q_seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int64), n_new, output_size=T)
+    q_pos = starts[q_seq] + torch.arange(T, dtype=torch.int64) - cu[:-1][q_seq]
+    return q_seq, q_pos, B > 0 and bool((n_new == 1).all())
+
+
 def _plan_cached(first: KVCache, ids: list[int], cu: torch.Tensor) -> CachedAttentionPlan:
     """The step's bookkeeping from checked slot ids and host offsets ``cu`` (``[B+1]`` int64)."""
     dev = first.device
@@ -353,12 +364,8 @@ def _plan_cached(first: KVCache, ids: list[int], cu: torch.Tensor) -> CachedAtte
     n_new = (cu[1:] - cu[:-1]).tolist()
     append = first._plan(ids, n_new)  # raises on overflow before anything is written
     B = len(ids)
-    lens = torch.tensor(n_new, dtype=torch.int64)
-    q_seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int64), lens, output_size=T)
-    starts = torch.tensor(append.starts, dtype=torch.int64).reshape(B)
-    q_pos = starts[q_seq] + torch.arange(T, dtype=torch.int64) - cu[:-1][q_seq]
-    return CachedAttentionPlan(T, B, tuple(ids), dev, first._state, q_seq.to(dev), q_pos.to(dev),
-                               B > 0 and all(n == 1 for n in n_new), append)
+    q_seq, q_pos, decode_only = _token_rows(cu, torch.tensor(append.starts, dtype=torch.int64).reshape(B))
+    return CachedAttentionPlan(T, B, tuple(ids), dev, first._state, q_seq.to(dev), q_pos.to(dev), decode_only, append)
 
 
 def cached_attention_step(
@@ -509,8 +516,7 @@ def plan_paged_attention(
     used = torch.arange(width)[None, :] < pages[:, None]
     if B and bool(((bt < 0) | (bt >= num_blocks))[used].any()):
         raise ValueError(f"block_table: expected block ids in [0, {num_blocks}) for every used block")
-    q_seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int64), n_new, output_size=T)
-    q_pos = (lens - n_new)[q_seq] + torch.arange(T, dtype=torch.int64) - cu[:-1][q_seq]
+    q_seq, q_pos, decode_only = _token_rows(cu, lens - n_new)
     page_rows = torch.where(used, bt, 0) * block_size
     slots = slot_mapping.to(torch.int64)
     expect = page_rows[q_seq, torch.div(q_pos, block_size, rounding_mode="floor")] + q_pos % block_size
@@ -519,7 +525,7 @@ def plan_paged_attention(
         raise ValueError(f"slot_mapping: token {bad} (sequence {int(q_seq[bad])}, position {int(q_pos[bad])}) maps to row "
                          f"{int(slots[bad])}, its block table says row {int(expect[bad])}")
     return PagedAttentionPlan(T, B, block_size, num_blocks, dev, slots.contiguous(), page_rows.to(dev),
-                              q_seq.to(dev), q_pos.to(dev), decode_only=B > 0 and bool((n_new == 1).all()))
+                              q_seq.to(dev), q_pos.to(dev), decode_only=decode_only)
 
 
 def _paged_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int,

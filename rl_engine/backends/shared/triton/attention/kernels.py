@@ -62,6 +62,7 @@ __all__ = [
     "select_decode",
     "use_decode_path",
     "tile_free_rows",
+    "num_splits",
     "supported_head_dim",
     "tile_table",
     "rollout_tiles",
@@ -228,7 +229,13 @@ def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfi
     return out
 
 
-def tile_free_rows(paged: bool, num_splits: int) -> bool:
+def num_splits(max_positions: int) -> int:
+    """KV splits of 1024 keys covering ``max_positions`` cache positions (at least one): the
+    decode split grid, and what ``tile_free_rows`` is decided on."""
+    return max(1, -(-int(max_positions) // (KV_BLOCK * SPLIT_BLOCKS)))
+
+
+def tile_free_rows(paged: bool, splits: int) -> bool:
     """Whether a decode step with one query token per sequence forms its tile rows from ``q_pos``
     (``rlk_attn_rows(ONE=True)``) instead of launching ``rlk_attn_tiles`` first. Both give the
     same integers, hence the same bits (tested); this only decides speed, by measurement (H200,
@@ -237,7 +244,7 @@ def tile_free_rows(paged: bool, num_splits: int) -> bool:
     on 16-token pages and 8 µs faster at batch 1 and 32768 keys, but the split kernel over a
     contiguous cache of 2-4 splits ran 2.3 µs (batch 1) and 10 µs (batch 64) slower in both
     runs, more than the table launch costs (cause not found; see docs/operators/attention-gpu.md)."""
-    return paged or num_splits <= 1 or num_splits > 4
+    return paged or splits <= 1 or splits > 4
 
 
 def use_decode_path(num_tokens: int, num_seqs: int, group: int) -> bool:
@@ -1139,7 +1146,7 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     kv_strides = (k_rows.stride(0), k_rows.stride(1), v_rows.stride(0), v_rows.stride(1))
     if path not in ("prefill", "decode"):
         raise ValueError(f"path: expected 'prefill' or 'decode', got {path!r}")
-    ns = max(1, -(-int(max_positions) // (KV_BLOCK * SPLIT_BLOCKS)))
+    ns = num_splits(max_positions)
     # one KV split at most: the decode tiles run through the prefill kernel (the same split body
     # and merge from the same initial state, so the same bits), one launch and no workspace
     kernel = "prefill" if path == "prefill" or ns == 1 else "decode"
@@ -1274,15 +1281,15 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     q_pos = q_pos.to(torch.int64).contiguous()
     if decode_only and T != B:
         raise ValueError(f"decode_only: expected one query token per sequence (T == B), got T={T}, B={B}")
-    splits = -(-min(bound, 1 << 40) // (KV_BLOCK * SPLIT_BLOCKS))
-    one = decode_only and path == "decode" and G <= cfg.block_m and tile_free_rows(P > 1, splits)
+    max_positions = min(bound, 1 << 40)
+    one = decode_only and path == "decode" and G <= cfg.block_m and tile_free_rows(P > 1, num_splits(max_positions))
     if one:
         tab = q_pos
     else:
         tab = rollout_tiles(q_seq, q_pos, B, G, cfg.block_m) if T and B else None
     nseq = torch.empty(B, dtype=torch.int64, device=q.device)  # only its length is read (table built)
     out, _, _ = attend(q, k_rows, v_rows, page_rows.contiguous(), page_size, nseq, nseq, nseq,
-                       min(bound, 1 << 40), scale, window, path=path, config=cfg, tab=tab, one=one)
+                       max_positions, scale, window, path=path, config=cfg, tab=tab, one=one)
     return out
 
 
