@@ -18,6 +18,9 @@ VLLM_TESTS := tests/integrations/engines/rollout/vllm tests/integrations/orchest
 INTERP_ENV := TRITON_INTERPRET=1
 INTERP_TESTS := tests/backends/shared/triton/test_attention_triton.py tests/backends/shared/triton/test_host_path_triton.py \
 	tests/backends/shared/triton/test_gemm_triton.py tests/backends/shared/triton/test_linear_logprob_triton.py -k interpreter
+# Kernels compiled ahead of time for sm_90 with the same triton (no GPU, no interpreter): registers,
+# spills and pipelined loads of the attention launches (benchmarks/profiling/attention_resources_sm90.py).
+SM90_TESTS := tests/backends/shared/triton/test_attention_triton.py -k offline_sm90
 
 .PHONY: check test test-vllm setup docs bench clean
 
@@ -57,11 +60,13 @@ test: $(STAMP) $(VSTAMP)
 	$(BIN)/python -m pytest -n 2 -q
 	$(VLLM_ENV) $(VBIN)/python -m pytest -q $(VLLM_TESTS)
 	$(INTERP_ENV) $(VBIN)/python -m pytest -q $(INTERP_TESTS)
+	$(VBIN)/python -m pytest -q $(SM90_TESTS)
 
-## only the second environment's groups (vLLM, Triton interpreter; in .venv-vllm)
+## only the second environment's groups (vLLM, Triton interpreter, offline sm_90; in .venv-vllm)
 test-vllm: $(VSTAMP)
 	$(VLLM_ENV) $(VBIN)/python -m pytest -q $(VLLM_TESTS)
 	$(INTERP_ENV) $(VBIN)/python -m pytest -q $(INTERP_TESTS)
+	$(VBIN)/python -m pytest -q $(SM90_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/operators/bench_cpu_ops.py --out artifacts/bench_cpu_ops.json

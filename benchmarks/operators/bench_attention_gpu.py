@@ -14,7 +14,10 @@ Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
   ``rlk_attn_fwd_split`` + ``rlk_attn_combine``, or one ``rlk_attn_fwd`` launch at 512 keys)
   over a contiguous cache, and over a paged cache of 16-token pages in shuffled order
   (``rlk.paged16``); rows ending ``.tile_table`` are the same step with the tile table built
-  first (``rlk_attn_tiles``, what a step of mixed lengths runs); SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
+  first (``rlk_attn_tiles``, what a step of mixed lengths runs); at batch 1 (fewer (sequence,
+  kv head) pairs than SMs) rows ``@v1`` … ``@v8`` force each value slicing of the few-programs
+  tile (``AttnConfig.v_slices``) and rows ``.auto_v`` let ``kernels.value_slices`` pick it
+  (``kernels.auto_value_slices()``; off by default until timed); SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
   K/V with ``enable_gqa=True`` (no expanded copies).
 * ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.
 
@@ -41,6 +44,9 @@ Usage::
     python benchmarks/operators/bench_attention_gpu.py --out reports/gpu/bench_attention_gpu.json
     python benchmarks/operators/bench_attention_gpu.py --out /tmp/a.json --quick   # smoke run
     python benchmarks/operators/bench_attention_gpu.py --out /tmp/c.json --configs all --kinds prefill,decode
+    # other decode shapes (the value-slicing regime: batches with fewer (sequence, kv head) pairs than SMs)
+    python benchmarks/operators/bench_attention_gpu.py --out /tmp/d.json --kinds decode --decode-batch 1,2,4,8,16 \
+        --decode-ctx 512,4096
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -101,6 +108,18 @@ def _without_pdl(fn: Callable[[], object]) -> Callable[[], object]:
 
     def call():
         with K.launch_plainly():
+            return fn()
+
+    return call
+
+
+def _auto_slices(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with ``kernels.auto_value_slices()`` on: the decode step as it runs once the value
+    slicing is picked by ``kernels.value_slices`` (off by default until timed)."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    def call():
+        with K.auto_value_slices():
             return fn()
 
     return call
@@ -164,6 +183,19 @@ def decode_case(B: int, ctx: int, all_configs: bool = False):
     }
     impls[f"{OURS}.no_pdl"] = _without_pdl(impls[OURS])
     impls[f"{OURS}.paged16.no_pdl"] = _without_pdl(impls[f"{OURS}.paged16"])
+    if K.few_programs(B, HKV, q.device):
+        # the few-programs tile with each value slicing forced, and the step with the slicing picked
+        # by kernels.value_slices (".auto_v"): the measurement the rule is checked against
+        impls[f"{OURS}.auto_v"] = _auto_slices(impls[OURS])
+        impls[f"{OURS}.paged16.auto_v"] = _auto_slices(impls[f"{OURS}.paged16"])
+        few = {"": K.select_decode(q.dtype, D, None, few=True), ".paged16": K.select_decode(q.dtype, D, ps, few=True)}
+        for v in (1, 2, 4, 8):
+            impls[f"{OURS}@v{v}"] = lambda v=v: K.cached_forward(
+                q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5, None, path="decode",
+                config=replace(few[""], v_slices=v), decode_only=True)
+            impls[f"{OURS}.paged16@v{v}"] = lambda v=v: K.cached_forward(
+                q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None, path="decode",
+                config=replace(few[".paged16"], v_slices=v), decode_only=True)
     for c in _candidates("decode", all_configs):
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5,
                                                                 None, path="decode", config=c, decode_only=True)
@@ -209,15 +241,16 @@ def train_case(B: int, S: int, all_configs: bool = False):
 
 
 def run(quick: bool, repeats: int, all_configs: bool = False,
-        kinds: Sequence[str] = ("prefill", "decode", "train")) -> list[dict]:
+        kinds: Sequence[str] = ("prefill", "decode", "train"), decode_batch: Sequence[int] = DECODE_BATCH,
+        decode_ctx: Sequence[int] = DECODE_CTX) -> list[dict]:
     dev, ver = device_info("cuda"), versions()
     rows: list[dict] = []
     cases: list[tuple[str, Callable]] = []
     prefill = PREFILL[:1] if quick else PREFILL
     for B, S in prefill:
         cases.append(("prefill", lambda B=B, S=S: prefill_case(B, S, all_configs)))
-    for B in DECODE_BATCH:
-        for ctx in (DECODE_CTX[:2] if quick else DECODE_CTX):
+    for B in decode_batch:
+        for ctx in (decode_ctx[:2] if quick else decode_ctx):
             cases.append(("decode", lambda B=B, ctx=ctx: decode_case(B, ctx, all_configs)))
     cases.append(("train", lambda: train_case(1 if quick else 4, 4096, all_configs)))
     cases = [(kind, make) for kind, make in cases if kind in kinds]
@@ -256,7 +289,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--configs", choices=("default", "all"), default="default",
                     help="all: also time every candidate launch configuration (kernels.CANDIDATE_CONFIGS)")
     ap.add_argument("--kinds", default="prefill,decode,train", help="comma-separated subset of prefill,decode,train")
+    ap.add_argument("--decode-batch", default=",".join(map(str, DECODE_BATCH)),
+                    help="comma-separated decode batch sizes (default: the issue's 1,64)")
+    ap.add_argument("--decode-ctx", default=",".join(map(str, DECODE_CTX)),
+                    help="comma-separated decode contexts, multiples of 16 (default: the issue's 512,4096,32768)")
     args = ap.parse_args(argv)
+
+    def ints(flag: str, text: str, multiple: int = 1) -> tuple[int, ...]:
+        try:
+            vals = tuple(int(x) for x in text.split(",") if x)
+        except ValueError:
+            vals = ()
+        if not vals or min(vals) < 1 or any(x % multiple for x in vals):
+            ap.error(f"{flag}: expected positive integers (multiples of {multiple}) separated by commas, got {text!r}")
+        return vals
+
+    decode_batch = ints("--decode-batch", args.decode_batch)
+    decode_ctx = ints("--decode-ctx", args.decode_ctx, 16)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     bad = [k for k in kinds if k not in ("prefill", "decode", "train")]
     if bad or not kinds:
@@ -265,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench_attention_gpu: no CUDA device visible", file=sys.stderr)
         return 2
     repeats = args.repeats or (3 if args.quick else 15)
-    rows = run(args.quick, repeats, args.configs == "all", kinds)
+    rows = run(args.quick, repeats, args.configs == "all", kinds, decode_batch, decode_ctx)
     target = {"prefill": 0.9, "decode": 0.9}
     def has_target(r):  # the training forward (extra outputs for the backward) is reported, not targeted
         return r["kind"] in target and ".train_forward" not in r["implementation"]

@@ -5,7 +5,7 @@
 #
 #   STEPS="tests bench_attention bench_logprob bench_gemm" bash tools/benchmarking/gpu_all_run.sh
 #
-# Steps: tests, bench_attention, bench_attention_configs, bench_logprob, debug_logprob, bench_gemm,
+# Steps: tests, bench_attention, bench_attention_extra (BENCH_ATTENTION_EXTRA_ARGS), bench_attention_configs, bench_logprob, debug_logprob, bench_gemm,
 # check_cuda (`rlk check --device cuda`: fp32 and bf16 R/R, the P/P control), ablation
 # (tools/benchmarking/attention_ablation_gpu.py), sweep (tools/benchmarking/gemm_sweep.py),
 # host_overhead (tools/benchmarking/host_overhead_gpu.py), breakdown
@@ -50,6 +50,10 @@ for step in $STEPS; do
     bench_attention)
       timeout ${BENCH_ATTENTION_TIMEOUT:-150} python3 benchmarks/operators/bench_attention_gpu.py --out "$OUT/bench_attention_gpu.json" \
         ${BENCH_ATTENTION_ARGS:-} > "$OUT/bench_attention_gpu.log" 2>&1; tail -25 "$OUT/bench_attention_gpu.log" ;;
+    bench_attention_extra)  # a second attention benchmark invocation (BENCH_ATTENTION_EXTRA_ARGS, e.g. other decode batches)
+      timeout ${BENCH_ATTENTION_EXTRA_TIMEOUT:-150} python3 benchmarks/operators/bench_attention_gpu.py \
+        --out "$OUT/bench_attention_extra.json" ${BENCH_ATTENTION_EXTRA_ARGS:-} > "$OUT/bench_attention_extra.log" 2>&1
+      tail -60 "$OUT/bench_attention_extra.log" ;;
     bench_logprob)
       timeout ${BENCH_LOGPROB_TIMEOUT:-150} python3 benchmarks/operators/bench_linear_logprob_gpu.py --out "$OUT/bench_linear_logprob_gpu.json" \
         ${BENCH_LOGPROB_ARGS:-} > "$OUT/bench_linear_logprob_gpu.log" 2>&1; tail -25 "$OUT/bench_linear_logprob_gpu.log" ;;

@@ -36,6 +36,7 @@ __all__ = [
     "accuracy",
     "gpu_randn",
     "interp",
+    "offline_sm90",
 ]
 
 #: The Triton-interpreter subset: kernels run by ``TRITON_INTERPRET=1`` on CPU tensors (``make test``
@@ -43,6 +44,14 @@ __all__ = [
 interp = pytest.mark.skipif(
     not (os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None),
     reason="Triton-interpreter subset: needs triton and TRITON_INTERPRET=1 (make test runs it in .venv-vllm)",
+)
+
+
+#: Compiled ahead of time for sm_90 (no GPU): needs triton with its NVIDIA backend and bundled
+#: ``ptxas``, not the interpreter (``make test`` runs these in .venv-vllm without TRITON_INTERPRET).
+offline_sm90 = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="offline sm_90 compile: needs triton and TRITON_INTERPRET unset (make test runs it in .venv-vllm)",
 )
 
 

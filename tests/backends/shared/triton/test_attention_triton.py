@@ -71,6 +71,7 @@ from tests.backends.shared.triton._rowwise_common import (
     evidence,
     graph_us,
     interp,
+    offline_sm90,
 )
 
 OPS = ("attention.varlen_attention", "attention.cached_attention")
@@ -377,8 +378,17 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
     """Every configuration the launchers can select — prefill and decode on a contiguous or a
     paged cache, decode with many or few (sequence, kv head) pairs — is in ``shipped_forward_configs``, the
     list the GPU test proves raw-bit equal; ``few_programs`` compares the pairs with the SM count
-    and is False off CUDA. Negative control: the list without the few-programs variants is caught."""
+    and is False off CUDA; the few-programs tiles come with every value slicing ``value_slices``
+    can choose. Negative controls: the list without the few-programs variants, without the paged
+    prefill tile, without the value slicings, is caught."""
+    from dataclasses import replace
+
     from rl_engine.backends.shared.triton.attention import kernels as K
+
+    assert not K.few_programs(1, 8, torch.device("cpu"))
+    monkeypatch.setattr(K, "_sm_count_of", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cuda = torch.device("cuda", 0)
 
     def uncovered():
         missing = []
@@ -387,13 +397,13 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
                 shipped = K.shipped_forward_configs(dt, d)
                 chosen = [K.select_prefill(dt, d, page) for page in (None, 16, 64, 256)]
                 chosen += [K.select_decode(dt, d, page, few=few) for page in (None, 16, 64, 256) for few in (False, True)]
+                slicings = {K.value_slices(n, d, cuda) for n in range(1, 140)}
+                chosen += [replace(K.select_decode(dt, d, page, few=True), v_slices=v) for page in (None, 16, 64, 256)
+                           for v in slicings]
                 missing += [(dt, d, c) for c in chosen if c not in shipped]
         return missing
 
     assert uncovered() == []
-    assert not K.few_programs(1, 8, torch.device("cpu"))
-    monkeypatch.setattr(K, "_sm_count_of", lambda index: 132)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert K.few_programs(16, 8, torch.device("cuda")) and not K.few_programs(17, 8, torch.device("cuda"))
     assert K.few_programs(1, 8, torch.device("cuda", 0))
     # negative controls: the list as it was before the few-programs variants, and before the
@@ -404,6 +414,10 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
     monkeypatch.setattr(K, "shipped_forward_configs", lambda dt, d: [
         K.select_prefill(dt, d), *(K.select_decode(dt, d, p, few=f) for p in (None, 1) for f in (False, True))])
     assert any(c == K.PAGED_PREFILL_CONFIGS[(torch.bfloat16, 128)] for _, _, c in uncovered())
+    monkeypatch.setattr(K, "shipped_forward_configs", lambda dt, d: [
+        K.select_prefill(dt, d), K.select_prefill(dt, d, 1),
+        *(K.select_decode(dt, d, p, few=f) for p in (None, 1) for f in (False, True))])
+    assert uncovered() and all(c.v_slices > 1 for _, _, c in uncovered())
 
 
 @interp
@@ -487,6 +501,117 @@ def test_interpreter_decode_step_without_tile_table_and_long_combine():
     k2[16 * 1024 + 7, 0, 3] += 0.5
     perturbed = K.cached_forward(args[0], k2, *args[2:], path="decode", decode_only=True)
     assert not bit_diff(perturbed, merged)
+
+
+@interp
+def test_interpreter_value_slices_give_the_same_bits():
+    """``AttnConfig.v_slices``: programs that each accumulate a slice of the value columns (the
+    scores and softmax state computed alike in each) give the rows, the fp32 rows and the lse of
+    one program per tile — through the prefill kernel (one split, and several splits merged in
+    program) and the split kernel + combine, on a contiguous and a paged cache, with and without
+    the tile table. Negative control: one perturbed value column moves exactly that column of
+    the rows that see it (a slice that read or wrote the wrong columns would move others)."""
+    from dataclasses import replace
+
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    base = K.AttnConfig(16, 4, 2)
+    q, k, v, cu = make_qkv([40, 3, 20], 1, 2, 32, "float32", seed=12)  # the train path: out, fp32 out, lse
+    ref = K.varlen_forward(q, k, v, cu, 0.2, None, config=base)
+    for path in ("prefill", "decode"):
+        got = K.varlen_forward(q, k, v, cu, 0.2, None, path=path, config=replace(base, v_slices=2))
+        assert bit_diff(got[0], ref[0]) and bit_diff(got[1], ref[1]), path
+    with pytest.raises(ValueError, match="v_slices"):
+        K.varlen_forward(q, k, v, cu, 0.2, None, config=replace(base, v_slices=4))  # 8-column slices
+
+    lens = [1100, 3, 40]  # the last token of each: two KV splits for the first
+    q, k, v, cu = make_qkv(lens, 1, 2, 32, "float32", seed=11)
+    last = torch.tensor([c - 1 for c in accumulate(lens)])
+    q_seq, q_pos = torch.arange(3), torch.tensor([n - 1 for n in lens])
+    contiguous = (k, v, torch.tensor([[0], [1100], [1103]]), 2048)
+    npages = sum(-(-n // 16) for n in lens)
+    perm = torch.randperm(npages, generator=torch.Generator().manual_seed(3))  # 16-row pages, shuffled
+    kp, vp = torch.zeros(npages * 16, 1, 32), torch.zeros(npages * 16, 1, 32)
+    rows = []
+    for i, n in enumerate(lens):
+        pages = perm[sum(-(-m // 16) for m in lens[:i]):][: -(-n // 16)]
+        slots = (pages[:, None] * 16 + torch.arange(16)).reshape(-1)[:n]
+        kp[slots], vp[slots] = k[cu[i] : cu[i + 1]], v[cu[i] : cu[i + 1]]
+        rows.append(torch.cat([pages * 16, torch.zeros(80 - len(pages), dtype=torch.int64)]))
+    paged = (kp, vp, torch.stack(rows), 16)
+
+    def step(kk, vv, page_rows, psz, path, vs, one=False, n=3):
+        return K.cached_forward(q[last[3 - n :]].contiguous(), kk, vv, page_rows[3 - n :], psz, q_seq[:n],
+                                q_pos[3 - n :], 0.2, None, path=path, config=replace(base, v_slices=vs),
+                                decode_only=one)
+
+    want = step(*contiguous, "prefill", 1)
+    for cache in (contiguous, paged):
+        for path, one in (("prefill", False), ("decode", False), ("decode", True)):
+            assert bit_diff(step(*cache, path, 2, one), want), (cache[3], path, one)
+    short = step(k, v, contiguous[2], 64, "decode", 2, one=True, n=2)  # one split: the prefill kernel
+    assert bit_diff(short, want[1:])
+    v2 = v.clone()
+    v2[1090, 0, 21] += 0.5  # column 21: the second slice of two
+    changed = (step(k, v2, *contiguous[2:], "decode", 2) != want).nonzero().tolist()
+    assert changed and {(r, c) for r, _, c in changed} <= {(0, 21)}, changed
+
+
+@interp
+def test_interpreter_value_slices_rule(monkeypatch):
+    """``value_slices``: doubled while the doubled grid fits in one wave of SMs, at most 8, slices
+    of at least 16 columns; 1 off CUDA. ``cached_forward`` asks it only inside
+    ``auto_value_slices()`` (off by default until timed on the H200), which restores the switch
+    on the way out, an exception included; the rows are the same bits either way."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    assert K.value_slices(1, 128, torch.device("cpu")) == 1
+    monkeypatch.setattr(K, "_sm_count_of", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    # batch 1, 8 kv heads: 512 keys (1 split), 4096 (4), 32768 (32); batch 16 at 4096 keys
+    assert [K.value_slices(8 * s, 128, cuda) for s in (1, 4, 32)] == [8, 4, 1]
+    assert K.value_slices(16 * 8 * 4, 128, cuda) == 1
+    assert K.value_slices(8, 32, cuda) == 2 and K.value_slices(8, 64, cuda) == 4
+
+    asked = []
+    monkeypatch.setattr(K, "few_programs", lambda *a: True)  # the interpreter's CPU tensors: pretend few SMs' worth
+    monkeypatch.setattr(K, "value_slices", lambda n, d, dev: asked.append(n) or 2)
+    q, k, v, cu = make_qkv([1100], 1, 2, 32, "float32", seed=13)
+    args = (q[-1:].contiguous(), k, v, torch.zeros((1, 1), dtype=torch.int64), 2048, torch.zeros(1, dtype=torch.int64),
+            torch.tensor([1099]), 0.2, None)
+    plain = K.cached_forward(*args, decode_only=True)
+    assert asked == [] and not K.AUTO_V_SLICES
+    with K.auto_value_slices():
+        sliced = K.cached_forward(*args, decode_only=True)
+    assert asked == [2] and bit_diff(sliced, plain)  # 1 sequence x 1 kv head x 2 splits
+    with pytest.raises(RuntimeError, match="boom"):
+        with K.auto_value_slices():
+            raise RuntimeError("boom")
+    assert not K.AUTO_V_SLICES
+
+
+@offline_sm90
+def test_offline_sm90_decode_kernels_are_pipelined_without_spills():
+    """Compiled ahead of time for sm_90 (``benchmarks/profiling/attention_resources_sm90.py``, no
+    GPU): every decode split-kernel launch that ``cached_forward`` can select loads its key and
+    value blocks through a software pipeline (``cp.async``), the default ones (one value slice)
+    without register spills, and so does the single-split prefill kernel. Negative control: the
+    same decode kernel compiled without the argument divisibility a real launch specialises has
+    no pipelined loads (what session 7's offline compile measured by mistake)."""
+    from benchmarks.profiling.attention_resources_sm90 import compile_sm90, variants
+
+    rows = {v.label: (v, compile_sm90(v)) for v in variants(("decode",))}
+    assert len(rows) == 20, sorted(rows)
+    for label, (v, r) in rows.items():
+        assert r.pipelined, (label, r)
+        if "_v" not in label:  # the shipped default: one value slice
+            assert r.spill_store_bytes == 0, (label, r)
+    prefill = [v for v in variants(("prefill",)) if v.label.startswith("prefill contiguous") and "multi=False" in v.label]
+    r = compile_sm90(prefill[0])
+    assert r.pipelined and r.spill_store_bytes == 0, r
+    default = rows["split contiguous m16_w4_s2 one=True"][0]
+    plain = compile_sm90(default, divisibility=False)
+    assert not plain.pipelined, plain
 
 
 # --------------------------------------------------------------------------- GPU: accuracy
@@ -788,7 +913,8 @@ def test_every_shipped_config_and_path_gives_the_same_rows(dtype, d, g):
     ref, ref_lse, _ = K.varlen_forward(q, k, v, cu, scale, None)
     # the shipped configs on both paths; the benchmark candidates (any may be shipped next) and
     # two extra tiles on the path they are candidates for
-    shipped = set(K.shipped_forward_configs(dt, d))
+    # (the value slicings of the few-programs tiles: test_value_slices_give_the_same_rows)
+    shipped = {c for c in K.shipped_forward_configs(dt, d) if c.v_slices == 1}
     runs = {(c, p) for c in shipped for p in ("prefill", "decode")}
     extra = (K.AttnConfig(16, 4, 2), K.AttnConfig(32, 4, 2))
     runs |= {(c, "prefill") for c in (*K.CANDIDATE_CONFIGS["prefill"], *extra)}
@@ -812,6 +938,54 @@ def test_every_shipped_config_and_path_gives_the_same_rows(dtype, d, g):
                                  torch.tensor([n - 1], device="cuda"), scale, None, path=path)
             assert bit_diff(o, ref[t : t + 1]), (t, path)
     evidence(f"attention_configs_{dtype}_d{d}_g{g}", {"compared_equal": seen})
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("g", [1, 4])
+def test_value_slices_give_the_same_rows(dtype, d, g, monkeypatch):
+    """``AttnConfig.v_slices`` on the GPU: every value slicing of the few-programs decode tiles
+    (``shipped_forward_configs``) gives the varlen rows and lse on both kernels, at a context of
+    three KV splits; a batch-1 decode step with the automatic selection (``auto_value_slices``)
+    picks a slicing > 1 on a contiguous and on a 16-token paged cache and gives the row. Negative control: a perturbed
+    value column moves exactly that column."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    dt = getattr(torch, dtype)
+    q, k, v, cu = (t.cuda() for t in make_qkv([2085, 300, 1], 2, g, d, dtype, seed=3 * d + g))
+    scale = d**-0.5
+    ref, ref_lse, _ = K.varlen_forward(q, k, v, cu, scale, None)
+    sliced = [c for c in K.shipped_forward_configs(dt, d) if c.v_slices > 1]
+    assert {c.v_slices for c in sliced} == {v for v in (2, 4, 8) if d // v >= 16}
+    for cfg in sliced:
+        for path in ("prefill", "decode"):
+            out, lse, _ = K.varlen_forward(q, k, v, cu, scale, None, path=path, config=cfg)
+            assert bit_diff(out, ref) and bit_diff(lse, ref_lse), (cfg.key, path, bit_diff(out, ref))
+    chosen = []
+    rule = K.value_slices
+    monkeypatch.setattr(K, "value_slices", lambda *a: chosen.append(rule(*a)) or chosen[-1])
+    t = 2084  # the last token of the first sequence: one step of batch 1
+    zero = torch.zeros(1, dtype=torch.int64, device="cuda")
+    pages = torch.randperm(131, generator=torch.Generator().manual_seed(d)).cuda()  # 16-row pages, shuffled
+    slots = (pages[:, None] * 16 + torch.arange(16, device="cuda")).reshape(-1)[: t + 1]
+    kp, vp = torch.zeros((131 * 16, 2, d), dtype=dt, device="cuda"), torch.zeros((131 * 16, 2, d), dtype=dt, device="cuda")
+    kp[slots], vp[slots] = k[: t + 1], v[: t + 1]
+    caches = {"contiguous": (k, v, zero[:, None], 4096), "paged16": (kp, vp, (pages * 16)[None, :], 16)}
+    with K.auto_value_slices():
+        for name, (kk, vv, page_rows, psz) in caches.items():
+            chosen.clear()
+            o = K.cached_forward(q[t : t + 1].contiguous(), kk, vv, page_rows, psz, zero, zero + t, scale, None,
+                                 decode_only=True)
+            assert chosen and chosen[-1] > 1, (name, chosen)
+            assert bit_diff(o, ref[t : t + 1]), (name, chosen)
+        v2 = v.clone()
+        v2[:, :, d - 1] *= 2  # the last value column doubled (exactly): the last slice's
+        o = K.cached_forward(q[t : t + 1].contiguous(), k, v2, zero[:, None], 4096, zero, zero + t, scale, None,
+                             decode_only=True)
+    changed = (o != ref[t : t + 1]).nonzero().tolist()
+    assert changed and {c for _, _, c in changed} == {d - 1}, changed
+    assert bit_diff(o[..., d - 1], 2 * ref[t : t + 1, :, d - 1])
 
 
 def _graph_replay(fn):

@@ -38,7 +38,7 @@ import functools
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -56,6 +56,8 @@ __all__ = [
     "FEW_DECODE_CONFIGS",
     "FEW_PAGED_DECODE_CONFIGS",
     "few_programs",
+    "value_slices",
+    "auto_value_slices",
     "BWD_CONFIGS",
     "shipped_forward_configs",
     "select_prefill",
@@ -107,10 +109,16 @@ class AttnConfig:
     block_m: int
     num_warps: int
     num_stages: int
+    #: programs per (tile, kv head[, split]) that each accumulate ``D / v_slices`` columns of
+    #: ``P·V`` (scores and softmax state computed alike in each): parallelism for decode steps
+    #: with few programs (``value_slices``). The scores, the state and each output column's
+    #: products are the same, so the same bits.
+    v_slices: int = 1
 
     @property
     def key(self) -> str:
-        return f"m{self.block_m}_w{self.num_warps}_s{self.num_stages}"
+        v = f"_v{self.v_slices}" if self.v_slices > 1 else ""
+        return f"m{self.block_m}_w{self.num_warps}_s{self.num_stages}{v}"
 
 
 C = AttnConfig
@@ -219,11 +227,54 @@ def few_programs(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool
     return num_seqs * num_kv_heads < _sm_count_of(index)
 
 
+#: Most value slices of a decode program (``value_slices``); a slice keeps at least 16 columns.
+MAX_V_SLICES = 8
+#: Whether ``cached_forward`` picks a value slicing by ``value_slices`` for decode steps with
+#: few programs. Off until an H200 run has timed it (session 8 had no device time left): the
+#: benchmark's ``@v1`` .. ``@v8`` and ``.auto_v`` rows measure it, the GPU tests prove its bits;
+#: ``auto_value_slices()`` turns it on for a block of code. The bits are the same either way.
+AUTO_V_SLICES = False
+
+
+@contextlib.contextmanager
+def auto_value_slices(on: bool = True) -> Iterator[None]:
+    """Set ``AUTO_V_SLICES`` inside the block (restored in ``finally``)."""
+    global AUTO_V_SLICES
+    saved, AUTO_V_SLICES = AUTO_V_SLICES, bool(on)
+    try:
+        yield
+    finally:
+        AUTO_V_SLICES = saved
+
+
+def value_slices(programs: int, head_dim: int, device: torch.device) -> int:
+    """Value slices (``AttnConfig.v_slices``) for a decode launch of ``programs`` (tile, kv head,
+    split) programs: doubled while the doubled grid still fits in one wave of the device's SMs,
+    up to ``MAX_V_SLICES`` and slices of 16 columns; 1 off CUDA.
+
+    A decode step of few sequences has few programs (batch 1, 8 kv heads, 4096 keys: 32 on a
+    132-SM H200), each walking its split's 16 blocks in sequence; slicing the ``P·V`` columns
+    over more programs spreads the value loads (each slice reads the whole key block for its
+    scores, and the slices share it through L2). Every slicing gives the same bits (tested)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sm = _sm_count_of(index)
+    vs = 1
+    while vs < MAX_V_SLICES and head_dim // (2 * vs) >= 16 and programs * 2 * vs <= sm:
+        vs *= 2
+    return vs
+
+
 def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfig]:
-    """Every forward configuration a call can use for ``(dtype, head_dim)`` (the tests cover each)."""
+    """Every forward configuration a call can use for ``(dtype, head_dim)`` (the tests cover each):
+    the prefill tiles, the decode tiles, and the few-programs decode tiles with every value
+    slicing ``value_slices`` can choose."""
     out = [select_prefill(dtype, head_dim)]
+    few = [select_decode(dtype, head_dim, page, few=True) for page in (None, 1)]
+    sliced = [replace(c, v_slices=v) for c in few for v in (2, 4, 8) if v <= MAX_V_SLICES and head_dim // v >= 16]
     for cfg in (select_prefill(dtype, head_dim, page_size=1),
-                *(select_decode(dtype, head_dim, page, few=few) for page in (None, 1) for few in (False, True))):
+                *(select_decode(dtype, head_dim, page, few=False) for page in (None, 1)), *few, *sliced):
         if cfg not in out:
             out.append(cfg)
     return out
@@ -416,7 +467,7 @@ def rlk_attn_kv_base(pr_ptr, seq, pr_stride):
 
 @triton.jit
 def rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, b, m, l, acc,
-                   qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    PAGED: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
     """One 64-key block ``b`` of the online softmax. ``MASKED=False`` is only used for blocks
     every row of the tile sees entirely (``wlo <= 64·b`` and ``64·b + 63 <= pos``, so every row is
@@ -430,7 +481,10 @@ def rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
     ``l·1 + 0 = l``, ``acc·1 + 0 = acc`` (never ``-0``); with ``m = -inf`` (no key seen yet) the
     shift is taken as 0, so ``α = P = 0`` and the state stays ``(-inf, +0, +0)``. A row inside
     its range sees at least one key of the block (its visible keys are contiguous), so ``m'`` is
-    finite and the guard changes nothing."""
+    finite and the guard changes nothing.
+
+    ``offs_v``: the value columns this program accumulates (all ``HEAD_D``, or a slice of
+    ``AttnConfig.v_slices``); the scores use the whole head dim either way."""
     offs_n = tl.arange(0, 64)
     offs_d = tl.arange(0, HEAD_D)
     kpos = b * 64 + offs_n
@@ -438,7 +492,7 @@ def rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
     koff = rows * sk_row + kvh * sk_head
     voff = rows * sv_row + kvh * sv_head
     kt = tl.load(k_ptr + koff[None, :] + offs_d[:, None])  # [D, 64]
-    v = tl.load(v_ptr + voff[:, None] + offs_d[None, :])  # [64, D]
+    v = tl.load(v_ptr + voff[:, None] + offs_v[None, :])  # [64, DV]
     if IEEE:
         s = tl.dot(q, kt, input_precision="ieee")
     else:
@@ -464,8 +518,9 @@ def rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
 
 @triton.jit
 def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, valid, b0, b1,
-                   qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   PAGED: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                   qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr, DV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr):
     """One KV split's online softmax over blocks ``b0 .. b1`` (increasing) from the state
     ``(-inf, 0, 0)``; a row's state changes only in the blocks of its own range ``[lo, hi]``
     (``rlk_attn_block``: no per-row select).
@@ -476,7 +531,7 @@ def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
     (Padding rows, never stored, may take finite values in the unmasked run.)"""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], tl.float32)
     if SPLIT and not HAS_WINDOW:
         # no window: every row sees the blocks from 0, so the blocks every row sees entirely are
         # a prefix ``b0 .. min(b1, f1)``; two runs (unmasked, then masked), in increasing order
@@ -484,11 +539,11 @@ def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
         u1 = tl.minimum(b1, f1)
         for b in range(b0, u1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M,
                                        PAGED, IEEE, False)
         for b in range(tl.maximum(u1 + 1, b0), b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M,
                                        PAGED, IEEE, True)
     elif SPLIT:
         f0 = (tl.max(tl.where(valid, wlo, 0), axis=0) + 63) // 64
@@ -500,20 +555,20 @@ def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
         e1 = tl.minimum(u0 - 1, b1)
         for b in range(b0, e1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M,
                                        PAGED, IEEE, True)
         for b in range(u0, u1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M,
                                        PAGED, IEEE, False)
         for b in range(tl.maximum(u1 + 1, e1 + 1), b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M,
                                        PAGED, IEEE, True)
     else:  # one masked run (fp32 by default: IEEE products by FMA, a third of the code to compile)
         for b in range(b0, b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M,
                                        PAGED, IEEE, True)
     return m, l, acc
 
@@ -564,17 +619,26 @@ def rlk_attn_finish(M, L, A, out_ptr, out32_ptr, lse_ptr, q_off, lse_off, valid,
 @triton.jit
 def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_ptr, pr_ptr, pr_stride,
                  page_size: tl.constexpr, G: tl.constexpr, W,
-                 qk_scale, sk_row, sk_head, sv_row, sv_head, HQ, HKV, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, STORE_F32: tl.constexpr,
-                 STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, MULTI: tl.constexpr, ONE: tl.constexpr,
-                 PDL: tl.constexpr):
+                 qk_scale, sk_row, sk_head, sv_row, sv_head, HQ, HKV, HEAD_D: tl.constexpr, DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr,
+                 STORE_F32: tl.constexpr, STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, MULTI: tl.constexpr,
+                 ONE: tl.constexpr, PDL: tl.constexpr):
+    """Grid (tiles, kv heads, ``HEAD_D / DV``): the splits of a tile in sequence, merged; the
+    third axis takes ``DV`` value columns each (``AttnConfig.v_slices``; the first stores the lse)."""
     rlk_attn_gdc_wait(PDL)
     t = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
+    vs = tl.program_id(2)
     seq, valid, tok, g, pos, wlo, lo, hi, first, last, cap = rlk_attn_rows(tab_ptr, t, G, W, HAS_WINDOW, BLOCK_M,
                                                                            ONE)
     if last >= 0:
         offs_d = tl.arange(0, HEAD_D)
+        if DV == HEAD_D:  # one slice (every prefill and train launch): the code without slices
+            offs_v = offs_d
+            lse_valid = valid
+        else:
+            offs_v = vs * DV + tl.arange(0, DV)
+            lse_valid = valid & (tl.full([BLOCK_M], vs, tl.int32) == 0)  # (a vector compare: see rlk_attn_ws_load)
         head = kvh * G + g
         q_off = (tok * HQ + head) * HEAD_D
         q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -590,16 +654,16 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_
             # constant offsets (no per-element pointers held in registers across the block walk).
             # The first split merges with the initial (-inf, 0, +0) state, as rlk_attn_combine does.
             scr = (scr_ptr + (t.to(tl.int64) * HKV + kvh) * (BLOCK_M * HEAD_D)
-                   + (tl.arange(0, BLOCK_M)[:, None] * HEAD_D + offs_d[None, :]))
+                   + (tl.arange(0, BLOCK_M)[:, None] * HEAD_D + offs_v[None, :]))
             for sp in range(s_first, s_last):
                 m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos,
                                          wlo, valid, tl.maximum(first, sp * 16), sp * 16 + 15, qk_scale,
-                                         sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M, PAGED, IEEE, SPLIT,
-                                         HAS_WINDOW)
+                                         sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, DV, BLOCK_M, PAGED, IEEE,
+                                         SPLIT, HAS_WINDOW)
                 if sp > s_first:
                     A = tl.load(scr)
                 else:
-                    A = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+                    A = tl.zeros([BLOCK_M, DV], tl.float32)
                 M, L, A = rlk_attn_merge(M, L, A, m, l, a)
                 tl.store(scr, A)
         # The last split (the only one when MULTI is off: every query position < 1024), then the
@@ -607,7 +671,7 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_
         # state is an exact identity (M = m; L = fma(l, 1, 0) = l; A = fma(a, 1, 0) = a, a never -0).
         m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                  valid, tl.maximum(first, s_last * 16), last, qk_scale, sk_row, sk_head, sv_row,
-                                 sv_head, HEAD_D, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW)
+                                 sv_head, offs_v, HEAD_D, DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW)
         if MULTI:
             if s_last > s_first:
                 M, L, A = rlk_attn_merge(M, L, tl.load(scr), m, l, a)
@@ -615,7 +679,7 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_
                 M, L, A = m, l, a
         else:
             M, L, A = m, l, a
-        rlk_attn_finish(M, L, A, out_ptr, out32_ptr, lse_ptr, q_off, tok * HQ + head, valid, valid, offs_d,
+        rlk_attn_finish(M, L, A, out_ptr, out32_ptr, lse_ptr, q_off, tok * HQ + head, valid, lse_valid, offs_v,
                         STORE_F32, STORE_LSE)
 
 
@@ -623,32 +687,43 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_
 def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_ptr, pr_ptr, pr_stride,
                        page_size: tl.constexpr, G: tl.constexpr, W,
                        qk_scale, sk_row, sk_head, sv_row, sv_head, NS, HQ, HKV, HEAD_D: tl.constexpr,
-                       BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr,
-                       SPLIT: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr):
+                       DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr,
+                       IEEE: tl.constexpr, SPLIT: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr):
+    """Grid (tiles, kv heads, splits · ``HEAD_D / DV``): program ``(t, h, j·VS + vs)`` runs split
+    ``j`` of tile ``t`` for value columns ``vs·DV ..`` (``AttnConfig.v_slices``; the ``vs = 0``
+    program stores the split's ``m``, ``l``, which every slice computes alike) into the workspace
+    that ``rlk_attn_combine`` folds."""
     rlk_attn_gdc_wait(PDL)
     rlk_attn_gdc_launch(PDL)  # the combine may launch (it waits for this kernel's end)
     t = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
-    j = tl.program_id(2)
+    j = tl.program_id(2) // (HEAD_D // DV)
+    vs = tl.program_id(2) % (HEAD_D // DV)
     seq, valid, tok, g, pos, wlo, lo, hi, first, last, cap = rlk_attn_rows(tab_ptr, t, G, W, HAS_WINDOW, BLOCK_M,
                                                                            ONE)
     sp = first // 16 + j
     if (last >= 0) & (sp <= last // 16):
         offs_d = tl.arange(0, HEAD_D)
+        if DV == HEAD_D:
+            offs_v = offs_d
+            state = valid
+        else:
+            offs_v = vs * DV + tl.arange(0, DV)
+            state = valid & (tl.full([BLOCK_M], vs, tl.int32) == 0)  # one slice stores the state
         q_off = (tok * HQ + kvh * G + g) * HEAD_D
         q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         b0 = tl.maximum(first, sp * 16)
         b1 = tl.minimum(last, sp * 16 + 15)
         kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)
         m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                 valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, HEAD_D, BLOCK_M,
-                                 PAGED, IEEE, SPLIT, HAS_WINDOW)
+                                 valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, DV,
+                                 BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW)
         # only the tile's valid rows (a decode tile of G or fewer units in 16 rows): padding rows
         # are never read back, so their stores would be workspace traffic for nothing
         slot = ((t.to(tl.int64) * HKV + kvh) * NS + j) * BLOCK_M + tl.arange(0, BLOCK_M)
-        tl.store(ws_m_ptr + slot, m, mask=valid)
-        tl.store(ws_l_ptr + slot, l, mask=valid)
-        tl.store(ws_a_ptr + slot[:, None] * HEAD_D + offs_d[None, :], a, mask=valid[:, None])
+        tl.store(ws_m_ptr + slot, m, mask=state)
+        tl.store(ws_l_ptr + slot, l, mask=state)
+        tl.store(ws_a_ptr + slot[:, None] * HEAD_D + offs_v[None, :], a, mask=valid[:, None])
 
 
 @triton.jit
@@ -728,7 +803,7 @@ def rlk_attn_combine(out_ptr, out32_ptr, lse_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, 
             M, L, A = rlk_attn_merge(M, L, A, m14, l14, a14)
             M, L, A = rlk_attn_merge(M, L, A, m15, l15, a15)
         rlk_attn_finish(M, L, A, out_ptr, out32_ptr, lse_ptr, (tok * HQ + head) * HEAD_D, tok * HQ + head, valid,
-                        valid & (dc == 0), offs_d, STORE_F32, STORE_LSE)
+                        valid & (tl.full([BLOCK_M], dc, tl.int32) == 0), offs_d, STORE_F32, STORE_LSE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1137,6 +1212,9 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     has_w = window is not None
     w = int(window) if has_w else 0
     dummy = out32 if out32 is not None else (lse if lse is not None else out)
+    vsl = cfg.v_slices
+    if vsl < 1 or D % vsl or D // vsl < 16:
+        raise ValueError(f"config: v_slices={vsl} must divide head_dim={D} into slices of at least 16 columns")
     common = dict(HQ=Hq, HKV=Hkv, HEAD_D=D, BLOCK_M=cfg.block_m, HAS_WINDOW=has_w)
     runs = split_runs(q.dtype)
     # storage rows may be views with their own row / head strides (an engine's cache buffer);
@@ -1161,19 +1239,19 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
                 scr = torch.empty((nt * Hkv * cfg.block_m * D,), dtype=torch.float32, device=q.device)
             else:
                 scr = torch.empty((1,), dtype=torch.float32, device=q.device)
-            rlk_attn_fwd[(nt, Hkv)](
+            rlk_attn_fwd[(nt, Hkv, vsl)](
                 q, k_rows, v_rows, out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, scr,
-                tab, page_rows, page_rows.stride(0), psz, G, w, float(scale), *kv_strides, **common, PAGED=paged,
-                IEEE=ieee, STORE_F32=want_f32, STORE_LSE=want_lse, SPLIT=runs, MULTI=multi, ONE=one, PDL=pdl,
+                tab, page_rows, page_rows.stride(0), psz, G, w, float(scale), *kv_strides, **common, DV=D // vsl,
+                PAGED=paged, IEEE=ieee, STORE_F32=want_f32, STORE_LSE=want_lse, SPLIT=runs, MULTI=multi, ONE=one, PDL=pdl,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
             )
         else:
             ws_m = torch.empty((nt, Hkv, ns, cfg.block_m), dtype=torch.float32, device=q.device)
             ws_l = torch.empty_like(ws_m)
             ws_a = torch.empty((nt, Hkv, ns, cfg.block_m, D), dtype=torch.float32, device=q.device)
-            rlk_attn_fwd_split[(nt, Hkv, ns)](
+            rlk_attn_fwd_split[(nt, Hkv, ns * vsl)](
                 q, k_rows, v_rows, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), psz, G, w,
-                float(scale), *kv_strides, ns, **common, PAGED=paged, IEEE=ieee, SPLIT=runs, ONE=one, PDL=pdl,
+                float(scale), *kv_strides, ns, **common, DV=D // vsl, PAGED=paged, IEEE=ieee, SPLIT=runs, ONE=one, PDL=pdl,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
             )
             dc = min(D, COMBINE_COLUMNS)
@@ -1269,19 +1347,27 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     ``decode_only`` reads the wrong rows: it is the ops layer's to derive, not a user's to set."""
     T, Hq, D = q.shape
     B = page_rows.shape[0]
-    G = Hq // k_rows.shape[1]
+    Hkv = k_rows.shape[1]
+    G = Hq // Hkv
     P = page_rows.shape[1]
     bound = page_size if P == 1 else P * page_size
     if path is None:
         path = "decode" if use_decode_path(T, B, G) else "prefill"
-    cfg = config or (select_decode(q.dtype, D, page_size if P > 1 else None,
-                                   few=few_programs(B, k_rows.shape[1], q.device)) if path == "decode"
-                     else select_prefill(q.dtype, D, page_size if P > 1 else None))
+    max_positions = min(bound, 1 << 40)
+    if config is not None:
+        cfg = config
+    elif path == "decode":
+        few = few_programs(B, Hkv, q.device)
+        cfg = select_decode(q.dtype, D, page_size if P > 1 else None, few=few)
+        if few and AUTO_V_SLICES:  # tiles (one per sequence in a decode-only step; else the table's bound) x kv heads x splits
+            tiles = B if decode_only else -(-T * G // cfg.block_m) + B
+            cfg = replace(cfg, v_slices=value_slices(tiles * Hkv * num_splits(max_positions), D, q.device))
+    else:
+        cfg = select_prefill(q.dtype, D, page_size if P > 1 else None)
     q_seq = q_seq.to(torch.int64).contiguous()
     q_pos = q_pos.to(torch.int64).contiguous()
     if decode_only and T != B:
         raise ValueError(f"decode_only: expected one query token per sequence (T == B), got T={T}, B={B}")
-    max_positions = min(bound, 1 << 40)
     one = decode_only and path == "decode" and G <= cfg.block_m and tile_free_rows(P > 1, num_splits(max_positions))
     if one:
         tab = q_pos

@@ -1,0 +1,200 @@
+"""Registers, spills and software pipelining of the attention kernels for sm_90, without a GPU.
+
+Compiles each shipped forward launch of ``rl_engine.backends.shared.triton.attention.kernels``
+ahead of time for an H100/H200 (``GPUTarget("cuda", 90, 128)``) with the Triton installed here,
+assembles the PTX with the ``ptxas`` that Triton bundles (``-v``), and reports per kernel
+variant: registers per thread, spill stores, whether the key/value loads are software-pipelined
+(``cp.async`` copies in the PTX) and the PTX size. A proxy, not a measurement: the Triton here
+may differ from the device's (the H200 image has Triton 3.6), and only a timed run on the device
+says what is fast.
+
+Arguments are specialised as a real launch specialises them: pointers and the strides of the
+K/V storage rows divisible by 16 (``tt.divisibility``), which decides load vectorisation and
+pipelining. Without it (``--no-divisibility``, the negative control) the loads stay scalar and
+unpipelined and the decode kernel spills — what an offline compile without it showed in
+session 7 (255 registers, spills), a finding of the compile setup rather than of the kernel.
+
+Usage::
+
+    python benchmarks/profiling/attention_resources_sm90.py --out /tmp/attention_resources.json
+    python benchmarks/profiling/attention_resources_sm90.py --out /tmp/a.json --kernels decode --no-divisibility
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+#: Kernel arguments that a launch on real tensors specialises as divisible by 16 (pointers, the
+#: row / head strides of storage rows laid out ``[N, Hkv, D]`` with ``D`` a multiple of 16, the head counts).
+DIVISIBLE = frozenset({"q_ptr", "k_ptr", "v_ptr", "out_ptr", "out32_ptr", "lse_ptr", "scr_ptr", "ws_m_ptr", "ws_l_ptr",
+                       "ws_a_ptr", "tab_ptr", "pr_ptr", "sk_row", "sk_head", "sv_row", "sv_head"})
+_FP32 = frozenset({"out32_ptr", "lse_ptr", "scr_ptr", "ws_m_ptr", "ws_l_ptr", "ws_a_ptr"})
+_I64 = frozenset({"tab_ptr", "pr_ptr"})
+_SCALARS = {"pr_stride": "i64", "sk_row": "i64", "sk_head": "i64", "sv_row": "i64", "sv_head": "i64", "W": "i32",
+            "qk_scale": "fp32", "NS": "i32", "HQ": "i32", "HKV": "i32"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled kernel: its name, the compile-time constants and launch options."""
+
+    label: str
+    kernel: str
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+
+@dataclass
+class Resources:
+    label: str
+    kernel: str
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    cp_async: int
+    ptx_lines: int
+    seconds: float
+
+    @property
+    def pipelined(self) -> bool:
+        return self.cp_async > 0
+
+
+def signature(fn, dtype: str, constexprs: dict) -> dict:
+    """The argument types of a kernel call with ``dtype`` (``"bf16"``, ``"fp16"``, ``"fp32"``) q/k/v."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32" if name in _FP32 else ("*i64" if name in _I64 else f"*{dtype}")
+        else:
+            sig[name] = _SCALARS[name]
+    return sig
+
+
+def compile_sm90(variant: Variant, dtype: str = "bf16", divisibility: bool = True) -> Resources:
+    """Compile ``variant`` for sm_90 and read its resources from ``ptxas -v``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    fn = getattr(K, variant.kernel)
+    sig = signature(fn, dtype, variant.constexprs)
+    attrs = ({(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+              if n in DIVISIBLE and t != "constexpr"} if divisibility else {})
+    t0 = time.perf_counter()
+    src = ASTSource(fn=fn, signature=sig, constexprs=variant.constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                              options={"num_warps": variant.num_warps, "num_stages": variant.num_stages,
+                                       "enable_fp_fusion": False, "launch_pdl": bool(variant.constexprs.get("PDL"))})
+    ptx = compiled.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    log = run.stderr
+
+    def num(pattern: str) -> int:
+        m = re.search(pattern, log)
+        if m is None:
+            raise RuntimeError(f"ptxas -v: no match for {pattern!r} in:\n{log}")
+        return int(m.group(1))
+
+    return Resources(label=variant.label, kernel=variant.kernel, registers=num(r"Used (\d+) registers"),
+                     spill_store_bytes=num(r"(\d+) bytes spill stores"), spill_load_bytes=num(r"(\d+) bytes spill loads"),
+                     cp_async=len(re.findall(r"cp\.async\.c[ag]\.", ptx)), ptx_lines=ptx.count("\n"),
+                     seconds=round(time.perf_counter() - t0, 2))
+
+
+def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: int = 128, group: int = 4) -> Iterator[Variant]:
+    """The shipped forward launches for 16-bit inputs (Qwen3-8B: D = 128, G = 4, no window)."""
+    import torch
+    from dataclasses import replace
+
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    common = {"G": group, "HEAD_D": head_dim, "HAS_WINDOW": False, "PDL": True}
+    if "decode" in kinds:
+        for paged, page in ((False, None), (True, 16)):
+            for few in (False, True):
+                base = K.select_decode(torch.bfloat16, head_dim, page, few=few)
+                slicings = (1, *(v for v in (2, 4, 8) if head_dim // v >= 16)) if few else (1,)
+                for vs in slicings:
+                    cfg = replace(base, v_slices=vs)
+                    for one in (False, True):
+                        yield Variant(f"split {'paged16' if paged else 'contiguous'} {cfg.key} one={one}",
+                                      "rlk_attn_fwd_split",
+                                      {**common, "page_size": page or 1, "DV": head_dim // vs, "BLOCK_M": cfg.block_m,
+                                       "PAGED": paged, "IEEE": False, "SPLIT": True, "ONE": one},
+                                      cfg.num_warps, cfg.num_stages)
+    if "prefill" in kinds:
+        for paged, page in ((False, None), (True, 16)):
+            cfg = K.select_prefill(torch.bfloat16, head_dim, page)
+            for multi in (False, True):
+                yield Variant(f"prefill {'paged16' if paged else 'contiguous'} {cfg.key} multi={multi}", "rlk_attn_fwd",
+                              {**common, "page_size": page or 1, "DV": head_dim, "BLOCK_M": cfg.block_m, "PAGED": paged,
+                               "IEEE": False, "STORE_F32": False, "STORE_LSE": False, "SPLIT": True, "MULTI": multi,
+                               "ONE": False}, cfg.num_warps, cfg.num_stages)
+    if "combine" in kinds:
+        cfg = K.select_decode(torch.bfloat16, head_dim)
+        yield Variant(f"combine {cfg.key}", "rlk_attn_combine",
+                      {**common, "BLOCK_M": cfg.block_m, "DC": min(head_dim, K.COMBINE_COLUMNS), "STORE_F32": False,
+                       "STORE_LSE": False, "ONE": True}, cfg.num_warps, 1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="JSON file for the rows")
+    ap.add_argument("--kernels", default="decode,prefill,combine", help="comma-separated subset of decode,prefill,combine")
+    ap.add_argument("--no-divisibility", action="store_true",
+                    help="compile without the divisibility a real launch specialises (negative control)")
+    args = ap.parse_args(argv)
+    kinds = tuple(k for k in args.kernels.split(",") if k)
+    if not kinds or any(k not in ("decode", "prefill", "combine") for k in kinds):
+        ap.error(f"--kernels: expected a subset of decode,prefill,combine, got {args.kernels!r}")
+    try:
+        import triton
+    except ImportError:
+        print("attention_resources_sm90: needs triton (with its NVIDIA backend and bundled ptxas)", file=sys.stderr)
+        return 2
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("attention_resources_sm90: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
+        return 2
+    rows = []
+    todo = list(variants(kinds))
+    for i, v in enumerate(todo, 1):
+        r = compile_sm90(v, divisibility=not args.no_divisibility)
+        rows.append({**asdict(r), "pipelined": r.pipelined, "num_warps": v.num_warps, "num_stages": v.num_stages})
+        print(f"[{i:2d}/{len(todo)}] {r.label:52s} regs {r.registers:3d}  spill {r.spill_store_bytes:4d} B  "
+              f"{'pipelined' if r.pipelined else 'NOT pipelined':13s} ptx {r.ptx_lines:5d} lines  {r.seconds:5.1f} s",
+              flush=True)
+    report = {"schema_version": 1, "tool": "attention_resources_sm90", "target": "cuda sm_90 (offline)",
+              "triton": triton.__version__, "divisibility": not args.no_divisibility,
+              "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]), "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {len(rows)} rows to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
