@@ -16,6 +16,13 @@ does not:
 * fp fusion on/off at launch (the shipped kernels launch with ``enable_fp_fusion=False``);
 * ``+ind+table`` (``rlk_probe_attn_fwd_tab``): the tile from the shipped tile table (grid
   (table rows, kv heads)) with the shipped ``if last >= 0`` and masked q / output.
+* ``tma*`` (``rlk_probe_attn_fwd_tma``, session 8, not yet run): the textbook kernel with its
+  q / K / V / output tiles moved by the tensor-memory accelerator (host ``TensorDescriptor``s
+  over the ``[T, H·D]`` views), optionally with ``tl.range(..., warp_specialize=True)`` for the
+  unmasked blocks, and ``+contract`` with the shipped numerics (64-key blocks, the fixed row
+  sum, ``exp``, no FMA contraction): whether a Hopper data path moves the ceiling that the
+  textbook kernel set (0.58-0.70 of SDPA, session 3). A variant that does not compile on the
+  device's Triton is recorded as its error.
 
 The same process times the shipped launchers (train path ``varlen_forward`` with the fp32 output
 and lse; rollout path ``cached_forward(path="prefill")``, output only) and SDPA on the same
@@ -163,6 +170,87 @@ def rlk_probe_attn_fwd_tab(q_ptr, k_ptr, v_ptr, o_ptr, cu_ptr, tab_ptr, S, scale
         tl.store(o_ptr + qoff[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=valid[:, None])
 
 
+@triton.jit
+def rlk_probe_tma_block(q, k_desc, v_desc, krow, kcol, start, pos, m, l, acc, scale, BM: tl.constexpr, BN: tl.constexpr,
+                        LOG2BN: tl.constexpr, TREE: tl.constexpr, EXP2: tl.constexpr, MASKED: tl.constexpr):
+    kt = k_desc.load([krow + start, kcol])  # [BN, D]
+    v = v_desc.load([krow + start, kcol])
+    s = tl.dot(q, kt.T) * scale
+    if MASKED:
+        s = tl.where((start + tl.arange(0, BN))[None, :] <= pos[:, None], s, float("-inf"))
+    mn = tl.maximum(m, tl.max(s, axis=1))
+    if EXP2:
+        alpha = tl.exp2(m - mn)
+        p = tl.exp2(s - mn[:, None])
+    else:
+        alpha = tl.exp(m - mn)
+        p = tl.exp(s - mn[:, None])
+    if TREE:
+        rs = rlk_attn_rowsum(p, BM, BN, LOG2BN)
+    else:
+        rs = tl.sum(p, axis=1)
+    l = l * alpha + rs
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return mn, l, acc
+
+
+@triton.jit
+def rlk_probe_attn_fwd_tma(q_desc, k_desc, v_desc, o_desc, S, scale, HQ: tl.constexpr, HKV: tl.constexpr,
+                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG2BN: tl.constexpr,
+                           TREE: tl.constexpr, EXP2: tl.constexpr, WS: tl.constexpr):
+    """Causal forward, one program per (query tile, query head, sequence) of equal-length
+    sequences, every tile through a TMA descriptor over the ``[T, H·D]`` view. ``BM`` must be a
+    multiple of ``BN``: the blocks before the tile are unmasked (the loop ``WS`` warp-specialises),
+    the ``BM / BN`` diagonal blocks masked."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    kcol = (h // (HQ // HKV)) * D
+    row0 = b * S + tile * BM
+    q = q_desc.load([row0, h * D])
+    pos = tile * BM + tl.arange(0, BM)
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    for start in tl.range(0, tile * BM, BN, warp_specialize=WS):
+        m, l, acc = rlk_probe_tma_block(q, k_desc, v_desc, b * S, kcol, start, pos, m, l, acc, scale, BM, BN, LOG2BN,
+                                        TREE, EXP2, False)
+    for start in range(tile * BM, (tile + 1) * BM, BN):
+        m, l, acc = rlk_probe_tma_block(q, k_desc, v_desc, b * S, kcol, start, pos, m, l, acc, scale, BM, BN, LOG2BN,
+                                        TREE, EXP2, True)
+    o_desc.store([row0, h * D], (acc / l[:, None]).to(o_desc.dtype))
+
+
+def probe_tma(q, k, v, B, S, *, bm=128, bn=64, ws=False, contract=False, warps=8, stages=3):
+    """The TMA probe (``rlk_probe_attn_fwd_tma``); ``contract``: the shipped numerics (fixed row
+    sum, ``exp``, no FMA contraction) on the same data path."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    T = q.shape[0]
+    out = torch.empty_like(q)
+    qd = TensorDescriptor.from_tensor(q.view(T, HQ * D), [bm, D])
+    od = TensorDescriptor.from_tensor(out.view(T, HQ * D), [bm, D])
+    kd = TensorDescriptor.from_tensor(k.view(T, HKV * D), [bn, D])
+    vd = TensorDescriptor.from_tensor(v.view(T, HKV * D), [bn, D])
+    scale = D**-0.5 * (1.0 if contract else math.log2(math.e))
+    rlk_probe_attn_fwd_tma[(S // bm, HQ, B)](qd, kd, vd, od, S, scale, HQ=HQ, HKV=HKV, D=D, BM=bm, BN=bn,
+                                             LOG2BN=int(math.log2(bn)), TREE=contract, EXP2=not contract, WS=ws,
+                                             num_warps=warps, num_stages=stages, enable_fp_fusion=not contract)
+    return out
+
+
+TMA_VARIANTS = {
+    # name: keyword arguments of probe_tma
+    "tma_bn64_w8_s3": dict(bn=64),
+    "tma_bn128_w8_s3": dict(bn=128),
+    "tma_ws_bn64_w8_s3": dict(bn=64, ws=True),
+    "tma_ws_bn128_w8_s3": dict(bn=128, ws=True),
+    "tma_ws_bn64_w4_s3": dict(bn=64, ws=True, warps=4),
+    "tma_bn64_w8_s3+contract": dict(bn=64, contract=True),
+    "tma_ws_bn64_w8_s3+contract": dict(bn=64, ws=True, contract=True),
+}
+
+
 def probe_tab(q, k, v, cu, B, S, *, warps=8, stages=2):
     """``+ind`` on the shipped tile table (``kernels.varlen_tiles``, built outside the timing)."""
     from rl_engine.backends.shared.triton.attention import kernels as K
@@ -249,6 +337,8 @@ def main(argv=None) -> int:
             kw = dict(zip(("bm", "bn", "pack", "tree", "exp2", "ind", "warps", "stages", "fusion"), cfg))
             impls[f"probe:{name}"] = lambda kw=kw: probe(q, k, v, cu, B, S, **kw)
         impls["probe:+ind+table"] = lambda: probe_tab(q, k, v, cu, B, S)
+        for name, kw in TMA_VARIANTS.items():
+            impls[f"probe:{name}"] = lambda kw=kw: probe_tma(q, k, v, B, S, **kw)
         if args.once is not None:
             if args.once not in impls:
                 raise SystemExit(f"--once: expected one of {sorted(impls)}, got {args.once!r}")

@@ -1,0 +1,33 @@
+"""The GPU attention benchmark's command line, on the CPU: bad shapes and kinds are refused by
+name before any GPU work, and a machine without CUDA gets a clear exit, not a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.operators import bench_attention_gpu as bench
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--decode-batch", "0"], "--decode-batch: expected positive integers"),
+        (["--decode-batch", "1,x"], "--decode-batch: expected positive integers"),
+        (["--decode-ctx", "100"], "--decode-ctx: expected positive integers (multiples of 16)"),
+        (["--decode-ctx", ""], "--decode-ctx: expected positive integers"),
+        (["--kinds", "decode,bogus"], "--kinds: expected a subset of prefill,decode,train"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--out", str(tmp_path / "a.json"), *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_valid_arguments_without_cuda_exit_cleanly(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "a.json"
+    code = bench.main(["--out", str(out), "--kinds", "decode", "--decode-batch", "1,2", "--decode-ctx", "512,4096"])
+    assert code == 2 and not out.exists()
+    assert "no CUDA device visible" in capsys.readouterr().err
