@@ -73,6 +73,13 @@ def rlk_probe_block(q, k_ptr, v_ptr, b, S, base, cap, kvh, pos, start, m, l, acc
     s = tl.dot(q, kt) * scale
     if MASKED:
         s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+    return rlk_probe_update(s, v, m, l, acc, BM, BN, LOG2BN, TREE, EXP2)
+
+
+@triton.jit
+def rlk_probe_update(s, v, m, l, acc, BM: tl.constexpr, BN: tl.constexpr, LOG2BN: tl.constexpr, TREE: tl.constexpr,
+                     EXP2: tl.constexpr):
+    """The online-softmax update of one block's scores ``s`` (both probes)."""
     mn = tl.maximum(m, tl.max(s, axis=1))
     if EXP2:
         alpha = tl.exp2(m - mn)
@@ -178,20 +185,7 @@ def rlk_probe_tma_block(q, k_desc, v_desc, krow, kcol, start, pos, m, l, acc, sc
     s = tl.dot(q, kt.T) * scale
     if MASKED:
         s = tl.where((start + tl.arange(0, BN))[None, :] <= pos[:, None], s, float("-inf"))
-    mn = tl.maximum(m, tl.max(s, axis=1))
-    if EXP2:
-        alpha = tl.exp2(m - mn)
-        p = tl.exp2(s - mn[:, None])
-    else:
-        alpha = tl.exp(m - mn)
-        p = tl.exp(s - mn[:, None])
-    if TREE:
-        rs = rlk_attn_rowsum(p, BM, BN, LOG2BN)
-    else:
-        rs = tl.sum(p, axis=1)
-    l = l * alpha + rs
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    return mn, l, acc
+    return rlk_probe_update(s, v, m, l, acc, BM, BN, LOG2BN, TREE, EXP2)
 
 
 @triton.jit
