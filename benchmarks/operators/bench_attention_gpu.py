@@ -17,7 +17,8 @@ Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
   first (``rlk_attn_tiles``, what a step of mixed lengths runs); at batch 1 (fewer (sequence,
   kv head) pairs than SMs) rows ``@v1`` … ``@v8`` force each value slicing of the few-programs
   tile (``AttnConfig.v_slices``) and rows ``.auto_v`` let ``kernels.value_slices`` pick it
-  (``kernels.auto_value_slices()``; off by default until timed); SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
+  (``kernels.auto_value_slices()``; off by default until timed); at batch 64, rows ``@v2`` and
+  ``@v4`` slice the decode tile (a finer grain for the last wave of programs); SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
   K/V with ``enable_gqa=True`` (no expanded copies).
 * ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.
 
@@ -196,6 +197,17 @@ def decode_case(B: int, ctx: int, all_configs: bool = False):
             impls[f"{OURS}.paged16@v{v}"] = lambda v=v: K.cached_forward(
                 q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None, path="decode",
                 config=replace(few[".paged16"], v_slices=v), decode_only=True)
+    else:
+        # many programs: the tail of the last wave is a program's work (batch 64 x 4096 keys: 2048
+        # programs, about 5.2 waves at three programs per SM); two value slices halve the grain
+        many = {"": K.select_decode(q.dtype, D, None), ".paged16": K.select_decode(q.dtype, D, ps)}
+        for v in (2, 4):
+            impls[f"{OURS}@v{v}"] = lambda v=v: K.cached_forward(
+                q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5, None, path="decode",
+                config=replace(many[""], v_slices=v), decode_only=True)
+            impls[f"{OURS}.paged16@v{v}"] = lambda v=v: K.cached_forward(
+                q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None, path="decode",
+                config=replace(many[".paged16"], v_slices=v), decode_only=True)
     for c in _candidates("decode", all_configs):
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5,
                                                                 None, path="decode", config=c, decode_only=True)

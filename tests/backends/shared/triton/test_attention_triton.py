@@ -946,10 +946,13 @@ def test_every_shipped_config_and_path_gives_the_same_rows(dtype, d, g):
 @pytest.mark.parametrize("g", [1, 4])
 def test_value_slices_give_the_same_rows(dtype, d, g, monkeypatch):
     """``AttnConfig.v_slices`` on the GPU: every value slicing of the few-programs decode tiles
-    (``shipped_forward_configs``) gives the varlen rows and lse on both kernels, at a context of
+    (``shipped_forward_configs``), and the many-programs decode tiles sliced in two and four (the
+    benchmark's batch-64 rows), give the varlen rows and lse on both kernels, at a context of
     three KV splits; a batch-1 decode step with the automatic selection (``auto_value_slices``)
-    picks a slicing > 1 on a contiguous and on a 16-token paged cache and gives the row. Negative control: a perturbed
-    value column moves exactly that column."""
+    picks a slicing > 1 on a contiguous and on a 16-token paged cache and gives the row. Negative
+    control: a value column doubled doubles exactly that output column, bit for bit."""
+    from dataclasses import replace
+
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     dt = getattr(torch, dtype)
@@ -958,6 +961,9 @@ def test_value_slices_give_the_same_rows(dtype, d, g, monkeypatch):
     ref, ref_lse, _ = K.varlen_forward(q, k, v, cu, scale, None)
     sliced = [c for c in K.shipped_forward_configs(dt, d) if c.v_slices > 1]
     assert {c.v_slices for c in sliced} == {v for v in (2, 4, 8) if d // v >= 16}
+    # the many-programs decode tiles sliced as the benchmark times them (rows @v2, @v4 at batch 64)
+    sliced += [replace(K.select_decode(dt, d, page), v_slices=v) for page in (None, 16) for v in (2, 4) if d // v >= 16]
+    sliced = list(dict.fromkeys(sliced))
     for cfg in sliced:
         for path in ("prefill", "decode"):
             out, lse, _ = K.varlen_forward(q, k, v, cu, scale, None, path=path, config=cfg)

@@ -539,12 +539,12 @@ def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
         u1 = tl.minimum(b1, f1)
         for b in range(b0, u1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M,
-                                       PAGED, IEEE, False)
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
+                                       BLOCK_M, PAGED, IEEE, False)
         for b in range(tl.maximum(u1 + 1, b0), b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M,
-                                       PAGED, IEEE, True)
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
+                                       BLOCK_M, PAGED, IEEE, True)
     elif SPLIT:
         f0 = (tl.max(tl.where(valid, wlo, 0), axis=0) + 63) // 64
         f1 = (tl.min(tl.where(valid, pos, 1 << 30), axis=0) + 1) // 64 - 1
@@ -555,21 +555,21 @@ def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
         e1 = tl.minimum(u0 - 1, b1)
         for b in range(b0, e1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M,
-                                       PAGED, IEEE, True)
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
+                                       BLOCK_M, PAGED, IEEE, True)
         for b in range(u0, u1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M,
-                                       PAGED, IEEE, False)
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
+                                       BLOCK_M, PAGED, IEEE, False)
         for b in range(tl.maximum(u1 + 1, e1 + 1), b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M,
-                                       PAGED, IEEE, True)
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
+                                       BLOCK_M, PAGED, IEEE, True)
     else:  # one masked run (fp32 by default: IEEE products by FMA, a third of the code to compile)
         for b in range(b0, b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M,
-                                       PAGED, IEEE, True)
+                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
+                                       BLOCK_M, PAGED, IEEE, True)
     return m, l, acc
 
 
@@ -1242,8 +1242,8 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
             rlk_attn_fwd[(nt, Hkv, vsl)](
                 q, k_rows, v_rows, out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, scr,
                 tab, page_rows, page_rows.stride(0), psz, G, w, float(scale), *kv_strides, **common, DV=D // vsl,
-                PAGED=paged, IEEE=ieee, STORE_F32=want_f32, STORE_LSE=want_lse, SPLIT=runs, MULTI=multi, ONE=one, PDL=pdl,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
+                PAGED=paged, IEEE=ieee, STORE_F32=want_f32, STORE_LSE=want_lse, SPLIT=runs, MULTI=multi, ONE=one,
+                PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
             )
         else:
             ws_m = torch.empty((nt, Hkv, ns, cfg.block_m), dtype=torch.float32, device=q.device)
@@ -1251,8 +1251,8 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
             ws_a = torch.empty((nt, Hkv, ns, cfg.block_m, D), dtype=torch.float32, device=q.device)
             rlk_attn_fwd_split[(nt, Hkv, ns * vsl)](
                 q, k_rows, v_rows, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), psz, G, w,
-                float(scale), *kv_strides, ns, **common, DV=D // vsl, PAGED=paged, IEEE=ieee, SPLIT=runs, ONE=one, PDL=pdl,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
+                float(scale), *kv_strides, ns, **common, DV=D // vsl, PAGED=paged, IEEE=ieee, SPLIT=runs, ONE=one,
+                PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
             )
             dc = min(D, COMBINE_COLUMNS)
             rlk_attn_combine[(nt, Hkv, D // dc)](
@@ -1359,7 +1359,8 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     elif path == "decode":
         few = few_programs(B, Hkv, q.device)
         cfg = select_decode(q.dtype, D, page_size if P > 1 else None, few=few)
-        if few and AUTO_V_SLICES:  # tiles (one per sequence in a decode-only step; else the table's bound) x kv heads x splits
+        if few and AUTO_V_SLICES:
+            # programs: tiles (one per sequence in a decode-only step, else the table's bound) x kv heads x splits
             tiles = B if decode_only else -(-T * G // cfg.block_m) + B
             cfg = replace(cfg, v_slices=value_slices(tiles * Hkv * num_splits(max_positions), D, q.device))
     else:
