@@ -18,7 +18,10 @@ Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
   kv head) pairs than SMs) rows ``@v1`` … ``@v8`` force each value slicing of the few-programs
   tile (``AttnConfig.v_slices``) and rows ``.auto_v`` let ``kernels.value_slices`` pick it
   (``kernels.auto_value_slices()``; off by default until timed); at batch 64, rows ``@v2`` and
-  ``@v4`` slice the decode tile (a finer grain for the last wave of programs); SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
+  ``@v4`` slice the decode tile (a finer grain for the last wave of programs); rows ending
+  ``.tile_free`` (contiguous caches of 2-4 KV splits, where ``kernels.tile_free_rows`` keeps the
+  table launch) run the step without it (``kernels.force_tile_free_rows()``), with
+  ``--configs all`` for every decode candidate too; SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
   K/V with ``enable_gqa=True`` (no expanded copies).
 * ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.
 
@@ -126,6 +129,18 @@ def _auto_slices(fn: Callable[[], object]) -> Callable[[], object]:
     return call
 
 
+def _tile_free(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with ``kernels.force_tile_free_rows()``: a decode-only step without the tile-table
+    launch even where ``tile_free_rows`` keeps it (contiguous caches of 2-4 KV splits)."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    def call():
+        with K.force_tile_free_rows():
+            return fn()
+
+    return call
+
+
 def prefill_case(B: int, S: int, all_configs: bool = False):
     from rl_engine.backends.shared.triton.attention import kernels as K
 
@@ -184,6 +199,9 @@ def decode_case(B: int, ctx: int, all_configs: bool = False):
     }
     impls[f"{OURS}.no_pdl"] = _without_pdl(impls[OURS])
     impls[f"{OURS}.paged16.no_pdl"] = _without_pdl(impls[f"{OURS}.paged16"])
+    if not K.tile_free_rows(False, K.num_splits(ctx)):
+        # the contiguous step that keeps its table launch, without it (session 7's unexplained gap)
+        impls[f"{OURS}.tile_free"] = _tile_free(impls[OURS])
     if K.few_programs(B, HKV, q.device):
         # the few-programs tile with each value slicing forced, and the step with the slicing picked
         # by kernels.value_slices (".auto_v"): the measurement the rule is checked against
@@ -211,6 +229,8 @@ def decode_case(B: int, ctx: int, all_configs: bool = False):
     for c in _candidates("decode", all_configs):
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5,
                                                                 None, path="decode", config=c, decode_only=True)
+        if f"{OURS}.tile_free" in impls:
+            impls[f"{OURS}.tile_free@{c.key}"] = _tile_free(impls[f"{OURS}@{c.key}"])
         impls[f"{OURS}.paged16@{c.key}"] = lambda c=c: K.cached_forward(
             q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None, path="decode", config=c,
             decode_only=True)

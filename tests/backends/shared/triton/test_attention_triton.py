@@ -504,6 +504,33 @@ def test_interpreter_decode_step_without_tile_table_and_long_combine():
 
 
 @interp
+def test_interpreter_forced_tile_free_rows_is_scoped(monkeypatch):
+    """``force_tile_free_rows()``: inside the block a decode-only step over a contiguous cache of
+    2-4 KV splits skips the tile-table launch that ``tile_free_rows`` keeps there, with the same
+    bits; the rule is back after the block, an exception included."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    n = 1100
+    q, k, v, _ = make_qkv([n], 1, 2, 32, "float32", seed=14)
+    args = (q[n - 1 :].contiguous(), k, v, torch.zeros((1, 1), dtype=torch.int64), 2048, torch.zeros(1, dtype=torch.int64),
+            torch.tensor([n - 1]), 0.2, None)
+    tables = []
+    build = K.rollout_tiles
+    monkeypatch.setattr(K, "rollout_tiles", lambda *a: tables.append(1) or build(*a))
+    assert not K.tile_free_rows(False, 2)
+    kept = K.cached_forward(*args, path="decode", decode_only=True)
+    assert tables == [1]
+    with K.force_tile_free_rows():
+        assert K.tile_free_rows(False, 2)
+        free = K.cached_forward(*args, path="decode", decode_only=True)
+    assert tables == [1] and bit_diff(free, kept)
+    with pytest.raises(RuntimeError, match="boom"):
+        with K.force_tile_free_rows():
+            raise RuntimeError("boom")
+    assert K.FORCE_TILE_FREE is None and not K.tile_free_rows(False, 2)
+
+
+@interp
 def test_interpreter_value_slices_give_the_same_bits():
     """``AttnConfig.v_slices``: programs that each accumulate a slice of the value columns (the
     scores and softmax state computed alike in each) give the rows, the fp32 rows and the lse of

@@ -64,6 +64,7 @@ __all__ = [
     "select_decode",
     "use_decode_path",
     "tile_free_rows",
+    "force_tile_free_rows",
     "num_splits",
     "supported_head_dim",
     "tile_table",
@@ -294,8 +295,28 @@ def tile_free_rows(paged: bool, splits: int) -> bool:
     a step is 2.3-3.9 µs faster through the one-split prefill kernel (512 keys), 1.7-6 µs faster
     on 16-token pages and 8 µs faster at batch 1 and 32768 keys, but the split kernel over a
     contiguous cache of 2-4 splits ran 2.3 µs (batch 1) and 10 µs (batch 64) slower in both
-    runs, more than the table launch costs (cause not found; see docs/operators/attention-gpu.md)."""
+    runs, more than the table launch costs (cause not found; see docs/operators/attention-gpu.md).
+    ``force_tile_free_rows()`` overrides the rule for a block of code (the benchmark's
+    ``.tile_free`` rows)."""
+    if FORCE_TILE_FREE is not None:
+        return FORCE_TILE_FREE
     return paged or splits <= 1 or splits > 4
+
+
+#: ``tile_free_rows``'s answer when not ``None`` (set by ``force_tile_free_rows()`` only).
+FORCE_TILE_FREE: bool | None = None
+
+
+@contextlib.contextmanager
+def force_tile_free_rows(on: bool = True) -> Iterator[None]:
+    """Decide every decode-only step's table launch as ``on`` inside the block (``True``: never
+    build the table; restored in ``finally``). The bits are the same either way."""
+    global FORCE_TILE_FREE
+    saved, FORCE_TILE_FREE = FORCE_TILE_FREE, bool(on)
+    try:
+        yield
+    finally:
+        FORCE_TILE_FREE = saved
 
 
 def use_decode_path(num_tokens: int, num_seqs: int, group: int) -> bool:
