@@ -202,30 +202,22 @@ def decode_case(B: int, ctx: int, all_configs: bool = False):
     if not K.tile_free_rows(False, K.num_splits(ctx)):
         # the contiguous step that keeps its table launch, without it (session 7's unexplained gap)
         impls[f"{OURS}.tile_free"] = _tile_free(impls[OURS])
-    if K.few_programs(B, HKV, q.device):
+    few = K.few_programs(B, HKV, q.device)
+    if few:
         # the few-programs tile with each value slicing forced, and the step with the slicing picked
         # by kernels.value_slices (".auto_v"): the measurement the rule is checked against
         impls[f"{OURS}.auto_v"] = _auto_slices(impls[OURS])
         impls[f"{OURS}.paged16.auto_v"] = _auto_slices(impls[f"{OURS}.paged16"])
-        few = {"": K.select_decode(q.dtype, D, None, few=True), ".paged16": K.select_decode(q.dtype, D, ps, few=True)}
-        for v in (1, 2, 4, 8):
-            impls[f"{OURS}@v{v}"] = lambda v=v: K.cached_forward(
-                q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5, None, path="decode",
-                config=replace(few[""], v_slices=v), decode_only=True)
-            impls[f"{OURS}.paged16@v{v}"] = lambda v=v: K.cached_forward(
-                q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None, path="decode",
-                config=replace(few[".paged16"], v_slices=v), decode_only=True)
-    else:
-        # many programs: the tail of the last wave is a program's work (batch 64 x 4096 keys: 2048
-        # programs, about 5.2 waves at three programs per SM); two value slices halve the grain
-        many = {"": K.select_decode(q.dtype, D, None), ".paged16": K.select_decode(q.dtype, D, ps)}
-        for v in (2, 4):
-            impls[f"{OURS}@v{v}"] = lambda v=v: K.cached_forward(
-                q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5, None, path="decode",
-                config=replace(many[""], v_slices=v), decode_only=True)
-            impls[f"{OURS}.paged16@v{v}"] = lambda v=v: K.cached_forward(
-                q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None, path="decode",
-                config=replace(many[".paged16"], v_slices=v), decode_only=True)
+    # many programs: the tail of the last wave is a program's work (batch 64 x 4096 keys: 2048
+    # programs, about 5.2 waves at three programs per SM); value slices make the grain finer
+    for v in (1, 2, 4, 8) if few else (2, 4):
+        contiguous_cfg = replace(K.select_decode(q.dtype, D, None, few=few), v_slices=v)
+        paged_cfg = replace(K.select_decode(q.dtype, D, ps, few=few), v_slices=v)
+        impls[f"{OURS}@v{v}"] = lambda c=contiguous_cfg: K.cached_forward(
+            q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5, None, path="decode", config=c, decode_only=True)
+        impls[f"{OURS}.paged16@v{v}"] = lambda c=paged_cfg: K.cached_forward(
+            q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None, path="decode", config=c,
+            decode_only=True)
     for c in _candidates("decode", all_configs):
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5,
                                                                 None, path="decode", config=c, decode_only=True)
