@@ -12,6 +12,8 @@ Kernels (every launched name starts with ``rlk_``):
   varlen forward);
 * ``rlk_attn_fwd_split``    one program per (query tile, kv head, KV split): one split's
   ``(m, l, acc)`` into an fp32 workspace (flash-decoding);
+  either may take ``AttnConfig.v_slices`` programs per unit, each accumulating a slice of the
+  value columns (the same scores and state in each: same bits);
 * ``rlk_attn_combine``      folds the workspace splits left to right with the same merge, then
   ``out = ACC / L`` (decode);
 * ``rlk_attn_bwd_delta``    ``delta = Σ_d dO ⊙ O`` (fp32, fixed pairwise tree over ``D``);
