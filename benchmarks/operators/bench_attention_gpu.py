@@ -25,6 +25,10 @@ Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
   K/V with ``enable_gqa=True`` (no expanded copies).
 * ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.
 
+Rows ending ``~sb<n>`` (``--split-blocks``) run the shipped call with the KV split set to ``n``
+64-key blocks instead of the contract's 16 (an experiment: fewer blocks per split give a decode
+step of few sequences more programs, and prefill more merges); the ``best`` lists them apart.
+
 Rows ending ``.no_pdl`` (prefill output-only and both decode launchers) are the same calls with
 every kernel launched plainly (``kernels.PDL = False``), side by side with the default's
 programmatic dependent launch.
@@ -141,7 +145,32 @@ def _tile_free(fn: Callable[[], object]) -> Callable[[], object]:
     return call
 
 
-def prefill_case(B: int, S: int, all_configs: bool = False):
+def _split_blocks(fn: Callable[[], object], blocks: int) -> Callable[[], object]:
+    """``fn`` with the GPU kernels' KV split set to ``blocks`` 64-key blocks instead of the
+    contract's ``kernels.SPLIT_BLOCKS`` (an experiment for the rows ending ``~sb{blocks}``: it
+    changes the bits of rows that cross a split boundary, so it is a benchmark-only override, not
+    an API; the train path and the rollout path must share the value for parity)."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    def call():
+        saved, K.SPLIT_BLOCKS = K.SPLIT_BLOCKS, blocks
+        try:
+            return fn()
+        finally:
+            K.SPLIT_BLOCKS = saved
+
+    return call
+
+
+def _with_split_variants(impls: dict, names: Sequence[str], split_blocks: Sequence[int]) -> None:
+    """Add a ``name~sb{n}`` row for each of ``names`` and each KV split size ``n`` (blocks)."""
+    for n in split_blocks:
+        for name in names:
+            if name in impls:
+                impls[f"{name}~sb{n}"] = _split_blocks(impls[name], n)
+
+
+def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence[int] = ()):
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     g = torch.Generator(device="cuda").manual_seed(B * S)
@@ -159,13 +188,14 @@ def prefill_case(B: int, S: int, all_configs: bool = False):
         "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
     }
     impls[f"{OURS}.no_pdl"] = _without_pdl(impls[OURS])
+    _with_split_variants(impls, (OURS, f"{OURS}.train_forward"), split_blocks)
     for c in _candidates("prefill", all_configs):
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.varlen_forward(q, k, v, cu, D**-0.5, None, config=c, max_seqlen=S,
                                                                 for_backward=False)
     return impls, flop, {"B": B, "S": S, "tokens": T}
 
 
-def decode_case(B: int, ctx: int, all_configs: bool = False):
+def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Sequence[int] = ()):
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     g = torch.Generator(device="cuda").manual_seed(B + ctx)
@@ -208,6 +238,7 @@ def decode_case(B: int, ctx: int, all_configs: bool = False):
         # by kernels.value_slices (".auto_v"): the measurement the rule is checked against
         impls[f"{OURS}.auto_v"] = _auto_slices(impls[OURS])
         impls[f"{OURS}.paged16.auto_v"] = _auto_slices(impls[f"{OURS}.paged16"])
+    _with_split_variants(impls, (OURS, f"{OURS}.paged16", f"{OURS}.auto_v", f"{OURS}.paged16.auto_v"), split_blocks)
     # many programs: the tail of the last wave is a program's work (batch 64 x 4096 keys: 2048
     # programs, about 5.2 waves at three programs per SM); value slices make the grain finer
     for v in (1, 2, 4, 8) if few else (2, 4):
@@ -230,7 +261,7 @@ def decode_case(B: int, ctx: int, all_configs: bool = False):
     return impls, kv_bytes, {"B": B, "context": ctx, "sdpa_gqa": "enable_gqa=True (no expanded K/V)"}
 
 
-def train_case(B: int, S: int, all_configs: bool = False):
+def train_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence[int] = ()):
     from rl_engine.backends.shared.triton.attention import kernels as K
     from rl_engine.backends.shared.triton.attention import varlen_attention_fwd_triton
 
@@ -254,6 +285,7 @@ def train_case(B: int, S: int, all_configs: bool = False):
 
     flop = 2.5 * 4 * B * HQ * D * S * (S + 1) / 2  # forward + backward (2.5x the forward's matmuls)
     impls = {OURS: ours, "torch.sdpa": sdpa}
+    _with_split_variants(impls, (OURS,), split_blocks)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     for c in _candidates("backward", all_configs):
         def cand(c=c):
@@ -266,17 +298,17 @@ def train_case(B: int, S: int, all_configs: bool = False):
 
 def run(quick: bool, repeats: int, all_configs: bool = False,
         kinds: Sequence[str] = ("prefill", "decode", "train"), decode_batch: Sequence[int] = DECODE_BATCH,
-        decode_ctx: Sequence[int] = DECODE_CTX) -> list[dict]:
+        decode_ctx: Sequence[int] = DECODE_CTX, split_blocks: Sequence[int] = ()) -> list[dict]:
     dev, ver = device_info("cuda"), versions()
     rows: list[dict] = []
     cases: list[tuple[str, Callable]] = []
     prefill = PREFILL[:1] if quick else PREFILL
     for B, S in prefill:
-        cases.append(("prefill", lambda B=B, S=S: prefill_case(B, S, all_configs)))
+        cases.append(("prefill", lambda B=B, S=S: prefill_case(B, S, all_configs, split_blocks)))
     for B in decode_batch:
         for ctx in (decode_ctx[:2] if quick else decode_ctx):
-            cases.append(("decode", lambda B=B, ctx=ctx: decode_case(B, ctx, all_configs)))
-    cases.append(("train", lambda: train_case(1 if quick else 4, 4096, all_configs)))
+            cases.append(("decode", lambda B=B, ctx=ctx: decode_case(B, ctx, all_configs, split_blocks)))
+    cases.append(("train", lambda: train_case(1 if quick else 4, 4096, all_configs, split_blocks)))
     cases = [(kind, make) for kind, make in cases if kind in kinds]
     for kind, make in cases:
         impls, work, cfg = make()
@@ -317,6 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="comma-separated decode batch sizes (default: the issue's 1,64)")
     ap.add_argument("--decode-ctx", default=",".join(map(str, DECODE_CTX)),
                     help="comma-separated decode contexts, multiples of 16 (default: the issue's 512,4096,32768)")
+    ap.add_argument("--split-blocks", default="",
+                    help="comma-separated KV split sizes in 64-key blocks to time beside the contract's "
+                         "(rows ending ~sb<n>; an experiment: the bits of rows past a split change)")
     args = ap.parse_args(argv)
 
     def ints(flag: str, text: str, multiple: int = 1) -> tuple[int, ...]:
@@ -330,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     decode_batch = ints("--decode-batch", args.decode_batch)
     decode_ctx = ints("--decode-ctx", args.decode_ctx, 16)
+    split_blocks = ints("--split-blocks", args.split_blocks) if args.split_blocks else ()
     kinds = tuple(k for k in args.kinds.split(",") if k)
     bad = [k for k in kinds if k not in ("prefill", "decode", "train")]
     if bad or not kinds:
@@ -338,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench_attention_gpu: no CUDA device visible", file=sys.stderr)
         return 2
     repeats = args.repeats or (3 if args.quick else 15)
-    rows = run(args.quick, repeats, args.configs == "all", kinds, decode_batch, decode_ctx)
+    rows = run(args.quick, repeats, args.configs == "all", kinds, decode_batch, decode_ctx, split_blocks)
     target = {"prefill": 0.9, "decode": 0.9}
     def has_target(r):  # the training forward (extra outputs for the backward) is reported, not targeted
         return r["kind"] in target and ".train_forward" not in r["implementation"]
@@ -353,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not r["implementation"].startswith(OURS):
             continue
         variant = next((v for v in ("paged16", "train_forward") if f".{v}" in r["implementation"]), "contiguous")
+        if "~sb" in r["implementation"]:  # another KV split size: its own best (not the contract's)
+            variant += "~sb" + r["implementation"].rsplit("~sb", 1)[1]
         shape = " ".join(f"{k}={r['config'][k]}" for k in ("B", "S", "context") if k in r["config"])
         key = f"{r['kind']} {variant} {shape}"
         if key not in best or r["throughput_ratio"] > best[key]["throughput_ratio"]:

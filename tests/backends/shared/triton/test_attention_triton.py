@@ -263,6 +263,29 @@ def test_interpreter_kernels_accuracy_and_path_bits(window):
 
 
 @interp
+def test_interpreter_split_size_is_one_constant_of_every_kernel(monkeypatch):
+    """The KV split size is the one constant ``kernels.SPLIT_BLOCKS`` that the prefill kernel, the
+    split kernel and the combine all read (a ``tl.constexpr`` of each launch): with 2-block
+    (128-key) splits, the train path's rows, a decode step through the split kernel and the
+    combine, and the same step through the prefill kernel are raw-bit equal. Negative control:
+    the contract's 16-block splits give other bits for rows past 128 keys, so the value is used."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    n = 300
+    q, k, v, cu = make_qkv([n], 1, 2, 32, "float32", seed=21)
+    args = (q[n - 2:].contiguous(), k, v, torch.zeros((1, 1), dtype=torch.int64), n, torch.zeros(2, dtype=torch.int64),
+            torch.tensor([n - 2, n - 1]), 0.2, None)
+    shipped, _, _ = K.varlen_forward(q, k, v, cu, 0.2, None)
+    monkeypatch.setattr(K, "SPLIT_BLOCKS", 2)
+    assert K.num_splits(n) == 3
+    out, _, _ = K.varlen_forward(q, k, v, cu, 0.2, None)
+    for path in ("decode", "prefill"):  # decode: 3 splits, rlk_attn_fwd_split + rlk_attn_combine
+        assert bit_diff(K.cached_forward(*args, path=path), out[n - 2:]), path
+    assert bit_diff(out[:128], shipped[:128])  # one split either way
+    assert not bit_diff(out[128:], shipped[128:])
+
+
+@interp
 def test_interpreter_paged_decode_equals_varlen_rows():
     from rl_engine.backends.shared.triton.attention import kernels as K
 
@@ -586,19 +609,21 @@ def test_interpreter_value_slices_give_the_same_bits():
 
 @interp
 def test_interpreter_value_slices_rule(monkeypatch):
-    """``value_slices``: doubled while the doubled grid fits in one wave of SMs, at most 8, slices
-    of at least 16 columns; 1 off CUDA. ``cached_forward`` asks it only inside
-    ``auto_value_slices()`` (off by default until timed on the H200), which restores the switch
-    on the way out, an exception included; the rows are the same bits either way."""
+    """``value_slices``: doubled while the doubled grid fills at most half the SMs, at most 4,
+    slices of at least 32 columns; 1 off CUDA (the picks of the H200's batch-1 rows, session 9).
+    ``cached_forward`` asks it for few-programs decode steps unless ``auto_value_slices(False)``,
+    which restores the switch on the way out, an exception included; the rows are the same bits
+    either way. Negative control: with the switch off the rule is never asked."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     assert K.value_slices(1, 128, torch.device("cpu")) == 1
     monkeypatch.setattr(K, "_sm_count_of", lambda index: 132)
     cuda = torch.device("cuda", 0)
     # batch 1, 8 kv heads: 512 keys (1 split), 4096 (4), 32768 (32); batch 16 at 4096 keys
-    assert [K.value_slices(8 * s, 128, cuda) for s in (1, 4, 32)] == [8, 4, 1]
+    assert [K.value_slices(8 * s, 128, cuda) for s in (1, 4, 32)] == [4, 2, 1]
     assert K.value_slices(16 * 8 * 4, 128, cuda) == 1
-    assert K.value_slices(8, 32, cuda) == 2 and K.value_slices(8, 64, cuda) == 4
+    assert K.value_slices(8, 32, cuda) == 1 and K.value_slices(8, 64, cuda) == 2
+    assert K.AUTO_V_SLICES
 
     asked = []
     monkeypatch.setattr(K, "few_programs", lambda *a: True)  # the interpreter's CPU tensors: pretend few SMs' worth
@@ -606,15 +631,15 @@ def test_interpreter_value_slices_rule(monkeypatch):
     q, k, v, cu = make_qkv([1100], 1, 2, 32, "float32", seed=13)
     args = (q[-1:].contiguous(), k, v, torch.zeros((1, 1), dtype=torch.int64), 2048, torch.zeros(1, dtype=torch.int64),
             torch.tensor([1099]), 0.2, None)
-    plain = K.cached_forward(*args, decode_only=True)
-    assert asked == [] and not K.AUTO_V_SLICES
-    with K.auto_value_slices():
-        sliced = K.cached_forward(*args, decode_only=True)
+    with K.auto_value_slices(False):
+        plain = K.cached_forward(*args, decode_only=True)
+    assert asked == [] and K.AUTO_V_SLICES
+    sliced = K.cached_forward(*args, decode_only=True)
     assert asked == [2] and bit_diff(sliced, plain)  # 1 sequence x 1 kv head x 2 splits
     with pytest.raises(RuntimeError, match="boom"):
-        with K.auto_value_slices():
+        with K.auto_value_slices(False):
             raise RuntimeError("boom")
-    assert not K.AUTO_V_SLICES
+    assert K.AUTO_V_SLICES
 
 
 @offline_sm90

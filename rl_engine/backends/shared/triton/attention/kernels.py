@@ -230,13 +230,15 @@ def few_programs(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool
     return num_seqs * num_kv_heads < _sm_count_of(index)
 
 
-#: Most value slices of a decode program (``value_slices``); a slice keeps at least 16 columns.
-MAX_V_SLICES = 8
+#: Most value slices ``value_slices`` picks; a slice keeps at least ``MIN_V_COLUMNS`` columns there
+#: (any ``v_slices`` leaving 16 or more columns is valid and gives the same bits).
+MAX_V_SLICES = 4
+MIN_V_COLUMNS = 32
 #: Whether ``cached_forward`` picks a value slicing by ``value_slices`` for decode steps with
-#: few programs. Off until an H200 run has timed it (session 8 had no device time left): the
-#: benchmark's ``@v1`` .. ``@v8`` and ``.auto_v`` rows measure it, the GPU tests prove its bits;
-#: ``auto_value_slices()`` turns it on for a block of code. The bits are the same either way.
-AUTO_V_SLICES = False
+#: few programs (on since session 9: batch 1 on the H200, 0.71 -> 0.80 of SDPA at 512 keys with 4
+#: slices, 0.40 -> 0.42 at 4096 with 2, 32768 keys unsliced; reports/gpu/README.md "Session 9").
+#: ``auto_value_slices(False)`` turns it off for a block of code. The bits are the same either way.
+AUTO_V_SLICES = True
 
 
 @contextlib.contextmanager
@@ -252,19 +254,22 @@ def auto_value_slices(on: bool = True) -> Iterator[None]:
 
 def value_slices(programs: int, head_dim: int, device: torch.device) -> int:
     """Value slices (``AttnConfig.v_slices``) for a decode launch of ``programs`` (tile, kv head,
-    split) programs: doubled while the doubled grid still fits in one wave of the device's SMs,
-    up to ``MAX_V_SLICES`` and slices of 16 columns; 1 off CUDA.
+    split) programs: doubled while the doubled grid still fills at most half the device's SMs,
+    up to ``MAX_V_SLICES`` and slices of ``MIN_V_COLUMNS`` columns; 1 off CUDA.
 
     A decode step of few sequences has few programs (batch 1, 8 kv heads, 4096 keys: 32 on a
-    132-SM H200), each walking its split's 16 blocks in sequence; slicing the ``P·V`` columns
+    132-SM H200), each walking its split's blocks in sequence; slicing the ``P·V`` columns
     over more programs spreads the value loads (each slice reads the whole key block for its
-    scores, and the slices share it through L2). Every slicing gives the same bits (tested)."""
+    scores, and the slices share it through L2). Measured on the H200 (session 9 run 1, batch 1,
+    D = 128): 8 programs are fastest with 4 slices (8 slices: slower than 4), 32 with 2 (4: slower
+    than none on a contiguous cache), 256 with none: the rule's picks. Every slicing gives the same
+    bits (tested)."""
     if device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     sm = _sm_count_of(index)
     vs = 1
-    while vs < MAX_V_SLICES and head_dim // (2 * vs) >= 16 and programs * 2 * vs <= sm:
+    while vs < MAX_V_SLICES and head_dim // (2 * vs) >= MIN_V_COLUMNS and programs * 2 * vs * 2 <= sm:
         vs *= 2
     return vs
 
@@ -275,7 +280,7 @@ def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfi
     slicing ``value_slices`` can choose."""
     out = [select_prefill(dtype, head_dim)]
     few = [select_decode(dtype, head_dim, page, few=True) for page in (None, 1)]
-    sliced = [replace(c, v_slices=v) for c in few for v in (2, 4, 8) if v <= MAX_V_SLICES and head_dim // v >= 16]
+    sliced = [replace(c, v_slices=v) for c in few for v in (2, 4, 8) if v <= MAX_V_SLICES and head_dim // v >= MIN_V_COLUMNS]
     for cfg in (select_prefill(dtype, head_dim, page_size=1),
                 *(select_decode(dtype, head_dim, page, few=False) for page in (None, 1)), *few, *sliced):
         if cfg not in out:
@@ -645,9 +650,10 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_
                  qk_scale, sk_row, sk_head, sv_row, sv_head, HQ, HKV, HEAD_D: tl.constexpr, DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr,
                  STORE_F32: tl.constexpr, STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, MULTI: tl.constexpr,
-                 ONE: tl.constexpr, PDL: tl.constexpr):
-    """Grid (tiles, kv heads, ``HEAD_D / DV``): the splits of a tile in sequence, merged; the
-    third axis takes ``DV`` value columns each (``AttnConfig.v_slices``; the first stores the lse)."""
+                 ONE: tl.constexpr, PDL: tl.constexpr, SB: tl.constexpr):
+    """Grid (tiles, kv heads, ``HEAD_D / DV``): the splits of a tile (``SB`` blocks each) in sequence,
+    merged; the third axis takes ``DV`` value columns each (``AttnConfig.v_slices``; the first
+    stores the lse)."""
     rlk_attn_gdc_wait(PDL)
     t = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -666,8 +672,8 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_
         q_off = (tok * HQ + head) * HEAD_D
         q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)
-        s_first = first // 16
-        s_last = last // 16
+        s_first = first // SB
+        s_last = last // SB
         M = tl.full([BLOCK_M], float("-inf"), tl.float32)
         L = tl.zeros([BLOCK_M], tl.float32)
         if MULTI:
@@ -680,7 +686,7 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_
                    + (tl.arange(0, BLOCK_M)[:, None] * HEAD_D + offs_v[None, :]))
             for sp in range(s_first, s_last):
                 m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos,
-                                         wlo, valid, tl.maximum(first, sp * 16), sp * 16 + 15, qk_scale,
+                                         wlo, valid, tl.maximum(first, sp * SB), sp * SB + SB - 1, qk_scale,
                                          sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, DV, BLOCK_M, PAGED, IEEE,
                                          SPLIT, HAS_WINDOW)
                 if sp > s_first:
@@ -693,7 +699,7 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_
         # output. A tile inside one split skips the scratch: merging one split into the initial
         # state is an exact identity (M = m; L = fma(l, 1, 0) = l; A = fma(a, 1, 0) = a, a never -0).
         m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                 valid, tl.maximum(first, s_last * 16), last, qk_scale, sk_row, sk_head, sv_row,
+                                 valid, tl.maximum(first, s_last * SB), last, qk_scale, sk_row, sk_head, sv_row,
                                  sv_head, offs_v, HEAD_D, DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW)
         if MULTI:
             if s_last > s_first:
@@ -711,7 +717,8 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_pt
                        page_size: tl.constexpr, G: tl.constexpr, W,
                        qk_scale, sk_row, sk_head, sv_row, sv_head, NS, HQ, HKV, HEAD_D: tl.constexpr,
                        DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr,
-                       IEEE: tl.constexpr, SPLIT: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr):
+                       IEEE: tl.constexpr, SPLIT: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr,
+                       SB: tl.constexpr):
     """Grid (tiles, kv heads, splits · ``HEAD_D / DV``): program ``(t, h, j·VS + vs)`` runs split
     ``j`` of tile ``t`` for value columns ``vs·DV ..`` (``AttnConfig.v_slices``; the ``vs = 0``
     program stores the split's ``m``, ``l``, which every slice computes alike) into the workspace
@@ -724,8 +731,8 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_pt
     vs = tl.program_id(2) % (HEAD_D // DV)
     seq, valid, tok, g, pos, wlo, lo, hi, first, last, cap = rlk_attn_rows(tab_ptr, t, G, W, HAS_WINDOW, BLOCK_M,
                                                                            ONE)
-    sp = first // 16 + j
-    if (last >= 0) & (sp <= last // 16):
+    sp = first // SB + j
+    if (last >= 0) & (sp <= last // SB):
         offs_d = tl.arange(0, HEAD_D)
         if DV == HEAD_D:
             offs_v = offs_d
@@ -735,8 +742,8 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_pt
             state = valid & (tl.full([BLOCK_M], vs, tl.int32) == 0)  # one slice stores the state
         q_off = (tok * HQ + kvh * G + g) * HEAD_D
         q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        b0 = tl.maximum(first, sp * 16)
-        b1 = tl.minimum(last, sp * 16 + 15)
+        b0 = tl.maximum(first, sp * SB)
+        b1 = tl.minimum(last, sp * SB + SB - 1)
         kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)
         m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                  valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, DV,
@@ -768,7 +775,7 @@ def rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j, n, valid, offs_d, HE
 def rlk_attn_combine(out_ptr, out32_ptr, lse_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_ptr, G: tl.constexpr, W, NS,
                      HQ, HKV, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, DC: tl.constexpr,
                      HAS_WINDOW: tl.constexpr, STORE_F32: tl.constexpr, STORE_LSE: tl.constexpr, ONE: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, SB: tl.constexpr):
     """Fold a tile's splits ``0 .. n-1`` left to right with ``rlk_attn_merge``, then finish.
 
     Grid (tiles, kv heads, ``HEAD_D / DC``): each program takes ``DC`` columns of the
@@ -787,7 +794,7 @@ def rlk_attn_combine(out_ptr, out32_ptr, lse_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, 
     if last >= 0:
         offs_d = dc * DC + tl.arange(0, DC)
         head = kvh * G + g
-        n = last // 16 - first // 16 + 1
+        n = last // SB - first // SB + 1
         base = (t.to(tl.int64) * HKV + kvh) * NS
         M = tl.full([BLOCK_M], float("-inf"), tl.float32)
         L = tl.zeros([BLOCK_M], tl.float32)
@@ -1266,7 +1273,8 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
                 q, k_rows, v_rows, out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, scr,
                 tab, page_rows, page_rows.stride(0), psz, G, w, float(scale), *kv_strides, **common, DV=D // vsl,
                 PAGED=paged, IEEE=ieee, STORE_F32=want_f32, STORE_LSE=want_lse, SPLIT=runs, MULTI=multi, ONE=one,
-                PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
+                PDL=pdl, SB=SPLIT_BLOCKS, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+                launch_pdl=pdl,
             )
         else:
             ws_m = torch.empty((nt, Hkv, ns, cfg.block_m), dtype=torch.float32, device=q.device)
@@ -1275,13 +1283,13 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
             rlk_attn_fwd_split[(nt, Hkv, ns * vsl)](
                 q, k_rows, v_rows, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), psz, G, w,
                 float(scale), *kv_strides, ns, **common, DV=D // vsl, PAGED=paged, IEEE=ieee, SPLIT=runs, ONE=one,
-                PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
+                PDL=pdl, SB=SPLIT_BLOCKS, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
             )
             dc = min(D, COMBINE_COLUMNS)
             rlk_attn_combine[(nt, Hkv, D // dc)](
                 out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, ws_m, ws_l, ws_a,
                 tab, G, w, ns, **common, DC=dc, STORE_F32=want_f32, STORE_LSE=want_lse, ONE=one, PDL=pdl,
-                num_warps=cfg.num_warps, enable_fp_fusion=False, launch_pdl=pdl,
+                SB=SPLIT_BLOCKS, num_warps=cfg.num_warps, enable_fp_fusion=False, launch_pdl=pdl,
             )
     return out, lse, out32
 

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# session 9 run 2 (nvidia-h200-x2, .whl carried): after the value-slice rule was set from run 1 and turned on,
+# and the KV split size became a constexpr of every forward kernel. GPU 0: every gpu test of the tree and
+# rlk check on CUDA; GPU 1: the attention benchmark with rows for 8- and 4-block KV splits beside the
+# contract's 16 (~sb8, ~sb4), and the same at batch 4 / 16 and 4096 / 32768 keys.
+(CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b WORK=/tmp/wb STEPS="bench_attention bench_attention_extra" \
+   BENCH_ATTENTION_TIMEOUT=300 BENCH_ATTENTION_EXTRA_TIMEOUT=150 BENCH_ATTENTION_ARGS="--split-blocks 8,4" \
+   BENCH_ATTENTION_EXTRA_ARGS="--kinds decode --decode-batch 4,16 --decode-ctx 4096,32768 --split-blocks 8,4 --repeats 9" \
+   bash tools/benchmarking/gpu_all_run.sh > /tmp/b.log 2>&1; cp /tmp/b.log $OUT/b/log.txt) &
+CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a WORK=/tmp/wa STEPS="tests check_cuda" XDIST=16 \
+  TESTS="tests --ignore=tests/integrations/engines/rollout/vllm" TESTS_TIMEOUT=510 TEST_CASE_TIMEOUT=480 \
+  PERF_TIMEOUT=40 CHECK_TIMEOUT=25 bash tools/benchmarking/gpu_all_run.sh 2>&1 | grep -v '^ ' | cut -c1-200 \
+  | grep -E "passed|failed|FAILED|ERROR|SKIPPED|rc=|step|Error" | tail -40; wait
+echo "=== GPU1 log"; grep -E "^best|^== step|Error|error" /tmp/b.log | cut -c1-200 | tail -60
