@@ -16,11 +16,11 @@ Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
   (``rlk.paged16``); rows ending ``.tile_table`` are the same step with the tile table built
   first (``rlk_attn_tiles``, what a step of mixed lengths runs); at batch 1 (fewer (sequence,
   kv head) pairs than SMs) rows ``@v1`` … ``@v8`` force each value slicing of the few-programs
-  tile (``AttnConfig.v_slices``) and rows ``.auto_v`` let ``kernels.value_slices`` pick it
-  (``kernels.auto_value_slices()``; off by default until timed); at batch 64, rows ``@v2`` and
+  tile (``AttnConfig.v_slices``; the default row lets ``kernels.value_slices`` pick it, rows
+  ``.no_v`` run without it: ``kernels.auto_value_slices(False)``); at batch 64, rows ``@v2`` and
   ``@v4`` slice the decode tile (a finer grain for the last wave of programs); rows ending
-  ``.tile_free`` (contiguous caches of 2-4 KV splits, where ``kernels.tile_free_rows`` keeps the
-  table launch) run the step without it (``kernels.force_tile_free_rows()``), with
+  ``.tile_free`` (contiguous caches of 2-4 KV splits with many (sequence, kv head) pairs, where
+  ``kernels.tile_free_rows`` keeps the table launch) run the step without it (``kernels.force_tile_free_rows()``), with
   ``--configs all`` for every decode candidate too; SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
   K/V with ``enable_gqa=True`` (no expanded copies).
 * ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.
@@ -121,13 +121,13 @@ def _without_pdl(fn: Callable[[], object]) -> Callable[[], object]:
     return call
 
 
-def _auto_slices(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with ``kernels.auto_value_slices()`` on: the decode step as it runs once the value
-    slicing is picked by ``kernels.value_slices`` (off by default until timed)."""
+def _no_slices(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with ``kernels.auto_value_slices(False)``: the decode step without the value slicing
+    ``kernels.value_slices`` picks by default (the side-by-side row for the rule)."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     def call():
-        with K.auto_value_slices():
+        with K.auto_value_slices(False):
             return fn()
 
     return call
@@ -229,21 +229,22 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
     }
     impls[f"{OURS}.no_pdl"] = _without_pdl(impls[OURS])
     impls[f"{OURS}.paged16.no_pdl"] = _without_pdl(impls[f"{OURS}.paged16"])
-    if not K.tile_free_rows(False, K.num_splits(ctx)):
+    few = K.few_programs(B, HKV, q.device)
+    if not K.tile_free_rows(False, K.num_splits(ctx), few):
         # the contiguous step that keeps its table launch, without it (session 7's unexplained gap)
         impls[f"{OURS}.tile_free"] = _tile_free(impls[OURS])
-    few = K.few_programs(B, HKV, q.device)
     if few:
-        # the few-programs tile with each value slicing forced, and the step with the slicing picked
-        # by kernels.value_slices (".auto_v"): the measurement the rule is checked against
-        impls[f"{OURS}.auto_v"] = _auto_slices(impls[OURS])
-        impls[f"{OURS}.paged16.auto_v"] = _auto_slices(impls[f"{OURS}.paged16"])
-    _with_split_variants(impls, (OURS, f"{OURS}.paged16", f"{OURS}.auto_v", f"{OURS}.paged16.auto_v"), split_blocks)
+        # the step without the value slicing kernels.value_slices picks (".no_v"), beside the
+        # default and each slicing forced (@v1 ...): the measurement the rule is checked against
+        impls[f"{OURS}.no_v"] = _no_slices(impls[OURS])
+        impls[f"{OURS}.paged16.no_v"] = _no_slices(impls[f"{OURS}.paged16"])
+    few_tile = few and K.one_wave(B * HKV * K.num_splits(ctx), q.device)
+    _with_split_variants(impls, (OURS, f"{OURS}.paged16"), split_blocks)
     # many programs: the tail of the last wave is a program's work (batch 64 x 4096 keys: 2048
     # programs, about 5.2 waves at three programs per SM); value slices make the grain finer
     for v in (1, 2, 4, 8) if few else (2, 4):
-        contiguous_cfg = replace(K.select_decode(q.dtype, D, None, few=few), v_slices=v)
-        paged_cfg = replace(K.select_decode(q.dtype, D, ps, few=few), v_slices=v)
+        contiguous_cfg = replace(K.select_decode(q.dtype, D, None, few=few_tile), v_slices=v)
+        paged_cfg = replace(K.select_decode(q.dtype, D, ps, few=few_tile), v_slices=v)
         impls[f"{OURS}@v{v}"] = lambda c=contiguous_cfg: K.cached_forward(
             q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5, None, path="decode", config=c, decode_only=True)
         impls[f"{OURS}.paged16@v{v}"] = lambda c=paged_cfg: K.cached_forward(

@@ -429,6 +429,8 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
     assert uncovered() == []
     assert K.few_programs(16, 8, torch.device("cuda")) and not K.few_programs(17, 8, torch.device("cuda"))
     assert K.few_programs(1, 8, torch.device("cuda", 0))
+    # the few-programs tile only where its programs fit one wave (two per SM)
+    assert K.one_wave(264, cuda) and not K.one_wave(265, cuda) and not K.one_wave(1, torch.device("cpu"))
     # negative controls: the list as it was before the few-programs variants, and before the
     # paged prefill tile (each misses selections)
     monkeypatch.setattr(K, "shipped_forward_configs", lambda dt, d: [
@@ -511,8 +513,10 @@ def test_interpreter_decode_step_without_tile_table_and_long_combine():
         K.cached_forward(q[:4].contiguous(), k, v, page_rows, 64, torch.tensor([0, 0, 1, 2]), torch.arange(4), 0.2,
                          None, path="decode", decode_only=True)
     # the measured rule: a contiguous cache of 2-4 splits keeps the table launch (faster there)
+    # unless the step has fewer (sequence, kv head) pairs than SMs (few: faster without it)
     assert [K.tile_free_rows(False, s) for s in (1, 2, 4, 5, 17)] == [True, False, False, True, True]
     assert all(K.tile_free_rows(True, s) for s in (1, 2, 4, 17))
+    assert all(K.tile_free_rows(False, s, True) for s in (1, 2, 4, 17))
     n = 16 * 1024 + 100
     q1, k1, v1, _ = make_qkv([n], 1, 2, 32, "float32", seed=7)
     args = (q1[n - 1 :].contiguous(), k1, v1, torch.zeros((1, 1), dtype=torch.int64), n, torch.zeros(1, dtype=torch.int64),
@@ -1000,8 +1004,9 @@ def test_value_slices_give_the_same_rows(dtype, d, g, monkeypatch):
     """``AttnConfig.v_slices`` on the GPU: every value slicing of the few-programs decode tiles
     (``shipped_forward_configs``), and the many-programs decode tiles sliced in two and four (the
     benchmark's batch-64 rows), give the varlen rows and lse on both kernels, at a context of
-    three KV splits; a batch-1 decode step with the automatic selection (``auto_value_slices``)
-    picks a slicing > 1 on a contiguous and on a 16-token paged cache and gives the row. Negative
+    three KV splits; a batch-1 decode step with the automatic selection (``auto_value_slices``, on
+    by default) picks a slicing > 1 (head dims of 64 and 128) on a contiguous and on a 16-token
+    paged cache and gives the row. Negative
     control: a value column doubled doubles exactly that output column, bit for bit."""
     from dataclasses import replace
 
@@ -1011,8 +1016,13 @@ def test_value_slices_give_the_same_rows(dtype, d, g, monkeypatch):
     q, k, v, cu = (t.cuda() for t in make_qkv([2085, 300, 1], 2, g, d, dtype, seed=3 * d + g))
     scale = d**-0.5
     ref, ref_lse, _ = K.varlen_forward(q, k, v, cu, scale, None)
-    sliced = [c for c in K.shipped_forward_configs(dt, d) if c.v_slices > 1]
-    assert {c.v_slices for c in sliced} == {v for v in (2, 4, 8) if d // v >= 16}
+    # every valid slicing (16 columns or more) of the few-programs tiles: the benchmark's @v rows;
+    # the shipped list holds those the rule can pick (at most 4 slices of at least 32 columns)
+    sliced = [replace(K.select_decode(dt, d, page, few=True), v_slices=v) for page in (None, 16) for v in (2, 4, 8)
+              if d // v >= 16]
+    shipped = {c for c in K.shipped_forward_configs(dt, d) if c.v_slices > 1}
+    assert shipped <= set(sliced)
+    assert {c.v_slices for c in shipped} == {v for v in (2, 4, 8) if v <= K.MAX_V_SLICES and d // v >= K.MIN_V_COLUMNS}
     # the many-programs decode tiles sliced as the benchmark times them (rows @v2, @v4 at batch 64)
     sliced += [replace(K.select_decode(dt, d, page), v_slices=v) for page in (None, 16) for v in (2, 4) if d // v >= 16]
     sliced = list(dict.fromkeys(sliced))
@@ -1035,7 +1045,8 @@ def test_value_slices_give_the_same_rows(dtype, d, g, monkeypatch):
             chosen.clear()
             o = K.cached_forward(q[t : t + 1].contiguous(), kk, vv, page_rows, psz, zero, zero + t, scale, None,
                                  decode_only=True)
-            assert chosen and chosen[-1] > 1, (name, chosen)
+            # 1 sequence x 2 kv heads x 3 splits = 6 programs: sliced unless a slice would be < 32 columns
+            assert chosen and (chosen[-1] > 1) == (d >= 2 * K.MIN_V_COLUMNS), (name, chosen)
             assert bit_diff(o, ref[t : t + 1]), (name, chosen)
         v2 = v.clone()
         v2[:, :, d - 1] *= 2  # the last value column doubled (exactly): the last slice's

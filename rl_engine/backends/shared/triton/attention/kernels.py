@@ -58,6 +58,7 @@ __all__ = [
     "FEW_DECODE_CONFIGS",
     "FEW_PAGED_DECODE_CONFIGS",
     "few_programs",
+    "one_wave",
     "value_slices",
     "auto_value_slices",
     "BWD_CONFIGS",
@@ -230,6 +231,19 @@ def few_programs(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool
     return num_seqs * num_kv_heads < _sm_count_of(index)
 
 
+def one_wave(programs: int, device: torch.device) -> bool:
+    """Whether a decode launch of ``programs`` (sequence, kv head, split) programs fits one wave of
+    the few-programs tile (two 3-stage programs per SM): then ``FEW_DECODE_CONFIGS``' deeper
+    pipeline pays, else the many-programs tile does. H200, session 9 (run 1,
+    bench_attention_extra.json, 4096 keys, steps without the table): batch 4 (128 programs) 0.85
+    of SDPA with 3 stages against 0.59 with 2; batch 16 (512 programs) 0.77 against 0.91; batch 1
+    at 32768 keys (256 programs) keeps 3 stages (0.62 against 0.56, session 5). False off CUDA."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return programs <= 2 * _sm_count_of(index)
+
+
 #: Most value slices ``value_slices`` picks; a slice keeps at least ``MIN_V_COLUMNS`` columns there
 #: (any ``v_slices`` leaving 16 or more columns is valid and gives the same bits).
 MAX_V_SLICES = 4
@@ -294,7 +308,7 @@ def num_splits(max_positions: int) -> int:
     return max(1, -(-int(max_positions) // (KV_BLOCK * SPLIT_BLOCKS)))
 
 
-def tile_free_rows(paged: bool, splits: int) -> bool:
+def tile_free_rows(paged: bool, splits: int, few: bool = False) -> bool:
     """Whether a decode step with one query token per sequence forms its tile rows from ``q_pos``
     (``rlk_attn_rows(ONE=True)``) instead of launching ``rlk_attn_tiles`` first. Both give the
     same integers, hence the same bits (tested); this only decides speed, by measurement (H200,
@@ -303,11 +317,15 @@ def tile_free_rows(paged: bool, splits: int) -> bool:
     on 16-token pages and 8 µs faster at batch 1 and 32768 keys, but the split kernel over a
     contiguous cache of 2-4 splits ran 2.3 µs (batch 1) and 10 µs (batch 64) slower in both
     runs, more than the table launch costs (cause not found; see docs/operators/attention-gpu.md).
-    ``force_tile_free_rows()`` overrides the rule for a block of code (the benchmark's
-    ``.tile_free`` rows)."""
+    That holds only with many (sequence, kv head) pairs: with fewer than SMs (``few``, from
+    ``few_programs``) the step without the table was faster at 4096 keys in session 9 (run 1,
+    bench_attention_extra.json): batch 4 0.65 -> 0.85 of SDPA, batch 16 0.73 -> 0.77 (0.85 -> 0.91
+    on the 2-stage tile ``one_wave`` picks there), batch 1 even (23.7 / 24.2 µs), batch 64 0.90
+    with the table against 0.86 without. ``force_tile_free_rows()`` overrides the rule for a
+    block of code (the benchmark's ``.tile_free`` rows)."""
     if FORCE_TILE_FREE is not None:
         return FORCE_TILE_FREE
-    return paged or splits <= 1 or splits > 4
+    return paged or few or splits <= 1 or splits > 4
 
 
 #: ``tile_free_rows``'s answer when not ``None`` (set by ``force_tile_free_rows()`` only).
@@ -1389,7 +1407,8 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         cfg = config
     elif path == "decode":
         few = few_programs(B, Hkv, q.device)
-        cfg = select_decode(q.dtype, D, page_size if P > 1 else None, few=few)
+        cfg = select_decode(q.dtype, D, page_size if P > 1 else None,
+                            few=few and one_wave(B * Hkv * num_splits(max_positions), q.device))
         if few and AUTO_V_SLICES:
             # programs: tiles (one per sequence in a decode-only step, else the table's bound) x kv heads x splits
             tiles = B if decode_only else -(-T * G // cfg.block_m) + B
@@ -1400,7 +1419,8 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     q_pos = q_pos.to(torch.int64).contiguous()
     if decode_only and T != B:
         raise ValueError(f"decode_only: expected one query token per sequence (T == B), got T={T}, B={B}")
-    one = decode_only and path == "decode" and G <= cfg.block_m and tile_free_rows(P > 1, num_splits(max_positions))
+    one = (decode_only and path == "decode" and G <= cfg.block_m
+           and tile_free_rows(P > 1, num_splits(max_positions), few_programs(B, Hkv, q.device)))
     if one:
         tab = q_pos
     else:
