@@ -286,6 +286,53 @@ def test_interpreter_split_size_is_one_constant_of_every_kernel(monkeypatch):
 
 
 @interp
+@pytest.mark.parametrize("window", [None, 7])
+def test_interpreter_tma_loads_give_the_same_bits(window, monkeypatch):
+    """``tma_loads()``: the train path's key / value blocks by TMA copies (``rlk_attn_block(TMA=True)``,
+    no clamp of the rows past a tile's queries) give the rows and lse of the pointer loads —
+    across a split merge (2-block splits here, so short sequences cross them) and beside a next
+    sequence of large values that a block reads past the first one's end (masked: the first
+    sequence's rows equal its rows alone). The switch is scoped and ``tma_eligible`` refuses
+    sliced configs. Negative controls: a perturbed visible key changes the rows; a planted copy
+    whose copies start one row late is caught (the TMA path is the one that ran)."""
+    import os
+    import sys
+    from dataclasses import replace
+
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    monkeypatch.setattr(K, "SPLIT_BLOCKS", 2)
+    q, k, v, cu = make_qkv([70, 200, 5], 1, 2, 32, "float32", seed=31)
+    v[70:270] *= 100.0
+    k[70:270] *= 100.0
+    plain = K.varlen_forward(q, k, v, cu, 0.2, window)
+    assert not K.TMA_LOADS and not K.tma_eligible(q, k, v, K.select_prefill(q.dtype, 32))
+    with K.tma_loads():
+        assert K.tma_eligible(q, k, v, K.select_prefill(q.dtype, 32))
+        assert not K.tma_eligible(q, k, v, replace(K.select_prefill(q.dtype, 32), v_slices=2))
+        tma = K.varlen_forward(q, k, v, cu, 0.2, window)
+        alone = K.varlen_forward(q[:70].contiguous(), k[:70].contiguous(), v[:70].contiguous(), cu[:2], 0.2, window)
+        k2 = k.clone()
+        k2[10, 0, 5] += 0.25
+        perturbed = K.varlen_forward(q, k2, v, cu, 0.2, window)
+    assert not K.TMA_LOADS
+    assert bit_diff(tma[0], plain[0]) and bit_diff(tma[1], plain[1])
+    assert bit_diff(alone[0], tma[0][:70]) and bit_diff(alone[1], tma[1][:70])
+    assert not bit_diff(perturbed[0][:70], tma[0][:70]) and bit_diff(perturbed[0][70:], tma[0][70:])
+    planted, path = _load_planted(K, (("row0 = (kbase + b * 64).to(tl.int32)", "row0 = (kbase + b * 64 + 1).to(tl.int32)"),),
+                                  f"tma_{window}")
+    try:
+        planted.SPLIT_BLOCKS = 2
+        assert bit_diff(planted.varlen_forward(q, k, v, cu, 0.2, window)[0], plain[0])  # switch off: pointer loads
+        with planted.tma_loads():
+            late = planted.varlen_forward(q, k, v, cu, 0.2, window)
+        assert not bit_diff(late[0], plain[0])
+    finally:
+        sys.modules.pop(planted.__name__, None)
+        os.remove(path)
+
+
+@interp
 def test_interpreter_paged_decode_equals_varlen_rows():
     from rl_engine.backends.shared.triton.attention import kernels as K
 
@@ -994,6 +1041,37 @@ def test_every_shipped_config_and_path_gives_the_same_rows(dtype, d, g):
                                  torch.tensor([n - 1], device="cuda"), scale, None, path=path)
             assert bit_diff(o, ref[t : t + 1]), (t, path)
     evidence(f"attention_configs_{dtype}_d{d}_g{g}", {"compared_equal": seen})
+
+
+@gpu
+@pytest.mark.parametrize("dtype,d,g,window", [("bfloat16", 128, 4, None), ("bfloat16", 64, 1, 300),
+                                              ("float16", 128, 4, None), ("float32", 128, 4, None)])
+def test_tma_loads_give_the_same_rows(dtype, d, g, window):
+    """``kernels.tma_loads()`` on the H200: the train path's forward with its key / value blocks
+    copied by TMA (``tma_eligible``) gives the rows, lse and fp32 rows of the pointer loads, over
+    sequences of 2085 (three KV splits merged), 300 and 1 tokens, and the first sequence's rows
+    beside a next sequence of large values equal its rows alone (the copies read past a
+    sequence's end unclamped; those keys are masked). Negative control: a visible key perturbed
+    changes the TMA rows of its sequence and no other."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    q, k, v, cu = (t.cuda() for t in make_qkv([2085, 300, 1], 2, g, d, dtype, seed=5 * d + g))
+    k[2085:2385] *= 8
+    v[2085:2385] *= 8
+    scale = d**-0.5
+    plain = K.varlen_forward(q, k, v, cu, scale, window)
+    with K.tma_loads():
+        assert K.tma_eligible(q, k, v, K.select_prefill(q.dtype, d))
+        tma = K.varlen_forward(q, k, v, cu, scale, window)
+        alone = K.varlen_forward(q[:2085].contiguous(), k[:2085].contiguous(), v[:2085].contiguous(), cu[:2], scale,
+                                 window)
+        k2 = k.clone()
+        k2[1500, 1, 7] += 0.5
+        perturbed = K.varlen_forward(q, k2, v, cu, scale, window)
+    for a, b, name in zip(tma, plain, ("out", "lse", "out_f32")):
+        assert bit_diff(a, b), name
+    assert bit_diff(alone[0], tma[0][:2085]) and bit_diff(alone[1], tma[1][:2085])
+    assert not bit_diff(perturbed[0][:2085], tma[0][:2085]) and bit_diff(perturbed[0][2085:], tma[0][2085:])
 
 
 @gpu

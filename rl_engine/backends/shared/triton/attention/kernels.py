@@ -74,6 +74,8 @@ __all__ = [
     "rollout_tiles",
     "attend",
     "varlen_forward",
+    "tma_loads",
+    "tma_eligible",
     "cached_forward",
     "varlen_backward",
     "KERNEL_NAMES",
@@ -512,9 +514,10 @@ def rlk_attn_kv_base(pr_ptr, seq, pr_stride):
 
 
 @triton.jit
-def rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, b, m, l, acc,
-                   qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   PAGED: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
+def rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, b,
+                   m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
+                   TMA: tl.constexpr):
     """One 64-key block ``b`` of the online softmax. ``MASKED=False`` is only used for blocks
     every row of the tile sees entirely (``wlo <= 64·b`` and ``64·b + 63 <= pos``, so every row is
     active): there the score mask and the -inf guard are identities and are left out, the
@@ -530,15 +533,28 @@ def rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
     finite and the guard changes nothing.
 
     ``offs_v``: the value columns this program accumulates (all ``HEAD_D``, or a slice of
-    ``AttnConfig.v_slices``); the scores use the whole head dim either way."""
+    ``AttnConfig.v_slices``); the scores use the whole head dim either way.
+
+    ``TMA`` (the train path's packed rows only, ``tma_loads``): the block's 64 key and value rows
+    arrive by one tensor-memory-accelerator copy each from row ``kbase + 64·b`` of the
+    ``[rows, Hkv·D]`` view, without the clamp to ``cap``: the rows past the tile's last query are
+    the next tokens of the pack (finite inputs, checked by the entry points) or the copy's zero
+    fill past the end, and their scores are masked to ``-inf`` (``P = +0``) as before. The same
+    values reach the same products, so the same bits."""
     offs_n = tl.arange(0, 64)
     offs_d = tl.arange(0, HEAD_D)
     kpos = b * 64 + offs_n
-    rows = rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kbase, tl.minimum(kpos, cap), PAGED)
-    koff = rows * sk_row + kvh * sk_head
-    voff = rows * sv_row + kvh * sv_head
-    kt = tl.load(k_ptr + koff[None, :] + offs_d[:, None])  # [D, 64]
-    v = tl.load(v_ptr + voff[:, None] + offs_v[None, :])  # [64, DV]
+    if TMA:
+        row0 = (kbase + b * 64).to(tl.int32)
+        col = (kvh * HEAD_D).to(tl.int32)
+        kt = tl.trans(k_desc.load([row0, col]))  # [D, 64]
+        v = v_desc.load([row0, col])  # [64, D]
+    else:
+        rows = rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kbase, tl.minimum(kpos, cap), PAGED)
+        koff = rows * sk_row + kvh * sk_head
+        voff = rows * sv_row + kvh * sv_head
+        kt = tl.load(k_ptr + koff[None, :] + offs_d[:, None])  # [D, 64]
+        v = tl.load(v_ptr + voff[:, None] + offs_v[None, :])  # [64, DV]
     if IEEE:
         s = tl.dot(q, kt, input_precision="ieee")
     else:
@@ -563,10 +579,10 @@ def rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
 
 
 @triton.jit
-def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, valid, b0, b1,
-                   qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr, DV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr):
+def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+                   valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr,
+                   DV: tl.constexpr, BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr,
+                   SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, TMA: tl.constexpr):
     """One KV split's online softmax over blocks ``b0 .. b1`` (increasing) from the state
     ``(-inf, 0, 0)``; a row's state changes only in the blocks of its own range ``[lo, hi]``
     (``rlk_attn_block``: no per-row select).
@@ -584,13 +600,13 @@ def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
         f1 = (tl.min(tl.where(valid, pos, 1 << 30), axis=0) + 1) // 64 - 1
         u1 = tl.minimum(b1, f1)
         for b in range(b0, u1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, False)
+                                       BLOCK_M, PAGED, IEEE, False, TMA)
         for b in range(tl.maximum(u1 + 1, b0), b1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, True)
+                                       BLOCK_M, PAGED, IEEE, True, TMA)
     elif SPLIT:
         f0 = (tl.max(tl.where(valid, wlo, 0), axis=0) + 63) // 64
         f1 = (tl.min(tl.where(valid, pos, 1 << 30), axis=0) + 1) // 64 - 1
@@ -600,22 +616,22 @@ def rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, ca
         u0 = tl.where(u1 >= u0, u0, b1 + 1)
         e1 = tl.minimum(u0 - 1, b1)
         for b in range(b0, e1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, True)
+                                       BLOCK_M, PAGED, IEEE, True, TMA)
         for b in range(u0, u1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, False)
+                                       BLOCK_M, PAGED, IEEE, False, TMA)
         for b in range(tl.maximum(u1 + 1, e1 + 1), b1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, True)
+                                       BLOCK_M, PAGED, IEEE, True, TMA)
     else:  # one masked run (fp32 by default: IEEE products by FMA, a third of the code to compile)
         for b in range(b0, b1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, True)
+                                       BLOCK_M, PAGED, IEEE, True, TMA)
     return m, l, acc
 
 
@@ -663,12 +679,12 @@ def rlk_attn_finish(M, L, A, out_ptr, out32_ptr, lse_ptr, q_off, lse_off, valid,
 
 
 @triton.jit
-def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_ptr, pr_ptr, pr_stride,
+def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_ptr, pr_ptr, pr_stride,
                  page_size: tl.constexpr, G: tl.constexpr, W,
                  qk_scale, sk_row, sk_head, sv_row, sv_head, HQ, HKV, HEAD_D: tl.constexpr, DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr,
                  STORE_F32: tl.constexpr, STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, MULTI: tl.constexpr,
-                 ONE: tl.constexpr, PDL: tl.constexpr, SB: tl.constexpr):
+                 ONE: tl.constexpr, PDL: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr):
     """Grid (tiles, kv heads, ``HEAD_D / DV``): the splits of a tile (``SB`` blocks each) in sequence,
     merged; the third axis takes ``DV`` value columns each (``AttnConfig.v_slices``; the first
     stores the lse)."""
@@ -703,10 +719,10 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_
             scr = (scr_ptr + (t.to(tl.int64) * HKV + kvh) * (BLOCK_M * HEAD_D)
                    + (tl.arange(0, BLOCK_M)[:, None] * HEAD_D + offs_v[None, :]))
             for sp in range(s_first, s_last):
-                m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos,
-                                         wlo, valid, tl.maximum(first, sp * SB), sp * SB + SB - 1, qk_scale,
-                                         sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, DV, BLOCK_M, PAGED, IEEE,
-                                         SPLIT, HAS_WINDOW)
+                m, l, a = rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size,
+                                         cap, kvh, pos, wlo, valid, tl.maximum(first, sp * SB), sp * SB + SB - 1,
+                                         qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, DV, BLOCK_M,
+                                         PAGED, IEEE, SPLIT, HAS_WINDOW, TMA)
                 if sp > s_first:
                     A = tl.load(scr)
                 else:
@@ -716,9 +732,9 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_
         # The last split (the only one when MULTI is off: every query position < 1024), then the
         # output. A tile inside one split skips the scratch: merging one split into the initial
         # state is an exact identity (M = m; L = fma(l, 1, 0) = l; A = fma(a, 1, 0) = a, a never -0).
-        m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                 valid, tl.maximum(first, s_last * SB), last, qk_scale, sk_row, sk_head, sv_row,
-                                 sv_head, offs_v, HEAD_D, DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW)
+        m, l, a = rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
+                                 pos, wlo, valid, tl.maximum(first, s_last * SB), last, qk_scale, sk_row, sk_head,
+                                 sv_row, sv_head, offs_v, HEAD_D, DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW, TMA)
         if MULTI:
             if s_last > s_first:
                 M, L, A = rlk_attn_merge(M, L, tl.load(scr), m, l, a)
@@ -763,9 +779,9 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_pt
         b0 = tl.maximum(first, sp * SB)
         b1 = tl.minimum(last, sp * SB + SB - 1)
         kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)
-        m, l, a = rlk_attn_split(q, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                 valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, DV,
-                                 BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW)
+        m, l, a = rlk_attn_split(q, k_ptr, v_ptr, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
+                                 pos, wlo, valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
+                                 DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW, False)
         # only the tile's valid rows (a decode tile of G or fewer units in 16 rows): padding rows
         # are never read back, so their stores would be workspace traffic for nothing
         slot = ((t.to(tl.int64) * HKV + kvh) * NS + j) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -1214,7 +1230,7 @@ def _varlen_rows(cu_seqlens: torch.Tensor):
 
 def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base, max_positions, scale, window, *,
            path: str, config: AttnConfig | None = None, want_lse: bool = False, want_f32: bool = False,
-           tab: torch.Tensor | None = None, one: bool = False):
+           tab: torch.Tensor | None = None, one: bool = False, tma: bool = False):
     """The forward for every query row (all entry points end here).
 
     Args:
@@ -1233,6 +1249,9 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
         one: ``tab`` is ``q_pos`` of a step with exactly one query token per sequence (token
             ``i`` of sequence ``i``; needs ``G <= BLOCK_M``): the kernels form tile ``i``'s table
             row ``[i, i·G, i·G + G, i - q_pos[i]]`` themselves (``rlk_attn_rows(ONE=True)``).
+        tma: the prefill kernel loads key / value blocks by TMA copies (``tma_eligible``: the
+            train path's packed rows only, where every row a block reads past its queries is a
+            finite input or the copy's zero fill); the same bits.
 
     Returns ``(out [T, Hq, D] in q.dtype, lse [T, Hq] fp32 | None, out_f32 | None)``.
     """
@@ -1287,12 +1306,22 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
                 scr = torch.empty((nt * Hkv * cfg.block_m * D,), dtype=torch.float32, device=q.device)
             else:
                 scr = torch.empty((1,), dtype=torch.float32, device=q.device)
+            if tma:
+                if vsl != 1 or paged:
+                    raise ValueError(f"tma: expected one value slice and packed rows, got v_slices={vsl}, paged={paged}")
+                from triton.tools.tensor_descriptor import TensorDescriptor
+
+                n_rows = k_rows.shape[0]
+                k_desc = TensorDescriptor(k_rows, [n_rows, Hkv * D], [k_rows.stride(0), 1], [KV_BLOCK, D])
+                v_desc = TensorDescriptor(v_rows, [n_rows, Hkv * D], [v_rows.stride(0), 1], [KV_BLOCK, D])
+            else:
+                k_desc, v_desc = k_rows, v_rows  # unused (TMA=False)
             rlk_attn_fwd[(nt, Hkv, vsl)](
-                q, k_rows, v_rows, out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, scr,
+                q, k_rows, v_rows, k_desc, v_desc, out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, scr,
                 tab, page_rows, page_rows.stride(0), psz, G, w, float(scale), *kv_strides, **common, DV=D // vsl,
                 PAGED=paged, IEEE=ieee, STORE_F32=want_f32, STORE_LSE=want_lse, SPLIT=runs, MULTI=multi, ONE=one,
-                PDL=pdl, SB=SPLIT_BLOCKS, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
-                launch_pdl=pdl,
+                PDL=pdl, SB=SPLIT_BLOCKS, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                enable_fp_fusion=False, launch_pdl=pdl,
             )
         else:
             ws_m = torch.empty((nt, Hkv, ns, cfg.block_m), dtype=torch.float32, device=q.device)
@@ -1310,6 +1339,39 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
                 SB=SPLIT_BLOCKS, num_warps=cfg.num_warps, enable_fp_fusion=False, launch_pdl=pdl,
             )
     return out, lse, out32
+
+
+#: Whether the train path's forward loads its key / value blocks by TMA copies (sm90+;
+#: ``tma_loads()``). Off until an H200 run times it against the pointer loads: the ablation's
+#: textbook probe gained 11-15 % from TMA copies (session 9 run 1), the benchmark's ``.tma`` rows
+#: measure the shipped kernel; the GPU tests prove the bits either way.
+TMA_LOADS = False
+
+
+@contextlib.contextmanager
+def tma_loads(on: bool = True) -> Iterator[None]:
+    """Set ``TMA_LOADS`` inside the block (restored in ``finally``). The bits are the same either way."""
+    global TMA_LOADS
+    saved, TMA_LOADS = TMA_LOADS, bool(on)
+    try:
+        yield
+    finally:
+        TMA_LOADS = saved
+
+
+def tma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig) -> bool:
+    """Whether ``varlen_forward`` loads key / value blocks by TMA copies: ``TMA_LOADS`` on, one
+    value slice, an sm90+ device (or the Triton interpreter's CPU tensors), and ``k`` / ``v`` rows
+    whose heads are contiguous (``[T, Hkv, D]`` with head stride ``D``) at 16-byte aligned
+    addresses and row strides (the copy's rules). Otherwise the pointer loads, with the same bits."""
+    if not TMA_LOADS or cfg.v_slices != 1:
+        return False
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    for t in (k, v):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+    return True
 
 
 def varlen_forward(q, k, v, cu_seqlens, scale, window, *, path: str = "prefill", config: AttnConfig | None = None,
@@ -1331,7 +1393,8 @@ def varlen_forward(q, k, v, cu_seqlens, scale, window, *, path: str = "prefill",
     want_f32 = for_backward and q.dtype != torch.float32
     bound = T if max_seqlen is None else min(int(max_seqlen), T)
     out, lse, out32 = attend(q, k, v, page_rows, _NO_PAGES, nseq, nseq, nseq, bound, scale, window,
-                             path=path, config=cfg, want_lse=for_backward, want_f32=want_f32, tab=tab)
+                             path=path, config=cfg, want_lse=for_backward, want_f32=want_f32, tab=tab,
+                             tma=tma_eligible(q, k, v, cfg))
     if not for_backward:
         return out, None, None
     if out32 is None:
