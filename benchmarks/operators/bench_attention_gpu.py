@@ -25,8 +25,8 @@ Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
   K/V with ``enable_gqa=True`` (no expanded copies).
 * ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.
 
-Rows ending ``.tma`` (prefill and train) run the train path's forward with its key / value blocks
-copied by TMA (``kernels.tma_loads()``), beside the pointer loads of the default rows.
+Rows ending ``.no_tma`` (prefill and train) run the train path's forward with its key / value blocks
+by pointer loads (``kernels.tma_loads(False)``), beside the default rows' TMA copies.
 
 Rows ending ``~sb<n>`` (``--split-blocks``) run the shipped call with the KV split set to ``n``
 64-key blocks instead of the contract's 16 (an experiment: fewer blocks per split give a decode
@@ -136,13 +136,13 @@ def _no_slices(fn: Callable[[], object]) -> Callable[[], object]:
     return call
 
 
-def _tma(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with ``kernels.tma_loads()``: the train path's key / value blocks by TMA copies (off by
-    default until these rows time it)."""
+def _no_tma(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with ``kernels.tma_loads(False)``: the train path's key / value blocks by pointer loads
+    instead of the default TMA copies."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     def call():
-        with K.tma_loads():
+        with K.tma_loads(False):
             return fn()
 
     return call
@@ -203,8 +203,8 @@ def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequen
         "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
     }
     impls[f"{OURS}.no_pdl"] = _without_pdl(impls[OURS])
-    impls[f"{OURS}.tma"] = _tma(impls[OURS])
-    impls[f"{OURS}.train_forward.tma"] = _tma(impls[f"{OURS}.train_forward"])
+    impls[f"{OURS}.no_tma"] = _no_tma(impls[OURS])
+    impls[f"{OURS}.train_forward.no_tma"] = _no_tma(impls[f"{OURS}.train_forward"])
     _with_split_variants(impls, (OURS, f"{OURS}.train_forward"), split_blocks)
     for c in _candidates("prefill", all_configs):
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.varlen_forward(q, k, v, cu, D**-0.5, None, config=c, max_seqlen=S,
@@ -303,7 +303,7 @@ def train_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence
 
     flop = 2.5 * 4 * B * HQ * D * S * (S + 1) / 2  # forward + backward (2.5x the forward's matmuls)
     impls = {OURS: ours, "torch.sdpa": sdpa}
-    impls[f"{OURS}.tma"] = _tma(ours)
+    impls[f"{OURS}.no_tma"] = _no_tma(ours)
     _with_split_variants(impls, (OURS,), split_blocks)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     for c in _candidates("backward", all_configs):

@@ -288,34 +288,48 @@ def test_interpreter_split_size_is_one_constant_of_every_kernel(monkeypatch):
 @interp
 @pytest.mark.parametrize("window", [None, 7])
 def test_interpreter_tma_loads_give_the_same_bits(window, monkeypatch):
-    """``tma_loads()``: the train path's key / value blocks by TMA copies (``rlk_attn_block(TMA=True)``,
-    no clamp of the rows past a tile's queries) give the rows and lse of the pointer loads —
-    across a split merge (2-block splits here, so short sequences cross them) and beside a next
-    sequence of large values that a block reads past the first one's end (masked: the first
-    sequence's rows equal its rows alone). The switch is scoped and ``tma_eligible`` refuses
-    sliced configs. Negative controls: a perturbed visible key changes the rows; a planted copy
-    whose copies start one row late is caught (the TMA path is the one that ran)."""
+    """``TMA_LOADS`` (on by default; ``tma_loads(False)`` scopes it off): the train path's key /
+    value blocks by TMA copies (``rlk_attn_block(TMA=True)``, no clamp of the rows past a tile's
+    queries) give the rows and lse of the pointer loads at the same tile — across a split merge
+    (2-block splits here, so short sequences cross them) and beside a next sequence of large
+    values that a block reads past the first one's end (masked: the first sequence's rows equal
+    its rows alone). The switch is scoped; ``tma_eligible`` refuses CPU tensors (the copies are
+    forced here past its device clause), sliced configs and the ``"propagate"`` NaN policy
+    (unchecked inputs). Negative controls: a perturbed visible key changes the rows; a planted
+    copy whose copies start one row late is caught (the TMA path is the one that ran)."""
     import os
     import sys
+    import types
     from dataclasses import replace
 
     from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.utils.checks import nan_policy
 
     monkeypatch.setattr(K, "SPLIT_BLOCKS", 2)
     q, k, v, cu = make_qkv([70, 200, 5], 1, 2, 32, "float32", seed=31)
     v[70:270] *= 100.0
     k[70:270] *= 100.0
-    plain = K.varlen_forward(q, k, v, cu, 0.2, window)
-    assert not K.TMA_LOADS and not K.tma_eligible(q, k, v, K.select_prefill(q.dtype, 32))
-    with K.tma_loads():
-        assert K.tma_eligible(q, k, v, K.select_prefill(q.dtype, 32))
-        assert not K.tma_eligible(q, k, v, replace(K.select_prefill(q.dtype, 32), v_slices=2))
-        tma = K.varlen_forward(q, k, v, cu, 0.2, window)
-        alone = K.varlen_forward(q[:70].contiguous(), k[:70].contiguous(), v[:70].contiguous(), cu[:2], 0.2, window)
-        k2 = k.clone()
-        k2[10, 0, 5] += 0.25
-        perturbed = K.varlen_forward(q, k2, v, cu, 0.2, window)
-    assert not K.TMA_LOADS
+    assert K.TMA_LOADS and not K.tma_eligible(q, k, v, K.select_prefill(q.dtype, 32))  # CPU tensors: never
+    rule = K.tma_eligible
+    as_sm90 = types.SimpleNamespace(device=torch.device("cuda", 0))  # the rule's only look at q: its device
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(K, "tma_eligible", lambda q, k, v, cfg: rule(as_sm90, k, v, cfg))
+    with K.tma_loads(False):
+        assert not K.tma_eligible(q, k, v, K.select_prefill(q.dtype, 32))
+        plain = K.varlen_forward(q, k, v, cu, 0.2, window)
+    assert K.tma_eligible(q, k, v, K.select_prefill(q.dtype, 32))
+    assert not K.tma_eligible(q, k, v, replace(K.select_prefill(q.dtype, 32), v_slices=2))
+    with nan_policy("propagate"):  # unchecked inputs: a NaN past a sequence's end must not reach it
+        assert not K.tma_eligible(q, k, v, K.select_prefill(q.dtype, 32))
+    tma = K.varlen_forward(q, k, v, cu, 0.2, window)
+    alone = K.varlen_forward(q[:70].contiguous(), k[:70].contiguous(), v[:70].contiguous(), cu[:2], 0.2, window)
+    k2 = k.clone()
+    k2[10, 0, 5] += 0.25
+    perturbed = K.varlen_forward(q, k2, v, cu, 0.2, window)
+    with pytest.raises(RuntimeError, match="boom"):
+        with K.tma_loads(False):
+            raise RuntimeError("boom")
+    assert K.TMA_LOADS
     assert bit_diff(tma[0], plain[0]) and bit_diff(tma[1], plain[1])
     assert bit_diff(alone[0], tma[0][:70]) and bit_diff(alone[1], tma[1][:70])
     assert not bit_diff(perturbed[0][:70], tma[0][:70]) and bit_diff(perturbed[0][70:], tma[0][70:])
@@ -323,9 +337,11 @@ def test_interpreter_tma_loads_give_the_same_bits(window, monkeypatch):
                                   f"tma_{window}")
     try:
         planted.SPLIT_BLOCKS = 2
-        assert bit_diff(planted.varlen_forward(q, k, v, cu, 0.2, window)[0], plain[0])  # switch off: pointer loads
-        with planted.tma_loads():
-            late = planted.varlen_forward(q, k, v, cu, 0.2, window)
+        planted_rule = planted.tma_eligible
+        planted.tma_eligible = lambda q, k, v, cfg: planted_rule(as_sm90, k, v, cfg)
+        with planted.tma_loads(False):  # switch off: pointer loads
+            assert bit_diff(planted.varlen_forward(q, k, v, cu, 0.2, window)[0], plain[0])
+        late = planted.varlen_forward(q, k, v, cu, 0.2, window)
         assert not bit_diff(late[0], plain[0])
     finally:
         sys.modules.pop(planted.__name__, None)
@@ -660,7 +676,7 @@ def test_interpreter_value_slices_give_the_same_bits():
 
 @interp
 def test_interpreter_value_slices_rule(monkeypatch):
-    """``value_slices``: doubled while the doubled grid fills at most half the SMs, at most 4,
+    """``value_slices``: doubled while the doubled grid fits in one wave of SMs, at most 4,
     slices of at least 32 columns; 1 off CUDA (the picks of the H200's batch-1 rows, session 9).
     ``cached_forward`` asks it for few-programs decode steps unless ``auto_value_slices(False)``,
     which restores the switch on the way out, an exception included; the rows are the same bits
@@ -671,7 +687,7 @@ def test_interpreter_value_slices_rule(monkeypatch):
     monkeypatch.setattr(K, "_sm_count_of", lambda index: 132)
     cuda = torch.device("cuda", 0)
     # batch 1, 8 kv heads: 512 keys (1 split), 4096 (4), 32768 (32); batch 16 at 4096 keys
-    assert [K.value_slices(8 * s, 128, cuda) for s in (1, 4, 32)] == [4, 2, 1]
+    assert [K.value_slices(8 * s, 128, cuda) for s in (1, 4, 32)] == [4, 4, 1]
     assert K.value_slices(16 * 8 * 4, 128, cuda) == 1
     assert K.value_slices(8, 32, cuda) == 1 and K.value_slices(8, 64, cuda) == 2
     assert K.AUTO_V_SLICES
@@ -1047,7 +1063,7 @@ def test_every_shipped_config_and_path_gives_the_same_rows(dtype, d, g):
 @pytest.mark.parametrize("dtype,d,g,window", [("bfloat16", 128, 4, None), ("bfloat16", 64, 1, 300),
                                               ("float16", 128, 4, None), ("float32", 128, 4, None)])
 def test_tma_loads_give_the_same_rows(dtype, d, g, window):
-    """``kernels.tma_loads()`` on the H200: the train path's forward with its key / value blocks
+    """``kernels.TMA_LOADS`` (on by default) on the H200: the train path's forward with its key / value blocks
     copied by TMA (``tma_eligible``) gives the rows, lse and fp32 rows of the pointer loads, over
     sequences of 2085 (three KV splits merged), 300 and 1 tokens, and the first sequence's rows
     beside a next sequence of large values equal its rows alone (the copies read past a
@@ -1059,15 +1075,15 @@ def test_tma_loads_give_the_same_rows(dtype, d, g, window):
     k[2085:2385] *= 8
     v[2085:2385] *= 8
     scale = d**-0.5
-    plain = K.varlen_forward(q, k, v, cu, scale, window)
-    with K.tma_loads():
-        assert K.tma_eligible(q, k, v, K.select_prefill(q.dtype, d))
-        tma = K.varlen_forward(q, k, v, cu, scale, window)
-        alone = K.varlen_forward(q[:2085].contiguous(), k[:2085].contiguous(), v[:2085].contiguous(), cu[:2], scale,
-                                 window)
-        k2 = k.clone()
-        k2[1500, 1, 7] += 0.5
-        perturbed = K.varlen_forward(q, k2, v, cu, scale, window)
+    with K.tma_loads(False):
+        plain = K.varlen_forward(q, k, v, cu, scale, window)
+    assert K.tma_eligible(q, k, v, K.select_prefill(q.dtype, d))  # on by default on sm90
+    tma = K.varlen_forward(q, k, v, cu, scale, window)
+    alone = K.varlen_forward(q[:2085].contiguous(), k[:2085].contiguous(), v[:2085].contiguous(), cu[:2], scale,
+                             window)
+    k2 = k.clone()
+    k2[1500, 1, 7] += 0.5
+    perturbed = K.varlen_forward(q, k2, v, cu, scale, window)
     for a, b, name in zip(tma, plain, ("out", "lse", "out_f32")):
         assert bit_diff(a, b), name
     assert bit_diff(alone[0], tma[0][:2085]) and bit_diff(alone[1], tma[1][:2085])

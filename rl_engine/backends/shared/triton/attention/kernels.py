@@ -251,8 +251,8 @@ def one_wave(programs: int, device: torch.device) -> bool:
 MAX_V_SLICES = 4
 MIN_V_COLUMNS = 32
 #: Whether ``cached_forward`` picks a value slicing by ``value_slices`` for decode steps with
-#: few programs (on since session 9: batch 1 on the H200, 0.71 -> 0.80 of SDPA at 512 keys with 4
-#: slices, 0.40 -> 0.42 at 4096 with 2, 32768 keys unsliced; reports/gpu/README.md "Session 9").
+#: few programs (on since session 9: batch 1 on the H200, 0.72 -> 0.82 of SDPA at 512 keys and
+#: 0.40 -> 0.51 at 4096 with 4 slices, 32768 keys unsliced; reports/gpu/README.md "Session 9").
 #: ``auto_value_slices(False)`` turns it off for a block of code. The bits are the same either way.
 AUTO_V_SLICES = True
 
@@ -270,22 +270,23 @@ def auto_value_slices(on: bool = True) -> Iterator[None]:
 
 def value_slices(programs: int, head_dim: int, device: torch.device) -> int:
     """Value slices (``AttnConfig.v_slices``) for a decode launch of ``programs`` (tile, kv head,
-    split) programs: doubled while the doubled grid still fills at most half the device's SMs,
+    split) programs: doubled while the doubled grid still fits in one wave of the device's SMs,
     up to ``MAX_V_SLICES`` and slices of ``MIN_V_COLUMNS`` columns; 1 off CUDA.
 
     A decode step of few sequences has few programs (batch 1, 8 kv heads, 4096 keys: 32 on a
     132-SM H200), each walking its split's blocks in sequence; slicing the ``P·V`` columns
     over more programs spreads the value loads (each slice reads the whole key block for its
-    scores, and the slices share it through L2). Measured on the H200 (session 9 run 1, batch 1,
-    D = 128): 8 programs are fastest with 4 slices (8 slices: slower than 4), 32 with 2 (4: slower
-    than none on a contiguous cache), 256 with none: the rule's picks. Every slicing gives the same
-    bits (tested)."""
+    scores, and the slices share it through L2). Measured on the H200 (session 9 run 3, batch 1,
+    D = 128, steps without the tile table): 8 programs (512 keys) 0.72 of SDPA unsliced, 0.82 with
+    4 slices (8 slices were slower than 4 in run 1); 32 programs (4096 keys) 0.40 unsliced, 0.44
+    with 2, 0.51 with 4; 256 programs (32768 keys) fastest unsliced: the rule's picks. Every
+    slicing gives the same bits (tested)."""
     if device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     sm = _sm_count_of(index)
     vs = 1
-    while vs < MAX_V_SLICES and head_dim // (2 * vs) >= MIN_V_COLUMNS and programs * 2 * vs * 2 <= sm:
+    while vs < MAX_V_SLICES and head_dim // (2 * vs) >= MIN_V_COLUMNS and programs * 2 * vs <= sm:
         vs *= 2
     return vs
 
@@ -1342,10 +1343,10 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
 
 
 #: Whether the train path's forward loads its key / value blocks by TMA copies (sm90+;
-#: ``tma_loads()``). Off until an H200 run times it against the pointer loads: the ablation's
-#: textbook probe gained 11-15 % from TMA copies (session 9 run 1), the benchmark's ``.tma`` rows
-#: measure the shipped kernel; the GPU tests prove the bits either way.
-TMA_LOADS = False
+#: ``tma_loads(False)`` turns it off for a block of code). H200, session 9 run 3: prefill 0.53 ->
+#: 0.59 / 0.51 -> 0.60 of SDPA at 32 x 512 / 4 x 4096, the training forward 0.44 -> 0.48 / 0.53,
+#: forward + backward 0.58 -> 0.60; the GPU tests prove the bits equal to the pointer loads.
+TMA_LOADS = True
 
 
 @contextlib.contextmanager
@@ -1361,12 +1362,21 @@ def tma_loads(on: bool = True) -> Iterator[None]:
 
 def tma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig) -> bool:
     """Whether ``varlen_forward`` loads key / value blocks by TMA copies: ``TMA_LOADS`` on, one
-    value slice, an sm90+ device (or the Triton interpreter's CPU tensors), and ``k`` / ``v`` rows
+    value slice, an sm90+ CUDA device, ``k`` / ``v`` rows
     whose heads are contiguous (``[T, Hkv, D]`` with head stride ``D``) at 16-byte aligned
-    addresses and row strides (the copy's rules). Otherwise the pointer loads, with the same bits."""
-    if not TMA_LOADS or cfg.v_slices != 1:
+    addresses and row strides (the copy's rules), and a NaN policy other than ``"propagate"``:
+    the copies read a block's rows past its queries (later tokens, the next sequence) unclamped,
+    which is exact only for finite inputs (masked ``P = +0`` times a finite value), and only the
+    scanning policies guarantee those (under ``"propagate"`` a NaN must stay in its own rows).
+    Otherwise the pointer loads, with the same bits. Not in the Triton interpreter (CPU tensors):
+    its ``tl.dot`` is numpy's matmul, whose bits change with the operand layout (the copies give
+    a transposed key view) differently for different tile rows, an artifact of the interpreter;
+    its TMA test forces the copies at one tile shape."""
+    from rl_engine.utils.checks import current_nan_policy
+
+    if not TMA_LOADS or cfg.v_slices != 1 or current_nan_policy() == "propagate":
         return False
-    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] < 9:
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
         return False
     for t in (k, v):
         if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
