@@ -255,7 +255,8 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
         # default and each slicing forced (@v1 ...): the measurement the rule is checked against
         impls[f"{OURS}.no_v"] = _no_slices(impls[OURS])
         impls[f"{OURS}.paged16.no_v"] = _no_slices(impls[f"{OURS}.paged16"])
-    few_tile = few and K.one_wave(B * HKV * K.num_splits(ctx), q.device)
+    ns = K.num_splits(ctx)
+    few_tile = few and (ns > 4 or K.one_wave(B * HKV * ns, q.device))  # cached_forward's choice
     _with_split_variants(impls, (OURS, f"{OURS}.paged16"), split_blocks)
     # many programs: the tail of the last wave is a program's work (batch 64 x 4096 keys: 2048
     # programs, about 5.2 waves at three programs per SM); value slices make the grain finer

@@ -709,6 +709,33 @@ def test_interpreter_value_slices_rule(monkeypatch):
     assert K.AUTO_V_SLICES
 
 
+@interp
+def test_interpreter_few_pairs_decode_tile_rule(monkeypatch):
+    """``cached_forward``'s decode tile for a step with few (sequence, kv head) pairs: the
+    few-programs tile when its programs fit one wave (``one_wave``, False off CUDA) or when the
+    step has more than 4 KV splits, else the many-programs tile; with many pairs always the latter.
+    The rows are the same bits whichever is picked (GPU: every shipped config)."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    asked = []
+    select = K.select_decode
+    monkeypatch.setattr(K, "select_decode", lambda *a, few=False: asked.append(few) or select(*a, few=few))
+    q, k, v, cu = make_qkv([1100], 1, 2, 32, "float32", seed=13)
+
+    def step(bound):
+        return K.cached_forward(q[-1:].contiguous(), k, v, torch.zeros((1, 1), dtype=torch.int64), bound,
+                                torch.zeros(1, dtype=torch.int64), torch.tensor([1099]), 0.2, None, decode_only=True)
+
+    monkeypatch.setattr(K, "few_programs", lambda *a: True)
+    rows = {bound: step(bound) for bound in (2048, 4096, 5120, 8192)}  # 2, 4, 5, 8 splits
+    assert asked == [False, False, True, True]
+    assert all(bit_diff(r, rows[2048]) for r in rows.values())
+    monkeypatch.setattr(K, "few_programs", lambda *a: False)
+    asked.clear()
+    step(8192)
+    assert asked == [False]
+
+
 @offline_sm90
 def test_offline_sm90_decode_kernels_are_pipelined_without_spills():
     """Compiled ahead of time for sm_90 (``benchmarks/profiling/attention_resources_sm90.py``, no

@@ -219,6 +219,18 @@ def select_decode(dtype: torch.dtype, head_dim: int, page_size: int | None = Non
     return DECODE_CONFIGS[(dtype, head_dim)]
 
 
+@contextlib.contextmanager
+def _scoped(name: str, value: object) -> Iterator[None]:
+    """Set the module-level switch ``name`` to ``value`` inside the block, restored in ``finally``
+    (an exception included): the one way this module's modes change global behaviour."""
+    switches = globals()
+    saved, switches[name] = switches[name], value
+    try:
+        yield
+    finally:
+        switches[name] = saved
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -239,7 +251,9 @@ def one_wave(programs: int, device: torch.device) -> bool:
     pipeline pays, else the many-programs tile does. H200, session 9 (run 1,
     bench_attention_extra.json, 4096 keys, steps without the table): batch 4 (128 programs) 0.85
     of SDPA with 3 stages against 0.59 with 2; batch 16 (512 programs) 0.77 against 0.91; batch 1
-    at 32768 keys (256 programs) keeps 3 stages (0.62 against 0.56, session 5). False off CUDA."""
+    at 32768 keys (256 programs) keeps 3 stages (0.62 against 0.56, session 5). ``cached_forward``
+    asks it for steps of 2-4 KV splits only: with more, the 3-stage tile held its own past one
+    wave (run 3, 32768 keys: batch 16 0.94 against 0.92, batch 4 0.92 either way). False off CUDA."""
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -257,15 +271,9 @@ MIN_V_COLUMNS = 32
 AUTO_V_SLICES = True
 
 
-@contextlib.contextmanager
-def auto_value_slices(on: bool = True) -> Iterator[None]:
+def auto_value_slices(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """Set ``AUTO_V_SLICES`` inside the block (restored in ``finally``)."""
-    global AUTO_V_SLICES
-    saved, AUTO_V_SLICES = AUTO_V_SLICES, bool(on)
-    try:
-        yield
-    finally:
-        AUTO_V_SLICES = saved
+    return _scoped("AUTO_V_SLICES", bool(on))
 
 
 def value_slices(programs: int, head_dim: int, device: torch.device) -> int:
@@ -335,16 +343,10 @@ def tile_free_rows(paged: bool, splits: int, few: bool = False) -> bool:
 FORCE_TILE_FREE: bool | None = None
 
 
-@contextlib.contextmanager
-def force_tile_free_rows(on: bool = True) -> Iterator[None]:
+def force_tile_free_rows(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """Decide every decode-only step's table launch as ``on`` inside the block (``True``: never
     build the table; restored in ``finally``). The bits are the same either way."""
-    global FORCE_TILE_FREE
-    saved, FORCE_TILE_FREE = FORCE_TILE_FREE, bool(on)
-    try:
-        yield
-    finally:
-        FORCE_TILE_FREE = saved
+    return _scoped("FORCE_TILE_FREE", bool(on))
 
 
 def use_decode_path(num_tokens: int, num_seqs: int, group: int) -> bool:
@@ -372,16 +374,10 @@ _FTZ_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1" and torch
 PDL = True
 
 
-@contextlib.contextmanager
-def launch_plainly() -> Iterator[None]:
+def launch_plainly() -> contextlib.AbstractContextManager[None]:
     """Launch every attention kernel without programmatic dependent launch inside the block
     (``PDL = False``; restored in ``finally``). The bits are the same either way."""
-    global PDL
-    saved, PDL = PDL, False
-    try:
-        yield
-    finally:
-        PDL = saved
+    return _scoped("PDL", False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1349,15 +1345,9 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
 TMA_LOADS = True
 
 
-@contextlib.contextmanager
-def tma_loads(on: bool = True) -> Iterator[None]:
+def tma_loads(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """Set ``TMA_LOADS`` inside the block (restored in ``finally``). The bits are the same either way."""
-    global TMA_LOADS
-    saved, TMA_LOADS = TMA_LOADS, bool(on)
-    try:
-        yield
-    finally:
-        TMA_LOADS = saved
+    return _scoped("TMA_LOADS", bool(on))
 
 
 def tma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig) -> bool:
@@ -1480,8 +1470,9 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         cfg = config
     elif path == "decode":
         few = few_programs(B, Hkv, q.device)
+        ns = num_splits(max_positions)
         cfg = select_decode(q.dtype, D, page_size if P > 1 else None,
-                            few=few and one_wave(B * Hkv * num_splits(max_positions), q.device))
+                            few=few and (ns > 4 or one_wave(B * Hkv * ns, q.device)))
         if few and AUTO_V_SLICES:
             # programs: tiles (one per sequence in a decode-only step, else the table's bound) x kv heads x splits
             tiles = B if decode_only else -(-T * G // cfg.block_m) + B
