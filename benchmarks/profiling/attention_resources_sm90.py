@@ -67,10 +67,13 @@ class Resources:
     cp_async: int
     ptx_lines: int
     seconds: float
+    #: TMA copies (``cp.async.bulk.tensor``) in the PTX: the train path's key / value blocks with
+    #: ``TMA=True`` (``kernels.TMA_LOADS``)
+    tma_copies: int = 0
 
     @property
     def pipelined(self) -> bool:
-        return self.cp_async > 0
+        return self.cp_async > 0 or self.tma_copies > 0
 
 
 def signature(fn, dtype: str, constexprs: dict) -> dict:
@@ -79,6 +82,8 @@ def signature(fn, dtype: str, constexprs: dict) -> dict:
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in ("k_desc", "v_desc"):  # TMA descriptors of 64-row blocks, else unused pointers
+            sig[name] = f"tensordesc<{dtype}[64,{constexprs['HEAD_D']}]>" if constexprs.get("TMA") else f"*{dtype}"
         elif name.endswith("_ptr"):
             sig[name] = "*fp32" if name in _FP32 else ("*i64" if name in _I64 else f"*{dtype}")
         else:
@@ -122,7 +127,7 @@ def compile_sm90(variant: Variant, dtype: str = "bf16", divisibility: bool = Tru
     return Resources(label=variant.label, kernel=variant.kernel, registers=num(r"Used (\d+) registers"),
                      spill_store_bytes=num(r"(\d+) bytes spill stores"), spill_load_bytes=num(r"(\d+) bytes spill loads"),
                      cp_async=len(re.findall(r"cp\.async\.c[ag]\.", ptx)), ptx_lines=ptx.count("\n"),
-                     seconds=round(time.perf_counter() - t0, 2))
+                     seconds=round(time.perf_counter() - t0, 2), tma_copies=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
 
 
 def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: int = 128, group: int = 4) -> Iterator[Variant]:
@@ -132,7 +137,7 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
 
     from rl_engine.backends.shared.triton.attention import kernels as K
 
-    common = {"G": group, "HEAD_D": head_dim, "HAS_WINDOW": False, "PDL": True}
+    common = {"G": group, "HEAD_D": head_dim, "HAS_WINDOW": False, "PDL": True, "SB": K.SPLIT_BLOCKS}
     if "decode" in kinds:
         for paged, page in ((False, None), (True, 16)):
             for few in (False, True):
@@ -153,7 +158,14 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
                 yield Variant(f"prefill {'paged16' if paged else 'contiguous'} {cfg.key} multi={multi}", "rlk_attn_fwd",
                               {**common, "page_size": page or 1, "DV": head_dim, "BLOCK_M": cfg.block_m, "PAGED": paged,
                                "IEEE": False, "STORE_F32": False, "STORE_LSE": False, "SPLIT": True, "MULTI": multi,
-                               "ONE": False}, cfg.num_warps, cfg.num_stages)
+                               "ONE": False, "TMA": False}, cfg.num_warps, cfg.num_stages)
+        # the train path (varlen_forward, packed rows): TMA copies, fp32 output and lse stored
+        cfg = K.select_prefill(torch.bfloat16, head_dim)
+        for multi in (False, True):
+            yield Variant(f"train tma {cfg.key} multi={multi}", "rlk_attn_fwd",
+                          {**common, "page_size": 1, "DV": head_dim, "BLOCK_M": cfg.block_m, "PAGED": False,
+                           "IEEE": False, "STORE_F32": True, "STORE_LSE": True, "SPLIT": True, "MULTI": multi,
+                           "ONE": False, "TMA": True}, cfg.num_warps, cfg.num_stages)
     if "combine" in kinds:
         cfg = K.select_decode(torch.bfloat16, head_dim)
         yield Variant(f"combine {cfg.key}", "rlk_attn_combine",

@@ -741,7 +741,9 @@ def test_offline_sm90_decode_kernels_are_pipelined_without_spills():
     """Compiled ahead of time for sm_90 (``benchmarks/profiling/attention_resources_sm90.py``, no
     GPU): every decode split-kernel launch that ``cached_forward`` can select loads its key and
     value blocks through a software pipeline (``cp.async``), the default ones (one value slice)
-    without register spills, and so does the single-split prefill kernel. Negative control: the
+    without register spills, and so does the single-split prefill kernel; the train path's
+    single-split launch loads them by TMA copies (``cp.async.bulk.tensor``) without spills, the
+    rollout prefill by none. Negative control: the
     same decode kernel compiled without the argument divisibility a real launch specialises has
     no pipelined loads (what session 7's offline compile measured by mistake)."""
     from benchmarks.profiling.attention_resources_sm90 import compile_sm90, variants
@@ -754,7 +756,11 @@ def test_offline_sm90_decode_kernels_are_pipelined_without_spills():
             assert r.spill_store_bytes == 0, (label, r)
     prefill = [v for v in variants(("prefill",)) if v.label.startswith("prefill contiguous") and "multi=False" in v.label]
     r = compile_sm90(prefill[0])
-    assert r.pipelined and r.spill_store_bytes == 0, r
+    assert r.pipelined and r.spill_store_bytes == 0 and r.tma_copies == 0, r
+    # the train path's launch (kernels.TMA_LOADS): its key / value blocks by TMA copies, no spills
+    train = [v for v in variants(("prefill",)) if v.label.startswith("train tma") and "multi=False" in v.label]
+    t = compile_sm90(train[0])
+    assert t.tma_copies > 0 and t.cp_async == 0 and t.spill_store_bytes == 0, t
     default = rows["split contiguous m16_w4_s2 one=True"][0]
     plain = compile_sm90(default, divisibility=False)
     assert not plain.pipelined, plain
