@@ -63,10 +63,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -112,77 +114,31 @@ def _candidates(kind: str, all_configs: bool):
     return K.CANDIDATE_CONFIGS[kind] if all_configs else ()
 
 
-def _without_pdl(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with every kernel launched plainly (``kernels.launch_plainly()``): the side-by-side
-    row that shows what programmatic dependent launch buys."""
-    from rl_engine.backends.shared.triton.attention import kernels as K
+def _within(fn: Callable[[], object], mode: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], object]:
+    """``fn`` called inside a fresh ``mode()`` context: the side-by-side rows of a kernels switch
+    (``kernels.launch_plainly`` for ``.no_pdl``, ``auto_value_slices(False)`` for ``.no_v``,
+    ``tma_loads(False)`` for ``.no_tma``, ``force_tile_free_rows()`` for ``.tile_free``, another KV
+    split size for ``~sb<n>``). The context is entered at every call, so a CUDA-graph capture
+    records the kernels it selects."""
 
     def call():
-        with K.launch_plainly():
+        with mode():
             return fn()
-
-    return call
-
-
-def _no_slices(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with ``kernels.auto_value_slices(False)``: the decode step without the value slicing
-    ``kernels.value_slices`` picks by default (the side-by-side row for the rule)."""
-    from rl_engine.backends.shared.triton.attention import kernels as K
-
-    def call():
-        with K.auto_value_slices(False):
-            return fn()
-
-    return call
-
-
-def _no_tma(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with ``kernels.tma_loads(False)``: the train path's key / value blocks by pointer loads
-    instead of the default TMA copies."""
-    from rl_engine.backends.shared.triton.attention import kernels as K
-
-    def call():
-        with K.tma_loads(False):
-            return fn()
-
-    return call
-
-
-def _tile_free(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with ``kernels.force_tile_free_rows()``: a decode-only step without the tile-table
-    launch even where ``tile_free_rows`` keeps it (contiguous caches of 2-4 KV splits)."""
-    from rl_engine.backends.shared.triton.attention import kernels as K
-
-    def call():
-        with K.force_tile_free_rows():
-            return fn()
-
-    return call
-
-
-def _split_blocks(fn: Callable[[], object], blocks: int) -> Callable[[], object]:
-    """``fn`` with the GPU kernels' KV split set to ``blocks`` 64-key blocks instead of the
-    contract's ``kernels.SPLIT_BLOCKS`` (an experiment for the rows ending ``~sb{blocks}``: it
-    changes the bits of rows that cross a split boundary, so it is a benchmark-only override, not
-    an API; the train path and the rollout path must share the value for parity)."""
-    from rl_engine.backends.shared.triton.attention import kernels as K
-
-    def call():
-        saved, K.SPLIT_BLOCKS = K.SPLIT_BLOCKS, blocks
-        try:
-            return fn()
-        finally:
-            K.SPLIT_BLOCKS = saved
 
     return call
 
 
 def _with_split_variants(impls: dict, names: Sequence[str], split_blocks: Sequence[int]) -> None:
-    """Add a ``name~sb{n}`` row for each of ``names`` and each KV split size ``n`` (blocks)."""
+    """Add a ``name~sb{n}`` row for each of ``names`` and each KV split size ``n`` (64-key blocks)
+    instead of the contract's ``kernels.SPLIT_BLOCKS``: an experiment that changes the bits of
+    rows past a split boundary, so a benchmark-only override, not an API (the train path and the
+    rollout path must share the value for parity)."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
     for n in split_blocks:
         for name in names:
             if name in impls:
-                impls[f"{name}~sb{n}"] = _split_blocks(impls[name], n)
+                impls[f"{name}~sb{n}"] = _within(impls[name], lambda n=n: mock.patch.object(K, "SPLIT_BLOCKS", n))
 
 
 def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence[int] = ()):
@@ -202,9 +158,9 @@ def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequen
         f"{OURS}.train_forward": lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S),
         "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
     }
-    impls[f"{OURS}.no_pdl"] = _without_pdl(impls[OURS])
-    impls[f"{OURS}.no_tma"] = _no_tma(impls[OURS])
-    impls[f"{OURS}.train_forward.no_tma"] = _no_tma(impls[f"{OURS}.train_forward"])
+    impls[f"{OURS}.no_pdl"] = _within(impls[OURS], K.launch_plainly)
+    impls[f"{OURS}.no_tma"] = _within(impls[OURS], lambda: K.tma_loads(False))
+    impls[f"{OURS}.train_forward.no_tma"] = _within(impls[f"{OURS}.train_forward"], lambda: K.tma_loads(False))
     _with_split_variants(impls, (OURS, f"{OURS}.train_forward"), split_blocks)
     for c in _candidates("prefill", all_configs):
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.varlen_forward(q, k, v, cu, D**-0.5, None, config=c, max_seqlen=S,
@@ -244,17 +200,17 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
         f"{OURS}.paged16.tile_table": lambda: K.cached_forward(q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos,
                                                                D**-0.5, None),
     }
-    impls[f"{OURS}.no_pdl"] = _without_pdl(impls[OURS])
-    impls[f"{OURS}.paged16.no_pdl"] = _without_pdl(impls[f"{OURS}.paged16"])
+    impls[f"{OURS}.no_pdl"] = _within(impls[OURS], K.launch_plainly)
+    impls[f"{OURS}.paged16.no_pdl"] = _within(impls[f"{OURS}.paged16"], K.launch_plainly)
     few = K.few_programs(B, HKV, q.device)
     if not K.tile_free_rows(False, K.num_splits(ctx), few):
         # the contiguous step that keeps its table launch, without it (session 7's unexplained gap)
-        impls[f"{OURS}.tile_free"] = _tile_free(impls[OURS])
+        impls[f"{OURS}.tile_free"] = _within(impls[OURS], K.force_tile_free_rows)
     if few:
         # the step without the value slicing kernels.value_slices picks (".no_v"), beside the
         # default and each slicing forced (@v1 ...): the measurement the rule is checked against
-        impls[f"{OURS}.no_v"] = _no_slices(impls[OURS])
-        impls[f"{OURS}.paged16.no_v"] = _no_slices(impls[f"{OURS}.paged16"])
+        impls[f"{OURS}.no_v"] = _within(impls[OURS], lambda: K.auto_value_slices(False))
+        impls[f"{OURS}.paged16.no_v"] = _within(impls[f"{OURS}.paged16"], lambda: K.auto_value_slices(False))
     ns = K.num_splits(ctx)
     few_tile = few and (ns > 4 or K.one_wave(B * HKV * ns, q.device))  # cached_forward's choice
     _with_split_variants(impls, (OURS, f"{OURS}.paged16"), split_blocks)
@@ -272,7 +228,7 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5,
                                                                 None, path="decode", config=c, decode_only=True)
         if f"{OURS}.tile_free" in impls:
-            impls[f"{OURS}.tile_free@{c.key}"] = _tile_free(impls[f"{OURS}@{c.key}"])
+            impls[f"{OURS}.tile_free@{c.key}"] = _within(impls[f"{OURS}@{c.key}"], K.force_tile_free_rows)
         impls[f"{OURS}.paged16@{c.key}"] = lambda c=c: K.cached_forward(
             q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None, path="decode", config=c,
             decode_only=True)
@@ -304,7 +260,7 @@ def train_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence
 
     flop = 2.5 * 4 * B * HQ * D * S * (S + 1) / 2  # forward + backward (2.5x the forward's matmuls)
     impls = {OURS: ours, "torch.sdpa": sdpa}
-    impls[f"{OURS}.no_tma"] = _no_tma(ours)
+    impls[f"{OURS}.no_tma"] = _within(ours, lambda: K.tma_loads(False))
     _with_split_variants(impls, (OURS,), split_blocks)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     for c in _candidates("backward", all_configs):

@@ -51,7 +51,8 @@ interp = pytest.mark.skipif(
 #: ``ptxas``, not the interpreter (``make test`` runs these in .venv-vllm without TRITON_INTERPRET).
 offline_sm90 = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
-    reason="offline sm_90 compile: needs triton and TRITON_INTERPRET unset (make test runs it in .venv-vllm)",
+    reason="not a GPU test: an offline sm_90 compile on the CPU that needs triton with TRITON_INTERPRET unset; "
+           "the CI's main environment (.venv) has no triton, so `make test` runs it in .venv-vllm (SM90_TESTS)",
 )
 
 

@@ -312,7 +312,7 @@ def test_interpreter_tma_loads_give_the_same_bits(window, monkeypatch):
     assert K.TMA_LOADS and not K.tma_eligible(q, k, v, K.select_prefill(q.dtype, 32))  # CPU tensors: never
     rule = K.tma_eligible
     as_sm90 = types.SimpleNamespace(device=torch.device("cuda", 0))  # the rule's only look at q: its device
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(K, "_capability_of", lambda index: (9, 0))
     monkeypatch.setattr(K, "tma_eligible", lambda q, k, v, cfg: rule(as_sm90, k, v, cfg))
     with K.tma_loads(False):
         assert not K.tma_eligible(q, k, v, K.select_prefill(q.dtype, 32))
@@ -338,6 +338,7 @@ def test_interpreter_tma_loads_give_the_same_bits(window, monkeypatch):
     try:
         planted.SPLIT_BLOCKS = 2
         planted_rule = planted.tma_eligible
+        planted._capability_of = K._capability_of
         planted.tma_eligible = lambda q, k, v, cfg: planted_rule(as_sm90, k, v, cfg)
         with planted.tma_loads(False):  # switch off: pointer loads
             assert bit_diff(planted.varlen_forward(q, k, v, cu, 0.2, window)[0], plain[0])

@@ -236,13 +236,15 @@ def _sm_count_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (the current device when it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def few_programs(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
     """Whether a decode step has fewer (sequence, kv head) pairs than the device has SMs (the
     latency-bound regime of ``FEW_DECODE_CONFIGS``); always False off CUDA."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return num_seqs * num_kv_heads < _sm_count_of(index)
+    return device.type == "cuda" and num_seqs * num_kv_heads < _sm_count_of(_index(device))
 
 
 def one_wave(programs: int, device: torch.device) -> bool:
@@ -254,10 +256,7 @@ def one_wave(programs: int, device: torch.device) -> bool:
     at 32768 keys (256 programs) keeps 3 stages (0.62 against 0.56, session 5). ``cached_forward``
     asks it for steps of 2-4 KV splits only: with more, the 3-stage tile held its own past one
     wave (run 3, 32768 keys: batch 16 0.94 against 0.92, batch 4 0.92 either way). False off CUDA."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return programs <= 2 * _sm_count_of(index)
+    return device.type == "cuda" and programs <= 2 * _sm_count_of(_index(device))
 
 
 #: Most value slices ``value_slices`` picks; a slice keeps at least ``MIN_V_COLUMNS`` columns there
@@ -291,8 +290,7 @@ def value_slices(programs: int, head_dim: int, device: torch.device) -> int:
     slicing gives the same bits (tested)."""
     if device.type != "cuda":
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sm = _sm_count_of(index)
+    sm = _sm_count_of(_index(device))
     vs = 1
     while vs < MAX_V_SLICES and head_dim // (2 * vs) >= MIN_V_COLUMNS and programs * 2 * vs <= sm:
         vs *= 2
@@ -390,7 +388,7 @@ def use_pdl(device: torch.device) -> bool:
     CUDA kernel, sm90 or newer)."""
     if not (PDL and _FTZ_EXP and device.type == "cuda"):
         return False
-    return _capability_of(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    return _capability_of(_index(device)) >= (9, 0)
 
 
 @triton.jit
@@ -1366,7 +1364,7 @@ def tma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnCon
 
     if not TMA_LOADS or cfg.v_slices != 1 or current_nan_policy() == "propagate":
         return False
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
+    if q.device.type != "cuda" or _capability_of(_index(q.device)) < (9, 0):
         return False
     for t in (k, v):
         if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
@@ -1466,17 +1464,17 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     if path is None:
         path = "decode" if use_decode_path(T, B, G) else "prefill"
     max_positions = min(bound, 1 << 40)
+    ns = num_splits(max_positions)
+    few = few_programs(B, Hkv, q.device)  # fewer (sequence, kv head) pairs than SMs
     if config is not None:
         cfg = config
     elif path == "decode":
-        few = few_programs(B, Hkv, q.device)
-        ns = num_splits(max_positions)
         cfg = select_decode(q.dtype, D, page_size if P > 1 else None,
                             few=few and (ns > 4 or one_wave(B * Hkv * ns, q.device)))
         if few and AUTO_V_SLICES:
             # programs: tiles (one per sequence in a decode-only step, else the table's bound) x kv heads x splits
             tiles = B if decode_only else -(-T * G // cfg.block_m) + B
-            cfg = replace(cfg, v_slices=value_slices(tiles * Hkv * num_splits(max_positions), D, q.device))
+            cfg = replace(cfg, v_slices=value_slices(tiles * Hkv * ns, D, q.device))
     else:
         cfg = select_prefill(q.dtype, D, page_size if P > 1 else None)
     q_seq = q_seq.to(torch.int64).contiguous()
@@ -1484,7 +1482,7 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     if decode_only and T != B:
         raise ValueError(f"decode_only: expected one query token per sequence (T == B), got T={T}, B={B}")
     one = (decode_only and path == "decode" and G <= cfg.block_m
-           and tile_free_rows(P > 1, num_splits(max_positions), few_programs(B, Hkv, q.device)))
+           and tile_free_rows(P > 1, ns, few))
     if one:
         tab = q_pos
     else:
