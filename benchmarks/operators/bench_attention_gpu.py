@@ -32,6 +32,9 @@ Rows ending ``~sb<n>`` (``--split-blocks``) run the shipped call with the KV spl
 64-key blocks instead of the contract's 16 (an experiment: fewer blocks per split give a decode
 step of few sequences more programs, and prefill more merges); the ``best`` lists them apart.
 
+Rows ending ``~u<n>`` (``--unroll``) run the shipped call with the selected forward tiles walking
+the unmasked blocks ``n`` per step (``AttnConfig.unroll``; the same bits), side by side.
+
 Rows ending ``.no_pdl`` (prefill output-only and both decode launchers) are the same calls with
 every kernel launched plainly (``kernels.PDL = False``), side by side with the default's
 programmatic dependent launch.
@@ -128,20 +131,35 @@ def _within(fn: Callable[[], object], mode: Callable[[], contextlib.AbstractCont
     return call
 
 
-def _with_split_variants(impls: dict, names: Sequence[str], split_blocks: Sequence[int]) -> None:
+def _with_split_variants(impls: dict, names: Sequence[str], split_blocks: Sequence[int],
+                         unrolls: Sequence[int] = ()) -> None:
     """Add a ``name~sb{n}`` row for each of ``names`` and each KV split size ``n`` (64-key blocks)
     instead of the contract's ``kernels.SPLIT_BLOCKS``: an experiment that changes the bits of
     rows past a split boundary, so a benchmark-only override, not an API (the train path and the
-    rollout path must share the value for parity)."""
+    rollout path must share the value for parity). And a ``name~u{n}`` row for each ``unrolls``
+    value: the selected forward tiles with ``AttnConfig.unroll = n`` (the same bits, proven on the
+    GPU by ``test_paired_blocks_give_the_same_rows``), to decide the tables' choice."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
-    for n in split_blocks:
-        for name in names:
-            if name in impls:
-                impls[f"{name}~sb{n}"] = _within(impls[name], lambda n=n: mock.patch.object(K, "SPLIT_BLOCKS", n))
+    def unrolled(n: int) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for select in ("select_prefill", "select_decode"):
+            orig = getattr(K, select)
+            stack.enter_context(mock.patch.object(
+                K, select, lambda *a, _orig=orig, **kw: replace(_orig(*a, **kw), unroll=n)))
+        return stack
+
+    for name in names:
+        if name not in impls:
+            continue
+        for n in split_blocks:
+            impls[f"{name}~sb{n}"] = _within(impls[name], lambda n=n: mock.patch.object(K, "SPLIT_BLOCKS", n))
+        for n in unrolls:
+            impls[f"{name}~u{n}"] = _within(impls[name], lambda n=n: unrolled(n))
 
 
-def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence[int] = ()):
+def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence[int] = (),
+                 unrolls: Sequence[int] = ()):
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     g = torch.Generator(device="cuda").manual_seed(B * S)
@@ -161,14 +179,15 @@ def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequen
     impls[f"{OURS}.no_pdl"] = _within(impls[OURS], K.launch_plainly)
     impls[f"{OURS}.no_tma"] = _within(impls[OURS], lambda: K.tma_loads(False))
     impls[f"{OURS}.train_forward.no_tma"] = _within(impls[f"{OURS}.train_forward"], lambda: K.tma_loads(False))
-    _with_split_variants(impls, (OURS, f"{OURS}.train_forward"), split_blocks)
+    _with_split_variants(impls, (OURS, f"{OURS}.train_forward"), split_blocks, unrolls)
     for c in _candidates("prefill", all_configs):
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.varlen_forward(q, k, v, cu, D**-0.5, None, config=c, max_seqlen=S,
                                                                 for_backward=False)
     return impls, flop, {"B": B, "S": S, "tokens": T}
 
 
-def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Sequence[int] = ()):
+def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Sequence[int] = (),
+                unrolls: Sequence[int] = ()):
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     g = torch.Generator(device="cuda").manual_seed(B + ctx)
@@ -213,7 +232,7 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
         impls[f"{OURS}.paged16.no_v"] = _within(impls[f"{OURS}.paged16"], lambda: K.auto_value_slices(False))
     ns = K.num_splits(ctx)
     few_tile = few and (ns > 4 or K.one_wave(B * HKV * ns, q.device))  # cached_forward's choice
-    _with_split_variants(impls, (OURS, f"{OURS}.paged16"), split_blocks)
+    _with_split_variants(impls, (OURS, f"{OURS}.paged16"), split_blocks, unrolls)
     # many programs: the tail of the last wave is a program's work (batch 64 x 4096 keys: 2048
     # programs, about 5.2 waves at three programs per SM); value slices make the grain finer
     for v in (1, 2, 4, 8) if few else (2, 4):
@@ -236,7 +255,8 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
     return impls, kv_bytes, {"B": B, "context": ctx, "sdpa_gqa": "enable_gqa=True (no expanded K/V)"}
 
 
-def train_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence[int] = ()):
+def train_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence[int] = (),
+               unrolls: Sequence[int] = ()):
     from rl_engine.backends.shared.triton.attention import kernels as K
     from rl_engine.backends.shared.triton.attention import varlen_attention_fwd_triton
 
@@ -261,7 +281,7 @@ def train_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence
     flop = 2.5 * 4 * B * HQ * D * S * (S + 1) / 2  # forward + backward (2.5x the forward's matmuls)
     impls = {OURS: ours, "torch.sdpa": sdpa}
     impls[f"{OURS}.no_tma"] = _within(ours, lambda: K.tma_loads(False))
-    _with_split_variants(impls, (OURS,), split_blocks)
+    _with_split_variants(impls, (OURS,), split_blocks, unrolls)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     for c in _candidates("backward", all_configs):
         def cand(c=c):
@@ -274,17 +294,18 @@ def train_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence
 
 def run(quick: bool, repeats: int, all_configs: bool = False,
         kinds: Sequence[str] = ("prefill", "decode", "train"), decode_batch: Sequence[int] = DECODE_BATCH,
-        decode_ctx: Sequence[int] = DECODE_CTX, split_blocks: Sequence[int] = ()) -> list[dict]:
+        decode_ctx: Sequence[int] = DECODE_CTX, split_blocks: Sequence[int] = (),
+        unrolls: Sequence[int] = ()) -> list[dict]:
     dev, ver = device_info("cuda"), versions()
     rows: list[dict] = []
     cases: list[tuple[str, Callable]] = []
     prefill = PREFILL[:1] if quick else PREFILL
     for B, S in prefill:
-        cases.append(("prefill", lambda B=B, S=S: prefill_case(B, S, all_configs, split_blocks)))
+        cases.append(("prefill", lambda B=B, S=S: prefill_case(B, S, all_configs, split_blocks, unrolls)))
     for B in decode_batch:
         for ctx in (decode_ctx[:2] if quick else decode_ctx):
-            cases.append(("decode", lambda B=B, ctx=ctx: decode_case(B, ctx, all_configs, split_blocks)))
-    cases.append(("train", lambda: train_case(1 if quick else 4, 4096, all_configs, split_blocks)))
+            cases.append(("decode", lambda B=B, ctx=ctx: decode_case(B, ctx, all_configs, split_blocks, unrolls)))
+    cases.append(("train", lambda: train_case(1 if quick else 4, 4096, all_configs, split_blocks, unrolls)))
     cases = [(kind, make) for kind, make in cases if kind in kinds]
     for kind, make in cases:
         impls, work, cfg = make()
@@ -328,6 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--split-blocks", default="",
                     help="comma-separated KV split sizes in 64-key blocks to time beside the contract's "
                          "(rows ending ~sb<n>; an experiment: the bits of rows past a split change)")
+    ap.add_argument("--unroll", default="",
+                    help="comma-separated blocks per unmasked step (1, 2: AttnConfig.unroll) to time beside the "
+                         "shipped tiles (rows ending ~u<n>; the same bits)")
     args = ap.parse_args(argv)
 
     def ints(flag: str, text: str, multiple: int = 1) -> tuple[int, ...]:
@@ -342,6 +366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     decode_batch = ints("--decode-batch", args.decode_batch)
     decode_ctx = ints("--decode-ctx", args.decode_ctx, 16)
     split_blocks = ints("--split-blocks", args.split_blocks) if args.split_blocks else ()
+    unrolls = ints("--unroll", args.unroll) if args.unroll else ()
+    if any(u not in (1, 2) for u in unrolls):
+        ap.error(f"--unroll: expected values among 1,2, got {args.unroll!r}")
     kinds = tuple(k for k in args.kinds.split(",") if k)
     bad = [k for k in kinds if k not in ("prefill", "decode", "train")]
     if bad or not kinds:
@@ -350,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench_attention_gpu: no CUDA device visible", file=sys.stderr)
         return 2
     repeats = args.repeats or (3 if args.quick else 15)
-    rows = run(args.quick, repeats, args.configs == "all", kinds, decode_batch, decode_ctx, split_blocks)
+    rows = run(args.quick, repeats, args.configs == "all", kinds, decode_batch, decode_ctx, split_blocks, unrolls)
     target = {"prefill": 0.9, "decode": 0.9}
     def has_target(r):  # the training forward (extra outputs for the backward) is reported, not targeted
         return r["kind"] in target and ".train_forward" not in r["implementation"]

@@ -149,7 +149,7 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
                         yield Variant(f"split {'paged16' if paged else 'contiguous'} {cfg.key} one={one}",
                                       "rlk_attn_fwd_split",
                                       {**common, "page_size": page or 1, "DV": head_dim // vs, "BLOCK_M": cfg.block_m,
-                                       "PAGED": paged, "IEEE": False, "SPLIT": True, "ONE": one},
+                                       "PAGED": paged, "IEEE": False, "SPLIT": True, "ONE": one, "U": cfg.unroll},
                                       cfg.num_warps, cfg.num_stages)
     if "prefill" in kinds:
         for paged, page in ((False, None), (True, 16)):
@@ -158,14 +158,14 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
                 yield Variant(f"prefill {'paged16' if paged else 'contiguous'} {cfg.key} multi={multi}", "rlk_attn_fwd",
                               {**common, "page_size": page or 1, "DV": head_dim, "BLOCK_M": cfg.block_m, "PAGED": paged,
                                "IEEE": False, "STORE_F32": False, "STORE_LSE": False, "SPLIT": True, "MULTI": multi,
-                               "ONE": False, "TMA": False}, cfg.num_warps, cfg.num_stages)
+                               "ONE": False, "TMA": False, "U": cfg.unroll}, cfg.num_warps, cfg.num_stages)
         # the train path (varlen_forward, packed rows): TMA copies, fp32 output and lse stored
         cfg = K.select_prefill(torch.bfloat16, head_dim)
         for multi in (False, True):
             yield Variant(f"train tma {cfg.key} multi={multi}", "rlk_attn_fwd",
                           {**common, "page_size": 1, "DV": head_dim, "BLOCK_M": cfg.block_m, "PAGED": False,
                            "IEEE": False, "STORE_F32": True, "STORE_LSE": True, "SPLIT": True, "MULTI": multi,
-                           "ONE": False, "TMA": True}, cfg.num_warps, cfg.num_stages)
+                           "ONE": False, "TMA": True, "U": cfg.unroll}, cfg.num_warps, cfg.num_stages)
     if "combine" in kinds:
         cfg = K.select_decode(torch.bfloat16, head_dim)
         yield Variant(f"combine {cfg.key}", "rlk_attn_combine",

@@ -422,6 +422,61 @@ def test_interpreter_unmasked_interior_blocks_give_the_same_bits(window, monkeyp
 
 
 @interp
+@pytest.mark.parametrize("window", [None, 300])  # 300: windows holding up to 4 whole blocks
+def test_interpreter_paired_blocks_give_the_same_bits(window, monkeypatch):
+    """``AttnConfig.unroll = 2`` (the unmasked run two blocks per step, ``rlk_attn_pair``) against
+    one block per step, with the three-run walk forced on and 4-block KV splits (so splits hold
+    even and odd unmasked runs, the odd block left to the masked run): the train path's rows and
+    lse on both paths, and decode steps through the split kernel and through the prefill kernel,
+    contiguous and on 16-row pages, raw-bit equal. Negative control: a planted pair step whose
+    second block rescales by the wrong maximum is caught at ``unroll = 2`` and unseen at 1 (so
+    the paired steps do run here)."""
+    import sys
+    from dataclasses import replace
+
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    monkeypatch.setattr(K, "FORCE_SPLIT_RUNS", True)
+    monkeypatch.setattr(K, "SPLIT_BLOCKS", 4)
+    lens = [700, 3, 450]
+    q, k, v, cu = make_qkv(lens, 1, 2, 32, "float32", seed=23)
+    one, two = K.AttnConfig(16, 4, 1), K.AttnConfig(16, 4, 1, unroll=2)
+    assert two.key == "m16_w4_s1_u2"
+    last = torch.tensor([c - 1 for c in accumulate(lens)])
+    q_seq, q_pos = torch.arange(3), torch.tensor([n - 1 for n in lens])
+    kp, vp = (torch.zeros(64 * 16 * 3, 1, 32) for _ in range(2))
+    rows = []
+    for i, n in enumerate(lens):  # sequence i's pages: 64 consecutive 16-row pages at 1024·i
+        base = 1024 * i
+        kp[base : base + n], vp[base : base + n] = k[cu[i] : cu[i + 1]], v[cu[i] : cu[i + 1]]
+        rows.append(base + torch.arange(64) * 16)
+    caches = ((k, v, cu[:-1].to(torch.int64)[:, None], 1024), (kp, vp, torch.stack(rows), 16))
+
+    def run(mod, cfg):
+        got = [*mod.varlen_forward(q, k, v, cu, 0.2, window, config=cfg)[:2],
+               *mod.varlen_forward(q, k, v, cu, 0.2, window, path="decode", config=cfg)[:2]]
+        for kk, vv, page_rows, psz in caches:
+            for path in ("decode", "prefill"):
+                got.append(mod.cached_forward(q[last].contiguous(), kk, vv, page_rows, psz, q_seq, q_pos, 0.2, window,
+                                              path=path, config=replace(cfg, block_m=16), decode_only=True))
+        return got
+
+    want = run(K, one)
+    for a, b in zip(run(K, two), want):
+        assert bit_diff(a, b)
+    edits = (("    alpha1 = rlk_attn_exp(mn0 - mn1)\n", "    alpha1 = rlk_attn_exp(mn0 - mn1) * 1.0001\n"),)
+    planted, path = _load_planted(K, edits, "pair")
+    try:
+        monkeypatch.setattr(planted, "FORCE_SPLIT_RUNS", True)
+        monkeypatch.setattr(planted, "SPLIT_BLOCKS", 4)
+        assert all(bit_diff(a, b) for a, b in zip(run(planted, one), want))
+        assert not all(bit_diff(a, b) for a, b in zip(run(planted, two), want)), "planted pair step not caught"
+    finally:
+        sys.modules.pop(planted.__name__, None)
+        os.remove(path)
+
+
+@interp
 @pytest.mark.parametrize("n", [32, 64, 128])
 def test_interpreter_rowsum_is_the_cpu_fold(n):
     """``rlk_attn_rowsum`` (rowsum(P) over a 64-key block, ``Σ dO⊙O`` over D) is the CPU
@@ -1091,6 +1146,47 @@ def test_every_shipped_config_and_path_gives_the_same_rows(dtype, d, g):
                                  torch.tensor([n - 1], device="cuda"), scale, None, path=path)
             assert bit_diff(o, ref[t : t + 1]), (t, path)
     evidence(f"attention_configs_{dtype}_d{d}_g{g}", {"compared_equal": seen})
+
+
+@gpu
+@pytest.mark.parametrize("dtype,d,g,window", [("bfloat16", 128, 4, None), ("bfloat16", 64, 1, 300),
+                                              ("float16", 128, 4, 300)])
+def test_paired_blocks_give_the_same_rows(dtype, d, g, window):
+    """``AttnConfig.unroll = 2`` (``rlk_attn_pair``) on the H200: the train path's rows and lse on
+    both paths, and decode steps (one token per sequence, split kernel and combine, 16- and
+    64-row tiles, with and without value slices) over sequences of 2085 (three KV splits), 300
+    and 1 tokens, raw-bit equal to one block per step. Negative control: a perturbed visible key
+    changes the paired rows of its sequence."""
+    from dataclasses import replace
+
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    lens = [2085, 300, 1]
+    q, k, v, cu = (t.cuda() for t in make_qkv(lens, 2, g, d, dtype, seed=7 * d + g))
+    scale = d**-0.5
+    last = torch.tensor([c - 1 for c in accumulate(lens)], device="cuda")
+    q_seq = torch.arange(3, device="cuda")
+    q_pos = torch.tensor([n - 1 for n in lens], device="cuda")
+    rows = cu[:-1].to(torch.int64)[:, None].contiguous()
+    for base in (K.select_prefill(q.dtype, d), K.AttnConfig(16, 4, 3), K.AttnConfig(64, 4, 2)):
+        paired = replace(base, unroll=2)
+        for path in ("prefill", "decode"):
+            a = K.varlen_forward(q, k, v, cu, scale, window, path=path, config=base)
+            b = K.varlen_forward(q, k, v, cu, scale, window, path=path, config=paired)
+            assert bit_diff(a[0], b[0]) and bit_diff(a[1], b[1]), (base.key, path)
+    for vs in (1, 2):
+        for bm in (16, 64):
+            one, two = K.AttnConfig(bm, 4, 3, v_slices=vs), K.AttnConfig(bm, 4, 3, v_slices=vs, unroll=2)
+            for path in ("decode", "prefill"):
+                a, b = (K.cached_forward(q[last].contiguous(), k, v, rows, 4096, q_seq, q_pos, scale, window, path=path,
+                                         config=c, decode_only=True) for c in (one, two))
+                assert bit_diff(a, b), (bm, vs, path)
+    k2 = k.clone()
+    k2[2000, 1, 3] += 0.5
+    paired = replace(K.select_prefill(q.dtype, d), unroll=2)
+    base = K.varlen_forward(q, k, v, cu, scale, window, config=paired)[0]
+    moved = K.varlen_forward(q, k2, v, cu, scale, window, config=paired)[0]
+    assert not bit_diff(moved[:2085], base[:2085]) and bit_diff(moved[2085:], base[2085:])
 
 
 @gpu

@@ -91,7 +91,8 @@ KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_a
                 "rlk_attn_bwd_dkdv", "rlk_attn_tiles", "rlk_attn_varlen_tiles")
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_exp", "rlk_attn_gdc_wait", "rlk_attn_gdc_launch", "rlk_attn_rowsum", "rlk_attn_rows",
-                    "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_block", "rlk_attn_split", "rlk_attn_merge",
+                    "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_load", "rlk_attn_scores", "rlk_attn_step",
+                    "rlk_attn_block", "rlk_attn_pair", "rlk_attn_split", "rlk_attn_merge",
                     "rlk_attn_ws_load", "rlk_attn_finish", "rlk_attn_bwd_dq_block", "rlk_attn_bwd_dkdv_block")
 
 #: Keys per block, at absolute positions 0, 64, 128, ... (the same on every path and kernel).
@@ -120,11 +121,16 @@ class AttnConfig:
     #: with few programs (``value_slices``). The scores, the state and each output column's
     #: products are the same, so the same bits.
     v_slices: int = 1
+    #: 64-key blocks per step of the unmasked run (1 or 2, ``rlk_attn_pair``): with 2, the second
+    #: block's loads and scores are issued before the first block's state update, for the
+    #: compiler to overlap. The same blocks in the same order, so the same bits.
+    unroll: int = 1
 
     @property
     def key(self) -> str:
         v = f"_v{self.v_slices}" if self.v_slices > 1 else ""
-        return f"m{self.block_m}_w{self.num_warps}_s{self.num_stages}{v}"
+        u = f"_u{self.unroll}" if self.unroll > 1 else ""
+        return f"m{self.block_m}_w{self.num_warps}_s{self.num_stages}{v}{u}"
 
 
 C = AttnConfig
@@ -180,8 +186,9 @@ BWD_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 #: raw-bit equal to the shipped ones (forward: every row on every config and path; backward: the
 #: contract holds for any fixed choice): pick the fastest into the tables above.
 CANDIDATE_CONFIGS: dict[str, tuple[AttnConfig, ...]] = {
-    "prefill": (C(128, 8, 2), C(128, 8, 3), C(128, 4, 2), C(64, 4, 2), C(64, 4, 3), C(64, 8, 3)),
-    "decode": (C(16, 4, 3), C(16, 4, 2), C(16, 2, 2), C(16, 1, 2), C(16, 8, 2), C(16, 4, 4), C(16, 8, 4)),
+    "prefill": (C(128, 8, 2), C(128, 8, 3), C(128, 4, 2), C(64, 4, 2), C(64, 4, 3), C(64, 8, 3), C(64, 4, 2, unroll=2)),
+    "decode": (C(16, 4, 3), C(16, 4, 2), C(16, 2, 2), C(16, 1, 2), C(16, 8, 2), C(16, 4, 4), C(16, 8, 4),
+               C(16, 4, 3, unroll=2), C(16, 4, 2, unroll=2), C(16, 2, 2, unroll=2), C(64, 4, 2), C(64, 4, 3)),
     "backward": (C(64, 4, 2), C(64, 8, 2), C(64, 4, 3), C(128, 8, 2)),
 }
 #: Block walk: 16-bit inputs walk the masked edge blocks and, without any mask, the interior blocks
@@ -509,6 +516,60 @@ def rlk_attn_kv_base(pr_ptr, seq, pr_stride):
 
 
 @triton.jit
+def rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sk_row, sk_head,
+                  sv_row, sv_head, offs_v, HEAD_D: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr):
+    """Key block ``b`` transposed (``[D, 64]``) and its value rows (``[64, DV]``, columns ``offs_v``):
+    by pointers, positions clamped to ``cap``, or by TMA copies (``rlk_attn_block``)."""
+    if TMA:
+        row0 = (kbase + b * 64).to(tl.int32)
+        col = (kvh * HEAD_D).to(tl.int32)
+        kt = tl.trans(k_desc.load([row0, col]))  # [D, 64]
+        v = v_desc.load([row0, col])  # [64, D]
+    else:
+        offs_d = tl.arange(0, HEAD_D)
+        kpos = b * 64 + tl.arange(0, 64)
+        rows = rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kbase, tl.minimum(kpos, cap), PAGED)
+        koff = rows * sk_row + kvh * sk_head
+        voff = rows * sv_row + kvh * sv_head
+        kt = tl.load(k_ptr + koff[None, :] + offs_d[:, None])  # [D, 64]
+        v = tl.load(v_ptr + voff[:, None] + offs_v[None, :])  # [64, DV]
+    return kt, v
+
+
+@triton.jit
+def rlk_attn_scores(q, kt, qk_scale, IEEE: tl.constexpr):
+    """``(q · kᵀ) · qk_scale`` of one block, fp32 ``[BLOCK_M, 64]``."""
+    if IEEE:
+        s = tl.dot(q, kt, input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    return s * qk_scale
+
+
+@triton.jit
+def rlk_attn_step(s, v, b, m, l, acc, pos, wlo, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
+    """The online-softmax update of the state ``(m, l, acc)`` by block ``b``'s scores ``s`` and
+    value rows ``v`` (``rlk_attn_block``)."""
+    if MASKED:
+        kpos = b * 64 + tl.arange(0, 64)
+        vis = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= wlo[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        mn = tl.maximum(m, tl.max(s, axis=1) + 0.0)
+        shift = tl.where(mn == float("-inf"), 0.0, mn)
+    else:
+        mn = tl.maximum(m, tl.max(s, axis=1) + 0.0)
+        shift = mn
+    alpha = rlk_attn_exp(m - shift)
+    p = rlk_attn_exp(s - shift[:, None])  # exactly +0 where s is -inf (all of a row that sees no key)
+    l = tl.fma(l, alpha, rlk_attn_rowsum(p, BLOCK_M, 64, 6))
+    if IEEE:
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return mn, l, acc
+
+
+@triton.jit
 def rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, b,
                    m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
@@ -536,48 +597,56 @@ def rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
     the next tokens of the pack (finite inputs, checked by the entry points) or the copy's zero
     fill past the end, and their scores are masked to ``-inf`` (``P = +0``) as before. The same
     values reach the same products, so the same bits."""
-    offs_n = tl.arange(0, 64)
-    offs_d = tl.arange(0, HEAD_D)
-    kpos = b * 64 + offs_n
-    if TMA:
-        row0 = (kbase + b * 64).to(tl.int32)
-        col = (kvh * HEAD_D).to(tl.int32)
-        kt = tl.trans(k_desc.load([row0, col]))  # [D, 64]
-        v = v_desc.load([row0, col])  # [64, D]
-    else:
-        rows = rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kbase, tl.minimum(kpos, cap), PAGED)
-        koff = rows * sk_row + kvh * sk_head
-        voff = rows * sv_row + kvh * sv_head
-        kt = tl.load(k_ptr + koff[None, :] + offs_d[:, None])  # [D, 64]
-        v = tl.load(v_ptr + voff[:, None] + offs_v[None, :])  # [64, DV]
+    kt, v = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sk_row,
+                          sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
+    s = rlk_attn_scores(q, kt, qk_scale, IEEE)
+    return rlk_attn_step(s, v, b, m, l, acc, pos, wlo, BLOCK_M, IEEE, MASKED)
+
+
+@triton.jit
+def rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, b,
+                  m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+    """Blocks ``b`` and ``b + 1``, both seen entirely by every row (the unmasked run), as the two
+    ``rlk_attn_block`` steps in order (``AttnConfig.unroll = 2``), their work issued phase by
+    phase: both blocks' loads, score products and row maxima, then both exponentials and row
+    sums, then the two ``P·V`` products. Only the order of independent work changes (the scores
+    of a block do not depend on the state); the running maximum, ``l`` and the accumulator take
+    block ``b`` then block ``b + 1`` with the same operations as two single steps, so the same
+    bits. In a 16-row decode tile each block's step is a latency chain (cross-warp reductions,
+    a shared-memory round trip for ``P``), which this lets the compiler overlap between blocks."""
+    kt0, v0 = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sk_row,
+                            sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
+    kt1, v1 = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b + 1,
+                            sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
+    s0 = rlk_attn_scores(q, kt0, qk_scale, IEEE)
+    s1 = rlk_attn_scores(q, kt1, qk_scale, IEEE)
+    # as rlk_attn_step (unmasked): mn = max(m, max(s) + 0), shift = mn, for b then b + 1
+    x0 = tl.max(s0, axis=1) + 0.0
+    x1 = tl.max(s1, axis=1) + 0.0
+    mn0 = tl.maximum(m, x0)
+    mn1 = tl.maximum(mn0, x1)
+    alpha0 = rlk_attn_exp(m - mn0)
+    alpha1 = rlk_attn_exp(mn0 - mn1)
+    p0 = rlk_attn_exp(s0 - mn0[:, None])
+    p1 = rlk_attn_exp(s1 - mn1[:, None])
+    r0 = rlk_attn_rowsum(p0, BLOCK_M, 64, 6)
+    r1 = rlk_attn_rowsum(p1, BLOCK_M, 64, 6)
+    l = tl.fma(tl.fma(l, alpha0, r0), alpha1, r1)
     if IEEE:
-        s = tl.dot(q, kt, input_precision="ieee")
+        acc = tl.dot(p0, v0, acc * alpha0[:, None], input_precision="ieee")
+        acc = tl.dot(p1, v1, acc * alpha1[:, None], input_precision="ieee")
     else:
-        s = tl.dot(q, kt)
-    s = s * qk_scale
-    if MASKED:
-        vis = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= wlo[:, None])
-        s = tl.where(vis, s, float("-inf"))
-        mn = tl.maximum(m, tl.max(s, axis=1) + 0.0)
-        shift = tl.where(mn == float("-inf"), 0.0, mn)
-    else:
-        mn = tl.maximum(m, tl.max(s, axis=1) + 0.0)
-        shift = mn
-    alpha = rlk_attn_exp(m - shift)
-    p = rlk_attn_exp(s - shift[:, None])  # exactly +0 where s is -inf (all of a row that sees no key)
-    l = tl.fma(l, alpha, rlk_attn_rowsum(p, BLOCK_M, 64, 6))
-    if IEEE:
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    return mn, l, acc
+        acc = tl.dot(p0.to(v0.dtype), v0, acc * alpha0[:, None])
+        acc = tl.dot(p1.to(v1.dtype), v1, acc * alpha1[:, None])
+    return mn1, l, acc
 
 
 @triton.jit
 def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                    valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr,
                    DV: tl.constexpr, BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr,
-                   SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, TMA: tl.constexpr):
+                   SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, TMA: tl.constexpr, U: tl.constexpr):
     """One KV split's online softmax over blocks ``b0 .. b1`` (increasing) from the state
     ``(-inf, 0, 0)``; a row's state changes only in the blocks of its own range ``[lo, hi]``
     (``rlk_attn_block``: no per-row select).
@@ -585,7 +654,11 @@ def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
     The blocks are walked in three runs, in order: masked blocks before ``f0``, the blocks
     ``f0 .. f1`` that every valid row sees entirely (no masks), masked blocks after ``f1``.
     ``f0 = ceil(max wlo / 64)``, ``f1 = floor((min pos + 1) / 64) - 1`` over the valid rows.
-    (Padding rows, never stored, may take finite values in the unmasked run.)"""
+    (Padding rows, never stored, may take finite values in the unmasked run.)
+
+    ``U = 2`` (``AttnConfig.unroll``) walks the unmasked run two blocks per step
+    (``rlk_attn_pair``); an odd block left over joins the masked run after it (a mask that hides
+    nothing gives the same bits). The blocks are the same, in the same order, so the same bits."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
@@ -594,10 +667,18 @@ def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
         # a prefix ``b0 .. min(b1, f1)``; two runs (unmasked, then masked), in increasing order
         f1 = (tl.min(tl.where(valid, pos, 1 << 30), axis=0) + 1) // 64 - 1
         u1 = tl.minimum(b1, f1)
-        for b in range(b0, u1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, False, TMA)
+        if U == 2:
+            pairs = tl.maximum(u1 - b0 + 1, 0) // 2
+            for i in range(0, pairs):
+                m, l, acc = rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap,
+                                          kvh, pos, wlo, b0 + 2 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row,
+                                          sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA)
+            u1 = b0 + 2 * pairs - 1
+        else:
+            for b in range(b0, u1 + 1):
+                m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+                                           b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
+                                           BLOCK_M, PAGED, IEEE, False, TMA)
         for b in range(tl.maximum(u1 + 1, b0), b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
@@ -614,10 +695,18 @@ def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
                                        BLOCK_M, PAGED, IEEE, True, TMA)
-        for b in range(u0, u1 + 1):
-            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                       b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, False, TMA)
+        if U == 2:
+            pairs = tl.maximum(u1 - u0 + 1, 0) // 2
+            for i in range(0, pairs):
+                m, l, acc = rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap,
+                                          kvh, pos, wlo, u0 + 2 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row,
+                                          sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA)
+            u1 = tl.where(u1 >= u0, u0 + 2 * pairs - 1, u1)
+        else:
+            for b in range(u0, u1 + 1):
+                m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
+                                           b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
+                                           BLOCK_M, PAGED, IEEE, False, TMA)
         for b in range(tl.maximum(u1 + 1, e1 + 1), b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
@@ -679,7 +768,7 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_pt
                  qk_scale, sk_row, sk_head, sv_row, sv_head, HQ, HKV, HEAD_D: tl.constexpr, DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr,
                  STORE_F32: tl.constexpr, STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, MULTI: tl.constexpr,
-                 ONE: tl.constexpr, PDL: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr):
+                 ONE: tl.constexpr, PDL: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, U: tl.constexpr):
     """Grid (tiles, kv heads, ``HEAD_D / DV``): the splits of a tile (``SB`` blocks each) in sequence,
     merged; the third axis takes ``DV`` value columns each (``AttnConfig.v_slices``; the first
     stores the lse)."""
@@ -717,7 +806,7 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_pt
                 m, l, a = rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size,
                                          cap, kvh, pos, wlo, valid, tl.maximum(first, sp * SB), sp * SB + SB - 1,
                                          qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, DV, BLOCK_M,
-                                         PAGED, IEEE, SPLIT, HAS_WINDOW, TMA)
+                                         PAGED, IEEE, SPLIT, HAS_WINDOW, TMA, U)
                 if sp > s_first:
                     A = tl.load(scr)
                 else:
@@ -729,7 +818,7 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_pt
         # state is an exact identity (M = m; L = fma(l, 1, 0) = l; A = fma(a, 1, 0) = a, a never -0).
         m, l, a = rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
                                  pos, wlo, valid, tl.maximum(first, s_last * SB), last, qk_scale, sk_row, sk_head,
-                                 sv_row, sv_head, offs_v, HEAD_D, DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW, TMA)
+                                 sv_row, sv_head, offs_v, HEAD_D, DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW, TMA, U)
         if MULTI:
             if s_last > s_first:
                 M, L, A = rlk_attn_merge(M, L, tl.load(scr), m, l, a)
@@ -747,7 +836,7 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_pt
                        qk_scale, sk_row, sk_head, sv_row, sv_head, NS, HQ, HKV, HEAD_D: tl.constexpr,
                        DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr,
                        IEEE: tl.constexpr, SPLIT: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr,
-                       SB: tl.constexpr):
+                       SB: tl.constexpr, U: tl.constexpr):
     """Grid (tiles, kv heads, splits · ``HEAD_D / DV``): program ``(t, h, j·VS + vs)`` runs split
     ``j`` of tile ``t`` for value columns ``vs·DV ..`` (``AttnConfig.v_slices``; the ``vs = 0``
     program stores the split's ``m``, ``l``, which every slice computes alike) into the workspace
@@ -776,7 +865,7 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_pt
         kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)
         m, l, a = rlk_attn_split(q, k_ptr, v_ptr, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
                                  pos, wlo, valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                 DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW, False)
+                                 DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW, False, U)
         # only the tile's valid rows (a decode tile of G or fewer units in 16 rows): padding rows
         # are never read back, so their stores would be workspace traffic for nothing
         slot = ((t.to(tl.int64) * HKV + kvh) * NS + j) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -1277,6 +1366,8 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     vsl = cfg.v_slices
     if vsl < 1 or D % vsl or D // vsl < 16:
         raise ValueError(f"config: v_slices={vsl} must divide head_dim={D} into slices of at least 16 columns")
+    if cfg.unroll not in (1, 2):
+        raise ValueError(f"config: unroll={cfg.unroll}, expected 1 or 2 blocks per step")
     common = dict(HQ=Hq, HKV=Hkv, HEAD_D=D, BLOCK_M=cfg.block_m, HAS_WINDOW=has_w)
     runs = split_runs(q.dtype)
     # storage rows may be views with their own row / head strides (an engine's cache buffer);
@@ -1315,7 +1406,7 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
                 q, k_rows, v_rows, k_desc, v_desc, out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, scr,
                 tab, page_rows, page_rows.stride(0), psz, G, w, float(scale), *kv_strides, **common, DV=D // vsl,
                 PAGED=paged, IEEE=ieee, STORE_F32=want_f32, STORE_LSE=want_lse, SPLIT=runs, MULTI=multi, ONE=one,
-                PDL=pdl, SB=SPLIT_BLOCKS, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                PDL=pdl, SB=SPLIT_BLOCKS, TMA=tma, U=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 enable_fp_fusion=False, launch_pdl=pdl,
             )
         else:
@@ -1325,7 +1416,8 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
             rlk_attn_fwd_split[(nt, Hkv, ns * vsl)](
                 q, k_rows, v_rows, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), psz, G, w,
                 float(scale), *kv_strides, ns, **common, DV=D // vsl, PAGED=paged, IEEE=ieee, SPLIT=runs, ONE=one,
-                PDL=pdl, SB=SPLIT_BLOCKS, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
+                PDL=pdl, SB=SPLIT_BLOCKS, U=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                enable_fp_fusion=False, launch_pdl=pdl,
             )
             dc = min(D, COMBINE_COLUMNS)
             rlk_attn_combine[(nt, Hkv, D // dc)](
