@@ -142,11 +142,13 @@ def _with_split_variants(impls: dict, names: Sequence[str], split_blocks: Sequen
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     def unrolled(n: int) -> contextlib.ExitStack:
+        # every selected tile with unroll = n; the few-pairs rule kernels.pair_blocks off for n = 1
         stack = contextlib.ExitStack()
         for select in ("select_prefill", "select_decode"):
             orig = getattr(K, select)
             stack.enter_context(mock.patch.object(
                 K, select, lambda *a, _orig=orig, **kw: replace(_orig(*a, **kw), unroll=n)))
+        stack.enter_context(mock.patch.object(K, "pair_blocks", lambda *a: n == 2))
         return stack
 
     for name in names:

@@ -56,10 +56,12 @@ __all__ = [
     "PAGED_PREFILL_CONFIGS",
     "DECODE_CONFIGS",
     "FEW_DECODE_CONFIGS",
+    "ONE_SPLIT_DECODE_CONFIGS",
     "FEW_PAGED_DECODE_CONFIGS",
     "few_programs",
     "one_wave",
     "value_slices",
+    "pair_blocks",
     "auto_value_slices",
     "BWD_CONFIGS",
     "shipped_forward_configs",
@@ -168,12 +170,22 @@ DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 # Decode with fewer (sequence, kv head) pairs than the GPU has SMs (batch 1): programs are few
 # and each walks up to 16 blocks in sequence, so latency decides. Contiguous: 3 stages, 0.60 /
 # 0.38 / 0.62 of SDPA at batch 1 against 0.54 / 0.34 / 0.56 with 2 (but 0.74 against 0.86 at batch
-# 64 x 512 keys); 16-token pages: 2 warps, 0.52 / 0.33 / 0.49 against 0.41 / 0.30 / 0.51.
+# 64 x 512 keys); 16-token pages: 2 warps, 0.52 / 0.33 / 0.49 against 0.41 / 0.30 / 0.51, and two
+# blocks per step (``unroll``, ``rlk_attn_pair``) since session 10: batch 1 at 512 / 4096 / 32768
+# keys 0.70 -> 0.77 / 0.42 -> 0.46 / 0.82 -> 0.84, batch 4 at 512 / 4096 0.65 -> 0.66 / 0.60 ->
+# 0.62 (H200, session 10 run 1, bench_attention_gpu.json ``~u2`` and bench_attention_extra.json).
+# The contiguous tile pairs blocks only where ``pair_blocks`` says so.
 FEW_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     **{(dt, d): C(16, 4, 3) for dt in (torch.bfloat16, torch.float16) for d in (32, 64, 128)},
     **{(torch.float32, d): C(16, 4, 2) for d in (32, 64, 128)},  # fp32 tiles: 2x the shared memory per stage
 }
 FEW_PAGED_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
+    (dt, d): C(16, 2, 2, unroll=2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
+}
+# Decode steps of many pairs within one KV split (every position < 1024: the prefill kernel with
+# the decode tile): 2 warps, batch 64 at 512 keys 1.02 / 1.02 of SDPA contiguous / 16-token pages
+# against 0.98 / 0.95 with the 4-warp tile (H200, session 10 run 1, bench_attention_extra.json).
+ONE_SPLIT_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 2, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
 # Backward (dq tiles of 64 query rows; dk/dv blocks of 64 keys against 64-position query blocks).
@@ -186,9 +198,9 @@ BWD_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 #: raw-bit equal to the shipped ones (forward: every row on every config and path; backward: the
 #: contract holds for any fixed choice): pick the fastest into the tables above.
 CANDIDATE_CONFIGS: dict[str, tuple[AttnConfig, ...]] = {
-    "prefill": (C(128, 8, 2), C(128, 8, 3), C(128, 4, 2), C(64, 4, 2), C(64, 4, 3), C(64, 8, 3), C(64, 4, 2, unroll=2)),
+    "prefill": (C(128, 8, 2), C(128, 8, 3), C(128, 4, 2), C(64, 4, 2), C(64, 4, 3), C(64, 8, 3)),
     "decode": (C(16, 4, 3), C(16, 4, 2), C(16, 2, 2), C(16, 1, 2), C(16, 8, 2), C(16, 4, 4), C(16, 8, 4),
-               C(16, 4, 3, unroll=2), C(16, 4, 2, unroll=2), C(16, 2, 2, unroll=2), C(64, 4, 2), C(64, 4, 3)),
+               C(16, 4, 3, unroll=2), C(16, 2, 2, unroll=2)),
     "backward": (C(64, 4, 2), C(64, 8, 2), C(64, 4, 3), C(128, 8, 2)),
 }
 #: Block walk: 16-bit inputs walk the masked edge blocks and, without any mask, the interior blocks
@@ -217,12 +229,16 @@ def select_prefill(dtype: torch.dtype, head_dim: int, page_size: int | None = No
     return PREFILL_CONFIGS[(dtype, head_dim)]
 
 
-def select_decode(dtype: torch.dtype, head_dim: int, page_size: int | None = None, *, few: bool = False) -> AttnConfig:
+def select_decode(dtype: torch.dtype, head_dim: int, page_size: int | None = None, *, few: bool = False,
+                  one_split: bool = False) -> AttnConfig:
     """The decode tile; ``page_size``: that of a paged cache (``None``: contiguous); ``few``: fewer
-    (sequence, kv head) pairs than SMs (``few_programs``). Every choice gives the same bits."""
+    (sequence, kv head) pairs than SMs (``few_programs``) and the few-programs tile's rule;
+    ``one_split``: every query position below 1024 (one KV split). Every choice gives the same bits."""
     paged = page_size is not None and page_size < KV_BLOCK
     if few:
         return (FEW_PAGED_DECODE_CONFIGS if paged else FEW_DECODE_CONFIGS)[(dtype, head_dim)]
+    if one_split:
+        return ONE_SPLIT_DECODE_CONFIGS[(dtype, head_dim)]
     return DECODE_CONFIGS[(dtype, head_dim)]
 
 
@@ -304,15 +320,29 @@ def value_slices(programs: int, head_dim: int, device: torch.device) -> int:
     return vs
 
 
+def pair_blocks(programs: int, splits: int, device: torch.device) -> bool:
+    """Whether a few-programs decode step over a contiguous cache walks its unmasked blocks two per
+    step (``AttnConfig.unroll = 2``): with more than one KV split (the split kernel) and at most
+    one program per SM (value slices counted). Pages pair always (``FEW_PAGED_DECODE_CONFIGS``).
+    Measured on the H200 (session 10 run 1, D = 128): batch 1 at 4096 keys (128 programs with 4
+    value slices) 0.50 -> 0.52 of SDPA, batch 4 at 4096 (128 programs) 0.85 -> 0.96; but batch 1
+    at 32768 keys (256 programs, two per SM) 0.94 -> 0.85 and at 512 keys (one split, the
+    prefill kernel) 0.81 -> 0.79. The same bits either way (tested). False off CUDA."""
+    return device.type == "cuda" and splits > 1 and programs <= _sm_count_of(_index(device))
+
+
 def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfig]:
     """Every forward configuration a call can use for ``(dtype, head_dim)`` (the tests cover each):
-    the prefill tiles, the decode tiles, and the few-programs decode tiles with every value
-    slicing ``value_slices`` can choose."""
+    the prefill tiles, the decode tiles (one split or more), and the few-programs decode tiles
+    with every value slicing ``value_slices`` can choose, each with one and two blocks per step
+    (``pair_blocks``)."""
     out = [select_prefill(dtype, head_dim)]
     few = [select_decode(dtype, head_dim, page, few=True) for page in (None, 1)]
+    few.append(replace(few[0], unroll=2))  # contiguous: pair_blocks
     sliced = [replace(c, v_slices=v) for c in few for v in (2, 4, 8) if v <= MAX_V_SLICES and head_dim // v >= MIN_V_COLUMNS]
     for cfg in (select_prefill(dtype, head_dim, page_size=1),
-                *(select_decode(dtype, head_dim, page, few=False) for page in (None, 1)), *few, *sliced):
+                *(select_decode(dtype, head_dim, page, few=False, one_split=one) for page in (None, 1)
+                  for one in (False, True)), *few, *sliced):
         if cfg not in out:
             out.append(cfg)
     return out
@@ -1561,12 +1591,14 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     if config is not None:
         cfg = config
     elif path == "decode":
-        cfg = select_decode(q.dtype, D, page_size if P > 1 else None,
-                            few=few and (ns > 4 or one_wave(B * Hkv * ns, q.device)))
+        few_tile = few and (ns > 4 or one_wave(B * Hkv * ns, q.device))
+        cfg = select_decode(q.dtype, D, page_size if P > 1 else None, few=few_tile, one_split=ns == 1)
+        # programs: tiles (one per sequence in a decode-only step, else the table's bound) x kv heads x splits
+        programs = (B if decode_only else -(-T * G // cfg.block_m) + B) * Hkv * ns
         if few and AUTO_V_SLICES:
-            # programs: tiles (one per sequence in a decode-only step, else the table's bound) x kv heads x splits
-            tiles = B if decode_only else -(-T * G // cfg.block_m) + B
-            cfg = replace(cfg, v_slices=value_slices(tiles * Hkv * ns, D, q.device))
+            cfg = replace(cfg, v_slices=value_slices(programs, D, q.device))
+        if few_tile and P == 1 and pair_blocks(programs * cfg.v_slices, ns, q.device):
+            cfg = replace(cfg, unroll=2)
     else:
         cfg = select_prefill(q.dtype, D, page_size if P > 1 else None)
     q_seq = q_seq.to(torch.int64).contiguous()
