@@ -19,8 +19,8 @@ Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
   tile (``AttnConfig.v_slices``; the default row lets ``kernels.value_slices`` pick it, rows
   ``.no_v`` run without it: ``kernels.auto_value_slices(False)``); at batch 64, rows ``@v2`` and
   ``@v4`` slice the decode tile (a finer grain for the last wave of programs); rows ending
-  ``.tile_free`` (contiguous caches of 2-4 KV splits with many (sequence, kv head) pairs, where
-  ``kernels.tile_free_rows`` keeps the table launch) run the step without it (``kernels.force_tile_free_rows()``), with
+  ``.tile_free`` (steps where ``kernels.tile_free_rows`` keeps the table launch: none since session 10,
+  which leaves it out of every decode-only step) run the step without it (``kernels.force_tile_free_rows()``), with
   ``--configs all`` for every decode candidate too; SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
   K/V with ``enable_gqa=True`` (no expanded copies).
 * ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.

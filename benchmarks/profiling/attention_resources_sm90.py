@@ -140,9 +140,14 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
     common = {"G": group, "HEAD_D": head_dim, "HAS_WINDOW": False, "PDL": True, "SB": K.SPLIT_BLOCKS}
     if "decode" in kinds:
         for paged, page in ((False, None), (True, 16)):
-            for few in (False, True):
-                base = K.select_decode(torch.bfloat16, head_dim, page, few=few)
-                slicings = (1, *(v for v in (2, 4, 8) if head_dim // v >= 16)) if few else (1,)
+            # the split tile, the many-pairs tile, the few-programs tile (sliced, one or two blocks
+            # per step: kernels.pair_blocks); a tile two selections share is compiled once
+            tiles = {K.select_decode(torch.bfloat16, head_dim, page): (1,),
+                     K.select_decode(torch.bfloat16, head_dim, page, many=True, splits=8): (1,)}
+            few = K.select_decode(torch.bfloat16, head_dim, page, few=True)
+            for u in (1, 2):
+                tiles[replace(few, unroll=u)] = (1, *(v for v in (2, 4, 8) if head_dim // v >= 16))
+            for base, slicings in tiles.items():
                 for vs in slicings:
                     cfg = replace(base, v_slices=vs)
                     for one in (False, True):

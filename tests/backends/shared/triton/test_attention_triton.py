@@ -521,10 +521,10 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
     paged cache, decode with many or few (sequence, kv head) pairs — is in ``shipped_forward_configs``, the
     list the GPU test proves raw-bit equal; ``few_programs`` compares the pairs with the SM count
     and is False off CUDA; the few-programs tiles come with every value slicing ``value_slices``
-    can choose and, contiguous, both block walks ``pair_blocks`` can choose; the one-split decode
-    tile is listed. Negative controls: the list without the few-programs variants, without the
-    paged prefill tile, without the value slicings and paired tiles, without the paired contiguous
-    tiles, is caught."""
+    can choose and both block walks ``pair_blocks`` can choose; the many-pairs decode tile is
+    listed. Negative controls: the list without the few-programs variants, without the paged
+    prefill tile, without the value slicings and paired tiles, without the paired tiles, without
+    the many-pairs tile, is caught."""
     from dataclasses import replace
 
     from rl_engine.backends.shared.triton.attention import kernels as K
@@ -540,14 +540,14 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
             for d in (32, 64, 128):
                 shipped = K.shipped_forward_configs(dt, d)
                 chosen = [K.select_prefill(dt, d, page) for page in (None, 16, 64, 256)]
-                chosen += [K.select_decode(dt, d, page, few=few, one_split=one) for page in (None, 16, 64, 256)
-                           for few in (False, True) for one in (False, True)]
+                chosen += [K.select_decode(dt, d, page, few=few, many=many, splits=ns) for page in (None, 16, 64, 256)
+                           for few in (False, True) for many in (False, True) for ns in (1, 2, 4, 5, 32)]
                 slicings = {K.value_slices(n, d, cuda) for n in range(1, 140)}
-                unrolls = {2 if K.pair_blocks(n, ns, cuda) else 1 for n in range(1, 300) for ns in (1, 2, 5)}
-                chosen += [replace(K.select_decode(dt, d, None, few=True), v_slices=v, unroll=u)
-                           for v in slicings for u in unrolls]  # contiguous: cached_forward's pair_blocks
-                chosen += [replace(K.select_decode(dt, d, page, few=True), v_slices=v) for page in (16, 64, 256)
-                           for v in slicings]
+                for page in (None, 16, 64, 256):  # cached_forward: the few tile, sliced, paired by pair_blocks
+                    unrolls = {2 if K.pair_blocks(n, ns, page is not None and page < 64, cuda) else 1
+                               for n in range(1, 300) for ns in (1, 2, 5)}
+                    chosen += [replace(K.select_decode(dt, d, page, few=True), v_slices=v, unroll=u)
+                               for v in slicings for u in unrolls]
                 missing += [(dt, d, c) for c in chosen if c not in shipped]
         return missing
 
@@ -567,12 +567,15 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
     assert any(c == K.PAGED_PREFILL_CONFIGS[(torch.bfloat16, 128)] for _, _, c in uncovered())
     monkeypatch.setattr(K, "shipped_forward_configs", lambda dt, d: [
         K.select_prefill(dt, d), K.select_prefill(dt, d, 1),
-        *(K.select_decode(dt, d, p, few=f, one_split=o) for p in (None, 1) for f in (False, True) for o in (False, True))])
+        *(K.select_decode(dt, d, p, few=f, many=m, splits=ns) for p in (None, 1) for f in (False, True)
+          for m in (False, True) for ns in (1, 2))])
     assert uncovered() and all(c.v_slices > 1 or c.unroll > 1 for _, _, c in uncovered())
-    # ... and without the paired contiguous few-programs tiles (pair_blocks)
-    monkeypatch.setattr(K, "shipped_forward_configs", lambda dt, d: [
-        c for c in shipped(dt, d) if c.unroll == 1 or c.num_warps == 2])
+    # ... without the paired few-programs tiles (pair_blocks), and without the many-pairs tile
+    monkeypatch.setattr(K, "shipped_forward_configs", lambda dt, d: [c for c in shipped(dt, d) if c.unroll == 1])
     assert uncovered() and all(c.unroll == 2 for _, _, c in uncovered())
+    monkeypatch.setattr(K, "shipped_forward_configs", lambda dt, d: [
+        c for c in shipped(dt, d) if c != K.MANY_DECODE_CONFIGS[(dt, d)]])
+    assert any(c == K.MANY_DECODE_CONFIGS[(dt, 128)] for dt, _, c in uncovered())
 
 
 @interp
@@ -642,11 +645,8 @@ def test_interpreter_decode_step_without_tile_table_and_long_combine():
     with pytest.raises(ValueError, match="decode_only"):
         K.cached_forward(q[:4].contiguous(), k, v, page_rows, 64, torch.tensor([0, 0, 1, 2]), torch.arange(4), 0.2,
                          None, path="decode", decode_only=True)
-    # the measured rule: a contiguous cache of 2-4 splits keeps the table launch (faster there)
-    # unless the step has fewer (sequence, kv head) pairs than SMs (few: faster without it)
-    assert [K.tile_free_rows(False, s) for s in (1, 2, 4, 5, 17)] == [True, False, False, True, True]
-    assert all(K.tile_free_rows(True, s) for s in (1, 2, 4, 17))
-    assert all(K.tile_free_rows(False, s, True) for s in (1, 2, 4, 17))
+    # the measured rule since session 10: every decode-only step without the table launch
+    assert all(K.tile_free_rows(p, s, f) for p in (False, True) for s in (1, 2, 4, 5, 17) for f in (False, True))
     n = 16 * 1024 + 100
     q1, k1, v1, _ = make_qkv([n], 1, 2, 32, "float32", seed=7)
     args = (q1[n - 1 :].contiguous(), k1, v1, torch.zeros((1, 1), dtype=torch.int64), n, torch.zeros(1, dtype=torch.int64),
@@ -662,9 +662,11 @@ def test_interpreter_decode_step_without_tile_table_and_long_combine():
 
 @interp
 def test_interpreter_forced_tile_free_rows_is_scoped(monkeypatch):
-    """``force_tile_free_rows()``: inside the block a decode-only step over a contiguous cache of
-    2-4 KV splits skips the tile-table launch that ``tile_free_rows`` keeps there, with the same
-    bits; the rule is back after the block, an exception included."""
+    """``force_tile_free_rows(False)``: inside the block a decode-only step over a contiguous cache
+    of 2 KV splits launches the tile table that ``tile_free_rows`` leaves out, with the same bits;
+    ``force_tile_free_rows()`` leaves it out; the rule is back after each block, an exception
+    included. Negative control: the table launches are counted, so a block that changed nothing
+    would be caught."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     n = 1100
@@ -674,17 +676,21 @@ def test_interpreter_forced_tile_free_rows_is_scoped(monkeypatch):
     tables = []
     build = K.rollout_tiles
     monkeypatch.setattr(K, "rollout_tiles", lambda *a: tables.append(1) or build(*a))
-    assert not K.tile_free_rows(False, 2)
-    kept = K.cached_forward(*args, path="decode", decode_only=True)
-    assert tables == [1]
+    assert K.tile_free_rows(False, 2)
+    free = K.cached_forward(*args, path="decode", decode_only=True)
+    assert tables == []
+    with K.force_tile_free_rows(False):
+        assert not K.tile_free_rows(False, 2)
+        kept = K.cached_forward(*args, path="decode", decode_only=True)
+    assert tables == [1] and bit_diff(free, kept)
     with K.force_tile_free_rows():
         assert K.tile_free_rows(False, 2)
-        free = K.cached_forward(*args, path="decode", decode_only=True)
-    assert tables == [1] and bit_diff(free, kept)
+        K.cached_forward(*args, path="decode", decode_only=True)
+    assert tables == [1]
     with pytest.raises(RuntimeError, match="boom"):
-        with K.force_tile_free_rows():
+        with K.force_tile_free_rows(False):
             raise RuntimeError("boom")
-    assert K.FORCE_TILE_FREE is None and not K.tile_free_rows(False, 2)
+    assert K.FORCE_TILE_FREE is None and K.tile_free_rows(False, 2)
 
 
 @interp
@@ -778,23 +784,29 @@ def test_interpreter_value_slices_rule(monkeypatch):
 
 @interp
 def test_interpreter_pair_blocks_rule(monkeypatch):
-    """``pair_blocks``: two blocks per step for a few-programs decode step over a contiguous cache
-    with more than one KV split and at most one program per SM (value slices counted); False off
-    CUDA. ``cached_forward`` asks it for the few-programs tile of a contiguous cache only (pages
-    pair by their table) and the rows are the same bits either way; with many pairs a one-split
-    step takes the one-split tile. Negative control: a rule answering True pairs the walk (the
-    config the kernels get has ``unroll = 2``), one answering False does not."""
+    """``pair_blocks``: two blocks per step for a decode step on the few-programs tile: over a
+    contiguous cache with more than one KV split and at most one program per SM (value slices
+    counted), over pages with at most two programs per SM; False off CUDA. ``cached_forward`` asks
+    it for the few-programs tile and the rows are the same bits either way; steps of many pairs
+    take the 2-warp tile except paged steps of 2-4 splits. Negative control: a rule answering True
+    pairs the walk (the config the kernels get has ``unroll = 2``), one answering False does not."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
-    assert not K.pair_blocks(1, 4, torch.device("cpu"))
+    assert not K.pair_blocks(1, 4, False, torch.device("cpu"))
     monkeypatch.setattr(K, "_sm_count_of", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    # batch 1 / 4 at 4096 keys (128 programs), batch 1 at 32768 (256), batch 1 at 512 (one split)
-    assert K.pair_blocks(128, 4, cuda) and not K.pair_blocks(256, 32, cuda) and not K.pair_blocks(32, 1, cuda)
-    assert K.pair_blocks(132, 2, cuda) and not K.pair_blocks(133, 2, cuda)
-    assert K.select_decode(torch.bfloat16, 128, 16, few=True).unroll == 2
-    assert K.select_decode(torch.bfloat16, 128, None, few=False, one_split=True) == K.AttnConfig(16, 2, 2)
-    assert K.select_decode(torch.bfloat16, 128, None, few=True, one_split=True) == K.AttnConfig(16, 4, 3)
+    # contiguous: batch 1 / 4 at 4096 keys (128 programs), batch 1 at 32768 (256), batch 1 at 512 (one split)
+    assert K.pair_blocks(128, 4, False, cuda) and not K.pair_blocks(256, 32, False, cuda)
+    assert not K.pair_blocks(32, 1, False, cuda)
+    assert K.pair_blocks(132, 2, False, cuda) and not K.pair_blocks(133, 2, False, cuda)
+    # pages: up to two programs per SM, one split included; batch 4 at 32768 keys (1024) not
+    assert K.pair_blocks(32, 1, True, cuda) and K.pair_blocks(264, 32, True, cuda)
+    assert not K.pair_blocks(265, 32, True, cuda) and not K.pair_blocks(1024, 32, True, cuda)
+    # the many-pairs tile, and the split tile for paged steps of 2-4 splits
+    many = {(p, ns): K.select_decode(torch.bfloat16, 128, p, many=True, splits=ns) for p in (None, 16) for ns in (1, 4, 5)}
+    assert many[(16, 4)] == K.AttnConfig(16, 4, 2)
+    assert all(c == K.AttnConfig(16, 2, 2) for key, c in many.items() if key != (16, 4))
+    assert K.select_decode(torch.bfloat16, 128, None, few=True, many=False) == K.AttnConfig(16, 4, 3)
 
     seen, asked = [], []
     attend = K.attend
@@ -804,13 +816,13 @@ def test_interpreter_pair_blocks_rule(monkeypatch):
     q, k, v, cu = make_qkv([1100], 1, 2, 32, "float32", seed=13)
 
     def step(rule):
-        monkeypatch.setattr(K, "pair_blocks", lambda n, ns, dev: asked.append((n, ns)) or rule)
+        monkeypatch.setattr(K, "pair_blocks", lambda n, ns, paged, dev: asked.append((n, ns, paged)) or rule)
         return K.cached_forward(q[-1:].contiguous(), k, v, torch.zeros((1, 1), dtype=torch.int64), 2048,
                                 torch.zeros(1, dtype=torch.int64), torch.tensor([1099]), 0.2, None, decode_only=True)
 
     with K.auto_value_slices(False):
         plain, paired = step(False), step(True)
-    assert asked == [(2, 2), (2, 2)] and [c.unroll for c in seen] == [1, 2]  # 1 seq x 1 kv head x 2 splits
+    assert asked == [(2, 2, False), (2, 2, False)] and [c.unroll for c in seen] == [1, 2]  # 1 seq x 1 kv head x 2 splits
     assert bit_diff(plain, paired)
 
 
@@ -855,7 +867,7 @@ def test_offline_sm90_decode_kernels_are_pipelined_without_spills():
     from benchmarks.profiling.attention_resources_sm90 import compile_sm90, variants
 
     rows = {v.label: (v, compile_sm90(v)) for v in variants(("decode",))}
-    assert len(rows) == 20, sorted(rows)
+    assert len(rows) == 38, sorted(rows)
     for label, (v, r) in rows.items():
         assert r.pipelined, (label, r)
         if "_v" not in label and "_u2" not in label:  # the shipped default: one value slice
@@ -1296,8 +1308,8 @@ def test_value_slices_give_the_same_rows(dtype, d, g, monkeypatch):
     ref, ref_lse, _ = K.varlen_forward(q, k, v, cu, scale, None)
     # every valid slicing (16 columns or more) of the few-programs tiles: the benchmark's @v rows;
     # the shipped list holds those the rule can pick (at most 4 slices of at least 32 columns)
-    sliced = [replace(K.select_decode(dt, d, page, few=True), v_slices=v) for page in (None, 16) for v in (2, 4, 8)
-              if d // v >= 16]
+    few = [replace(K.select_decode(dt, d, page, few=True), unroll=u) for page in (None, 16) for u in (1, 2)]  # pair_blocks
+    sliced = [replace(c, v_slices=v) for c in few for v in (2, 4, 8) if d // v >= 16]
     shipped = {c for c in K.shipped_forward_configs(dt, d) if c.v_slices > 1}
     assert shipped <= set(sliced)
     assert {c.v_slices for c in shipped} == {v for v in (2, 4, 8) if v <= K.MAX_V_SLICES and d // v >= K.MIN_V_COLUMNS}

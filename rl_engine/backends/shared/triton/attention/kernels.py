@@ -56,7 +56,7 @@ __all__ = [
     "PAGED_PREFILL_CONFIGS",
     "DECODE_CONFIGS",
     "FEW_DECODE_CONFIGS",
-    "ONE_SPLIT_DECODE_CONFIGS",
+    "MANY_DECODE_CONFIGS",
     "FEW_PAGED_DECODE_CONFIGS",
     "few_programs",
     "one_wave",
@@ -161,31 +161,32 @@ PAGED_PREFILL_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 }
 # Decode (split-parallel): 16-row tiles (the smallest tl.dot M), every split its own program;
 # contiguous and paged caches alike (since the page arithmetic is compile-time, session 5).
-# 4 warps, 2 stages: the fastest candidate at batch 64 on the H200, contiguous 0.86 / 0.86 / 0.91
-# and 16-token pages 0.83 / 0.88 / 0.89 of SDPA's throughput at 512 / 4096 / 32768 keys
-# (session 5 run 5, bench_attention_configs.json).
+# 4 warps, 2 stages: the fastest candidate at batch 64 on the H200 in session 5, contiguous 0.86 /
+# 0.86 / 0.91 and 16-token pages 0.83 / 0.88 / 0.89 of SDPA's throughput at 512 / 4096 / 32768 keys
+# (session 5 run 5, bench_attention_configs.json). Since session 10 the tile of steps with fewer
+# pairs than SMs that are not on the few-programs tile, and of paged steps of 2-4 KV splits
+# (``MANY_DECODE_CONFIGS`` for the other steps of many pairs).
 DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 4, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
 # Decode with fewer (sequence, kv head) pairs than the GPU has SMs (batch 1): programs are few
 # and each walks up to 16 blocks in sequence, so latency decides. Contiguous: 3 stages, 0.60 /
 # 0.38 / 0.62 of SDPA at batch 1 against 0.54 / 0.34 / 0.56 with 2 (but 0.74 against 0.86 at batch
-# 64 x 512 keys); 16-token pages: 2 warps, 0.52 / 0.33 / 0.49 against 0.41 / 0.30 / 0.51, and two
-# blocks per step (``unroll``, ``rlk_attn_pair``) since session 10: batch 1 at 512 / 4096 / 32768
-# keys 0.70 -> 0.77 / 0.42 -> 0.46 / 0.82 -> 0.84, batch 4 at 512 / 4096 0.65 -> 0.66 / 0.60 ->
-# 0.62 (H200, session 10 run 1, bench_attention_gpu.json ``~u2`` and bench_attention_extra.json).
-# The contiguous tile pairs blocks only where ``pair_blocks`` says so.
+# 64 x 512 keys); 16-token pages: 2 warps, 0.52 / 0.33 / 0.49 against 0.41 / 0.30 / 0.51. Both
+# walk two blocks per step where ``pair_blocks`` says so (session 10).
 FEW_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     **{(dt, d): C(16, 4, 3) for dt in (torch.bfloat16, torch.float16) for d in (32, 64, 128)},
     **{(torch.float32, d): C(16, 4, 2) for d in (32, 64, 128)},  # fp32 tiles: 2x the shared memory per stage
 }
 FEW_PAGED_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
-    (dt, d): C(16, 2, 2, unroll=2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
+    (dt, d): C(16, 2, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
-# Decode steps of many pairs within one KV split (every position < 1024: the prefill kernel with
-# the decode tile): 2 warps, batch 64 at 512 keys 1.02 / 1.02 of SDPA contiguous / 16-token pages
-# against 0.98 / 0.95 with the 4-warp tile (H200, session 10 run 1, bench_attention_extra.json).
-ONE_SPLIT_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
+# Decode steps with at least as many (sequence, kv head) pairs as SMs (batch 64), except steps of
+# 2-4 KV splits on a paged cache (``DECODE_CONFIGS`` there): 2 warps. H200, session 10 (runs 1-2,
+# bench_attention_extra.json), batch 64, against the 4-warp tile: contiguous 1.02 / 0.91 / 0.95 of
+# SDPA against 0.98 / 0.90 / 0.95 at 512 / 4096 / 32768 keys (at 4096 without the tile table,
+# ``tile_free_rows``: 0.88 with it), 16-token pages 1.02 / 0.88 / 0.94 against 0.95 / 0.90 / 0.92.
+MANY_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 2, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
 # Backward (dq tiles of 64 query rows; dk/dv blocks of 64 keys against 64-position query blocks).
@@ -199,8 +200,9 @@ BWD_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 #: contract holds for any fixed choice): pick the fastest into the tables above.
 CANDIDATE_CONFIGS: dict[str, tuple[AttnConfig, ...]] = {
     "prefill": (C(128, 8, 2), C(128, 8, 3), C(128, 4, 2), C(64, 4, 2), C(64, 4, 3), C(64, 8, 3)),
-    "decode": (C(16, 4, 3), C(16, 4, 2), C(16, 2, 2), C(16, 1, 2), C(16, 8, 2), C(16, 4, 4), C(16, 8, 4),
-               C(16, 4, 3, unroll=2), C(16, 2, 2, unroll=2)),
+    # (1 or 8 warps and 4 stages never came within 5% of the best decode tile in session 10's
+    # runs 1-2 at batch 1 / 4 / 64: dropped from the list)
+    "decode": (C(16, 4, 3), C(16, 4, 2), C(16, 2, 2), C(16, 4, 3, unroll=2), C(16, 2, 2, unroll=2)),
     "backward": (C(64, 4, 2), C(64, 8, 2), C(64, 4, 3), C(128, 8, 2)),
 }
 #: Block walk: 16-bit inputs walk the masked edge blocks and, without any mask, the interior blocks
@@ -230,15 +232,16 @@ def select_prefill(dtype: torch.dtype, head_dim: int, page_size: int | None = No
 
 
 def select_decode(dtype: torch.dtype, head_dim: int, page_size: int | None = None, *, few: bool = False,
-                  one_split: bool = False) -> AttnConfig:
-    """The decode tile; ``page_size``: that of a paged cache (``None``: contiguous); ``few``: fewer
-    (sequence, kv head) pairs than SMs (``few_programs``) and the few-programs tile's rule;
-    ``one_split``: every query position below 1024 (one KV split). Every choice gives the same bits."""
+                  many: bool = False, splits: int = 1) -> AttnConfig:
+    """The decode tile; ``page_size``: that of a paged cache (``None``: contiguous); ``few``: the
+    few-programs tile (``cached_forward``: fewer (sequence, kv head) pairs than SMs, ``few_programs``,
+    and the launch fits one wave or has more than 4 KV splits); ``many``: at least as many pairs
+    as SMs; ``splits``: the step's KV splits. Every choice gives the same bits."""
     paged = page_size is not None and page_size < KV_BLOCK
     if few:
         return (FEW_PAGED_DECODE_CONFIGS if paged else FEW_DECODE_CONFIGS)[(dtype, head_dim)]
-    if one_split:
-        return ONE_SPLIT_DECODE_CONFIGS[(dtype, head_dim)]
+    if many and not (paged and 2 <= splits <= 4):
+        return MANY_DECODE_CONFIGS[(dtype, head_dim)]
     return DECODE_CONFIGS[(dtype, head_dim)]
 
 
@@ -320,29 +323,34 @@ def value_slices(programs: int, head_dim: int, device: torch.device) -> int:
     return vs
 
 
-def pair_blocks(programs: int, splits: int, device: torch.device) -> bool:
-    """Whether a few-programs decode step over a contiguous cache walks its unmasked blocks two per
-    step (``AttnConfig.unroll = 2``): with more than one KV split (the split kernel) and at most
-    one program per SM (value slices counted). Pages pair always (``FEW_PAGED_DECODE_CONFIGS``).
-    Measured on the H200 (session 10 run 1, D = 128): batch 1 at 4096 keys (128 programs with 4
-    value slices) 0.50 -> 0.52 of SDPA, batch 4 at 4096 (128 programs) 0.85 -> 0.96; but batch 1
-    at 32768 keys (256 programs, two per SM) 0.94 -> 0.85 and at 512 keys (one split, the
-    prefill kernel) 0.81 -> 0.79. The same bits either way (tested). False off CUDA."""
-    return device.type == "cuda" and splits > 1 and programs <= _sm_count_of(_index(device))
+def pair_blocks(programs: int, splits: int, paged: bool, device: torch.device) -> bool:
+    """Whether a decode step on the few-programs tile walks its unmasked blocks two per step
+    (``AttnConfig.unroll = 2``, ``rlk_attn_pair``). ``programs``: the launch's programs, value
+    slices counted. Contiguous cache: with more than one KV split and at most one program per SM;
+    paged cache: at most two programs per SM. H200, session 10 (runs 1-2, D = 128, against one
+    block per step): contiguous batch 1 at 4096 keys (128 programs with 4 value slices) 0.50 ->
+    0.52 of SDPA, batch 4 at 4096 (128 programs) 0.85 -> 0.97, but batch 1 at 32768 (256
+    programs) 0.94 -> 0.85 and at 512 keys (one split, the prefill kernel) 0.81 -> 0.79; 16-token
+    pages batch 1 at 512 / 4096 / 32768 keys (32 / 128 / 256 programs) 0.70 -> 0.77 / 0.42 ->
+    0.46 / 0.82 -> 0.84, batch 4 at 4096 0.60 -> 0.63, but batch 4 at 32768 (1024 programs) 0.91
+    -> 0.87. The same bits either way (tested). False off CUDA."""
+    if device.type != "cuda":
+        return False
+    sm = _sm_count_of(_index(device))
+    return programs <= 2 * sm if paged else (splits > 1 and programs <= sm)
 
 
 def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfig]:
     """Every forward configuration a call can use for ``(dtype, head_dim)`` (the tests cover each):
-    the prefill tiles, the decode tiles (one split or more), and the few-programs decode tiles
-    with every value slicing ``value_slices`` can choose, each with one and two blocks per step
-    (``pair_blocks``)."""
+    the prefill tiles, the decode tiles of many pairs and of 2-4 paged splits, and the
+    few-programs decode tiles with every value slicing ``value_slices`` can choose, each with one
+    and two blocks per step (``pair_blocks``)."""
     out = [select_prefill(dtype, head_dim)]
-    few = [select_decode(dtype, head_dim, page, few=True) for page in (None, 1)]
-    few.append(replace(few[0], unroll=2))  # contiguous: pair_blocks
+    few = [replace(select_decode(dtype, head_dim, page, few=True), unroll=u) for page in (None, 1) for u in (1, 2)]
     sliced = [replace(c, v_slices=v) for c in few for v in (2, 4, 8) if v <= MAX_V_SLICES and head_dim // v >= MIN_V_COLUMNS]
     for cfg in (select_prefill(dtype, head_dim, page_size=1),
-                *(select_decode(dtype, head_dim, page, few=False, one_split=one) for page in (None, 1)
-                  for one in (False, True)), *few, *sliced):
+                *(select_decode(dtype, head_dim, page, many=many, splits=ns) for page in (None, 1)
+                  for many in (False, True) for ns in (1, 2)), *few, *sliced):
         if cfg not in out:
             out.append(cfg)
     return out
@@ -357,21 +365,19 @@ def num_splits(max_positions: int) -> int:
 def tile_free_rows(paged: bool, splits: int, few: bool = False) -> bool:
     """Whether a decode step with one query token per sequence forms its tile rows from ``q_pos``
     (``rlk_attn_rows(ONE=True)``) instead of launching ``rlk_attn_tiles`` first. Both give the
-    same integers, hence the same bits (tested); this only decides speed, by measurement (H200,
-    session 7 runs 1-2, bench_attention_gpu.json ``.tile_table`` rows): without the table launch
-    a step is 2.3-3.9 µs faster through the one-split prefill kernel (512 keys), 1.7-6 µs faster
-    on 16-token pages and 8 µs faster at batch 1 and 32768 keys, but the split kernel over a
-    contiguous cache of 2-4 splits ran 2.3 µs (batch 1) and 10 µs (batch 64) slower in both
-    runs, more than the table launch costs (cause not found; see docs/operators/attention-gpu.md).
-    That holds only with many (sequence, kv head) pairs: with fewer than SMs (``few``, from
-    ``few_programs``) the step without the table was faster at 4096 keys in session 9 (run 1,
-    bench_attention_extra.json): batch 4 0.65 -> 0.85 of SDPA, batch 16 0.73 -> 0.77 (0.85 -> 0.91
-    on the 2-stage tile ``one_wave`` picks there), batch 1 even (23.7 / 24.2 µs), batch 64 0.90
-    with the table against 0.86 without. ``force_tile_free_rows()`` overrides the rule for a
-    block of code (the benchmark's ``.tile_free`` rows)."""
+    same integers, hence the same bits (tested); this only decides speed: since session 10 every
+    such step goes without the table (``force_tile_free_rows(False)`` brings it back for a block
+    of code). History (H200): without the table launch a step was 2.3-3.9 µs faster through the
+    one-split prefill kernel, 1.7-6 µs faster on 16-token pages and 8 µs faster at batch 1 and
+    32768 keys (session 7), and faster with few (sequence, kv head) pairs (session 9: batch 4 at
+    4096 keys 0.65 -> 0.85 of SDPA); only the 4-warp split kernel over a contiguous cache of 2-4
+    splits with many pairs ran slower without it (batch 64 at 4096 keys 0.86 against 0.90, cause
+    not found), and that step takes the 2-warp tile since session 10 (``MANY_DECODE_CONFIGS``),
+    0.91 of SDPA without the table against 0.88 with it (runs 1-2). ``paged``, ``splits`` and
+    ``few`` describe the step (kept for the callers and the benchmark's rows)."""
     if FORCE_TILE_FREE is not None:
         return FORCE_TILE_FREE
-    return paged or few or splits <= 1 or splits > 4
+    return True
 
 
 #: ``tile_free_rows``'s answer when not ``None`` (set by ``force_tile_free_rows()`` only).
@@ -1592,12 +1598,12 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         cfg = config
     elif path == "decode":
         few_tile = few and (ns > 4 or one_wave(B * Hkv * ns, q.device))
-        cfg = select_decode(q.dtype, D, page_size if P > 1 else None, few=few_tile, one_split=ns == 1)
+        cfg = select_decode(q.dtype, D, page_size if P > 1 else None, few=few_tile, many=not few, splits=ns)
         # programs: tiles (one per sequence in a decode-only step, else the table's bound) x kv heads x splits
         programs = (B if decode_only else -(-T * G // cfg.block_m) + B) * Hkv * ns
         if few and AUTO_V_SLICES:
             cfg = replace(cfg, v_slices=value_slices(programs, D, q.device))
-        if few_tile and P == 1 and pair_blocks(programs * cfg.v_slices, ns, q.device):
+        if few_tile and pair_blocks(programs * cfg.v_slices, ns, P > 1, q.device):
             cfg = replace(cfg, unroll=2)
     else:
         cfg = select_prefill(q.dtype, D, page_size if P > 1 else None)
