@@ -18,10 +18,7 @@ Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
   kv head) pairs than SMs) rows ``@v1`` … ``@v8`` force each value slicing of the few-programs
   tile (``AttnConfig.v_slices``; the default row lets ``kernels.value_slices`` pick it, rows
   ``.no_v`` run without it: ``kernels.auto_value_slices(False)``); at batch 64, rows ``@v2`` and
-  ``@v4`` slice the decode tile (a finer grain for the last wave of programs); rows ending
-  ``.tile_free`` (steps where ``kernels.tile_free_rows`` keeps the table launch: none since session 10,
-  which leaves it out of every decode-only step) run the step without it (``kernels.force_tile_free_rows()``), with
-  ``--configs all`` for every decode candidate too; SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
+  ``@v4`` slice the decode tile (a finer grain for the last wave of programs); SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
   K/V with ``enable_gqa=True`` (no expanded copies).
 * ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.
 
@@ -120,8 +117,8 @@ def _candidates(kind: str, all_configs: bool):
 def _within(fn: Callable[[], object], mode: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], object]:
     """``fn`` called inside a fresh ``mode()`` context: the side-by-side rows of a kernels switch
     (``kernels.launch_plainly`` for ``.no_pdl``, ``auto_value_slices(False)`` for ``.no_v``,
-    ``tma_loads(False)`` for ``.no_tma``, ``force_tile_free_rows()`` for ``.tile_free``, another KV
-    split size for ``~sb<n>``). The context is entered at every call, so a CUDA-graph capture
+    ``tma_loads(False)`` for ``.no_tma``, another KV split size for ``~sb<n>``, another block walk
+    for ``~u<n>``). The context is entered at every call, so a CUDA-graph capture
     records the kernels it selects."""
 
     def call():
@@ -131,7 +128,7 @@ def _within(fn: Callable[[], object], mode: Callable[[], contextlib.AbstractCont
     return call
 
 
-def _with_split_variants(impls: dict, names: Sequence[str], split_blocks: Sequence[int],
+def _with_experiment_rows(impls: dict, names: Sequence[str], split_blocks: Sequence[int],
                          unrolls: Sequence[int] = ()) -> None:
     """Add a ``name~sb{n}`` row for each of ``names`` and each KV split size ``n`` (64-key blocks)
     instead of the contract's ``kernels.SPLIT_BLOCKS``: an experiment that changes the bits of
@@ -181,7 +178,7 @@ def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequen
     impls[f"{OURS}.no_pdl"] = _within(impls[OURS], K.launch_plainly)
     impls[f"{OURS}.no_tma"] = _within(impls[OURS], lambda: K.tma_loads(False))
     impls[f"{OURS}.train_forward.no_tma"] = _within(impls[f"{OURS}.train_forward"], lambda: K.tma_loads(False))
-    _with_split_variants(impls, (OURS, f"{OURS}.train_forward"), split_blocks, unrolls)
+    _with_experiment_rows(impls, (OURS, f"{OURS}.train_forward"), split_blocks, unrolls)
     for c in _candidates("prefill", all_configs):
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.varlen_forward(q, k, v, cu, D**-0.5, None, config=c, max_seqlen=S,
                                                                 for_backward=False)
@@ -224,9 +221,6 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
     impls[f"{OURS}.no_pdl"] = _within(impls[OURS], K.launch_plainly)
     impls[f"{OURS}.paged16.no_pdl"] = _within(impls[f"{OURS}.paged16"], K.launch_plainly)
     few = K.few_programs(B, HKV, q.device)
-    if not K.tile_free_rows(False, K.num_splits(ctx), few):
-        # the contiguous step that keeps its table launch, without it (session 7's unexplained gap)
-        impls[f"{OURS}.tile_free"] = _within(impls[OURS], K.force_tile_free_rows)
     if few:
         # the step without the value slicing kernels.value_slices picks (".no_v"), beside the
         # default and each slicing forced (@v1 ...): the measurement the rule is checked against
@@ -234,7 +228,7 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
         impls[f"{OURS}.paged16.no_v"] = _within(impls[f"{OURS}.paged16"], lambda: K.auto_value_slices(False))
     ns = K.num_splits(ctx)
     few_tile = few and (ns > 4 or K.one_wave(B * HKV * ns, q.device))  # cached_forward's choice
-    _with_split_variants(impls, (OURS, f"{OURS}.paged16"), split_blocks, unrolls)
+    _with_experiment_rows(impls, (OURS, f"{OURS}.paged16"), split_blocks, unrolls)
     # many programs: the tail of the last wave is a program's work (batch 64 x 4096 keys: 2048
     # programs, about 5.2 waves at three programs per SM); value slices make the grain finer
     for v in (1, 2, 4, 8) if few else (2, 4):
@@ -248,8 +242,6 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
     for c in _candidates("decode", all_configs):
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5,
                                                                 None, path="decode", config=c, decode_only=True)
-        if f"{OURS}.tile_free" in impls:
-            impls[f"{OURS}.tile_free@{c.key}"] = _within(impls[f"{OURS}@{c.key}"], K.force_tile_free_rows)
         impls[f"{OURS}.paged16@{c.key}"] = lambda c=c: K.cached_forward(
             q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None, path="decode", config=c,
             decode_only=True)
@@ -283,7 +275,7 @@ def train_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence
     flop = 2.5 * 4 * B * HQ * D * S * (S + 1) / 2  # forward + backward (2.5x the forward's matmuls)
     impls = {OURS: ours, "torch.sdpa": sdpa}
     impls[f"{OURS}.no_tma"] = _within(ours, lambda: K.tma_loads(False))
-    _with_split_variants(impls, (OURS,), split_blocks, unrolls)
+    _with_experiment_rows(impls, (OURS,), split_blocks, unrolls)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     for c in _candidates("backward", all_configs):
         def cand(c=c):

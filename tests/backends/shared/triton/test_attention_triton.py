@@ -646,7 +646,7 @@ def test_interpreter_decode_step_without_tile_table_and_long_combine():
         K.cached_forward(q[:4].contiguous(), k, v, page_rows, 64, torch.tensor([0, 0, 1, 2]), torch.arange(4), 0.2,
                          None, path="decode", decode_only=True)
     # the measured rule since session 10: every decode-only step without the table launch
-    assert all(K.tile_free_rows(p, s, f) for p in (False, True) for s in (1, 2, 4, 5, 17) for f in (False, True))
+    assert K.tile_free_rows()
     n = 16 * 1024 + 100
     q1, k1, v1, _ = make_qkv([n], 1, 2, 32, "float32", seed=7)
     args = (q1[n - 1 :].contiguous(), k1, v1, torch.zeros((1, 1), dtype=torch.int64), n, torch.zeros(1, dtype=torch.int64),
@@ -676,21 +676,21 @@ def test_interpreter_forced_tile_free_rows_is_scoped(monkeypatch):
     tables = []
     build = K.rollout_tiles
     monkeypatch.setattr(K, "rollout_tiles", lambda *a: tables.append(1) or build(*a))
-    assert K.tile_free_rows(False, 2)
+    assert K.tile_free_rows()
     free = K.cached_forward(*args, path="decode", decode_only=True)
     assert tables == []
     with K.force_tile_free_rows(False):
-        assert not K.tile_free_rows(False, 2)
+        assert not K.tile_free_rows()
         kept = K.cached_forward(*args, path="decode", decode_only=True)
     assert tables == [1] and bit_diff(free, kept)
     with K.force_tile_free_rows():
-        assert K.tile_free_rows(False, 2)
+        assert K.tile_free_rows()
         K.cached_forward(*args, path="decode", decode_only=True)
     assert tables == [1]
     with pytest.raises(RuntimeError, match="boom"):
         with K.force_tile_free_rows(False):
             raise RuntimeError("boom")
-    assert K.FORCE_TILE_FREE is None and K.tile_free_rows(False, 2)
+    assert K.FORCE_TILE_FREE is None and K.tile_free_rows()
 
 
 @interp

@@ -358,11 +358,11 @@ def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfi
 
 def num_splits(max_positions: int) -> int:
     """KV splits of 1024 keys covering ``max_positions`` cache positions (at least one): the
-    decode split grid, and what ``tile_free_rows`` is decided on."""
+    decode split grid."""
     return max(1, -(-int(max_positions) // (KV_BLOCK * SPLIT_BLOCKS)))
 
 
-def tile_free_rows(paged: bool, splits: int, few: bool = False) -> bool:
+def tile_free_rows() -> bool:
     """Whether a decode step with one query token per sequence forms its tile rows from ``q_pos``
     (``rlk_attn_rows(ONE=True)``) instead of launching ``rlk_attn_tiles`` first. Both give the
     same integers, hence the same bits (tested); this only decides speed: since session 10 every
@@ -373,8 +373,7 @@ def tile_free_rows(paged: bool, splits: int, few: bool = False) -> bool:
     4096 keys 0.65 -> 0.85 of SDPA); only the 4-warp split kernel over a contiguous cache of 2-4
     splits with many pairs ran slower without it (batch 64 at 4096 keys 0.86 against 0.90, cause
     not found), and that step takes the 2-warp tile since session 10 (``MANY_DECODE_CONFIGS``),
-    0.91 of SDPA without the table against 0.88 with it (runs 1-2). ``paged``, ``splits`` and
-    ``few`` describe the step (kept for the callers and the benchmark's rows)."""
+    0.91 of SDPA without the table against 0.88 with it (runs 1-2)."""
     if FORCE_TILE_FREE is not None:
         return FORCE_TILE_FREE
     return True
@@ -1612,7 +1611,7 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     if decode_only and T != B:
         raise ValueError(f"decode_only: expected one query token per sequence (T == B), got T={T}, B={B}")
     one = (decode_only and path == "decode" and G <= cfg.block_m
-           and tile_free_rows(P > 1, ns, few))
+           and tile_free_rows())
     if one:
         tab = q_pos
     else:
