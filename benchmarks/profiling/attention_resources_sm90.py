@@ -70,6 +70,9 @@ class Resources:
     #: TMA copies (``cp.async.bulk.tensor``) in the PTX: the train path's key / value blocks with
     #: ``TMA=True`` (``kernels.TMA_LOADS``)
     tma_copies: int = 0
+    #: shared memory per program (bytes, Triton's compiled metadata: pipeline buffers and layout
+    #: conversions); an H200 SM holds 227 KiB, so this decides how many programs share an SM
+    shared_bytes: int = 0
 
     @property
     def pipelined(self) -> bool:
@@ -127,7 +130,8 @@ def compile_sm90(variant: Variant, dtype: str = "bf16", divisibility: bool = Tru
     return Resources(label=variant.label, kernel=variant.kernel, registers=num(r"Used (\d+) registers"),
                      spill_store_bytes=num(r"(\d+) bytes spill stores"), spill_load_bytes=num(r"(\d+) bytes spill loads"),
                      cp_async=len(re.findall(r"cp\.async\.c[ag]\.", ptx)), ptx_lines=ptx.count("\n"),
-                     seconds=round(time.perf_counter() - t0, 2), tma_copies=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
+                     seconds=round(time.perf_counter() - t0, 2), tma_copies=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                     shared_bytes=int(compiled.metadata.shared))
 
 
 def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: int = 128, group: int = 4) -> Iterator[Variant]:
@@ -143,7 +147,7 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
             # the split tile, the many-pairs tile, the few-programs tile (sliced, one or two blocks
             # per step: kernels.pair_blocks); a tile two selections share is compiled once
             tiles = {K.select_decode(torch.bfloat16, head_dim, page): (1,),
-                     K.select_decode(torch.bfloat16, head_dim, page, many=True, splits=8): (1,)}
+                     K.select_decode(torch.bfloat16, head_dim, page, many=True): (1,)}
             few = K.select_decode(torch.bfloat16, head_dim, page, few=True)
             for u in (1, 2):
                 tiles[replace(few, unroll=u)] = (1, *(v for v in (2, 4, 8) if head_dim // v >= 16))
@@ -202,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = compile_sm90(v, divisibility=not args.no_divisibility)
         rows.append({**asdict(r), "pipelined": r.pipelined, "num_warps": v.num_warps, "num_stages": v.num_stages})
         print(f"[{i:2d}/{len(todo)}] {r.label:52s} regs {r.registers:3d}  spill {r.spill_store_bytes:4d} B  "
+              f"smem {r.shared_bytes // 1024:3d} KiB  "
               f"{'pipelined' if r.pipelined else 'NOT pipelined':13s} ptx {r.ptx_lines:5d} lines  {r.seconds:5.1f} s",
               flush=True)
     report = {"schema_version": 1, "tool": "attention_resources_sm90", "target": "cuda sm_90 (offline)",

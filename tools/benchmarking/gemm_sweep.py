@@ -9,7 +9,10 @@ mode, each candidate of the M bucket against cuBLAS, the two sampled in turn
 (``bench_gemm_gpu.time_interleaved``); the best ratio per (shape, M) is printed.
 
     python tools/benchmarking/gemm_sweep.py --out $OUT/sweep.json [--skip-bits | --bits-subtile-only]
-        [--shapes qkv down] [--ms 1 16]
+        [--shapes qkv down] [--ms 1 16] [--only KEY [KEY ...]] [--with-shipped]
+
+``--only``: just the candidates whose ``TileConfig.key`` is listed (of every M bucket);
+``--with-shipped``: the configuration the table selects for each (shape, M) too, timed the same way.
 """
 
 from __future__ import annotations
@@ -99,7 +102,13 @@ def candidates(m: int) -> list[C]:
     return LARGE
 
 
-def speed_part(shapes, ms) -> list[dict]:
+def speed_part(shapes, ms, only: set[str] | None = None, with_shipped: bool = False) -> list[dict]:
+    from rl_engine.backends.shared.triton.gemm.configs import select_forward
+
+    known = {c.key for c in SMALL + MID64 + M256 + LARGE}
+    unknown = sorted(set(only or ()) - known)
+    if unknown:
+        raise SystemExit(f"--only: unknown candidate keys {unknown}; known: {sorted(known)}")
     rows = []
     for name in shapes:
         k, n = bench.SHAPES[name]
@@ -108,14 +117,20 @@ def speed_part(shapes, ms) -> list[dict]:
             n_calls, reps = bench._iters(m, k, n)
             reps = max(3, reps - 2)
             best = None
-            for cfg in candidates(m):
+            todo = [c for c in (SMALL + MID64 + M256 + LARGE if only else candidates(m)) if not only or c.key in only]
+            todo = list(dict.fromkeys(todo))
+            shipped = select_forward(torch.bfloat16, m, n)
+            if with_shipped:
+                todo = [shipped] + [c for c in todo if c != shipped]
+            for cfg in todo:
                 try:  # cuBLAS and the candidate sampled in turn (bench.time_interleaved): same clock state
                     ts = bench.time_interleaved({"cublas": lambda x, w: torch.nn.functional.linear(x, w),
                                                  "ours": lambda x, w, cfg=cfg: kernels.forward(x, w, None, config=cfg)},
                                                 inputs, mode="graph", n=n_calls, reps=reps)
                     p50 = bench.percentiles(ts["ours"])["p50_us"]
                     t_ref = bench.percentiles(ts["cublas"])["p50_us"]
-                    row = {"shape": name, "M": m, "config": cfg.key, "p50_us": p50, "cublas_p50_us": t_ref, "time_ratio": p50 / t_ref}
+                    row = {"shape": name, "M": m, "config": cfg.key, "p50_us": p50, "cublas_p50_us": t_ref, "time_ratio": p50 / t_ref,
+                           "shipped": cfg == shipped}
                 except Exception as exc:
                     row = {"shape": name, "M": m, "config": cfg.key, "error": repr(exc)[:300]}
                 rows.append(row)
@@ -136,13 +151,15 @@ def main() -> int:
     ap.add_argument("--ms", nargs="*", type=int, default=list(bench.MS))
     ap.add_argument("--skip-bits", action="store_true")
     ap.add_argument("--bits-subtile-only", action="store_true", help="bits part: only the epilogue-subtiled candidates")
+    ap.add_argument("--only", nargs="*", default=None, help="speed part: just these candidate keys (TileConfig.key)")
+    ap.add_argument("--with-shipped", action="store_true", help="speed part: also the configuration the table selects")
     args = ap.parse_args()
     t0 = time.time()
     res = {"env": bench.environment()}
     if not args.skip_bits:
         res["bits"] = bits_part(args.bits_subtile_only)
         print(f"bits part done in {time.time() - t0:.0f} s", flush=True)
-    res["speed"] = speed_part(args.shapes, args.ms)
+    res["speed"] = speed_part(args.shapes, args.ms, set(args.only) if args.only else None, args.with_shipped)
     res["seconds"] = time.time() - t0
     args.out.write_text(json.dumps(res, indent=1))
     print(f"sweep done in {res['seconds']:.0f} s")

@@ -4,13 +4,14 @@ sm90) and ROCm (declared, untested): the blocked online softmax of the CPU backe
 
 Per query row at position ``p`` (``W`` the window or ∞): KV blocks of 64 keys at absolute
 positions, the row's range ``lo = max(0, p-W+1) // 64 .. hi = p // 64``; KV splits of 16 blocks
-(1024 keys) at absolute positions; inside a split the fp32 online softmax
-(``m' = max(m, rowmax(s)) + 0``, ``α = exp(m - m')``, ``P = exp(s - m')``,
+(1024 keys) at absolute positions; inside a split the fp32 online softmax in base-2 units
+(GPU-only definitions every kernel shares: ``s = q·kᵀ`` unscaled, ``c = scale · log2 e``,
+``m' = max(m, rowmax(s)·c + 0)``, ``α = 2^(m - m')``, ``P = 2^fma(s, c, -m')``,
 ``l = fma(l, α, rowsum(P))``, ``acc = acc·α + P·V`` with ``P·V`` accumulated onto ``acc·α`` by the
 MMA), split states merged in increasing split order
-(``merge((M, L, A), (m, l, a)) = (M', fma(l, e^{m-M'}, L·e^{M-M'}), fma(a, e^{m-M'}, A·e^{M-M'}))``),
-``out = ACC · (1 / L)`` (one IEEE reciprocal per row: a GPU-only definition every kernel shares)
-rounded once, ``lse = M + log L``. Masked keys get ``s = -inf``.
+(``merge((M, L, A), (m, l, a)) = (M', fma(l, 2^{m-M'}, L·2^{M-M'}), fma(a, 2^{m-M'}, A·2^{M-M'}))``),
+``out = ACC · (1 / L)`` (one IEEE reciprocal per row) rounded once, ``lse = (M + log2 L) · ln 2``
+(natural units). Masked keys get ``s = -inf``.
 
 GPU bits need not equal the CPU's; on the GPU every row is **raw-bit identical** whatever path
 computed it (varlen, full or chunked prefill, decode in any batch, contiguous or paged cache of
@@ -61,7 +62,7 @@ any page size, any packing). The rules that make this true:
   tile's last query are clamped (never read outside the stored rows) and masked.
 * **Backward** (varlen, deterministic, no atomics): ``rlk_attn_bwd_delta`` (``Σ dO⊙O`` with the
   unrounded fp32 ``O`` for 16-bit inputs), ``rlk_attn_bwd_dq`` (each query tile over its KV
-  blocks, increasing, ``P = exp(s - lse)`` recomputed) and ``rlk_attn_bwd_dkdv`` (each 64-key
+  blocks, increasing, ``P = 2^fma(s, c, -lse·log2 e)`` recomputed) and ``rlk_attn_bwd_dkdv`` (each 64-key
   block of a sequence and kv head over the query blocks that see it, increasing, ``g = 0..G-1``).
 
 Head dims 32, 64 and 128 are supported; others are rejected by the call check (a reason in the

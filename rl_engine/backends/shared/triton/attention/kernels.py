@@ -78,6 +78,8 @@ __all__ = [
     "varlen_forward",
     "tma_loads",
     "tma_eligible",
+    "LOG2E",
+    "score_scale",
     "cached_forward",
     "varlen_backward",
     "KERNEL_NAMES",
@@ -92,7 +94,7 @@ __all__ = [
 KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_attn_bwd_delta", "rlk_attn_bwd_dq",
                 "rlk_attn_bwd_dkdv", "rlk_attn_tiles", "rlk_attn_varlen_tiles")
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
-DEVICE_FUNCTIONS = ("rlk_attn_exp", "rlk_attn_gdc_wait", "rlk_attn_gdc_launch", "rlk_attn_rowsum", "rlk_attn_rows",
+DEVICE_FUNCTIONS = ("rlk_attn_exp2", "rlk_attn_gdc_wait", "rlk_attn_gdc_launch", "rlk_attn_rowsum", "rlk_attn_rows",
                     "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_load", "rlk_attn_scores", "rlk_attn_step",
                     "rlk_attn_block", "rlk_attn_pair", "rlk_attn_split", "rlk_attn_merge",
                     "rlk_attn_ws_load", "rlk_attn_finish", "rlk_attn_bwd_dq_block", "rlk_attn_bwd_dkdv_block")
@@ -137,16 +139,18 @@ class AttnConfig:
 
 C = AttnConfig
 # Prefill (one program per tile and kv head, splits in sequence): (dtype, head_dim) -> config.
-# D = 128, 16-bit: 64-row tiles, 4 warps, 2 stages (two programs per SM hide each other's
-# prologue and epilogue): 350 / 1779 µs at 32 x 512 / 4 x 4096 against 393 / 1820 µs with the
-# earlier 128-row, 8-warp tile (H200, session 5 run 5, bench_attention_configs.json).
+# D = 128, 16-bit: 64-row tiles, 4 warps (two programs per SM hide each other's prologue and
+# epilogue): 350 / 1779 µs at 32 x 512 / 4 x 4096 against 393 / 1820 µs with the earlier 128-row,
+# 8-warp tile (H200, session 5 run 5, bench_attention_configs.json); 3 stages since session 11
+# (base-2 scores): 289 / 1362 µs against 309 / 1472 µs with 2 (run 2, bench_attention_configs.json;
+# two programs of 3 stages, 112 KiB of shared memory each, still fit an SM).
 PREFILL_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (torch.bfloat16, 32): C(128, 4, 3),
     (torch.bfloat16, 64): C(128, 4, 3),
-    (torch.bfloat16, 128): C(64, 4, 2),
+    (torch.bfloat16, 128): C(64, 4, 3),
     (torch.float16, 32): C(128, 4, 3),
     (torch.float16, 64): C(128, 4, 3),
-    (torch.float16, 128): C(64, 4, 2),
+    (torch.float16, 128): C(64, 4, 3),
     (torch.float32, 32): C(64, 4, 2),
     (torch.float32, 64): C(64, 4, 2),
     (torch.float32, 128): C(32, 4, 2),
@@ -164,8 +168,8 @@ PAGED_PREFILL_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 # 4 warps, 2 stages: the fastest candidate at batch 64 on the H200 in session 5, contiguous 0.86 /
 # 0.86 / 0.91 and 16-token pages 0.83 / 0.88 / 0.89 of SDPA's throughput at 512 / 4096 / 32768 keys
 # (session 5 run 5, bench_attention_configs.json). Since session 10 the tile of steps with fewer
-# pairs than SMs that are not on the few-programs tile, and of paged steps of 2-4 KV splits
-# (``MANY_DECODE_CONFIGS`` for the other steps of many pairs).
+# pairs than SMs that are not on the few-programs tile (``MANY_DECODE_CONFIGS`` for steps of many
+# pairs).
 DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 4, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
@@ -181,11 +185,13 @@ FEW_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 FEW_PAGED_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 2, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
-# Decode steps with at least as many (sequence, kv head) pairs as SMs (batch 64), except steps of
-# 2-4 KV splits on a paged cache (``DECODE_CONFIGS`` there): 2 warps. H200, session 10 (runs 1-2,
-# bench_attention_extra.json), batch 64, against the 4-warp tile: contiguous 1.02 / 0.91 / 0.95 of
-# SDPA against 0.98 / 0.90 / 0.95 at 512 / 4096 / 32768 keys (at 4096 without the tile table,
-# ``tile_free_rows``: 0.88 with it), 16-token pages 1.02 / 0.88 / 0.94 against 0.95 / 0.90 / 0.92.
+# Decode steps with at least as many (sequence, kv head) pairs as SMs (batch 64): 2 warps. H200,
+# session 10 (runs 1-2, bench_attention_extra.json), batch 64, against the 4-warp tile: contiguous
+# 1.02 / 0.91 / 0.95 of SDPA against 0.98 / 0.90 / 0.95 at 512 / 4096 / 32768 keys (at 4096 without
+# the tile table, ``tile_free_rows``: 0.88 with it), 16-token pages 1.02 / 0.88 / 0.94 against 0.95 /
+# 0.90 / 0.92. Paged steps of 2-4 KV splits kept the 4-warp tile in session 10 (0.90 against 0.88);
+# with session 11's base-2 scores it fell to 0.84-0.85 (three timings, runs 1-2) and the 2-warp
+# tile gives 0.88 (run 2, bench_attention_configs.json), so every step of many pairs takes it.
 MANY_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 2, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
@@ -214,6 +220,16 @@ FORCE_SPLIT_RUNS: bool | None = None
 _HEAD_DIMS = (32, 64, 128)
 
 
+#: ``log2 e`` (float64): the kernels' scores are in base-2 units (``rlk_attn_step``).
+LOG2E = 1.4426950408889634
+
+
+def score_scale(scale: float) -> float:
+    """The kernels' score scale ``c = scale · log2 e``, computed in float64 and passed as the
+    kernels' fp32 argument (one rounding): every launch of every path gets the same ``c``."""
+    return float(scale) * LOG2E
+
+
 def split_runs(dtype: torch.dtype) -> bool:
     """Whether the kernels skip the masks on blocks every row of a tile sees entirely."""
     return dtype != torch.float32 if FORCE_SPLIT_RUNS is None else bool(FORCE_SPLIT_RUNS)
@@ -232,15 +248,15 @@ def select_prefill(dtype: torch.dtype, head_dim: int, page_size: int | None = No
 
 
 def select_decode(dtype: torch.dtype, head_dim: int, page_size: int | None = None, *, few: bool = False,
-                  many: bool = False, splits: int = 1) -> AttnConfig:
+                  many: bool = False) -> AttnConfig:
     """The decode tile; ``page_size``: that of a paged cache (``None``: contiguous); ``few``: the
     few-programs tile (``cached_forward``: fewer (sequence, kv head) pairs than SMs, ``few_programs``,
     and the launch fits one wave or has more than 4 KV splits); ``many``: at least as many pairs
-    as SMs; ``splits``: the step's KV splits. Every choice gives the same bits."""
+    as SMs. Every choice gives the same bits."""
     paged = page_size is not None and page_size < KV_BLOCK
     if few:
         return (FEW_PAGED_DECODE_CONFIGS if paged else FEW_DECODE_CONFIGS)[(dtype, head_dim)]
-    if many and not (paged and 2 <= splits <= 4):
+    if many:
         return MANY_DECODE_CONFIGS[(dtype, head_dim)]
     return DECODE_CONFIGS[(dtype, head_dim)]
 
@@ -342,15 +358,15 @@ def pair_blocks(programs: int, splits: int, paged: bool, device: torch.device) -
 
 def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfig]:
     """Every forward configuration a call can use for ``(dtype, head_dim)`` (the tests cover each):
-    the prefill tiles, the decode tiles of many pairs and of 2-4 paged splits, and the
+    the prefill tiles, the decode tiles (fewer and many pairs), and the
     few-programs decode tiles with every value slicing ``value_slices`` can choose, each with one
     and two blocks per step (``pair_blocks``)."""
     out = [select_prefill(dtype, head_dim)]
     few = [replace(select_decode(dtype, head_dim, page, few=True), unroll=u) for page in (None, 1) for u in (1, 2)]
     sliced = [replace(c, v_slices=v) for c in few for v in (2, 4, 8) if v <= MAX_V_SLICES and head_dim // v >= MIN_V_COLUMNS]
     for cfg in (select_prefill(dtype, head_dim, page_size=1),
-                *(select_decode(dtype, head_dim, page, many=many, splits=ns) for page in (None, 1)
-                  for many in (False, True) for ns in (1, 2)), *few, *sliced):
+                *(select_decode(dtype, head_dim, page, many=many) for page in (None, 1) for many in (False, True)),
+                *few, *sliced):
         if cfg not in out:
             out.append(cfg)
     return out
@@ -399,8 +415,8 @@ def use_decode_path(num_tokens: int, num_seqs: int, group: int) -> bool:
 # ----------------------------------------------------------------------------------------------
 # Device functions
 
-#: ``rlk_attn_exp`` as the flush-to-zero ``ex2`` (CUDA, compiled kernels); the Triton interpreter
-#: and ROCm (no PTX inline assembly) take ``tl.exp``. Decided once, when this module is imported.
+#: ``rlk_attn_exp2`` as the flush-to-zero ``ex2`` (CUDA, compiled kernels); the Triton interpreter
+#: and ROCm (no PTX inline assembly) take ``tl.exp2``. Decided once, when this module is imported.
 _FTZ_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.version.hip is None)
 
 
@@ -449,20 +465,20 @@ def rlk_attn_gdc_launch(PDL: tl.constexpr):
 
 
 @triton.jit
-def rlk_attn_exp(x):
-    """``e^x`` in fp32 as ``ex2.approx.ftz(x · log2 e)``: the product and the ``ex2`` of
-    ``tl.exp``, with the flush-to-zero ``ex2``. For results of at least ``2^-126`` the two are the
-    same instruction (MUFU.EX2); below, ``tl.exp``'s ``ex2.approx.f32`` halves the input and
-    squares the result (a compare, two predicated multiplies and their latency on every element:
-    H200 session 5, ncu — the largest stall of the prefill kernel) to return a subnormal, this
-    returns +0. ``e^{-inf} = +0`` either way. Every forward and backward kernel uses this one
-    function, so every path keeps the same bits; a probability below ``2^-126`` is below fp32
-    resolution next to the row's maximum term (``e^0 = 1``) anyway."""
+def rlk_attn_exp2(x):
+    """``2^x`` in fp32 as ``ex2.approx.ftz``: the instruction of ``tl.exp2`` (MUFU.EX2) for results
+    of at least ``2^-126``; below, ``tl.exp2``'s ``ex2.approx.f32`` halves the input and squares
+    the result (a compare, two predicated multiplies and their latency on every element: H200
+    session 5, ncu — the largest stall of the prefill kernel) to return a subnormal, this returns
+    +0. ``2^{-inf} = +0`` either way. The kernels keep scores and softmax maxima in base-2 units
+    (``qk_scale = scale · log2 e``, ``rlk_attn_step``), so no product precedes the ``ex2``. Every
+    forward and backward kernel uses this one function, so every path keeps the same bits; a
+    probability below ``2^-126`` is below fp32 resolution next to the row's maximum term anyway."""
     if _FTZ_EXP:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634],
-                                         dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
     else:
-        return tl.exp(x)
+        return tl.exp2(x)
 
 
 @triton.jit
@@ -572,30 +588,36 @@ def rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, p
 
 
 @triton.jit
-def rlk_attn_scores(q, kt, qk_scale, IEEE: tl.constexpr):
-    """``(q · kᵀ) · qk_scale`` of one block, fp32 ``[BLOCK_M, 64]``."""
+def rlk_attn_scores(q, kt, IEEE: tl.constexpr):
+    """``q · kᵀ`` of one block, fp32 ``[BLOCK_M, 64]``, unscaled (``rlk_attn_step`` applies the
+    scale inside the exponent's multiply-add)."""
     if IEEE:
-        s = tl.dot(q, kt, input_precision="ieee")
+        return tl.dot(q, kt, input_precision="ieee")
     else:
-        s = tl.dot(q, kt)
-    return s * qk_scale
+        return tl.dot(q, kt)
 
 
 @triton.jit
-def rlk_attn_step(s, v, b, m, l, acc, pos, wlo, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
-    """The online-softmax update of the state ``(m, l, acc)`` by block ``b``'s scores ``s`` and
-    value rows ``v`` (``rlk_attn_block``)."""
+def rlk_attn_step(s, v, b, m, l, acc, pos, wlo, qk_scale, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """The online-softmax update of the state ``(m, l, acc)`` by block ``b``'s unscaled scores
+    ``s = q·kᵀ`` and value rows ``v`` (``rlk_attn_block``), in base-2 units: ``qk_scale = c =
+    scale · log2 e``, the running maximum ``m = max_j (max_k s_jk) · c`` (one product per row: a
+    product by ``c > 0`` is monotone, so this is the maximum of the products) and
+    ``P = 2^{fma(s, c, −m)}`` (one multiply-add per score, rounded once, then ``ex2``; the
+    product ``s·c`` itself is never rounded). ``e^{scale·s − m_e}`` of the textbook is the same
+    number, computed with two fewer fp32 operations per score."""
     if MASKED:
         kpos = b * 64 + tl.arange(0, 64)
         vis = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= wlo[:, None])
         s = tl.where(vis, s, float("-inf"))
-        mn = tl.maximum(m, tl.max(s, axis=1) + 0.0)
+        mn = tl.maximum(m, tl.max(s, axis=1) * qk_scale + 0.0)
         shift = tl.where(mn == float("-inf"), 0.0, mn)
     else:
-        mn = tl.maximum(m, tl.max(s, axis=1) + 0.0)
+        mn = tl.maximum(m, tl.max(s, axis=1) * qk_scale + 0.0)
         shift = mn
-    alpha = rlk_attn_exp(m - shift)
-    p = rlk_attn_exp(s - shift[:, None])  # exactly +0 where s is -inf (all of a row that sees no key)
+    alpha = rlk_attn_exp2(m - shift)
+    p = rlk_attn_exp2(tl.fma(s, qk_scale, -shift[:, None]))  # exactly +0 where s is -inf (a row that sees no key)
     l = tl.fma(l, alpha, rlk_attn_rowsum(p, BLOCK_M, 64, 6))
     if IEEE:
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
@@ -617,7 +639,7 @@ def rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
 
     A row that sees no key of a masked block (the block is outside its range ``[lo, hi]``, or a
     padding row) keeps its state exactly, without a per-row select: its scores are all ``-inf``,
-    so ``m' = max(m, -inf) = m``. With ``m`` finite, ``α = e^0 = 1``, ``P = +0`` and
+    so ``m' = max(m, -inf) = m``. With ``m`` finite, ``α = 2^0 = 1``, ``P = +0`` and
     ``l·1 + 0 = l``, ``acc·1 + 0 = acc`` (never ``-0``); with ``m = -inf`` (no key seen yet) the
     shift is taken as 0, so ``α = P = 0`` and the state stays ``(-inf, +0, +0)``. A row inside
     its range sees at least one key of the block (its visible keys are contiguous), so ``m'`` is
@@ -634,8 +656,8 @@ def rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
     values reach the same products, so the same bits."""
     kt, v = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sk_row,
                           sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
-    s = rlk_attn_scores(q, kt, qk_scale, IEEE)
-    return rlk_attn_step(s, v, b, m, l, acc, pos, wlo, BLOCK_M, IEEE, MASKED)
+    s = rlk_attn_scores(q, kt, IEEE)
+    return rlk_attn_step(s, v, b, m, l, acc, pos, wlo, qk_scale, BLOCK_M, IEEE, MASKED)
 
 
 @triton.jit
@@ -654,17 +676,17 @@ def rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
                             sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
     kt1, v1 = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b + 1,
                             sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
-    s0 = rlk_attn_scores(q, kt0, qk_scale, IEEE)
-    s1 = rlk_attn_scores(q, kt1, qk_scale, IEEE)
-    # as rlk_attn_step (unmasked): mn = max(m, max(s) + 0), shift = mn, for b then b + 1
-    x0 = tl.max(s0, axis=1) + 0.0
-    x1 = tl.max(s1, axis=1) + 0.0
+    s0 = rlk_attn_scores(q, kt0, IEEE)
+    s1 = rlk_attn_scores(q, kt1, IEEE)
+    # as rlk_attn_step (unmasked): mn = max(m, max(s)·c + 0), shift = mn, for b then b + 1
+    x0 = tl.max(s0, axis=1) * qk_scale + 0.0
+    x1 = tl.max(s1, axis=1) * qk_scale + 0.0
     mn0 = tl.maximum(m, x0)
     mn1 = tl.maximum(mn0, x1)
-    alpha0 = rlk_attn_exp(m - mn0)
-    alpha1 = rlk_attn_exp(mn0 - mn1)
-    p0 = rlk_attn_exp(s0 - mn0[:, None])
-    p1 = rlk_attn_exp(s1 - mn1[:, None])
+    alpha0 = rlk_attn_exp2(m - mn0)
+    alpha1 = rlk_attn_exp2(mn0 - mn1)
+    p0 = rlk_attn_exp2(tl.fma(s0, qk_scale, -mn0[:, None]))
+    p1 = rlk_attn_exp2(tl.fma(s1, qk_scale, -mn1[:, None]))
     r0 = rlk_attn_rowsum(p0, BLOCK_M, 64, 6)
     r1 = rlk_attn_rowsum(p1, BLOCK_M, 64, 6)
     l = tl.fma(tl.fma(l, alpha0, r0), alpha1, r1)
@@ -757,13 +779,13 @@ def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
 @triton.jit
 def rlk_attn_merge(M, L, A, m, l, a):
     """``merge((M, L, A), (m, l, a))``. A split a row does not reach has ``(m, l, a) = (-inf, 0, +0)``
-    and merging it is an exact identity (``e^{M-M'} = 1``, ``e^{m-M'} = 0``, exact zeros added to
+    and merging it is an exact identity (``2^{M-M'} = 1``, ``2^{m-M'} = 0``, exact zeros added to
     values that are never ``-0``); while ``M`` is still ``-inf`` the state stays ``(-inf, 0, +0)``
     (the shift is taken as 0 to avoid ``-inf - -inf``). No select on the accumulator."""
     Mn = tl.maximum(M, m)
     Ms = tl.where(Mn == float("-inf"), 0.0, Mn)
-    ea = rlk_attn_exp(M - Ms)
-    ec = rlk_attn_exp(m - Ms)
+    ea = rlk_attn_exp2(M - Ms)
+    ec = rlk_attn_exp2(m - Ms)
     Ln = tl.fma(l, ec, L * ea)
     An = tl.fma(a, ec[:, None], A * ea[:, None])
     return Mn, Ln, An
@@ -790,7 +812,7 @@ def rlk_attn_finish(M, L, A, out_ptr, out32_ptr, lse_ptr, q_off, lse_off, valid,
     if STORE_F32:
         tl.store(out32_ptr + q_off[:, None] + offs_d[None, :], o, mask=mask)
     if STORE_LSE:
-        tl.store(lse_ptr + lse_off, M + tl.log(L), mask=lse_valid)
+        tl.store(lse_ptr + lse_off, (M + tl.log2(L)) * 0.6931471805599453, mask=lse_valid)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1006,7 +1028,7 @@ def rlk_attn_bwd_delta(do_ptr, o_ptr, delta_ptr, R, HEAD_D: tl.constexpr, LOG2D:
 
 
 @triton.jit
-def rlk_attn_bwd_dq_block(q, do, lse, delta, dq, k_ptr, v_ptr, base, cap, kvh, pos, wlo, valid, b, qk_scale,
+def rlk_attn_bwd_dq_block(q, do, lse2, delta, dq, k_ptr, v_ptr, base, cap, kvh, pos, wlo, valid, b, qk_scale,
                           HKV, HEAD_D: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
     """``dq += dS · K`` for key block ``b`` (``MASKED=False``: every row of the tile sees the
     whole block, the masks are identities and are left out)."""
@@ -1022,11 +1044,10 @@ def rlk_attn_bwd_dq_block(q, do, lse, delta, dq, k_ptr, v_ptr, base, cap, kvh, p
     else:
         s = tl.dot(q, kt)
         dp = tl.dot(do, vt)
-    s = s * qk_scale
     if MASKED:
         vis = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= wlo[:, None]) & valid[:, None]
         s = tl.where(vis, s, float("-inf"))
-    p = rlk_attn_exp(s - lse[:, None])
+    p = rlk_attn_exp2(tl.fma(s, qk_scale, -lse2[:, None]))  # lse2 = lse · log2 e
     ds = p * (dp - delta[:, None])
     if MASKED:
         ds = tl.where(vis, ds, 0.0)
@@ -1053,7 +1074,7 @@ def rlk_attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, tab
         q_off = r_off * HEAD_D
         q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         do = tl.load(do_ptr + q_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        lse = tl.load(lse_ptr + r_off, mask=valid, other=0.0)
+        lse2 = tl.load(lse_ptr + r_off, mask=valid, other=0.0) * 1.4426950408889634
         delta = tl.load(delta_ptr + r_off, mask=valid, other=0.0)
         base = tl.load(pr_ptr + seq)
         dq = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
@@ -1067,17 +1088,17 @@ def rlk_attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, tab
             u0 = tl.where(u1 >= u0, u0, last + 1)
             e1 = tl.minimum(u0 - 1, last)
             for b in range(first, e1 + 1):
-                dq = rlk_attn_bwd_dq_block(q, do, lse, delta, dq, k_ptr, v_ptr, base, cap, kvh, pos, wlo, valid,
+                dq = rlk_attn_bwd_dq_block(q, do, lse2, delta, dq, k_ptr, v_ptr, base, cap, kvh, pos, wlo, valid,
                                            b, qk_scale, HKV, HEAD_D, IEEE, True)
             for b in range(u0, u1 + 1):
-                dq = rlk_attn_bwd_dq_block(q, do, lse, delta, dq, k_ptr, v_ptr, base, cap, kvh, pos, wlo, valid,
+                dq = rlk_attn_bwd_dq_block(q, do, lse2, delta, dq, k_ptr, v_ptr, base, cap, kvh, pos, wlo, valid,
                                            b, qk_scale, HKV, HEAD_D, IEEE, False)
             for b in range(tl.maximum(u1 + 1, e1 + 1), last + 1):
-                dq = rlk_attn_bwd_dq_block(q, do, lse, delta, dq, k_ptr, v_ptr, base, cap, kvh, pos, wlo, valid,
+                dq = rlk_attn_bwd_dq_block(q, do, lse2, delta, dq, k_ptr, v_ptr, base, cap, kvh, pos, wlo, valid,
                                            b, qk_scale, HKV, HEAD_D, IEEE, True)
         else:  # one masked run (see rlk_attn_split)
             for b in range(first, last + 1):
-                dq = rlk_attn_bwd_dq_block(q, do, lse, delta, dq, k_ptr, v_ptr, base, cap, kvh, pos, wlo, valid,
+                dq = rlk_attn_bwd_dq_block(q, do, lse2, delta, dq, k_ptr, v_ptr, base, cap, kvh, pos, wlo, valid,
                                            b, qk_scale, HKV, HEAD_D, IEEE, True)
         dq = dq * scale
         tl.store(dq_ptr + q_off[:, None] + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=valid[:, None])
@@ -1114,10 +1135,9 @@ def rlk_attn_bwd_dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, bas
         else:
             s = tl.dot(q, tl.trans(k))
             dp = tl.dot(do, tl.trans(v))
-        s = s * qk_scale
         if MASKED:
             s = tl.where(vis, s, float("-inf"))
-        p = rlk_attn_exp(s - lse[:, None])
+        p = rlk_attn_exp2(tl.fma(s, qk_scale, -(lse * 1.4426950408889634)[:, None]))
         ds = p * (dp - delta[:, None])
         if MASKED:
             ds = tl.where(vis, ds, 0.0)
@@ -1439,7 +1459,7 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
                 k_desc, v_desc = k_rows, v_rows  # unused (TMA=False)
             rlk_attn_fwd[(nt, Hkv, vsl)](
                 q, k_rows, v_rows, k_desc, v_desc, out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, scr,
-                tab, page_rows, page_rows.stride(0), psz, G, w, float(scale), *kv_strides, **common, DV=D // vsl,
+                tab, page_rows, page_rows.stride(0), psz, G, w, score_scale(scale), *kv_strides, **common, DV=D // vsl,
                 PAGED=paged, IEEE=ieee, STORE_F32=want_f32, STORE_LSE=want_lse, SPLIT=runs, MULTI=multi, ONE=one,
                 PDL=pdl, SB=SPLIT_BLOCKS, TMA=tma, U=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 enable_fp_fusion=False, launch_pdl=pdl,
@@ -1450,7 +1470,7 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
             ws_a = torch.empty((nt, Hkv, ns, cfg.block_m, D), dtype=torch.float32, device=q.device)
             rlk_attn_fwd_split[(nt, Hkv, ns * vsl)](
                 q, k_rows, v_rows, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), psz, G, w,
-                float(scale), *kv_strides, ns, **common, DV=D // vsl, PAGED=paged, IEEE=ieee, SPLIT=runs, ONE=one,
+                score_scale(scale), *kv_strides, ns, **common, DV=D // vsl, PAGED=paged, IEEE=ieee, SPLIT=runs, ONE=one,
                 PDL=pdl, SB=SPLIT_BLOCKS, U=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 enable_fp_fusion=False, launch_pdl=pdl,
             )
@@ -1597,7 +1617,7 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         cfg = config
     elif path == "decode":
         few_tile = few and (ns > 4 or one_wave(B * Hkv * ns, q.device))
-        cfg = select_decode(q.dtype, D, page_size if P > 1 else None, few=few_tile, many=not few, splits=ns)
+        cfg = select_decode(q.dtype, D, page_size if P > 1 else None, few=few_tile, many=not few)
         # programs: tiles (one per sequence in a decode-only step, else the table's bound) x kv heads x splits
         programs = (B if decode_only else -(-T * G // cfg.block_m) + B) * Hkv * ns
         if few and AUTO_V_SLICES:
@@ -1647,13 +1667,13 @@ def varlen_backward(grad, q, k, v, out, lse, cu_seqlens, scale, window, *, confi
                                                        BLOCK_R=block_r, num_warps=4, enable_fp_fusion=False)
         tab = varlen_tiles(cu_seqlens, G, cfg.block_m, T)
         rlk_attn_bwd_dq[(tab.shape[0], Hkv)](
-            q, k, v, grad, lse, delta, dq, tab, tok_start, G, w, float(scale), float(scale), HQ=Hq, HKV=Hkv,
+            q, k, v, grad, lse, delta, dq, tab, tok_start, G, w, score_scale(scale), float(scale), HQ=Hq, HKV=Hkv,
             HEAD_D=D, BLOCK_M=cfg.block_m, HAS_WINDOW=has_w, IEEE=ieee, SPLIT=runs, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, enable_fp_fusion=False,
         )
         ktab = _key_table(counts, T)
         rlk_attn_bwd_dkdv[(ktab.shape[0], Hkv)](
-            q, k, v, grad, lse, delta, dk, dv, ktab, tok_start, G, w, float(scale), float(scale), HQ=Hq, HKV=Hkv,
+            q, k, v, grad, lse, delta, dk, dv, ktab, tok_start, G, w, score_scale(scale), float(scale), HQ=Hq, HKV=Hkv,
             HEAD_D=D, HAS_WINDOW=has_w, IEEE=ieee, SPLIT=runs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             enable_fp_fusion=False,
         )
