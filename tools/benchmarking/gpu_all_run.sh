@@ -14,8 +14,16 @@
 #
 # Carry .whl (pydantic & deps and the Liger-Kernel wheel, missing on the device image; see
 # reports/gpu/README.md). Each step has its own timeout (*_TIMEOUT, seconds) so one call of the
-# device tool (600 s) can hold them; TESTS / KEXPR narrow the test run.
+# device tool (600 s) can hold them; TESTS / KEXPR narrow the test run. DEADLINE (seconds from
+# this script's start, default 570: under the device tool's 600 s per call) caps every step's
+# limit to the time left, and the results are packed into $OUT after every step, so a job whose
+# limits add up to more than the call still returns what it finished (session 11's run 2 did
+# not: its GPU-0 job was killed with the call and nothing of it came back).
 set -uo pipefail
+START=$(date +%s)
+DEADLINE=${DEADLINE:-570}
+# lim N: N, or the seconds left before DEADLINE (15 s kept for packing) if fewer (at least 1)
+lim() { local left=$(( DEADLINE - ($(date +%s) - START) - 15 )); [ "$left" -lt 1 ] && left=1; echo $(( $1 < left ? $1 : left )); }
 OUT=${OUT:-/tmp/rlk_gpu_out}
 # at most 8 files come back: work in WORK, pack into OUT at the end (WORK differs per concurrent job,
 # e.g. one job per GPU with CUDA_VISIBLE_DEVICES)
@@ -36,63 +44,67 @@ export RLK_EVIDENCE_DIR="$OUT/evidence" TRITON_CACHE_DIR=/tmp/rlk_triton_cache
   python3 -c "import torch, triton, pydantic, hypothesis, pytest; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'pydantic', pydantic.__version__, 'hypothesis', hypothesis.__version__, 'pytest', pytest.__version__); print(torch.cuda.get_device_name(0))"
 } 2>&1 | tee "$OUT/env.txt"
 TESTS=${TESTS:-tests}
+# the device tool returns at most 8 files: run.log and the benchmark JSON as they are, the rest packed
+pack() {
+  mkdir -p "$FINAL"; cp "$OUT/run.log" "$FINAL/" 2>/dev/null; cp "$OUT"/bench_*.json "$FINAL/" 2>/dev/null
+  tar -C "$OUT" --exclude=./site -czf "$FINAL/results.tgz.part" . && mv "$FINAL/results.tgz.part" "$FINAL/results.tgz"
+}
 for step in $STEPS; do
   t0=$(date +%s)
   case $step in
     tests)
-      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest $TESTS -m gpu -n ${XDIST:-8} -p no:cacheprovider -rs -v \
-        --timeout ${TEST_CASE_TIMEOUT:-280} -k "${KEXPR:-not bounded_performance}" --durations=25 --junitxml="$OUT/pytest_gpu.xml" 2>&1 \
+      timeout $(lim ${TESTS_TIMEOUT:-300}) python3 -m pytest $TESTS -m gpu -n ${XDIST:-8} -p no:cacheprovider -rs -v \
+        --timeout $(lim ${TEST_CASE_TIMEOUT:-280}) -k "${KEXPR:-not bounded_performance}" --durations=25 --junitxml="$OUT/pytest_gpu.xml" 2>&1 \
         | grep -v -e PytestBenchmarkWarning -e 'warner(' > "$OUT/pytest_gpu.log"
       grep -E "(FAILED|ERROR|SKIPPED)" "$OUT/pytest_gpu.log" | cut -c1-200 | head -40; tail -3 "$OUT/pytest_gpu.log"
-      timeout ${PERF_TIMEOUT:-120} python3 -m pytest $TESTS -m gpu -n 0 -p no:cacheprovider -rs -k bounded_performance \
+      timeout $(lim ${PERF_TIMEOUT:-120}) python3 -m pytest $TESTS -m gpu -n 0 -p no:cacheprovider -rs -k bounded_performance \
         --junitxml="$OUT/pytest_gpu_perf.xml" 2>&1 | grep -v -e PytestBenchmarkWarning -e 'warner(' > "$OUT/pytest_gpu_perf.log"
       tail -3 "$OUT/pytest_gpu_perf.log" ;;
     bench_attention)
-      timeout ${BENCH_ATTENTION_TIMEOUT:-150} python3 benchmarks/operators/bench_attention_gpu.py --out "$OUT/bench_attention_gpu.json" \
+      timeout $(lim ${BENCH_ATTENTION_TIMEOUT:-150}) python3 benchmarks/operators/bench_attention_gpu.py --out "$OUT/bench_attention_gpu.json" \
         ${BENCH_ATTENTION_ARGS:-} > "$OUT/bench_attention_gpu.log" 2>&1; tail -25 "$OUT/bench_attention_gpu.log" ;;
     bench_attention_extra)  # a second attention benchmark invocation (BENCH_ATTENTION_EXTRA_ARGS, e.g. other decode batches)
-      timeout ${BENCH_ATTENTION_EXTRA_TIMEOUT:-150} python3 benchmarks/operators/bench_attention_gpu.py \
+      timeout $(lim ${BENCH_ATTENTION_EXTRA_TIMEOUT:-150}) python3 benchmarks/operators/bench_attention_gpu.py \
         --out "$OUT/bench_attention_extra.json" ${BENCH_ATTENTION_EXTRA_ARGS:-} > "$OUT/bench_attention_extra.log" 2>&1
       tail -60 "$OUT/bench_attention_extra.log" ;;
     bench_logprob)
-      timeout ${BENCH_LOGPROB_TIMEOUT:-150} python3 benchmarks/operators/bench_linear_logprob_gpu.py --out "$OUT/bench_linear_logprob_gpu.json" \
+      timeout $(lim ${BENCH_LOGPROB_TIMEOUT:-150}) python3 benchmarks/operators/bench_linear_logprob_gpu.py --out "$OUT/bench_linear_logprob_gpu.json" \
         ${BENCH_LOGPROB_ARGS:-} > "$OUT/bench_linear_logprob_gpu.log" 2>&1; tail -25 "$OUT/bench_linear_logprob_gpu.log" ;;
     debug_logprob)
-      timeout ${DEBUG_LOGPROB_TIMEOUT:-120} python3 tools/benchmarking/debug_linear_logprob_gpu.py --out "$OUT/debug_linear_logprob.json" \
+      timeout $(lim ${DEBUG_LOGPROB_TIMEOUT:-120}) python3 tools/benchmarking/debug_linear_logprob_gpu.py --out "$OUT/debug_linear_logprob.json" \
         > "$OUT/debug_linear_logprob.log" 2>&1; tail -40 "$OUT/debug_linear_logprob.log" ;;
     bench_attention_configs)
-      timeout ${BENCH_ATTENTION_CONFIGS_TIMEOUT:-150} python3 benchmarks/operators/bench_attention_gpu.py --configs all \
+      timeout $(lim ${BENCH_ATTENTION_CONFIGS_TIMEOUT:-150}) python3 benchmarks/operators/bench_attention_gpu.py --configs all \
         --out "$OUT/bench_attention_configs.json" ${BENCH_ATTENTION_CONFIGS_ARGS:-} > "$OUT/bench_attention_configs.log" 2>&1
       tail -40 "$OUT/bench_attention_configs.log" ;;
     check_cuda)  # the main job end to end on the GPU: rl-kernel train vs rollout log-probs, then the native control
       for args in "--dtype float32" "--dtype bfloat16" "--dtype bfloat16 --plan P/P"; do
         echo "-- rlk check --device cuda $args"
-        timeout ${CHECK_TIMEOUT:-120} python3 -c 'import sys; from rl_engine.entrypoints.cli import main; sys.exit(main())' check --device cuda $args --json \
+        timeout $(lim ${CHECK_TIMEOUT:-120}) python3 -c 'import sys; from rl_engine.entrypoints.cli import main; sys.exit(main())' check --device cuda $args --json \
           > "$OUT/check_cuda_$(echo $args | tr -c 'a-zA-Z0-9' _).json" 2> "$OUT/check_cuda.err"; echo "rc=$?"
         tail -c 600 "$OUT/check_cuda_$(echo $args | tr -c 'a-zA-Z0-9' _).json"; echo
       done; tail -5 "$OUT/check_cuda.err" ;;
     ablation)
-      timeout ${ABLATION_TIMEOUT:-150} python3 tools/benchmarking/attention_ablation_gpu.py --out "$OUT/bench_attention_ablation.json" \
+      timeout $(lim ${ABLATION_TIMEOUT:-150}) python3 tools/benchmarking/attention_ablation_gpu.py --out "$OUT/bench_attention_ablation.json" \
         ${ABLATION_ARGS:-} > "$OUT/attention_ablation.log" 2>&1; cut -c1-220 "$OUT/attention_ablation.log" | tail -40 ;;
     sweep)  # gemm tile sweep (tools/benchmarking/gemm_sweep.py); SWEEP_ARGS / SWEEP2_ARGS: one or two invocations
-      timeout ${SWEEP_TIMEOUT:-200} python3 tools/benchmarking/gemm_sweep.py --out "$OUT/bench_gemm_sweep.json" ${SWEEP_ARGS:-} \
+      timeout $(lim ${SWEEP_TIMEOUT:-200}) python3 tools/benchmarking/gemm_sweep.py --out "$OUT/bench_gemm_sweep.json" ${SWEEP_ARGS:-} \
         > "$OUT/gemm_sweep.log" 2>&1; grep -E "BEST|BITS|bits part|error|Error" "$OUT/gemm_sweep.log" | cut -c1-200 | tail -30
       if [ -n "${SWEEP2_ARGS:-}" ]; then
-        timeout ${SWEEP2_TIMEOUT:-200} python3 tools/benchmarking/gemm_sweep.py --out "$OUT/gemm_sweep2.json" $SWEEP2_ARGS \
+        timeout $(lim ${SWEEP2_TIMEOUT:-200}) python3 tools/benchmarking/gemm_sweep.py --out "$OUT/gemm_sweep2.json" $SWEEP2_ARGS \
           > "$OUT/gemm_sweep2.log" 2>&1; grep -E "BEST|error|Error" "$OUT/gemm_sweep2.log" | cut -c1-300 | tail -30
       fi ;;
     breakdown)  # per-kernel device time of each attention launcher (tools/benchmarking/attention_breakdown_gpu.py)
-      timeout ${BREAKDOWN_TIMEOUT:-120} python3 tools/benchmarking/attention_breakdown_gpu.py --out "$OUT/bench_attention_breakdown.json" \
+      timeout $(lim ${BREAKDOWN_TIMEOUT:-120}) python3 tools/benchmarking/attention_breakdown_gpu.py --out "$OUT/bench_attention_breakdown.json" \
         > "$OUT/attention_breakdown.log" 2>&1; cut -c1-200 "$OUT/attention_breakdown.log" | tail -60 ;;
     host_overhead)  # host time per eager call, where it goes (tools/benchmarking/host_overhead_gpu.py)
-      timeout ${HOST_TIMEOUT:-90} python3 tools/benchmarking/host_overhead_gpu.py --out "$OUT/bench_host_overhead.json" \
+      timeout $(lim ${HOST_TIMEOUT:-90}) python3 tools/benchmarking/host_overhead_gpu.py --out "$OUT/bench_host_overhead.json" \
         > "$OUT/host_overhead.log" 2>&1; head -60 "$OUT/host_overhead.log" ;;
     bench_gemm)
-      timeout ${BENCH_GEMM_TIMEOUT:-150} python3 benchmarks/operators/bench_gemm_gpu.py --out "$OUT/bench_gemm_gpu.json" \
+      timeout $(lim ${BENCH_GEMM_TIMEOUT:-150}) python3 benchmarks/operators/bench_gemm_gpu.py --out "$OUT/bench_gemm_gpu.json" \
         ${BENCH_GEMM_ARGS:-} > "$OUT/bench_gemm_gpu.log" 2>&1; tail -32 "$OUT/bench_gemm_gpu.log" ;;
   esac
   echo "== step $step took $(( $(date +%s) - t0 )) s"
+  pack
 done 2>&1 | tee "$OUT/run.log"
-# the device tool returns at most 8 files: run.log and the benchmark JSON as they are, the rest packed
-mkdir -p "$FINAL"; cp "$OUT/run.log" "$FINAL/"; cp "$OUT"/bench_*.json "$FINAL/" 2>/dev/null
-tar -C "$OUT" --exclude=./site -czf "$FINAL/results.tgz" .; ls -la "$FINAL"
+pack; ls -la "$FINAL"
