@@ -71,7 +71,8 @@ class Resources:
     #: ``TMA=True`` (``kernels.TMA_LOADS``)
     tma_copies: int = 0
     #: shared memory per program (bytes, Triton's compiled metadata: pipeline buffers and layout
-    #: conversions); an H200 SM holds 227 KiB, so this decides how many programs share an SM
+    #: conversions); an H200 SM has 228 KiB, of which each resident program takes this plus 1 KiB
+    #: the system reserves, so this decides how many programs share an SM
     shared_bytes: int = 0
 
     @property
