@@ -18,9 +18,7 @@ Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
   kv head) pairs than SMs) rows ``@v1`` … ``@v8`` force each value slicing of the few-programs
   tile (``AttnConfig.v_slices``; the default row lets ``kernels.value_slices`` pick it, rows
   ``.no_v`` run without it: ``kernels.auto_value_slices(False)``); at batch 64, rows ``@v2`` and
-  ``@v4`` slice the decode tile (a finer grain for the last wave of programs); with fewer pairs
-  than SMs the default and ``@v`` rows run the score pass (``kernels.use_score_pass``:
-  ``rlk_attn_qk`` first) and rows ending ``.no_sp`` the same step without it; SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
+  ``@v4`` slice the decode tile (a finer grain for the last wave of programs); SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
   K/V with ``enable_gqa=True`` (no expanded copies).
 * ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.
 
@@ -228,9 +226,6 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
         # default and each slicing forced (@v1 ...): the measurement the rule is checked against
         impls[f"{OURS}.no_v"] = _within(impls[OURS], lambda: K.auto_value_slices(False))
         impls[f"{OURS}.paged16.no_v"] = _within(impls[f"{OURS}.paged16"], lambda: K.auto_value_slices(False))
-        # the same step without the score pass (kernels.use_score_pass), side by side
-        impls[f"{OURS}.no_sp"] = _within(impls[OURS], lambda: K.score_pass(False))
-        impls[f"{OURS}.paged16.no_sp"] = _within(impls[f"{OURS}.paged16"], lambda: K.score_pass(False))
     ns = K.num_splits(ctx)
     few_tile = few and (ns > 4 or K.one_wave(B * HKV * ns, q.device))  # cached_forward's choice
     _with_experiment_rows(impls, (OURS, f"{OURS}.paged16"), split_blocks, unrolls)

@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 #: Kernel arguments that a launch on real tensors specialises as divisible by 16 (pointers, the
 #: row / head strides of storage rows laid out ``[N, Hkv, D]`` with ``D`` a multiple of 16, the head counts).
 DIVISIBLE = frozenset({"q_ptr", "k_ptr", "v_ptr", "out_ptr", "out32_ptr", "lse_ptr", "scr_ptr", "ws_m_ptr", "ws_l_ptr",
-                       "ws_a_ptr", "s_ptr", "tab_ptr", "pr_ptr", "sk_row", "sk_head", "sv_row", "sv_head"})
-_FP32 = frozenset({"out32_ptr", "lse_ptr", "scr_ptr", "ws_m_ptr", "ws_l_ptr", "ws_a_ptr", "s_ptr"})
+                       "ws_a_ptr", "tab_ptr", "pr_ptr", "sk_row", "sk_head", "sv_row", "sv_head"})
+_FP32 = frozenset({"out32_ptr", "lse_ptr", "scr_ptr", "ws_m_ptr", "ws_l_ptr", "ws_a_ptr"})
 _I64 = frozenset({"tab_ptr", "pr_ptr"})
 _SCALARS = {"pr_stride": "i64", "sk_row": "i64", "sk_head": "i64", "sv_row": "i64", "sv_head": "i64", "W": "i32",
             "qk_scale": "fp32", "NS": "i32", "HQ": "i32", "HKV": "i32"}
@@ -152,30 +152,15 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
             few = K.select_decode(torch.bfloat16, head_dim, page, few=True)
             for u in (1, 2):
                 tiles[replace(few, unroll=u)] = (1, *(v for v in (2, 4, 8) if head_dim // v >= 16))
-            name = "paged16" if paged else "contiguous"
             for base, slicings in tiles.items():
                 for vs in slicings:
                     cfg = replace(base, v_slices=vs)
                     for one in (False, True):
-                        yield Variant(f"split {name} {cfg.key} one={one}", "rlk_attn_fwd_split",
+                        yield Variant(f"split {'paged16' if paged else 'contiguous'} {cfg.key} one={one}",
+                                      "rlk_attn_fwd_split",
                                       {**common, "page_size": page or 1, "DV": head_dim // vs, "BLOCK_M": cfg.block_m,
-                                       "PAGED": paged, "IEEE": False, "SPLIT": True, "ONE": one, "U": cfg.unroll,
-                                       "SCORES": False},
+                                       "PAGED": paged, "IEEE": False, "SPLIT": True, "ONE": one, "U": cfg.unroll},
                                       cfg.num_warps, cfg.num_stages)
-            # the score pass (kernels.use_score_pass: few pairs, no tile table): rlk_attn_qk on the
-            # few-programs tile, then the split kernel reading the scores back, with every value
-            # slicing value_slices can pick and one or two blocks per step
-            qk = K.FEW_DECODE_CONFIGS[(torch.bfloat16, head_dim)]  # attend's rlk_attn_qk launch
-            yield Variant(f"qk {name} {qk.key}", "rlk_attn_qk",
-                          {**common, "page_size": page or 1, "BLOCK_M": qk.block_m, "PAGED": paged, "IEEE": False,
-                           "ONE": True, "QB": 2}, qk.num_warps, qk.num_stages)
-            for u in ((1, 2) if not paged else (1,)):  # cached_forward pairs no paged score-pass step
-                for vs in (v for v in (1, 2, 4) if v <= K.MAX_V_SLICES and head_dim // v >= K.MIN_V_COLUMNS):
-                    cfg = replace(few, unroll=u, v_slices=vs)
-                    yield Variant(f"split {name} {cfg.key} one=True scores", "rlk_attn_fwd_split",
-                                  {**common, "page_size": page or 1, "DV": head_dim // vs, "BLOCK_M": cfg.block_m,
-                                   "PAGED": paged, "IEEE": False, "SPLIT": True, "ONE": True, "U": cfg.unroll,
-                                   "SCORES": True}, cfg.num_warps, cfg.num_stages)
     if "prefill" in kinds:
         for paged, page in ((False, None), (True, 16)):
             cfg = K.select_prefill(torch.bfloat16, head_dim, page)

@@ -851,82 +851,6 @@ def test_interpreter_few_pairs_decode_tile_rule(monkeypatch):
     assert asked == [False]
 
 
-@interp
-@pytest.mark.parametrize("window", [None, 300])
-def test_interpreter_score_pass_gives_the_same_bits(window):
-    """The score pass (``rlk_attn_qk`` stores every block's scores, ``rlk_attn_fwd_split(SCORES=True)``
-    reads them back, the combine folds): a decode step of one token per sequence gives the varlen
-    rows bit for bit — contexts of two KV splits, of one split (the step that otherwise runs
-    through the prefill kernel) and of a few keys; a contiguous and a shuffled 16-row paged cache;
-    one or two blocks per step, one or two value slices; groups of two blocks per ``rlk_attn_qk``
-    program (``score_group_blocks`` off CUDA). Negative control: one perturbed key in the second
-    split moves that sequence's row (the walk reads the stored scores of the keys it was given)."""
-    from dataclasses import replace
-
-    from rl_engine.backends.shared.triton.attention import kernels as K
-
-    lens = [1100, 3, 40]
-    q, k, v, cu = make_qkv(lens, 1, 2, 32, "float32", seed=21)
-    ref, _, _ = K.varlen_forward(q, k, v, cu, 0.2, window)
-    last = torch.tensor([c - 1 for c in accumulate(lens)])
-    q_seq, q_pos = torch.arange(3), torch.tensor([n - 1 for n in lens])
-    npages = sum(-(-n // 16) for n in lens)
-    perm = torch.randperm(npages, generator=torch.Generator().manual_seed(4))
-    kp, vp = torch.full((npages * 16, 1, 32), GARBAGE), torch.full((npages * 16, 1, 32), -GARBAGE)
-    rows = []
-    for i, n in enumerate(lens):
-        pages = perm[sum(-(-m // 16) for m in lens[:i]):][: -(-n // 16)]
-        slots = (pages[:, None] * 16 + torch.arange(16)).reshape(-1)[:n]
-        kp[slots], vp[slots] = k[cu[i] : cu[i + 1]], v[cu[i] : cu[i + 1]]
-        rows.append(torch.cat([pages * 16, torch.zeros(80 - len(pages), dtype=torch.int64)]))
-    caches = {"contiguous": (k, v, cu[:-1, None].clone(), 2048), "paged16": (kp, vp, torch.stack(rows), 16)}
-
-    def step(kk, vv, page_rows, psz, cfg, n=3):
-        return K.cached_forward(q[last[3 - n :]].contiguous(), kk, vv, page_rows[3 - n :], psz, q_seq[:n],
-                                q_pos[3 - n :], 0.2, window, path="decode", config=cfg, decode_only=True, scores=True)
-
-    base = K.AttnConfig(16, 4, 2)
-    for name, cache in caches.items():
-        for cfg in (base, replace(base, unroll=2), replace(base, v_slices=2)):
-            assert bit_diff(step(*cache, cfg), ref[last]), (name, cfg.key)
-    one_split = (k, v, cu[:-1, None].clone(), 64)  # the two short sequences (n=2): one KV split of 64 positions
-    assert bit_diff(step(*one_split, base, n=2), ref[last[1:]])
-    k2 = k.clone()
-    k2[1050, 0, 5] += 0.5  # the second split of the first sequence
-    moved = step(k2, v, caches["contiguous"][2], 2048, base)
-    assert not bit_diff(moved[:1], ref[last[:1]]) and bit_diff(moved[1:], ref[last[1:]])
-    with pytest.raises(ValueError, match="score pass"):  # a step with a tile table has no score pass
-        K.cached_forward(q[last].contiguous(), k, v, cu[:-1, None].clone(), 2048, q_seq, q_pos, 0.2, window,
-                         path="decode", config=base, scores=True)
-
-
-@interp
-def test_interpreter_score_pass_rule(monkeypatch):
-    """``use_score_pass``: on for a decode-only step without a tile table and with fewer (sequence,
-    kv head) pairs than SMs, on CUDA, while ``SCORE_PASS`` is on; ``score_pass(False)`` turns it
-    off for a block and restores it on the way out, an exception included. ``score_group_blocks``:
-    the fewest blocks per ``rlk_attn_qk`` program (a power of two, at most 16) for a grid of at most
-    two programs per SM; 2 off CUDA. Negative controls: each condition off gives False."""
-    from rl_engine.backends.shared.triton.attention import kernels as K
-
-    monkeypatch.setattr(K, "_sm_count_of", lambda index: 132)
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert K.use_score_pass(1, 8, True, cuda)
-    assert not K.use_score_pass(1, 8, False, cuda)  # a tile table
-    assert not K.use_score_pass(17, 8, True, cuda)  # 136 pairs: as many as SMs
-    assert not K.use_score_pass(1, 8, True, cpu)
-    with K.score_pass(False):
-        assert not K.use_score_pass(1, 8, True, cuda)
-    with pytest.raises(RuntimeError, match="boom"):
-        with K.score_pass(False):
-            raise RuntimeError("boom")
-    assert K.SCORE_PASS and K.use_score_pass(1, 8, True, cuda)
-    # batch 1, 8 kv heads: 512 / 4096 / 32768 keys = 8 / 64 / 512 blocks
-    assert [K.score_group_blocks(8, nb, cuda) for nb in (8, 64, 512)] == [1, 2, 16]
-    assert K.score_group_blocks(8, 1 << 20, cuda) == K.SPLIT_BLOCKS  # the cap
-    assert K.score_group_blocks(8, 64, cpu) == 2
-
-
 @offline_sm90
 def test_offline_sm90_decode_kernels_are_pipelined_without_spills():
     """Compiled ahead of time for sm_90 (``benchmarks/profiling/attention_resources_sm90.py``, no
@@ -943,7 +867,7 @@ def test_offline_sm90_decode_kernels_are_pipelined_without_spills():
     from benchmarks.profiling.attention_resources_sm90 import compile_sm90, variants
 
     rows = {v.label: (v, compile_sm90(v)) for v in variants(("decode",))}
-    assert len(rows) == 38 + 2 + 6 + 3, sorted(rows)  # + the score pass: 2 rlk_attn_qk, 6 + 3 split tiles
+    assert len(rows) == 38, sorted(rows)
     for label, (v, r) in rows.items():
         assert r.pipelined, (label, r)
         if "_v" not in label:  # one value slice: a few bytes at most (the 255-register, spilling
@@ -1418,72 +1342,6 @@ def test_value_slices_give_the_same_rows(dtype, d, g, monkeypatch):
     changed = (o != ref[t : t + 1]).nonzero().tolist()
     assert changed and {c for _, _, c in changed} == {d - 1}, changed
     assert bit_diff(o[..., d - 1], 2 * ref[t : t + 1, :, d - 1])
-
-
-@gpu
-@pytest.mark.parametrize("dtype,d,g,window", [("bfloat16", 128, 4, None), ("bfloat16", 64, 1, 300),
-                                              ("float32", 128, 4, None), ("float32", 32, 2, 300)])
-def test_score_pass_gives_the_same_rows(dtype, d, g, window, monkeypatch):
-    """The score pass on the GPU (``rlk_attn_qk``, then ``rlk_attn_fwd_split(SCORES=True)`` and the
-    combine): the decode step of each sequence's last token, over a contiguous and a shuffled
-    16-token paged cache, gives the varlen rows bit for bit, at three KV splits (2085 keys), one
-    split (300) and one key — with the few-programs tile in every value slicing ``value_slices``
-    can pick, one and two blocks per step, and ``rlk_attn_qk`` groups of 1, 2 and 16 blocks
-    (``score_group_blocks`` forced). A batch-1 step with the automatic choice takes the score pass
-    (``use_score_pass``) and gives the row. Negative control: one key of the second split
-    perturbed moves only that sequence's row."""
-    from dataclasses import replace
-
-    from rl_engine.backends.shared.triton.attention import kernels as K
-
-    dt = getattr(torch, dtype)
-    lens = [2085, 300, 1]
-    q, k, v, cu = (t.cuda() for t in make_qkv(lens, 2, g, d, dtype, seed=5 * d + g))
-    scale = d**-0.5
-    ref, _, _ = K.varlen_forward(q, k, v, cu, scale, window)
-    last = cu[1:] - 1
-    n = len(lens)
-    q_seq = torch.arange(n, device="cuda")
-    q_pos = torch.tensor([x - 1 for x in lens], device="cuda")
-    npages = sum(-(-x // 16) for x in lens)
-    perm = torch.randperm(npages, generator=torch.Generator().manual_seed(d)).cuda()
-    kp = torch.full((npages * 16, 2, d), GARBAGE, dtype=dt, device="cuda")
-    vp = torch.full((npages * 16, 2, d), -GARBAGE, dtype=dt, device="cuda")
-    table, used = [], 0
-    for i, x in enumerate(lens):
-        pages = perm[used : used + -(-x // 16)]
-        used += len(pages)
-        slots = (pages[:, None] * 16 + torch.arange(16, device="cuda")).reshape(-1)[:x]
-        kp[slots], vp[slots] = k[cu[i] : cu[i + 1]], v[cu[i] : cu[i + 1]]
-        table.append(torch.cat([pages * 16, torch.zeros(140 - len(pages), dtype=torch.int64, device="cuda")]))
-    caches = {"contiguous": (k, v, cu[:-1, None].contiguous(), 4096), "paged16": (kp, vp, torch.stack(table), 16)}
-    groups = []
-    rule = K.score_group_blocks
-    for qb in (1, 2, 16):
-        monkeypatch.setattr(K, "score_group_blocks", lambda *a, qb=qb: groups.append(qb) or qb)
-        for name, (kk, vv, rows, psz) in caches.items():
-            few = K.select_decode(dt, d, psz if name == "paged16" else None, few=True)
-            cfgs = [replace(few, unroll=u, v_slices=vs) for u in (1, 2) for vs in (1, 2, 4)
-                    if vs <= K.MAX_V_SLICES and d // vs >= K.MIN_V_COLUMNS]
-            for cfg in cfgs if qb == 2 else cfgs[:1]:
-                o = K.cached_forward(q[last].contiguous(), kk, vv, rows, psz, q_seq, q_pos, scale, window,
-                                     path="decode", config=cfg, decode_only=True, scores=True)
-                assert bit_diff(o, ref[last]), (name, cfg.key, qb)
-    assert set(groups) == {1, 2, 16}
-    monkeypatch.setattr(K, "score_group_blocks", rule)
-    # the automatic choice at batch 1 (one sequence x 2 kv heads: few pairs) takes the score pass
-    seen = []
-    attend = K.attend
-    monkeypatch.setattr(K, "attend", lambda *a, **kw: seen.append(kw["scores"]) or attend(*a, **kw))
-    o = K.cached_forward(q[last[:1]].contiguous(), k, v, cu[:1, None].contiguous(), 4096, q_seq[:1], q_pos[:1], scale,
-                         window, decode_only=True)
-    assert seen == [True] and bit_diff(o, ref[last[:1]])
-    k2 = k.clone()
-    k2[2000, 1, 3] += 0.5  # kv head 1, the second split of the first sequence (inside the window)
-    moved = K.cached_forward(q[last].contiguous(), k2, v, cu[:-1, None].contiguous(), 4096, q_seq, q_pos, scale,
-                             window, decode_only=True, scores=True)
-    assert not bit_diff(moved[:1], ref[last[:1]]) and bit_diff(moved[1:], ref[last[1:]])
-    assert bit_diff(moved[:1, :g], ref[last[:1], :g])  # kv head 0's query heads
 
 
 def _graph_replay(fn):

@@ -65,10 +65,6 @@ __all__ = [
     "auto_value_slices",
     "BWD_CONFIGS",
     "shipped_forward_configs",
-    "SCORE_PASS",
-    "score_pass",
-    "use_score_pass",
-    "score_group_blocks",
     "select_prefill",
     "select_decode",
     "use_decode_path",
@@ -95,12 +91,11 @@ __all__ = [
     "launch_plainly",
 ]
 
-KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_qk", "rlk_attn_combine", "rlk_attn_bwd_delta", "rlk_attn_bwd_dq",
+KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_attn_bwd_delta", "rlk_attn_bwd_dq",
                 "rlk_attn_bwd_dkdv", "rlk_attn_tiles", "rlk_attn_varlen_tiles")
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_exp2", "rlk_attn_gdc_wait", "rlk_attn_gdc_launch", "rlk_attn_rowsum", "rlk_attn_rows",
-                    "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_block_rows", "rlk_attn_saved_scores",
-                    "rlk_attn_load", "rlk_attn_scores", "rlk_attn_scores_values", "rlk_attn_step",
+                    "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_load", "rlk_attn_scores", "rlk_attn_step",
                     "rlk_attn_block", "rlk_attn_pair", "rlk_attn_split", "rlk_attn_merge",
                     "rlk_attn_ws_load", "rlk_attn_finish", "rlk_attn_bwd_dq_block", "rlk_attn_bwd_dkdv_block")
 
@@ -361,45 +356,6 @@ def pair_blocks(programs: int, splits: int, paged: bool, device: torch.device) -
     return programs <= 2 * sm if paged else (splits > 1 and programs <= sm)
 
 
-#: Whether a decode-only step of few (sequence, kv head) pairs computes its scores first
-#: (``use_score_pass``). ``score_pass(False)`` turns it off for a block of code (the benchmark's
-#: side-by-side rows). The bits are the same either way.
-SCORE_PASS = True
-
-
-def score_pass(on: bool = True) -> contextlib.AbstractContextManager[None]:
-    """Set ``SCORE_PASS`` inside the block (restored in ``finally``)."""
-    return _scoped("SCORE_PASS", bool(on))
-
-
-def use_score_pass(num_seqs: int, num_kv_heads: int, one: bool, device: torch.device) -> bool:
-    """Whether ``cached_forward`` runs a decode step as the score pass (``rlk_attn_qk``, then
-    ``rlk_attn_fwd_split(SCORES=True)``, then the combine): ``SCORE_PASS`` on, a step whose tile
-    rows come from ``q_pos`` (``one``: one token per sequence, no tile table) and fewer
-    (sequence, kv head) pairs than SMs (``few_programs``). False off CUDA.
-
-    In that regime each program of the one-pass split kernel walks up to 16 key and value blocks
-    in sequence while most SMs idle (batch 1 at 4096 keys: 32 (kv head, split) programs, 128
-    with value slices, every slice loading the whole key block); the score pass spreads the key
-    blocks over ``score_group_blocks`` programs and leaves the walk the value rows and the fp32
-    scores of the query's G rows."""
-    return SCORE_PASS and one and device.type == "cuda" and few_programs(num_seqs, num_kv_heads, device)
-
-
-def score_group_blocks(pairs: int, blocks: int, device: torch.device) -> int:
-    """Key blocks per ``rlk_attn_qk`` program (a power of two, at most ``SPLIT_BLOCKS``): the
-    fewest whose grid of ``pairs · ceil(blocks / n)`` programs fits two per SM (batch 1, 8 kv
-    heads on a 132-SM H200: 512 keys one block per program, 4096 keys two, 32768 keys sixteen).
-    Off CUDA (the interpreter) 2, so that the tests walk groups of more than one block."""
-    if device.type != "cuda":
-        return 2
-    cap = 2 * _sm_count_of(_index(device))
-    n = 1
-    while n < SPLIT_BLOCKS and pairs * -(-blocks // n) > cap:
-        n *= 2
-    return n
-
-
 def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfig]:
     """Every forward configuration a call can use for ``(dtype, head_dim)`` (the tests cover each):
     the prefill tiles, the decode tiles (fewer and many pairs), and the
@@ -611,25 +567,6 @@ def rlk_attn_kv_base(pr_ptr, seq, pr_stride):
 
 
 @triton.jit
-def rlk_attn_block_rows(pr_ptr, seq, pr_stride, page_size, kbase, cap, b, PAGED: tl.constexpr):
-    """Storage rows (int64) of the 64 keys of block ``b``, positions clamped to ``cap`` (the tile's
-    last query position: never a row past the stored ones; the clamped keys are masked)."""
-    kpos = b * 64 + tl.arange(0, 64)
-    return rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kbase, tl.minimum(kpos, cap), PAGED)
-
-
-@triton.jit
-def rlk_attn_saved_scores(s_ptr, b, S_ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Block ``b``'s unscaled scores as ``rlk_attn_qk`` stored them (``s_ptr``: the program's
-    ``[blocks, S_ROWS, 64]`` fp32 slab): rows ``< S_ROWS`` exactly as computed, ``+0`` in the
-    tile's padding rows (never stored; each row of ``P·V`` depends on its own row only)."""
-    r = tl.arange(0, BLOCK_M)
-    c = tl.arange(0, 64)
-    off = (r[:, None] + b * S_ROWS).to(tl.int64) * 64 + c[None, :]
-    return tl.load(s_ptr + off, mask=r[:, None] < S_ROWS, other=0.0)
-
-
-@triton.jit
 def rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sk_row, sk_head,
                   sv_row, sv_head, offs_v, HEAD_D: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr):
     """Key block ``b`` transposed (``[D, 64]``) and its value rows (``[64, DV]``, columns ``offs_v``):
@@ -641,7 +578,8 @@ def rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, p
         v = v_desc.load([row0, col])  # [64, D]
     else:
         offs_d = tl.arange(0, HEAD_D)
-        rows = rlk_attn_block_rows(pr_ptr, seq, pr_stride, page_size, kbase, cap, b, PAGED)
+        kpos = b * 64 + tl.arange(0, 64)
+        rows = rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kbase, tl.minimum(kpos, cap), PAGED)
         koff = rows * sk_row + kvh * sk_head
         voff = rows * sv_row + kvh * sv_head
         kt = tl.load(k_ptr + koff[None, :] + offs_d[:, None])  # [D, 64]
@@ -689,29 +627,10 @@ def rlk_attn_step(s, v, b, m, l, acc, pos, wlo, qk_scale, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def rlk_attn_scores_values(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b,
-                           sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                           PAGED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, s_ptr, S_ROWS: tl.constexpr,
-                           SCORES: tl.constexpr):
-    """Block ``b``'s unscaled scores ``[BLOCK_M, 64]`` and value rows ``[64, DV]``: the scores read
-    back from the score pass (``SCORES``, ``rlk_attn_saved_scores``) or computed from the key block
-    (``rlk_attn_load``, ``rlk_attn_scores``)."""
-    if SCORES:
-        rows = rlk_attn_block_rows(pr_ptr, seq, pr_stride, page_size, kbase, cap, b, PAGED)
-        v = tl.load(v_ptr + (rows * sv_row + kvh * sv_head)[:, None] + offs_v[None, :])
-        s = rlk_attn_saved_scores(s_ptr, b, S_ROWS, BLOCK_M)
-    else:
-        kt, v = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b,
-                              sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
-        s = rlk_attn_scores(q, kt, IEEE)
-    return s, v
-
-
-@triton.jit
 def rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, b,
                    m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
-                   TMA: tl.constexpr, s_ptr, S_ROWS: tl.constexpr, SCORES: tl.constexpr):
+                   TMA: tl.constexpr):
     """One 64-key block ``b`` of the online softmax. ``MASKED=False`` is only used for blocks
     every row of the tile sees entirely (``wlo <= 64·b`` and ``64·b + 63 <= pos``, so every row is
     active): there the score mask and the -inf guard are identities and are left out, the
@@ -734,22 +653,17 @@ def rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
     ``[rows, Hkv·D]`` view, without the clamp to ``cap``: the rows past the tile's last query are
     the next tokens of the pack (finite inputs, checked by the entry points) or the copy's zero
     fill past the end, and their scores are masked to ``-inf`` (``P = +0``) as before. The same
-    values reach the same products, so the same bits.
-
-    ``SCORES`` (the score pass, ``use_score_pass``): the block's scores were computed by
-    ``rlk_attn_qk`` (the same ``rlk_attn_scores`` product, stored exactly in fp32 at ``s_ptr``)
-    and are read back instead of the key block; only the value rows are loaded here."""
-    s, v = rlk_attn_scores_values(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
-                                  b, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA, s_ptr,
-                                  S_ROWS, SCORES)
+    values reach the same products, so the same bits."""
+    kt, v = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sk_row,
+                          sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
+    s = rlk_attn_scores(q, kt, IEEE)
     return rlk_attn_step(s, v, b, m, l, acc, pos, wlo, qk_scale, BLOCK_M, IEEE, MASKED)
 
 
 @triton.jit
 def rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, b,
                   m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr,
-                  BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, s_ptr,
-                  S_ROWS: tl.constexpr, SCORES: tl.constexpr):
+                  BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
     """Blocks ``b`` and ``b + 1``, both seen entirely by every row (the unmasked run), as the two
     ``rlk_attn_block`` steps in order (``AttnConfig.unroll = 2``), their work issued phase by
     phase: both blocks' loads, score products and row maxima, then both exponentials and row
@@ -757,22 +671,13 @@ def rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
     of a block do not depend on the state); the running maximum, ``l`` and the accumulator take
     block ``b`` then block ``b + 1`` with the same operations as two single steps, so the same
     bits. In a 16-row decode tile each block's step is a latency chain (cross-warp reductions,
-    a shared-memory round trip for ``P``), which this lets the compiler overlap between blocks.
-    ``SCORES``: both blocks' scores read back from the score pass (``rlk_attn_block``)."""
-    if SCORES:
-        s0, v0 = rlk_attn_scores_values(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap,
-                                        kvh, b, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE,
-                                        TMA, s_ptr, S_ROWS, SCORES)
-        s1, v1 = rlk_attn_scores_values(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap,
-                                        kvh, b + 1, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, BLOCK_M, PAGED,
-                                        IEEE, TMA, s_ptr, S_ROWS, SCORES)
-    else:
-        kt0, v0 = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b,
-                                sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
-        kt1, v1 = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b + 1,
-                                sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
-        s0 = rlk_attn_scores(q, kt0, IEEE)
-        s1 = rlk_attn_scores(q, kt1, IEEE)
+    a shared-memory round trip for ``P``), which this lets the compiler overlap between blocks."""
+    kt0, v0 = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sk_row,
+                            sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
+    kt1, v1 = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b + 1,
+                            sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
+    s0 = rlk_attn_scores(q, kt0, IEEE)
+    s1 = rlk_attn_scores(q, kt1, IEEE)
     # as rlk_attn_step (unmasked): mn = max(m, max(s)·c + 0), shift = mn, for b then b + 1
     x0 = tl.max(s0, axis=1) * qk_scale + 0.0
     x1 = tl.max(s1, axis=1) * qk_scale + 0.0
@@ -798,8 +703,7 @@ def rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
 def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                    valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr,
                    DV: tl.constexpr, BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr,
-                   SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, TMA: tl.constexpr, U: tl.constexpr, s_ptr,
-                   S_ROWS: tl.constexpr, SCORES: tl.constexpr):
+                   SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, TMA: tl.constexpr, U: tl.constexpr):
     """One KV split's online softmax over blocks ``b0 .. b1`` (increasing) from the state
     ``(-inf, 0, 0)``; a row's state changes only in the blocks of its own range ``[lo, hi]``
     (``rlk_attn_block``: no per-row select).
@@ -825,19 +729,17 @@ def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
             for i in range(0, pairs):
                 m, l, acc = rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap,
                                           kvh, pos, wlo, b0 + 2 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row,
-                                          sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA, s_ptr, S_ROWS, SCORES)
+                                          sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA)
             u1 = b0 + 2 * pairs - 1
         else:
             for b in range(b0, u1 + 1):
                 m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                            b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                           BLOCK_M, PAGED, IEEE, False, TMA, s_ptr, S_ROWS,
-                                           SCORES)
+                                           BLOCK_M, PAGED, IEEE, False, TMA)
         for b in range(tl.maximum(u1 + 1, b0), b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, True, TMA, s_ptr, S_ROWS,
-                                           SCORES)
+                                       BLOCK_M, PAGED, IEEE, True, TMA)
     elif SPLIT:
         f0 = (tl.max(tl.where(valid, wlo, 0), axis=0) + 63) // 64
         f1 = (tl.min(tl.where(valid, pos, 1 << 30), axis=0) + 1) // 64 - 1
@@ -849,32 +751,28 @@ def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
         for b in range(b0, e1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, True, TMA, s_ptr, S_ROWS,
-                                           SCORES)
+                                       BLOCK_M, PAGED, IEEE, True, TMA)
         if U == 2:
             pairs = tl.maximum(u1 - u0 + 1, 0) // 2
             for i in range(0, pairs):
                 m, l, acc = rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap,
                                           kvh, pos, wlo, u0 + 2 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row,
-                                          sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA, s_ptr, S_ROWS, SCORES)
+                                          sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA)
             u1 = tl.where(u1 >= u0, u0 + 2 * pairs - 1, u1)
         else:
             for b in range(u0, u1 + 1):
                 m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                            b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                           BLOCK_M, PAGED, IEEE, False, TMA, s_ptr, S_ROWS,
-                                           SCORES)
+                                           BLOCK_M, PAGED, IEEE, False, TMA)
         for b in range(tl.maximum(u1 + 1, e1 + 1), b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, True, TMA, s_ptr, S_ROWS,
-                                           SCORES)
+                                       BLOCK_M, PAGED, IEEE, True, TMA)
     else:  # one masked run (fp32 by default: IEEE products by FMA, a third of the code to compile)
         for b in range(b0, b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, True, TMA, s_ptr, S_ROWS,
-                                           SCORES)
+                                       BLOCK_M, PAGED, IEEE, True, TMA)
     return m, l, acc
 
 
@@ -965,7 +863,7 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_pt
                 m, l, a = rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size,
                                          cap, kvh, pos, wlo, valid, tl.maximum(first, sp * SB), sp * SB + SB - 1,
                                          qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, DV, BLOCK_M,
-                                         PAGED, IEEE, SPLIT, HAS_WINDOW, TMA, U, q_ptr, 1, False)
+                                         PAGED, IEEE, SPLIT, HAS_WINDOW, TMA, U)
                 if sp > s_first:
                     A = tl.load(scr)
                 else:
@@ -977,8 +875,7 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_pt
         # state is an exact identity (M = m; L = fma(l, 1, 0) = l; A = fma(a, 1, 0) = a, a never -0).
         m, l, a = rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
                                  pos, wlo, valid, tl.maximum(first, s_last * SB), last, qk_scale, sk_row, sk_head,
-                                 sv_row, sv_head, offs_v, HEAD_D, DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW, TMA, U,
-                                 q_ptr, 1, False)
+                                 sv_row, sv_head, offs_v, HEAD_D, DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW, TMA, U)
         if MULTI:
             if s_last > s_first:
                 M, L, A = rlk_attn_merge(M, L, tl.load(scr), m, l, a)
@@ -991,17 +888,16 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_pt
 
 
 @triton.jit
-def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, s_ptr, tab_ptr, pr_ptr, pr_stride,
+def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_ptr, pr_ptr, pr_stride,
                        page_size: tl.constexpr, G: tl.constexpr, W,
                        qk_scale, sk_row, sk_head, sv_row, sv_head, NS, HQ, HKV, HEAD_D: tl.constexpr,
                        DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr,
                        IEEE: tl.constexpr, SPLIT: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr,
-                       SB: tl.constexpr, U: tl.constexpr, SCORES: tl.constexpr):
+                       SB: tl.constexpr, U: tl.constexpr):
     """Grid (tiles, kv heads, splits · ``HEAD_D / DV``): program ``(t, h, j·VS + vs)`` runs split
     ``j`` of tile ``t`` for value columns ``vs·DV ..`` (``AttnConfig.v_slices``; the ``vs = 0``
     program stores the split's ``m``, ``l``, which every slice computes alike) into the workspace
-    that ``rlk_attn_combine`` folds. ``SCORES``: the blocks' scores are read from ``rlk_attn_qk``'s
-    slabs at ``s_ptr`` (the score pass; no key block is loaded here)."""
+    that ``rlk_attn_combine`` folds."""
     rlk_attn_gdc_wait(PDL)
     rlk_attn_gdc_launch(PDL)  # the combine may launch (it waits for this kernel's end)
     t = tl.program_id(0)
@@ -1024,58 +920,15 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, s_ptr,
         b0 = tl.maximum(first, sp * SB)
         b1 = tl.minimum(last, sp * SB + SB - 1)
         kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)
-        # the score pass's slab of this (tile, kv head): [NS · SB blocks, G rows, 64] fp32
-        s_base = s_ptr + (t.to(tl.int64) * HKV + kvh) * (NS * SB * G * 64)
         m, l, a = rlk_attn_split(q, k_ptr, v_ptr, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
                                  pos, wlo, valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                 DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW, False, U, s_base, G, SCORES)
+                                 DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW, False, U)
         # only the tile's valid rows (a decode tile of G or fewer units in 16 rows): padding rows
         # are never read back, so their stores would be workspace traffic for nothing
         slot = ((t.to(tl.int64) * HKV + kvh) * NS + j) * BLOCK_M + tl.arange(0, BLOCK_M)
         tl.store(ws_m_ptr + slot, m, mask=state)
         tl.store(ws_l_ptr + slot, l, mask=state)
         tl.store(ws_a_ptr + slot[:, None] * HEAD_D + offs_v[None, :], a, mask=valid[:, None])
-
-
-@triton.jit
-def rlk_attn_qk(q_ptr, k_ptr, s_ptr, tab_ptr, pr_ptr, pr_stride, page_size: tl.constexpr, G: tl.constexpr, W, sk_row,
-                sk_head, NS, HQ, HKV, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                PAGED: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr, SB: tl.constexpr,
-                QB: tl.constexpr):
-    """The score pass of a decode step of few programs: grid (tiles, kv heads, block groups of
-    ``QB``); program ``(t, h, i)`` computes the unscaled scores ``s = q·kᵀ`` of tile ``t``'s blocks
-    ``i·QB .. i·QB + QB - 1`` (within its range ``first .. last``) with the same
-    ``rlk_attn_scores`` product as every other kernel and stores rows ``0 .. G-1`` exactly, fp32,
-    into the ``[NS · SB blocks, G, 64]`` slab of ``(t, h)``. ``rlk_attn_fwd_split(SCORES=True)``
-    then walks each split's blocks as always, reading the scores back instead of the key block.
-
-    Why: a batch-1 step has one program per (kv head, split[, value slice]), each walking up to 16
-    blocks in sequence, so a few dozen SMs load every key and value of the context; here every
-    key block is read by a program of its own group, spread over the GPU, and the walk loads only
-    values and scores. The scores, and everything computed from them, are the same bits.
-    Only steps whose tile rows are ``0 .. G-1`` (``ONE``) take it."""
-    rlk_attn_gdc_wait(PDL)
-    rlk_attn_gdc_launch(PDL)  # the split kernel may launch (it waits for this kernel's end)
-    t = tl.program_id(0)
-    kvh = tl.program_id(1).to(tl.int64)
-    i = tl.program_id(2)
-    seq, valid, tok, g, pos, wlo, lo, hi, first, last, cap = rlk_attn_rows(tab_ptr, t, G, W, HAS_WINDOW, BLOCK_M,
-                                                                           ONE)
-    b0 = tl.maximum(first, i * QB)
-    b1 = tl.minimum(last, i * QB + QB - 1)
-    if b0 <= b1:
-        offs_d = tl.arange(0, HEAD_D)
-        q_off = (tok * HQ + kvh * G + g) * HEAD_D
-        q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)
-        s_base = s_ptr + (t.to(tl.int64) * HKV + kvh) * (NS * SB * G * 64)
-        r = tl.arange(0, BLOCK_M)
-        c = tl.arange(0, 64)
-        for b in range(b0, b1 + 1):
-            rows = rlk_attn_block_rows(pr_ptr, seq, pr_stride, page_size, kbase, cap, b, PAGED)
-            kt = tl.load(k_ptr + (rows * sk_row + kvh * sk_head)[None, :] + offs_d[:, None])  # [D, 64]
-            s = rlk_attn_scores(q, kt, IEEE)
-            tl.store(s_base + (r[:, None] + b * G).to(tl.int64) * 64 + c[None, :], s, mask=r[:, None] < G)
 
 
 @triton.jit
@@ -1516,7 +1369,7 @@ def _varlen_rows(cu_seqlens: torch.Tensor):
 
 def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base, max_positions, scale, window, *,
            path: str, config: AttnConfig | None = None, want_lse: bool = False, want_f32: bool = False,
-           tab: torch.Tensor | None = None, one: bool = False, tma: bool = False, scores: bool = False):
+           tab: torch.Tensor | None = None, one: bool = False, tma: bool = False):
     """The forward for every query row (all entry points end here).
 
     Args:
@@ -1538,10 +1391,6 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
         tma: the prefill kernel loads key / value blocks by TMA copies (``tma_eligible``: the
             train path's packed rows only, where every row a block reads past its queries is a
             finite input or the copy's zero fill); the same bits.
-        scores: the score pass (``use_score_pass``; needs ``path="decode"`` and ``one``): the
-            blocks' scores first, by ``rlk_attn_qk`` over every block in parallel, then the split
-            kernel reading them back, then the combine (a context of one split included); the
-            same bits.
 
     Returns ``(out [T, Hq, D] in q.dtype, lse [T, Hq] fp32 | None, out_f32 | None)``.
     """
@@ -1584,11 +1433,9 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     if path not in ("prefill", "decode"):
         raise ValueError(f"path: expected 'prefill' or 'decode', got {path!r}")
     ns = num_splits(max_positions)
-    if scores and not (path == "decode" and one):
-        raise ValueError(f"scores: the score pass needs path='decode' and one=True, got path={path!r}, one={one}")
     # one KV split at most: the decode tiles run through the prefill kernel (the same split body
     # and merge from the same initial state, so the same bits), one launch and no workspace
-    kernel = "prefill" if path == "prefill" or (ns == 1 and not scores) else "decode"
+    kernel = "prefill" if path == "prefill" or ns == 1 else "decode"
     pdl = use_pdl(q.device)  # each kernel waits on the device for the tile table / workspace
     with device_guard(q):
         if kernel == "prefill":
@@ -1621,25 +1468,11 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
             ws_m = torch.empty((nt, Hkv, ns, cfg.block_m), dtype=torch.float32, device=q.device)
             ws_l = torch.empty_like(ws_m)
             ws_a = torch.empty((nt, Hkv, ns, cfg.block_m, D), dtype=torch.float32, device=q.device)
-            if scores:
-                # every block's scores, G rows each: [tiles, kv heads, ns * 16 blocks, G, 64] fp32
-                nb = ns * SPLIT_BLOCKS
-                s_ws = torch.empty((nt * Hkv * nb * G * KV_BLOCK,), dtype=torch.float32, device=q.device)
-                qb = score_group_blocks(nt * Hkv, nb, q.device)
-                qk = FEW_DECODE_CONFIGS[(q.dtype, D)]  # its warps and stages (the 16-row tile's rows either way)
-                rlk_attn_qk[(nt, Hkv, -(-nb // qb))](
-                    q, k_rows, s_ws, tab, page_rows, page_rows.stride(0), psz, G, w, kv_strides[0], kv_strides[1], ns,
-                    Hq, Hkv, HEAD_D=D, BLOCK_M=cfg.block_m, HAS_WINDOW=has_w, PAGED=paged, IEEE=ieee, ONE=one, PDL=pdl,
-                    SB=SPLIT_BLOCKS, QB=qb, num_warps=qk.num_warps, num_stages=qk.num_stages, enable_fp_fusion=False,
-                    launch_pdl=pdl,
-                )
-            else:
-                s_ws = ws_m  # unused (SCORES=False)
             rlk_attn_fwd_split[(nt, Hkv, ns * vsl)](
-                q, k_rows, v_rows, ws_m, ws_l, ws_a, s_ws, tab, page_rows, page_rows.stride(0), psz, G, w,
+                q, k_rows, v_rows, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), psz, G, w,
                 score_scale(scale), *kv_strides, ns, **common, DV=D // vsl, PAGED=paged, IEEE=ieee, SPLIT=runs, ONE=one,
-                PDL=pdl, SB=SPLIT_BLOCKS, U=cfg.unroll, SCORES=scores, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
+                PDL=pdl, SB=SPLIT_BLOCKS, U=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                enable_fp_fusion=False, launch_pdl=pdl,
             )
             dc = min(D, COMBINE_COLUMNS)
             rlk_attn_combine[(nt, Hkv, D // dc)](
@@ -1759,7 +1592,7 @@ def varlen_tiles(cu_seqlens: torch.Tensor, group: int, rows: int, num_tokens: in
 
 
 def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale, window, *, path: str | None = None,
-                   config: AttnConfig | None = None, decode_only: bool = False, scores: bool | None = None):
+                   config: AttnConfig | None = None, decode_only: bool = False):
     """Rollout-path forward over the cache rows (keys/values already written). ``q_seq`` must be
     non-decreasing (the rollout layout that ``rl_engine.ops.attention.cached_attention`` builds).
 
@@ -1768,11 +1601,7 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     with ``G <= 16`` and where ``tile_free_rows`` says so, no tile table is built: each kernel forms its tile's row from ``q_pos``
     (``rlk_attn_rows(ONE=True)``), one launch less per call (1.8-3.8 µs of a decode step on the
     H200, session 6). The same integers reach the kernels, so the same bits. A wrong
-    ``decode_only`` reads the wrong rows: it is the ops layer's to derive, not a user's to set.
-
-    ``scores``: run such a step as the score pass (``attend(scores=True)``); ``None`` (default)
-    lets ``use_score_pass`` decide, ``True`` forces it (tests; a step that needs a tile table is
-    rejected by ``attend``). The same bits either way."""
+    ``decode_only`` reads the wrong rows: it is the ops layer's to derive, not a user's to set."""
     T, Hq, D = q.shape
     B = page_rows.shape[0]
     Hkv = k_rows.shape[1]
@@ -1784,7 +1613,6 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     max_positions = min(bound, 1 << 40)
     ns = num_splits(max_positions)
     few = few_programs(B, Hkv, q.device)  # fewer (sequence, kv head) pairs than SMs
-    few_tile, programs = False, 0
     if config is not None:
         cfg = config
     elif path == "decode":
@@ -1794,6 +1622,8 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         programs = (B if decode_only else -(-T * G // cfg.block_m) + B) * Hkv * ns
         if few and AUTO_V_SLICES:
             cfg = replace(cfg, v_slices=value_slices(programs, D, q.device))
+        if few_tile and pair_blocks(programs * cfg.v_slices, ns, P > 1, q.device):
+            cfg = replace(cfg, unroll=2)
     else:
         cfg = select_prefill(q.dtype, D, page_size if P > 1 else None)
     q_seq = q_seq.to(torch.int64).contiguous()
@@ -1806,15 +1636,9 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         tab = q_pos
     else:
         tab = rollout_tiles(q_seq, q_pos, B, G, cfg.block_m) if T and B else None
-    if scores is None:
-        scores = use_score_pass(B, Hkv, one, q.device)
-    # two blocks per step where pair_blocks says so; not for the score pass over pages (its paired
-    # tile compiles to 255 registers and spills on sm_90: benchmarks/profiling/attention_resources_sm90.py)
-    if few_tile and pair_blocks(programs * cfg.v_slices, ns, P > 1, q.device) and not (scores and P > 1):
-        cfg = replace(cfg, unroll=2)
     nseq = torch.empty(B, dtype=torch.int64, device=q.device)  # only its length is read (table built)
     out, _, _ = attend(q, k_rows, v_rows, page_rows.contiguous(), page_size, nseq, nseq, nseq,
-                       max_positions, scale, window, path=path, config=cfg, tab=tab, one=one, scores=bool(scores))
+                       max_positions, scale, window, path=path, config=cfg, tab=tab, one=one)
     return out
 
 
