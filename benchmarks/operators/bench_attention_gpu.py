@@ -23,7 +23,9 @@ Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
 * ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.
 
 Rows ending ``.no_tma`` (prefill and train) run the train path's forward with its key / value blocks
-by pointer loads (``kernels.tma_loads(False)``), beside the default rows' TMA copies.
+by pointer loads (``kernels.tma_loads(False)``), beside the default rows' TMA copies; decode rows
+ending ``.no_dtma`` run the contiguous step with every block by pointer loads
+(``kernels.decode_tma_loads(False)``), beside the default's TMA copies of the unmasked run.
 
 Rows ending ``~sb<n>`` (``--split-blocks``) run the shipped call with the KV split set to ``n``
 64-key blocks instead of the contract's 16 (an experiment: fewer blocks per split give a decode
@@ -176,6 +178,8 @@ def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequen
         "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
     }
     impls[f"{OURS}.no_pdl"] = _within(impls[OURS], K.launch_plainly)
+    # the contiguous step with every block by pointer loads (kernels.decode_tma_eligible), side by side
+    impls[f"{OURS}.no_dtma"] = _within(impls[OURS], lambda: K.decode_tma_loads(False))
     impls[f"{OURS}.no_tma"] = _within(impls[OURS], lambda: K.tma_loads(False))
     impls[f"{OURS}.train_forward.no_tma"] = _within(impls[f"{OURS}.train_forward"], lambda: K.tma_loads(False))
     _with_experiment_rows(impls, (OURS, f"{OURS}.train_forward"), split_blocks, unrolls)
@@ -219,6 +223,8 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
                                                                D**-0.5, None),
     }
     impls[f"{OURS}.no_pdl"] = _within(impls[OURS], K.launch_plainly)
+    # the contiguous step with every block by pointer loads (kernels.decode_tma_eligible), side by side
+    impls[f"{OURS}.no_dtma"] = _within(impls[OURS], lambda: K.decode_tma_loads(False))
     impls[f"{OURS}.paged16.no_pdl"] = _within(impls[f"{OURS}.paged16"], K.launch_plainly)
     few = K.few_programs(B, HKV, q.device)
     if few:

@@ -87,7 +87,8 @@ def signature(fn, dtype: str, constexprs: dict) -> dict:
         if name in constexprs:
             sig[name] = "constexpr"
         elif name in ("k_desc", "v_desc"):  # TMA descriptors of 64-row blocks, else unused pointers
-            sig[name] = f"tensordesc<{dtype}[64,{constexprs['HEAD_D']}]>" if constexprs.get("TMA") else f"*{dtype}"
+            cols = constexprs["HEAD_D"] if name == "k_desc" else constexprs.get("DV", constexprs["HEAD_D"])
+            sig[name] = f"tensordesc<{dtype}[64,{cols}]>" if constexprs.get("TMA") else f"*{dtype}"
         elif name.endswith("_ptr"):
             sig[name] = "*fp32" if name in _FP32 else ("*i64" if name in _I64 else f"*{dtype}")
         else:
@@ -156,11 +157,22 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
                 for vs in slicings:
                     cfg = replace(base, v_slices=vs)
                     for one in (False, True):
+                        # contiguous caches: the unmasked run by TMA copies (kernels.decode_tma_eligible)
                         yield Variant(f"split {'paged16' if paged else 'contiguous'} {cfg.key} one={one}",
                                       "rlk_attn_fwd_split",
                                       {**common, "page_size": page or 1, "DV": head_dim // vs, "BLOCK_M": cfg.block_m,
-                                       "PAGED": paged, "IEEE": False, "SPLIT": True, "ONE": one, "U": cfg.unroll},
+                                       "PAGED": paged, "IEEE": False, "SPLIT": True, "ONE": one, "U": cfg.unroll,
+                                       "TMA": not paged},
                                       cfg.num_warps, cfg.num_stages)
+        # a decode step of one KV split runs the prefill kernel with the few-programs tile; over a
+        # contiguous cache its unmasked run by TMA copies (kernels.decode_tma_eligible)
+        few = K.select_decode(torch.bfloat16, head_dim, None, few=True)
+        for vs in (v for v in (1, 2, 4) if v <= K.MAX_V_SLICES and head_dim // v >= K.MIN_V_COLUMNS):
+            cfg = replace(few, v_slices=vs)
+            yield Variant(f"fwd contiguous {cfg.key} one=True tma", "rlk_attn_fwd",
+                          {**common, "page_size": 1, "DV": head_dim // vs, "BLOCK_M": cfg.block_m, "PAGED": False,
+                           "IEEE": False, "STORE_F32": False, "STORE_LSE": False, "SPLIT": True, "MULTI": False,
+                           "ONE": True, "TMA": True, "U": 1, "TMA_EDGE": False}, cfg.num_warps, cfg.num_stages)
     if "prefill" in kinds:
         for paged, page in ((False, None), (True, 16)):
             cfg = K.select_prefill(torch.bfloat16, head_dim, page)
@@ -168,14 +180,15 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
                 yield Variant(f"prefill {'paged16' if paged else 'contiguous'} {cfg.key} multi={multi}", "rlk_attn_fwd",
                               {**common, "page_size": page or 1, "DV": head_dim, "BLOCK_M": cfg.block_m, "PAGED": paged,
                                "IEEE": False, "STORE_F32": False, "STORE_LSE": False, "SPLIT": True, "MULTI": multi,
-                               "ONE": False, "TMA": False, "U": cfg.unroll}, cfg.num_warps, cfg.num_stages)
+                               "ONE": False, "TMA": False, "U": cfg.unroll, "TMA_EDGE": False}, cfg.num_warps,
+                              cfg.num_stages)
         # the train path (varlen_forward, packed rows): TMA copies, fp32 output and lse stored
         cfg = K.select_prefill(torch.bfloat16, head_dim)
         for multi in (False, True):
             yield Variant(f"train tma {cfg.key} multi={multi}", "rlk_attn_fwd",
                           {**common, "page_size": 1, "DV": head_dim, "BLOCK_M": cfg.block_m, "PAGED": False,
                            "IEEE": False, "STORE_F32": True, "STORE_LSE": True, "SPLIT": True, "MULTI": multi,
-                           "ONE": False, "TMA": True, "U": cfg.unroll}, cfg.num_warps, cfg.num_stages)
+                           "ONE": False, "TMA": True, "U": cfg.unroll, "TMA_EDGE": True}, cfg.num_warps, cfg.num_stages)
     if "combine" in kinds:
         cfg = K.select_decode(torch.bfloat16, head_dim)
         yield Variant(f"combine {cfg.key}", "rlk_attn_combine",

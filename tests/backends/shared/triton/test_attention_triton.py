@@ -350,6 +350,98 @@ def test_interpreter_tma_loads_give_the_same_bits(window, monkeypatch):
 
 
 @interp
+@pytest.mark.parametrize("window", [None, 300])
+def test_interpreter_decode_tma_loads_give_the_same_bits(window, monkeypatch):
+    """``decode_tma_eligible`` (contiguous caches, on by default; ``decode_tma_loads(False)``
+    scopes it off): a decode step whose unmasked blocks arrive by TMA copies and whose masked
+    blocks by clamped pointer loads gives the varlen rows bit for bit over a cache whose slots
+    past each sequence's end hold NaN — through the split kernel (2 KV splits) and the prefill
+    kernel (one split), one or two blocks per step, one or two value slices (the value copy's
+    column offset); fp32 here with the 16-bit three-run walk forced. The rule: only CUDA sm90+, 16-bit, unpaged, head-contiguous aligned rows.
+    Negative control: a planted kernel whose masked blocks also take the copies reads the NaN
+    slots past a sequence's end (unclamped) and its rows are caught."""
+    import os
+    import sys
+    from dataclasses import replace
+
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(K, "_capability_of", lambda index: (9, 0))
+    bf = torch.zeros((64, 2, 32), dtype=torch.bfloat16)
+    assert K.decode_tma_eligible(bf, bf, False, cuda)
+    assert not K.decode_tma_eligible(bf, bf, True, cuda)  # pages
+    assert not K.decode_tma_eligible(bf, bf, False, torch.device("cpu"))
+    assert not K.decode_tma_eligible(bf.float(), bf.float(), False, cuda)
+    assert not K.decode_tma_eligible(torch.zeros((64, 2, 64), dtype=torch.bfloat16)[:, :, :32], bf, False, cuda)
+    with K.decode_tma_loads(False):
+        assert not K.decode_tma_eligible(bf, bf, False, cuda)
+    with pytest.raises(RuntimeError, match="boom"):
+        with K.decode_tma_loads(False):
+            raise RuntimeError("boom")
+    assert K.DECODE_TMA
+    monkeypatch.setattr(K, "_capability_of", lambda index: (8, 0))
+    assert not K.decode_tma_eligible(bf, bf, False, cuda)
+
+    lens = [1100, 3, 40]
+    q, k, v, cu = make_qkv(lens, 1, 2, 32, "float32", seed=33)
+    ref, _, _ = K.varlen_forward(q, k, v, cu, 0.2, window)
+    last = torch.tensor([c - 1 for c in accumulate(lens)])
+    kc, vc = torch.full((3 * 2048, 1, 32), float("nan")), torch.full((3 * 2048, 1, 32), float("nan"))
+    for i, n in enumerate(lens):  # each sequence at its own 2048-row region, NaN past its end
+        kc[i * 2048 : i * 2048 + n], vc[i * 2048 : i * 2048 + n] = k[cu[i] : cu[i + 1]], v[cu[i] : cu[i + 1]]
+    regions = torch.tensor([[0], [2048], [4096]])
+    monkeypatch.setattr(K, "FORCE_SPLIT_RUNS", True)  # the 16-bit walk (fp32 masks every block)
+    seen = []
+    # past the device clause; the switch still decides
+    monkeypatch.setattr(K, "decode_tma_eligible", lambda *a: K.DECODE_TMA and (seen.append(1) or True))
+
+    def step(mod, cfg, n=3, bound=2048):
+        return mod.cached_forward(q[last[3 - n :]].contiguous(), kc, vc, regions[3 - n :], bound,
+                                  torch.arange(n), torch.tensor([x - 1 for x in lens[3 - n :]]), 0.2, window,
+                                  path="decode", config=cfg, decode_only=True)
+
+    # the interpreter's tl.dot is numpy's matmul, whose bits follow the operand layout (the copies
+    # give a transposed key view; tma_eligible): the copies are compared with the pointer loads at
+    # the same tile (64 rows: at 16 numpy's bits differ between the two layouts), the pointer loads
+    # with the varlen rows (the GPU test compares every path and tile)
+    base = K.AttnConfig(64, 4, 2)
+    for cfg in (base, replace(base, unroll=2), replace(base, v_slices=2)):
+        with K.decode_tma_loads(False):
+            plain = step(K, cfg)
+        assert bit_diff(plain, ref[last]), cfg.key
+        assert bit_diff(step(K, cfg), plain), cfg.key
+    with K.decode_tma_loads(False):
+        plain = step(K, base, n=2, bound=64)
+    assert bit_diff(step(K, base, n=2, bound=64), plain)  # one split: the prefill kernel
+    assert seen
+    # the rule's exception (measured, session 12): steps of few pairs past one wave on the
+    # 4-warp, 2-stage tile (DECODE_CONFIGS) keep the pointer loads; the few-programs tile takes
+    # the copies
+    flags = []
+    attend = K.attend
+    monkeypatch.setattr(K, "attend", lambda *a, **kw: flags.append((kw["cache_tma"], kw["config"])) or attend(*a, **kw))
+    monkeypatch.setattr(K, "few_programs", lambda *a: True)
+    for wave in (False, True):
+        monkeypatch.setattr(K, "one_wave", lambda *a, wave=wave: wave)
+        step(K, None)
+    assert [f for f, _ in flags] == [False, True]
+    assert flags[0][1] == K.select_decode(torch.float32, 32) and flags[1][1].num_stages == K.select_decode(
+        torch.float32, 32, few=True).num_stages
+    edit = ("HAS_WINDOW, TMA, U, False, vs * DV)", "HAS_WINDOW, TMA, U, True, vs * DV)")
+    planted, path = _load_planted(K, (edit,), f"dtma_{window}")
+    try:
+        planted._capability_of = K._capability_of
+        planted.decode_tma_eligible = lambda *a: True
+        planted.FORCE_SPLIT_RUNS = True
+        caught = step(planted, base)
+        assert not bit_diff(caught, ref[last]) and torch.isnan(caught).any()
+    finally:
+        sys.modules.pop(planted.__name__, None)
+        os.remove(path)
+
+
+@interp
 def test_interpreter_paged_decode_equals_varlen_rows():
     from rl_engine.backends.shared.triton.attention import kernels as K
 
@@ -861,13 +953,15 @@ def test_offline_sm90_decode_kernels_are_pipelined_without_spills():
     moved an 8-byte spill from a paired sliced tile to the unpaired table-reading one), and so
     does the single-split prefill kernel (no spills); the train path's
     single-split launch loads them by TMA copies (``cp.async.bulk.tensor``) without spills, the
-    rollout prefill by none. Negative control: the
+    rollout prefill by none; every decode launch over a contiguous cache loads its unmasked run by
+    TMA copies and its masked blocks by ``cp.async`` (``decode_tma_eligible``), over pages by
+    ``cp.async`` only. Negative control: the
     same decode kernel compiled without the argument divisibility a real launch specialises has
     no pipelined loads (what session 7's offline compile measured by mistake)."""
     from benchmarks.profiling.attention_resources_sm90 import compile_sm90, variants
 
     rows = {v.label: (v, compile_sm90(v)) for v in variants(("decode",))}
-    assert len(rows) == 38, sorted(rows)
+    assert len(rows) == 38 + 3, sorted(rows)  # + the one-split steps through the prefill kernel
     for label, (v, r) in rows.items():
         assert r.pipelined, (label, r)
         if "_v" not in label:  # one value slice: a few bytes at most (the 255-register, spilling
@@ -880,7 +974,10 @@ def test_offline_sm90_decode_kernels_are_pipelined_without_spills():
     train = [v for v in variants(("prefill",)) if v.label.startswith("train tma") and "multi=False" in v.label]
     t = compile_sm90(train[0])
     assert t.tma_copies > 0 and t.cp_async == 0 and t.spill_store_bytes == 0, t
-    default = rows["split contiguous m16_w4_s2 one=True"][0]
+    # over a contiguous cache the unmasked run arrives by TMA copies, the masked blocks by cp.async
+    for label, (v, r) in rows.items():
+        assert (r.tma_copies > 0) == ("contiguous" in label) and r.cp_async > 0, (label, r)
+    default = rows["split paged16 m16_w4_s2 one=True"][0]  # pointer loads only
     plain = compile_sm90(default, divisibility=False)
     assert not plain.pipelined, plain
 
@@ -1342,6 +1439,56 @@ def test_value_slices_give_the_same_rows(dtype, d, g, monkeypatch):
     changed = (o != ref[t : t + 1]).nonzero().tolist()
     assert changed and {c for _, _, c in changed} == {d - 1}, changed
     assert bit_diff(o[..., d - 1], 2 * ref[t : t + 1, :, d - 1])
+
+
+@gpu
+@pytest.mark.parametrize("dtype,d,g,window", [("bfloat16", 128, 4, None), ("bfloat16", 64, 1, 300),
+                                              ("bfloat16", 32, 2, None)])
+def test_decode_tma_loads_give_the_same_rows(dtype, d, g, window, monkeypatch):
+    """Decode steps over a contiguous cache (``decode_tma_eligible``: on by default on the H200)
+    load the blocks every row of a tile sees by TMA copies and the masked blocks by clamped
+    pointer loads: over a cache whose slots past each sequence's end hold NaN, the decode step of
+    each sequence's last token gives the varlen rows bit for bit, and the rows of the same step
+    with ``decode_tma_loads(False)``, at three KV splits (split kernel), one split (prefill
+    kernel) and one key — with every decode tile, value slicing and blocks-per-step choice
+    ``shipped_forward_configs`` lists, and the automatic choice (which takes the copies).
+    Negative control: one key in the first sequence's unmasked run perturbed moves that row."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    dt = getattr(torch, dtype)
+    lens = [2085, 300, 1]
+    q, k, v, cu = (t.cuda() for t in make_qkv(lens, 2, g, d, dtype, seed=7 * d + g))
+    scale = d**-0.5
+    ref, _, _ = K.varlen_forward(q, k, v, cu, scale, window)
+    last = cu[1:] - 1
+    kc = torch.full((3 * 4096, 2, d), float("nan"), dtype=dt, device="cuda")
+    vc = torch.full((3 * 4096, 2, d), float("nan"), dtype=dt, device="cuda")
+    for i, n in enumerate(lens):
+        kc[i * 4096 : i * 4096 + n], vc[i * 4096 : i * 4096 + n] = k[cu[i] : cu[i + 1]], v[cu[i] : cu[i + 1]]
+    regions = torch.arange(3, device="cuda")[:, None] * 4096
+    q_seq = torch.arange(3, device="cuda")
+    q_pos = torch.tensor([n - 1 for n in lens], device="cuda")
+    flags = []
+    attend = K.attend
+    monkeypatch.setattr(K, "attend", lambda *a, **kw: flags.append(kw["cache_tma"]) or attend(*a, **kw))
+
+    def step(cfg=None, kk=kc, n=3, bound=4096):
+        return K.cached_forward(q[last[3 - n :]].contiguous(), kk, vc, regions[3 - n :], bound, q_seq[:n],
+                                q_pos[3 - n :], scale, window, path="decode", config=cfg, decode_only=True)
+
+    assert K.decode_tma_eligible(kc, vc, False, q.device)
+    cfgs = [None] + [c for c in K.shipped_forward_configs(dt, d) if c.block_m == 16]
+    for cfg in cfgs:
+        with K.decode_tma_loads(False):
+            plain = step(cfg)
+        got = step(cfg)
+        assert flags[-2:] == [False, True]
+        assert bit_diff(got, ref[last]) and bit_diff(got, plain), (cfg, bit_diff(got, ref[last]))
+    assert bit_diff(step(None, n=2, bound=1024), ref[last[1:]]) and flags[-1]  # one split: the prefill kernel
+    k2 = kc.clone()
+    k2[2000, 1, 3] += 0.5  # kv head 1, an unmasked block of the first sequence (inside the window)
+    moved = step(None, kk=k2)
+    assert not bit_diff(moved[:1], ref[last[:1]]) and bit_diff(moved[1:], ref[last[1:]])
 
 
 def _graph_replay(fn):

@@ -78,6 +78,9 @@ __all__ = [
     "varlen_forward",
     "tma_loads",
     "tma_eligible",
+    "DECODE_TMA",
+    "decode_tma_loads",
+    "decode_tma_eligible",
     "LOG2E",
     "score_scale",
     "cached_forward",
@@ -568,14 +571,15 @@ def rlk_attn_kv_base(pr_ptr, seq, pr_stride):
 
 @triton.jit
 def rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sk_row, sk_head,
-                  sv_row, sv_head, offs_v, HEAD_D: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr):
+                  sv_row, sv_head, offs_v, HEAD_D: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr, v0):
     """Key block ``b`` transposed (``[D, 64]``) and its value rows (``[64, DV]``, columns ``offs_v``):
-    by pointers, positions clamped to ``cap``, or by TMA copies (``rlk_attn_block``)."""
+    by pointers, positions clamped to ``cap``, or by TMA copies (``rlk_attn_block``; ``v0`` is
+    the first of the ``offs_v`` columns, the value copy's column offset)."""
     if TMA:
         row0 = (kbase + b * 64).to(tl.int32)
         col = (kvh * HEAD_D).to(tl.int32)
         kt = tl.trans(k_desc.load([row0, col]))  # [D, 64]
-        v = v_desc.load([row0, col])  # [64, D]
+        v = v_desc.load([row0, col + v0])  # [64, DV]
     else:
         offs_d = tl.arange(0, HEAD_D)
         kpos = b * 64 + tl.arange(0, 64)
@@ -630,7 +634,7 @@ def rlk_attn_step(s, v, b, m, l, acc, pos, wlo, qk_scale, BLOCK_M: tl.constexpr,
 def rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, b,
                    m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
-                   TMA: tl.constexpr):
+                   TMA: tl.constexpr, v0):
     """One 64-key block ``b`` of the online softmax. ``MASKED=False`` is only used for blocks
     every row of the tile sees entirely (``wlo <= 64·b`` and ``64·b + 63 <= pos``, so every row is
     active): there the score mask and the -inf guard are identities and are left out, the
@@ -655,7 +659,7 @@ def rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
     fill past the end, and their scores are masked to ``-inf`` (``P = +0``) as before. The same
     values reach the same products, so the same bits."""
     kt, v = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sk_row,
-                          sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
+                          sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA, v0)
     s = rlk_attn_scores(q, kt, IEEE)
     return rlk_attn_step(s, v, b, m, l, acc, pos, wlo, qk_scale, BLOCK_M, IEEE, MASKED)
 
@@ -663,7 +667,7 @@ def rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
 @triton.jit
 def rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, b,
                   m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr,
-                  BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+                  BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, v0):
     """Blocks ``b`` and ``b + 1``, both seen entirely by every row (the unmasked run), as the two
     ``rlk_attn_block`` steps in order (``AttnConfig.unroll = 2``), their work issued phase by
     phase: both blocks' loads, score products and row maxima, then both exponentials and row
@@ -672,10 +676,10 @@ def rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
     block ``b`` then block ``b + 1`` with the same operations as two single steps, so the same
     bits. In a 16-row decode tile each block's step is a latency chain (cross-warp reductions,
     a shared-memory round trip for ``P``), which this lets the compiler overlap between blocks."""
-    kt0, v0 = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sk_row,
-                            sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
-    kt1, v1 = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b + 1,
-                            sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA)
+    kt0, va = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sk_row,
+                            sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA, v0)
+    kt1, vb = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b + 1,
+                            sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA, v0)
     s0 = rlk_attn_scores(q, kt0, IEEE)
     s1 = rlk_attn_scores(q, kt1, IEEE)
     # as rlk_attn_step (unmasked): mn = max(m, max(s)·c + 0), shift = mn, for b then b + 1
@@ -691,11 +695,11 @@ def rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
     r1 = rlk_attn_rowsum(p1, BLOCK_M, 64, 6)
     l = tl.fma(tl.fma(l, alpha0, r0), alpha1, r1)
     if IEEE:
-        acc = tl.dot(p0, v0, acc * alpha0[:, None], input_precision="ieee")
-        acc = tl.dot(p1, v1, acc * alpha1[:, None], input_precision="ieee")
+        acc = tl.dot(p0, va, acc * alpha0[:, None], input_precision="ieee")
+        acc = tl.dot(p1, vb, acc * alpha1[:, None], input_precision="ieee")
     else:
-        acc = tl.dot(p0.to(v0.dtype), v0, acc * alpha0[:, None])
-        acc = tl.dot(p1.to(v1.dtype), v1, acc * alpha1[:, None])
+        acc = tl.dot(p0.to(va.dtype), va, acc * alpha0[:, None])
+        acc = tl.dot(p1.to(vb.dtype), vb, acc * alpha1[:, None])
     return mn1, l, acc
 
 
@@ -703,7 +707,8 @@ def rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
 def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                    valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr,
                    DV: tl.constexpr, BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr,
-                   SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, TMA: tl.constexpr, U: tl.constexpr):
+                   SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, TMA: tl.constexpr, U: tl.constexpr,
+                   TMA_EDGE: tl.constexpr, v0):
     """One KV split's online softmax over blocks ``b0 .. b1`` (increasing) from the state
     ``(-inf, 0, 0)``; a row's state changes only in the blocks of its own range ``[lo, hi]``
     (``rlk_attn_block``: no per-row select).
@@ -729,17 +734,17 @@ def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
             for i in range(0, pairs):
                 m, l, acc = rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap,
                                           kvh, pos, wlo, b0 + 2 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row,
-                                          sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA)
+                                          sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA, v0)
             u1 = b0 + 2 * pairs - 1
         else:
             for b in range(b0, u1 + 1):
                 m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                            b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                           BLOCK_M, PAGED, IEEE, False, TMA)
+                                           BLOCK_M, PAGED, IEEE, False, TMA, v0)
         for b in range(tl.maximum(u1 + 1, b0), b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, True, TMA)
+                                       BLOCK_M, PAGED, IEEE, True, TMA_EDGE, v0)
     elif SPLIT:
         f0 = (tl.max(tl.where(valid, wlo, 0), axis=0) + 63) // 64
         f1 = (tl.min(tl.where(valid, pos, 1 << 30), axis=0) + 1) // 64 - 1
@@ -751,28 +756,28 @@ def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
         for b in range(b0, e1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, True, TMA)
+                                       BLOCK_M, PAGED, IEEE, True, TMA_EDGE, v0)
         if U == 2:
             pairs = tl.maximum(u1 - u0 + 1, 0) // 2
             for i in range(0, pairs):
                 m, l, acc = rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap,
                                           kvh, pos, wlo, u0 + 2 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row,
-                                          sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA)
+                                          sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA, v0)
             u1 = tl.where(u1 >= u0, u0 + 2 * pairs - 1, u1)
         else:
             for b in range(u0, u1 + 1):
                 m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                            b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                           BLOCK_M, PAGED, IEEE, False, TMA)
+                                           BLOCK_M, PAGED, IEEE, False, TMA, v0)
         for b in range(tl.maximum(u1 + 1, e1 + 1), b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, True, TMA)
+                                       BLOCK_M, PAGED, IEEE, True, TMA_EDGE, v0)
     else:  # one masked run (fp32 by default: IEEE products by FMA, a third of the code to compile)
         for b in range(b0, b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                       BLOCK_M, PAGED, IEEE, True, TMA)
+                                       BLOCK_M, PAGED, IEEE, True, TMA_EDGE, v0)
     return m, l, acc
 
 
@@ -825,10 +830,13 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_pt
                  qk_scale, sk_row, sk_head, sv_row, sv_head, HQ, HKV, HEAD_D: tl.constexpr, DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr,
                  STORE_F32: tl.constexpr, STORE_LSE: tl.constexpr, SPLIT: tl.constexpr, MULTI: tl.constexpr,
-                 ONE: tl.constexpr, PDL: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, U: tl.constexpr):
+                 ONE: tl.constexpr, PDL: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, U: tl.constexpr,
+                 TMA_EDGE: tl.constexpr):
     """Grid (tiles, kv heads, ``HEAD_D / DV``): the splits of a tile (``SB`` blocks each) in sequence,
     merged; the third axis takes ``DV`` value columns each (``AttnConfig.v_slices``; the first
-    stores the lse)."""
+    stores the lse). ``TMA``: the unmasked run's blocks by TMA copies; ``TMA_EDGE``: the masked
+    blocks too (the train path's packed rows, ``tma_eligible``; a cache's masked blocks keep the
+    pointer loads clamped to the tile's last position, ``decode_tma_eligible``)."""
     rlk_attn_gdc_wait(PDL)
     t = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -863,7 +871,7 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_pt
                 m, l, a = rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size,
                                          cap, kvh, pos, wlo, valid, tl.maximum(first, sp * SB), sp * SB + SB - 1,
                                          qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, DV, BLOCK_M,
-                                         PAGED, IEEE, SPLIT, HAS_WINDOW, TMA, U)
+                                         PAGED, IEEE, SPLIT, HAS_WINDOW, TMA, U, TMA_EDGE, vs * DV)
                 if sp > s_first:
                     A = tl.load(scr)
                 else:
@@ -875,7 +883,8 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_pt
         # state is an exact identity (M = m; L = fma(l, 1, 0) = l; A = fma(a, 1, 0) = a, a never -0).
         m, l, a = rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
                                  pos, wlo, valid, tl.maximum(first, s_last * SB), last, qk_scale, sk_row, sk_head,
-                                 sv_row, sv_head, offs_v, HEAD_D, DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW, TMA, U)
+                                 sv_row, sv_head, offs_v, HEAD_D, DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW, TMA, U,
+                                 TMA_EDGE, vs * DV)
         if MULTI:
             if s_last > s_first:
                 M, L, A = rlk_attn_merge(M, L, tl.load(scr), m, l, a)
@@ -888,16 +897,18 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_pt
 
 
 @triton.jit
-def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_ptr, pr_ptr, pr_stride,
+def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, k_desc, v_desc, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_ptr, pr_ptr, pr_stride,
                        page_size: tl.constexpr, G: tl.constexpr, W,
                        qk_scale, sk_row, sk_head, sv_row, sv_head, NS, HQ, HKV, HEAD_D: tl.constexpr,
                        DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr,
                        IEEE: tl.constexpr, SPLIT: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr,
-                       SB: tl.constexpr, U: tl.constexpr):
+                       SB: tl.constexpr, U: tl.constexpr, TMA: tl.constexpr):
     """Grid (tiles, kv heads, splits · ``HEAD_D / DV``): program ``(t, h, j·VS + vs)`` runs split
     ``j`` of tile ``t`` for value columns ``vs·DV ..`` (``AttnConfig.v_slices``; the ``vs = 0``
     program stores the split's ``m``, ``l``, which every slice computes alike) into the workspace
-    that ``rlk_attn_combine`` folds."""
+    that ``rlk_attn_combine`` folds. ``TMA`` (contiguous caches, ``decode_tma_eligible``): the
+    blocks of the unmasked run arrive by TMA copies (key ``[64, D]``, value ``[64, DV]`` boxes of
+    the ``[rows, Hkv·D]`` views); the masked blocks by pointer loads. The same bits."""
     rlk_attn_gdc_wait(PDL)
     rlk_attn_gdc_launch(PDL)  # the combine may launch (it waits for this kernel's end)
     t = tl.program_id(0)
@@ -920,9 +931,11 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_pt
         b0 = tl.maximum(first, sp * SB)
         b1 = tl.minimum(last, sp * SB + SB - 1)
         kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)
-        m, l, a = rlk_attn_split(q, k_ptr, v_ptr, k_ptr, v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
+        # TMA: the unmasked run's blocks by TMA copies (rows every valid row sees: written cache
+        # rows of this sequence); the masked edge blocks by pointer loads clamped to ``cap``
+        m, l, a = rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
                                  pos, wlo, valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                 DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW, False, U)
+                                 DV, BLOCK_M, PAGED, IEEE, SPLIT, HAS_WINDOW, TMA, U, False, vs * DV)
         # only the tile's valid rows (a decode tile of G or fewer units in 16 rows): padding rows
         # are never read back, so their stores would be workspace traffic for nothing
         slot = ((t.to(tl.int64) * HKV + kvh) * NS + j) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -1369,7 +1382,7 @@ def _varlen_rows(cu_seqlens: torch.Tensor):
 
 def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base, max_positions, scale, window, *,
            path: str, config: AttnConfig | None = None, want_lse: bool = False, want_f32: bool = False,
-           tab: torch.Tensor | None = None, one: bool = False, tma: bool = False):
+           tab: torch.Tensor | None = None, one: bool = False, tma: bool = False, cache_tma: bool = False):
     """The forward for every query row (all entry points end here).
 
     Args:
@@ -1391,6 +1404,10 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
         tma: the prefill kernel loads key / value blocks by TMA copies (``tma_eligible``: the
             train path's packed rows only, where every row a block reads past its queries is a
             finite input or the copy's zero fill); the same bits.
+        cache_tma: the blocks that every row of a tile sees entirely (the unmasked run) arrive by
+            TMA copies, the masked blocks by pointer loads clamped to the tile's last position
+            (``decode_tma_eligible``: a contiguous cache, whose rows past a sequence's end may be
+            stale); either kernel, any value slicing. The same bits.
 
     Returns ``(out [T, Hq, D] in q.dtype, lse [T, Hq] fp32 | None, out_f32 | None)``.
     """
@@ -1404,6 +1421,8 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     if T == 0 or B == 0:
         return out, lse, out32
     paged = page_rows.shape[1] > 1
+    if cache_tma and (paged or tma):
+        raise ValueError(f"cache_tma: expected a contiguous cache and tma=False, got paged={paged}, tma={tma}")
     # a compile-time constant of the forward kernels: 1 (unused) for a contiguous cache, so that
     # contiguous caches of any length share one compilation
     psz = int(page_size) if paged else 1
@@ -1447,32 +1466,26 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
                 scr = torch.empty((nt * Hkv * cfg.block_m * D,), dtype=torch.float32, device=q.device)
             else:
                 scr = torch.empty((1,), dtype=torch.float32, device=q.device)
-            if tma:
-                if vsl != 1 or paged:
-                    raise ValueError(f"tma: expected one value slice and packed rows, got v_slices={vsl}, paged={paged}")
-                from triton.tools.tensor_descriptor import TensorDescriptor
-
-                n_rows = k_rows.shape[0]
-                k_desc = TensorDescriptor(k_rows, [n_rows, Hkv * D], [k_rows.stride(0), 1], [KV_BLOCK, D])
-                v_desc = TensorDescriptor(v_rows, [n_rows, Hkv * D], [v_rows.stride(0), 1], [KV_BLOCK, D])
-            else:
-                k_desc, v_desc = k_rows, v_rows  # unused (TMA=False)
+            if tma and (vsl != 1 or paged):
+                raise ValueError(f"tma: expected one value slice and packed rows, got v_slices={vsl}, paged={paged}")
+            k_desc, v_desc = _kv_descriptors(k_rows, v_rows, D // vsl) if tma or cache_tma else (k_rows, v_rows)
             rlk_attn_fwd[(nt, Hkv, vsl)](
                 q, k_rows, v_rows, k_desc, v_desc, out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, scr,
                 tab, page_rows, page_rows.stride(0), psz, G, w, score_scale(scale), *kv_strides, **common, DV=D // vsl,
                 PAGED=paged, IEEE=ieee, STORE_F32=want_f32, STORE_LSE=want_lse, SPLIT=runs, MULTI=multi, ONE=one,
-                PDL=pdl, SB=SPLIT_BLOCKS, TMA=tma, U=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                enable_fp_fusion=False, launch_pdl=pdl,
+                PDL=pdl, SB=SPLIT_BLOCKS, TMA=tma or cache_tma, U=cfg.unroll, TMA_EDGE=tma, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
             )
         else:
             ws_m = torch.empty((nt, Hkv, ns, cfg.block_m), dtype=torch.float32, device=q.device)
             ws_l = torch.empty_like(ws_m)
             ws_a = torch.empty((nt, Hkv, ns, cfg.block_m, D), dtype=torch.float32, device=q.device)
+            k_desc, v_desc = _kv_descriptors(k_rows, v_rows, D // vsl) if cache_tma else (k_rows, v_rows)
             rlk_attn_fwd_split[(nt, Hkv, ns * vsl)](
-                q, k_rows, v_rows, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), psz, G, w,
+                q, k_rows, v_rows, k_desc, v_desc, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), psz, G, w,
                 score_scale(scale), *kv_strides, ns, **common, DV=D // vsl, PAGED=paged, IEEE=ieee, SPLIT=runs, ONE=one,
-                PDL=pdl, SB=SPLIT_BLOCKS, U=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                enable_fp_fusion=False, launch_pdl=pdl,
+                PDL=pdl, SB=SPLIT_BLOCKS, U=cfg.unroll, TMA=cache_tma, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
             )
             dc = min(D, COMBINE_COLUMNS)
             rlk_attn_combine[(nt, Hkv, D // dc)](
@@ -1481,6 +1494,16 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
                 SB=SPLIT_BLOCKS, num_warps=cfg.num_warps, enable_fp_fusion=False, launch_pdl=pdl,
             )
     return out, lse, out32
+
+
+def _kv_descriptors(k_rows: torch.Tensor, v_rows: torch.Tensor, dv: int):
+    """TMA descriptors of the ``[rows, Hkv·D]`` views of the key and value storage rows: 64-row
+    boxes of a head's ``D`` key columns and of ``dv`` value columns (a value slice)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n_rows, hkv, d = k_rows.shape
+    return (TensorDescriptor(k_rows, [n_rows, hkv * d], [k_rows.stride(0), 1], [KV_BLOCK, d]),
+            TensorDescriptor(v_rows, [n_rows, hkv * d], [v_rows.stride(0), 1], [KV_BLOCK, dv]))
 
 
 #: Whether the train path's forward loads its key / value blocks by TMA copies (sm90+;
@@ -1514,6 +1537,37 @@ def tma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnCon
     if q.device.type != "cuda" or _capability_of(_index(q.device)) < (9, 0):
         return False
     for t in (k, v):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+    return True
+
+
+#: Whether decode steps over a contiguous cache load the blocks of their unmasked run by TMA
+#: copies (``decode_tma_eligible``); ``decode_tma_loads(False)`` turns it off for a block of code.
+DECODE_TMA = True
+
+
+def decode_tma_loads(on: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Set ``DECODE_TMA`` inside the block (restored in ``finally``). The bits are the same either way."""
+    return _scoped("DECODE_TMA", bool(on))
+
+
+def decode_tma_eligible(k_rows: torch.Tensor, v_rows: torch.Tensor, paged: bool, device: torch.device) -> bool:
+    """Whether a decode step (``cached_forward``, decode path) loads the blocks every row of its
+    tiles sees entirely by TMA copies (``attend(cache_tma=True)``): ``DECODE_TMA`` on, a
+    contiguous cache (one ``page_rows`` column; a 16-row page cannot hold a 64-row box), an sm90+
+    CUDA device, storage rows whose heads are contiguous (``[N, Hkv, D]``, head stride ``D``) at
+    16-byte aligned addresses and row strides, 16-bit rows. The copies read only rows at or
+    before every query position of the tile (written cache rows); the masked blocks, whose rows
+    may run past a sequence's end into stale slots, keep the pointer loads clamped to the tile's
+    last position, so no NaN policy is needed. ``device``: the step's (the query's) device.
+    Otherwise the pointer loads, with the same bits. (fp32 keeps the pointer loads: its IEEE
+    products are the correctness path, not the speed target.)"""
+    if not DECODE_TMA or paged or device.type != "cuda" or k_rows.dtype == torch.float32:
+        return False
+    if _capability_of(_index(device)) < (9, 0):
+        return False
+    for t in (k_rows, v_rows):
         if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
             return False
     return True
@@ -1636,9 +1690,15 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         tab = q_pos
     else:
         tab = rollout_tiles(q_seq, q_pos, B, G, cfg.block_m) if T and B else None
+    # TMA copies for the unmasked run over a contiguous cache, except on the 4-warp, 2-stage tile of
+    # steps with few pairs past one wave (DECODE_CONFIGS): H200, session 12 run 4, batch 16 x 4096
+    # keys 70.0 -> 85.9 us with the copies, while the few-programs tile gained (batch 1 x 4096 keys
+    # 18.2 -> 15.9 us) and the many-programs tile held (batch 64: 0.94-1.06 of SDPA either way)
+    middle = config is None and path == "decode" and few and not few_tile
+    cache_tma = path == "decode" and not middle and decode_tma_eligible(k_rows, v_rows, P > 1, q.device)
     nseq = torch.empty(B, dtype=torch.int64, device=q.device)  # only its length is read (table built)
     out, _, _ = attend(q, k_rows, v_rows, page_rows.contiguous(), page_size, nseq, nseq, nseq,
-                       max_positions, scale, window, path=path, config=cfg, tab=tab, one=one)
+                       max_positions, scale, window, path=path, config=cfg, tab=tab, one=one, cache_tma=cache_tma)
     return out
 
 
