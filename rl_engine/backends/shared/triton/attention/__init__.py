@@ -59,7 +59,10 @@ any page size, any packing). The rules that make this true:
 * **Paged cache**: key/value rows of position ``pos`` of batch sequence ``i`` are at storage row
   ``page_rows[i, pos // page_size] + pos % page_size`` (packed varlen layout and contiguous
   caches: one column, row ``page_rows[i, 0] + pos``), gathered per block; positions past the
-  tile's last query are clamped (never read outside the stored rows) and masked.
+  tile's last query are clamped (never read outside the stored rows) and masked. On sm90+ the
+  train path's packed rows arrive by TMA copies of whole blocks (``kernels.tma_eligible``), and
+  a decode step over a contiguous cache copies the blocks every row of a tile sees entirely
+  (``kernels.decode_tma_eligible``; its masked blocks keep the clamped loads).
 * **Backward** (varlen, deterministic, no atomics): ``rlk_attn_bwd_delta`` (``Σ dO⊙O`` with the
   unrounded fp32 ``O`` for 16-bit inputs), ``rlk_attn_bwd_dq`` (each query tile over its KV
   blocks, increasing, ``P = 2^fma(s, c, -lse·log2 e)`` recomputed) and ``rlk_attn_bwd_dkdv`` (each 64-key

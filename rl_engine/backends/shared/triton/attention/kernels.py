@@ -652,12 +652,14 @@ def rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
     ``offs_v``: the value columns this program accumulates (all ``HEAD_D``, or a slice of
     ``AttnConfig.v_slices``); the scores use the whole head dim either way.
 
-    ``TMA`` (the train path's packed rows only, ``tma_loads``): the block's 64 key and value rows
-    arrive by one tensor-memory-accelerator copy each from row ``kbase + 64·b`` of the
-    ``[rows, Hkv·D]`` view, without the clamp to ``cap``: the rows past the tile's last query are
-    the next tokens of the pack (finite inputs, checked by the entry points) or the copy's zero
-    fill past the end, and their scores are masked to ``-inf`` (``P = +0``) as before. The same
-    values reach the same products, so the same bits."""
+    ``TMA``: the block's 64 key and value rows arrive by one tensor-memory-accelerator copy each
+    from row ``kbase + 64·b`` of the ``[rows, Hkv·D]`` view, without the clamp to ``cap``. Used
+    for every block of the train path's packed rows (``tma_loads``: the rows past the tile's last
+    query are the next tokens of the pack, finite inputs checked by the entry points, or the
+    copy's zero fill past the end, and their scores are masked to ``-inf``, ``P = +0``), and for
+    the unmasked blocks of a decode step over a contiguous cache (``decode_tma_eligible``: rows
+    at or before every query position; ``rlk_attn_split``'s masked blocks keep the clamp). The
+    same values reach the same products, so the same bits."""
     kt, v = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sk_row,
                           sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA, v0)
     s = rlk_attn_scores(q, kt, IEEE)
@@ -711,7 +713,8 @@ def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
                    TMA_EDGE: tl.constexpr, v0):
     """One KV split's online softmax over blocks ``b0 .. b1`` (increasing) from the state
     ``(-inf, 0, 0)``; a row's state changes only in the blocks of its own range ``[lo, hi]``
-    (``rlk_attn_block``: no per-row select).
+    (``rlk_attn_block``: no per-row select). ``TMA``: the unmasked run's blocks by TMA copies;
+    ``TMA_EDGE``: the masked blocks too; ``v0``: the first value column of ``offs_v``.
 
     The blocks are walked in three runs, in order: masked blocks before ``f0``, the blocks
     ``f0 .. f1`` that every valid row sees entirely (no masks), masked blocks after ``f1``.
