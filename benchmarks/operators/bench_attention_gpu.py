@@ -178,8 +178,6 @@ def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequen
         "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
     }
     impls[f"{OURS}.no_pdl"] = _within(impls[OURS], K.launch_plainly)
-    # the contiguous step with every block by pointer loads (kernels.decode_tma_eligible), side by side
-    impls[f"{OURS}.no_dtma"] = _within(impls[OURS], lambda: K.decode_tma_loads(False))
     impls[f"{OURS}.no_tma"] = _within(impls[OURS], lambda: K.tma_loads(False))
     impls[f"{OURS}.train_forward.no_tma"] = _within(impls[f"{OURS}.train_forward"], lambda: K.tma_loads(False))
     _with_experiment_rows(impls, (OURS, f"{OURS}.train_forward"), split_blocks, unrolls)
