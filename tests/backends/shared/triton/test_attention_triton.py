@@ -353,12 +353,13 @@ def test_interpreter_tma_loads_give_the_same_bits(window, monkeypatch):
 @pytest.mark.parametrize("window", [None, 300])
 def test_interpreter_decode_tma_loads_give_the_same_bits(window, monkeypatch):
     """``decode_tma_eligible`` (contiguous caches, on by default; ``decode_tma_loads(False)``
-    scopes it off): a decode step whose unmasked blocks arrive by TMA copies and whose masked
-    blocks by clamped pointer loads gives the varlen rows bit for bit over a cache whose slots
-    past each sequence's end hold NaN — through the split kernel (2 KV splits) and the prefill
-    kernel (one split), one or two blocks per step, one or two value slices (the value copy's
-    column offset); fp32 here with the 16-bit three-run walk forced. The rule: only CUDA sm90+, 16-bit, unpaged, head-contiguous aligned rows.
-    Negative control: a planted kernel whose masked blocks also take the copies reads the NaN
+    scopes it off): over a cache whose slots past each sequence's end hold NaN, a decode step
+    whose unmasked blocks arrive by TMA copies and whose masked blocks by clamped pointer loads
+    gives the rows of the pointer loads at the same tile, which give the varlen rows — through
+    the split kernel (2 KV splits) and the prefill kernel (one split), one or two blocks per
+    step, one or two value slices (the value copy's column offset); fp32 here with the 16-bit
+    three-run walk forced. The rule: only CUDA sm90+, 16-bit, unpaged, head-contiguous aligned
+    rows; not the ``DECODE_CONFIGS`` tile of steps with few pairs past one wave. Negative control: a planted kernel whose masked blocks also take the copies reads the NaN
     slots past a sequence's end (unclamped) and its rows are caught."""
     import os
     import sys

@@ -1499,6 +1499,14 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     return out, lse, out32
 
 
+def _copyable_rows(*rows: torch.Tensor) -> bool:
+    """Whether key / value rows ``[N, Hkv, D]`` fit a TMA copy of their ``[N, Hkv·D]`` view: heads
+    contiguous (head stride ``D``, unit stride along ``D``), a 16-byte aligned base address and
+    row stride (the copy's rules; ``tma_eligible``, ``decode_tma_eligible``)."""
+    return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.data_ptr() % 16 == 0
+               and (t.stride(0) * t.element_size()) % 16 == 0 for t in rows)
+
+
 def _kv_descriptors(k_rows: torch.Tensor, v_rows: torch.Tensor, dv: int):
     """TMA descriptors of the ``[rows, Hkv·D]`` views of the key and value storage rows: 64-row
     boxes of a head's ``D`` key columns and of ``dv`` value columns (a value slice)."""
@@ -1539,10 +1547,7 @@ def tma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnCon
         return False
     if q.device.type != "cuda" or _capability_of(_index(q.device)) < (9, 0):
         return False
-    for t in (k, v):
-        if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            return False
-    return True
+    return _copyable_rows(k, v)
 
 
 #: Whether decode steps over a contiguous cache load the blocks of their unmasked run by TMA
@@ -1570,10 +1575,7 @@ def decode_tma_eligible(k_rows: torch.Tensor, v_rows: torch.Tensor, paged: bool,
         return False
     if _capability_of(_index(device)) < (9, 0):
         return False
-    for t in (k_rows, v_rows):
-        if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            return False
-    return True
+    return _copyable_rows(k_rows, v_rows)
 
 
 def varlen_forward(q, k, v, cu_seqlens, scale, window, *, path: str = "prefill", config: AttnConfig | None = None,
