@@ -25,7 +25,10 @@ Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
 Rows ending ``.no_tma`` (prefill and train) run the train path's forward with its key / value blocks
 by pointer loads (``kernels.tma_loads(False)``), beside the default rows' TMA copies; decode rows
 ending ``.no_dtma`` run the contiguous step with every block by pointer loads
-(``kernels.decode_tma_loads(False)``), beside the default's TMA copies of the unmasked run.
+(``kernels.decode_tma_loads(False)``), beside the default's TMA copies of the unmasked run. Rows
+ending ``.no_wg`` (prefill and train) run the train path's forward with the Triton kernel
+(``kernels.wg_forward(False)``), beside the default's Hopper warpgroup kernel
+(``hopper.rlk_attn_fwd_wg``, sm90 with Triton 3.6).
 
 Rows ending ``~sb<n>`` (``--split-blocks``) run the shipped call with the KV split set to ``n``
 64-key blocks instead of the contract's 16 (an experiment: fewer blocks per split give a decode
@@ -180,6 +183,8 @@ def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequen
     impls[f"{OURS}.no_pdl"] = _within(impls[OURS], K.launch_plainly)
     impls[f"{OURS}.no_tma"] = _within(impls[OURS], lambda: K.tma_loads(False))
     impls[f"{OURS}.train_forward.no_tma"] = _within(impls[f"{OURS}.train_forward"], lambda: K.tma_loads(False))
+    impls[f"{OURS}.no_wg"] = _within(impls[OURS], lambda: K.wg_forward(False))
+    impls[f"{OURS}.train_forward.no_wg"] = _within(impls[f"{OURS}.train_forward"], lambda: K.wg_forward(False))
     _with_experiment_rows(impls, (OURS, f"{OURS}.train_forward"), split_blocks, unrolls)
     for c in _candidates("prefill", all_configs):
         impls[f"{OURS}@{c.key}"] = lambda c=c: K.varlen_forward(q, k, v, cu, D**-0.5, None, config=c, max_seqlen=S,
@@ -279,6 +284,7 @@ def train_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence
     flop = 2.5 * 4 * B * HQ * D * S * (S + 1) / 2  # forward + backward (2.5x the forward's matmuls)
     impls = {OURS: ours, "torch.sdpa": sdpa}
     impls[f"{OURS}.no_tma"] = _within(ours, lambda: K.tma_loads(False))
+    impls[f"{OURS}.no_wg"] = _within(ours, lambda: K.wg_forward(False))
     _with_experiment_rows(impls, (OURS,), split_blocks, unrolls)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     for c in _candidates("backward", all_configs):

@@ -1760,6 +1760,90 @@ def test_profiler_kernel_names_carry_the_prefix():
 
 
 @gpu
+def test_warpgroup_profiler_kernel_names_carry_the_prefix():
+    """The Hopper warpgroup forward (``hopper.rlk_attn_fwd_wg``) is the train path's forward for
+    16-bit ``D = 128`` on sm90: listed, prefixed, and seen by the profiler."""
+    q, k, v, cu = (t.cuda() for t in make_qkv([300, 1200], 2, 4, 128, "bfloat16", seed=2))
+    check_profiler_names(f"{MODULE}.hopper", lambda: varlen_attention(q, k, v, cu), {"rlk_attn_fwd_wg"},
+                         "attention_wg")
+
+
+WG_CASES = {
+    # name: (lens, kv heads, G, dtype, window)
+    "packed_512": ([512] * 6, 8, 4, "bfloat16", None),
+    "long_splits": ([4096, 1025, 2049], 2, 4, "bfloat16", None),
+    "ragged": ([1, 63, 64, 65, 1023, 1024, 1025, 3000], 2, 4, "bfloat16", None),
+    "fp16_g1": ([77, 1500, 2049], 4, 1, "float16", None),
+    "g8_window": ([900, 2500, 31], 2, 8, "bfloat16", 700),
+    "g2_narrow_window": ([300, 1100], 2, 2, "bfloat16", 64),
+    "g16_large_values": ([1300, 40], 1, 16, "bfloat16", None),
+}
+
+
+@gpu
+@pytest.mark.parametrize("case", sorted(WG_CASES))
+def test_warpgroup_forward_gives_the_triton_kernels_bits(case):
+    """``hopper.rlk_attn_fwd_wg`` (asynchronous warpgroup MMAs, the scores of the next block and the
+    ``P·V`` of this one in flight during the softmax) against the Triton kernel
+    (``wg_forward(False)``): ``out``, lse and the fp32 output of the training forward and the
+    output of the no-grad forward raw-bit equal, over KV splits (tiles past 1024 and 2048
+    positions), ragged lengths at block and split edges, GQA groups 1–16, fp16, windows. Negative
+    control: a perturbed key (one element of one row) moves the rows that see it."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    lens, hkv, g, dtype, window = WG_CASES[case]
+    q, k, v, cu = (t.cuda() for t in make_qkv(lens, hkv, g, 128, dtype, seed=len(case),
+                                               q_scale=8.0 if "large" in case else 1.5))
+    assert K.wg_eligible(q, k, v, None)
+    with K.wg_forward(False):
+        assert not K.wg_eligible(q, k, v, None)
+        ref = K.varlen_forward(q, k, v, cu, 128**-0.5, window)
+        ref_nograd = K.varlen_forward(q, k, v, cu, 128**-0.5, window, for_backward=False)[0]
+    got = K.varlen_forward(q, k, v, cu, 128**-0.5, window)
+    got_nograd = K.varlen_forward(q, k, v, cu, 128**-0.5, window, for_backward=False)[0]
+    for name, a, b in (("out", got[0], ref[0]), ("lse", got[1], ref[1]), ("out_f32", got[2], ref[2]),
+                       ("no-grad out", got_nograd, ref_nograd)):
+        d = bit_diff(a, b)
+        assert d, f"{case} {name}: {d}"
+    assert torch.isfinite(got[0].float()).all()
+    row = int(cu[1]) + 37 if len(lens) > 1 else 37  # a key of the second sequence
+    k2 = k.clone()
+    k2[row, 0, 5] += 0.5
+    moved = K.varlen_forward(q, k2, v, cu, 128**-0.5, window)[0]
+    assert not bit_diff(moved, got[0])
+    seq_rows = torch.zeros(q.shape[0], dtype=torch.bool, device="cuda")
+    seq_rows[row:int(cu[2]) if len(lens) > 1 else q.shape[0]] = True
+    changed = (moved.view(torch.int16) != got[0].view(torch.int16)).any(dim=2).any(dim=1)
+    assert not (changed & ~seq_rows).any(), "a perturbed key moved rows of another sequence or earlier rows"
+
+
+@interp
+def test_interpreter_warpgroup_rule_and_import_are_pure():
+    """``wg_eligible`` is a pure rule (CPU tensors, fp32, other head dims, a forced config and the
+    switch off all give False without touching a device), and ``import rl_engine`` plus the
+    kernels module never import the Gluon module (``hopper`` is imported by the first launch)."""
+    import subprocess
+    import sys
+
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    q, k, v, _ = make_qkv([70], 2, 2, 128, "bfloat16")
+    assert not K.wg_eligible(q, k, v, None)  # CPU tensors
+    q32, k32, v32, _ = make_qkv([70], 2, 2, 128, "float32")
+    assert not K.wg_eligible(q32, k32, v32, None)
+    q64, k64, v64, _ = make_qkv([70], 2, 2, 64, "bfloat16")
+    assert not K.wg_eligible(q64, k64, v64, None)
+    assert not K.wg_eligible(q, k, v, K.select_prefill(torch.bfloat16, 128))
+    with K.wg_forward(False):
+        assert K.WG_FORWARD is False
+    assert K.WG_FORWARD is True
+    code = ("import sys, rl_engine; import rl_engine.backends.shared.triton.attention.kernels; "
+            "print(int('triton.experimental.gluon' in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0", out
+
+
+@gpu
 def test_bounded_performance_vs_sdpa():
     """Prefill forward, bf16, Qwen3-8B heads (32 q / 8 kv, D = 128), 4 × 4096 tokens: within 4×
     of SDPA (causal, GQA) time in the same run (CUDA graphs). A regression guard, not the

@@ -1578,6 +1578,68 @@ def decode_tma_eligible(k_rows: torch.Tensor, v_rows: torch.Tensor, paged: bool,
     return _copyable_rows(k_rows, v_rows)
 
 
+#: Whether the train path's forward runs the Hopper warpgroup kernel (``hopper.rlk_attn_fwd_wg``)
+#: where ``wg_eligible`` allows; ``wg_forward(False)`` turns it off for a block of code.
+WG_FORWARD = True
+
+
+def wg_forward(on: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Set ``WG_FORWARD`` inside the block (restored in ``finally``). The bits are the same either way."""
+    return _scoped("WG_FORWARD", bool(on))
+
+
+@functools.lru_cache(maxsize=None)
+def _has_gluon_hopper() -> bool:
+    """Whether this Triton has the Gluon Hopper API the warpgroup kernel is written against
+    (Triton 3.6: ``warpgroup_mma`` with ``is_async``, ``warpgroup_mma_wait``, TMA copies)."""
+    if not triton.__version__.startswith("3.6."):
+        return False
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError:
+        return False
+    return all(hasattr(hopper, n) for n in ("warpgroup_mma", "warpgroup_mma_wait", "warpgroup_mma_init"))
+
+
+def wg_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: AttnConfig | None) -> bool:
+    """Whether ``varlen_forward`` runs the Hopper warpgroup kernel (``hopper.rlk_attn_fwd_wg``):
+    ``WG_FORWARD`` on, no forced ``config`` (tests that force one compare the Triton kernel's
+    tiles), 16-bit inputs with ``D = 128``, an sm90 device (``wgmma`` is Hopper's; sm100 has
+    none), Triton 3.6's Gluon Hopper API, and the TMA copies' conditions (``tma_eligible``: the
+    copies read rows past a tile's queries unclamped). Otherwise the Triton kernel, with the same
+    bits (GPU tests)."""
+    if not WG_FORWARD or config is not None or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != 128:
+        return False
+    if q.device.type != "cuda" or _capability_of(_index(q.device))[0] != 9 or torch.version.hip is not None:
+        return False
+    if not tma_eligible(q, k, v, select_prefill(q.dtype, q.shape[2])) or not _has_gluon_hopper():
+        return False
+    return True
+
+
+def _wg_forward(q, k, v, cu_seqlens, scale, window, bound: int, for_backward: bool):
+    """``varlen_forward`` by ``hopper.rlk_attn_fwd_wg`` (64-row tiles of the same tile table)."""
+    from rl_engine.backends.shared.triton.attention import hopper
+
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    out = torch.empty_like(q)
+    lse = torch.empty((T, Hq), dtype=torch.float32, device=q.device) if for_backward else None
+    out32 = torch.empty((T, Hq, D), dtype=torch.float32, device=q.device) if for_backward else None
+    if T == 0 or cu_seqlens.shape[0] < 2:
+        return out, lse, out32
+    tab = varlen_tiles(cu_seqlens, G, hopper.BLOCK_M, T)
+    page_rows = cu_seqlens[:-1].to(torch.int64).unsqueeze(1)
+    multi = bound > KV_BLOCK * SPLIT_BLOCKS
+    nt = tab.shape[0]
+    scr = torch.empty((nt * Hkv * hopper.BLOCK_M * D if multi else 1,), dtype=torch.float32, device=q.device)
+    with device_guard(q):
+        hopper.launch(q, k, v, out, out32, lse, scr, tab, page_rows, G, window, score_scale(scale),
+                      store_f32=for_backward, store_lse=for_backward, multi=multi, split_blocks=SPLIT_BLOCKS)
+    return out, lse, out32
+
+
 def varlen_forward(q, k, v, cu_seqlens, scale, window, *, path: str = "prefill", config: AttnConfig | None = None,
                    max_seqlen: int | None = None, for_backward: bool = True):
     """Train-path forward: ``(out, lse, out_f32)`` (``out_f32`` only for 16-bit inputs, else empty).
@@ -1590,12 +1652,14 @@ def varlen_forward(q, k, v, cu_seqlens, scale, window, *, path: str = "prefill",
     quarter of the prefill time at 32 × 512, bf16), the bits of ``out`` are the same."""
     T, Hq, D = q.shape
     B = cu_seqlens.shape[0] - 1
+    bound = T if max_seqlen is None else min(int(max_seqlen), T)
+    if path == "prefill" and wg_eligible(q, k, v, config):
+        return _wg_forward(q, k, v, cu_seqlens, scale, window, bound, for_backward)
     cfg = config or (select_decode(q.dtype, D) if path == "decode" else select_prefill(q.dtype, D))
     page_rows = cu_seqlens[:-1].to(torch.int64).unsqueeze(1)  # key row of position 0: the first token
     nseq = page_rows.new_empty(B)  # only its length is read (the table is built)
     tab = varlen_tiles(cu_seqlens, Hq // k.shape[1], cfg.block_m, T) if T and B > 0 else None
     want_f32 = for_backward and q.dtype != torch.float32
-    bound = T if max_seqlen is None else min(int(max_seqlen), T)
     out, lse, out32 = attend(q, k, v, page_rows, _NO_PAGES, nseq, nseq, nseq, bound, scale, window,
                              path=path, config=cfg, want_lse=for_backward, want_f32=want_f32, tab=tab,
                              tma=tma_eligible(q, k, v, cfg))

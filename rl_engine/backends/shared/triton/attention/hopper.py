@@ -1,0 +1,359 @@
+"""The train path's forward as a Hopper warpgroup kernel (Gluon): ``rlk_attn_fwd_wg``.
+
+The same computation as ``kernels.rlk_attn_fwd`` on the train path's packed rows with TMA copies
+(``kernels.tma_eligible``: 16-bit rows, one value slice, no pages), written with explicit
+asynchronous warpgroup MMAs so that the tensor cores and the softmax overlap inside one program:
+while block ``b``'s online-softmax step runs on the CUDA cores, the score product of block
+``b + 1`` and the ``P·V`` product of block ``b − 1`` are in flight (FlashAttention-3's
+intra-warpgroup pipelining). Triton 3.6 issues every ``tl.dot`` of the Triton kernel and waits
+for it with nothing pending (offline compile), so there the two units take turns.
+
+Only the order in which independent work is issued changes. Every value is the Triton kernel's
+(``kernels.rlk_attn_step``, ``rlk_attn_merge``, ``rlk_attn_finish``):
+
+* ``s = q·kᵀ``: ``wgmma`` over the head dim in 16-column steps, increasing, from zero;
+* ``m' = max(m, rowmax(s)·c + 0)``, the ``-inf`` guard on the shift for masked blocks,
+  ``α = 2^(m − shift)``, ``P = 2^fma(s, c, −shift)`` (``ex2.approx.ftz``);
+* ``l' = fma(l, α, Σ P)`` with the fixed pairwise row sum (``kernels.rlk_attn_rowsum``);
+* ``acc' = P·V + acc·α`` with ``acc·α`` as the ``wgmma`` accumulator, ``P`` rounded to the
+  input dtype;
+* the KV splits of ``SB`` blocks each merged in increasing order through the fp32 scratch tile;
+* ``out = acc · (1 / L)``, ``lse = (M + log2 L) · ln 2``.
+
+A block whose mask hides nothing gives the unmasked step's bits (the guard and the select are
+identities there), so each block takes the masked step exactly when some valid row of the tile
+does not see all of it. The GPU tests compare every row, lse and fp32 row raw-bit with the Triton
+kernel (``test_attention_triton.py``, ``hopper``).
+
+Import this module only to launch (``kernels.attend``): it imports ``triton.experimental.gluon``
+(Triton 3.6's Hopper API), which ``import rl_engine`` never does.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+KERNEL_NAMES = ("rlk_attn_fwd_wg",)
+#: ``@gluon.jit`` device functions (inlined into the kernel, never launched on their own).
+DEVICE_FUNCTIONS = ("rlk_attn_wg_exp2", "rlk_attn_wg_rowsum", "rlk_attn_wg_merge", "rlk_attn_wg_softmax",
+                    "rlk_attn_wg_scratch", "rlk_attn_wg_split_end", "rlk_attn_wg_load")
+
+#: key-block rows (``kernels.KV_BLOCK``) and the tile's query rows (one warpgroup, 16 rows a warp;
+#: 128-row tiles of two warpgroups were measured slower: session 13 run 3)
+BLOCK_N = 64
+BLOCK_M = 64
+#: TMA ring slots for key and value blocks (``Q`` 16 KiB + 16 KiB a slot: two programs per SM;
+#: 2 / 2 and 3 / 3 measured within the run-to-run spread of each other, session 13 runs 2–3)
+K_STAGES = 2
+V_STAGES = 2
+
+
+@gluon.jit
+def rlk_attn_wg_exp2(x):
+    """``2^x`` as ``ex2.approx.ftz.f32`` (``kernels.rlk_attn_exp2`` on CUDA)."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def rlk_attn_wg_rowsum(x, BM: gl.constexpr, N: gl.constexpr, LOG2N: gl.constexpr, layout: gl.constexpr):
+    """The fixed pairwise fold of ``kernels.rlk_attn_rowsum``: columns ``j`` and ``j + N/2`` added,
+    then halving, ``LOG2N`` steps. Each step is a sum over a reshaped axis of two (``[BM, 2, N/2]``):
+    one IEEE add ``a + b`` per element, the same number either way round, so the same bits as the
+    Triton kernel's ``split`` and add; the compiler exchanges the halves held by other lanes (the
+    two steps whose columns sit in another lane of the MMA layout). The result is relabelled to
+    ``layout`` (the score rows' slice layout, the same registers: ``assert_trivial``)."""
+    for i in gl.static_range(LOG2N):
+        x = gl.sum(gl.reshape(x, [BM, 2, N >> (i + 1)]), axis=1)
+    return gl.convert_layout(gl.reshape(x, [BM]), layout, assert_trivial=True)
+
+
+@gluon.jit
+def rlk_attn_wg_merge(M, L, A, m, l, a):
+    """``kernels.rlk_attn_merge``."""
+    Mn = gl.maximum(M, m)
+    Ms = gl.where(Mn == float("-inf"), 0.0, Mn)
+    ea = rlk_attn_wg_exp2(M - Ms)
+    ec = rlk_attn_wg_exp2(m - Ms)
+    Ln = gl.fma(l, ec, L * ea)
+    An = gl.fma(a, gl.expand_dims(ec, 1), A * gl.expand_dims(ea, 1))
+    return Mn, Ln, An
+
+
+@gluon.jit
+def rlk_attn_wg_softmax(s, m, l, b, f0, f1, pos, wlo, kpos0, qk_scale, BM: gl.constexpr, BN: gl.constexpr,
+                        row_s: gl.constexpr):
+    """Block ``b``'s online-softmax step on its scores ``s`` (``kernels.rlk_attn_step``, without the
+    ``P·V`` product): returns ``(m', l', P, α)``. Masked exactly when some valid row of the tile
+    does not see the whole block (``b`` outside ``f0 .. f1``)."""
+    if (b < f0) | (b > f1):
+        kpos = b * 64 + kpos0
+        vis = ((gl.expand_dims(kpos, 0) <= gl.expand_dims(pos, 1))
+               & (gl.expand_dims(kpos, 0) >= gl.expand_dims(wlo, 1)))
+        s = gl.where(vis, s, float("-inf"))
+        mn = gl.maximum(m, gl.max(s, axis=1) * qk_scale + 0.0)
+        shift = gl.where(mn == float("-inf"), 0.0, mn)
+    else:
+        mn = gl.maximum(m, gl.max(s, axis=1) * qk_scale + 0.0)
+        shift = mn
+    alpha = rlk_attn_wg_exp2(m - shift)
+    p = rlk_attn_wg_exp2(gl.fma(s, qk_scale, -gl.expand_dims(shift, 1)))
+    l = gl.fma(l, alpha, rlk_attn_wg_rowsum(p, BM, BN, 6, row_s))
+    return mn, l, p, alpha
+
+
+@gluon.jit
+def rlk_attn_wg_scratch(base, BM: gl.constexpr, HEAD_D: gl.constexpr, o_layout: gl.constexpr):
+    """The scratch tile's element pointers in the accumulator's layout (formed where used, so that
+    no pointer tensor stays live across the block loop)."""
+    r = gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
+    c = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+    return base + gl.expand_dims(r, 1) * HEAD_D + gl.expand_dims(c, 0)
+
+
+@gluon.jit
+def rlk_attn_wg_split_end(M, L, acc, m_old, l_old, scr, b, first, SB: gl.constexpr, BM: gl.constexpr,
+                          HEAD_D: gl.constexpr, row_o: gl.constexpr, o_layout: gl.constexpr, MULTI: gl.constexpr):
+    """Before block ``b``'s ``P·V``: if ``b`` opens a KV split after the tile's first, the split that
+    ended at block ``b - 1`` (state ``m_old, l_old, acc``) is merged into ``(M, L, A)`` in order
+    (``A`` in the fp32 scratch tile; the first merge from ``(-inf, 0, +0)``, as
+    ``kernels.rlk_attn_fwd``) and the accumulator restarts at ``+0``."""
+    if MULTI:
+        if (b % SB == 0) & (b > first):
+            ptrs = rlk_attn_wg_scratch(scr, BM, HEAD_D, o_layout)
+            if b // SB - 1 > first // SB:
+                A = gl.load(ptrs)
+            else:
+                A = gl.zeros([BM, HEAD_D], gl.float32, o_layout)
+            M, L, A = rlk_attn_wg_merge(M, L, A, gl.convert_layout(m_old, row_o), gl.convert_layout(l_old, row_o),
+                                        acc)
+            gl.store(ptrs, A)
+            acc = gl.zeros([BM, HEAD_D], gl.float32, o_layout)
+    return M, L, acc
+
+
+@gluon.jit
+def rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, j, nb,
+                     K_ST: gl.constexpr, V_ST: gl.constexpr, KEY: gl.constexpr):
+    """Issue the TMA copy of block ``first + j``'s keys (``KEY``) or values into its ring slot,
+    if ``j < nb``."""
+    pred = j < nb
+    row0 = (kbase + (first + j) * 64).to(gl.int32)
+    if KEY:
+        slot = j % K_ST
+        bar = k_bars.index(slot)
+        mbarrier.expect(bar, k_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [row0, col], bar, k_smem.index(slot), pred=pred)
+    else:
+        slot = j % V_ST
+        bar = v_bars.index(slot)
+        mbarrier.expect(bar, v_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(v_desc, [row0, col], bar, v_smem.index(slot), pred=pred)
+
+
+@gluon.jit
+def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_ptr, pr_ptr, pr_stride,
+                    G: gl.constexpr, W, qk_scale, HQ, HKV, HEAD_D: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                    STORE_F32: gl.constexpr, STORE_LSE: gl.constexpr, MULTI: gl.constexpr, SB: gl.constexpr,
+                    K_ST: gl.constexpr, V_ST: gl.constexpr, BLOCK_ROWS: gl.constexpr):
+    """Grid (tiles, kv heads): tile ``t``'s rows ``(token, g)`` of one sequence (the tile table of
+    ``kernels.varlen_tiles``), over the key blocks ``first .. last`` of the tile in increasing
+    order, split by split (``SB`` blocks each), as ``kernels.rlk_attn_fwd`` does."""
+    BM: gl.constexpr = BLOCK_ROWS
+    NW: gl.constexpr = BLOCK_ROWS // 16
+    BN: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
+    col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
+    dtype: gl.constexpr = k_desc.dtype
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_D], dtype)
+
+    t = gl.program_id(0)
+    kvh = gl.program_id(1).to(gl.int64)
+    t64 = t.to(gl.int64)
+    seq = gl.load(tab_ptr + t64 * 4)
+    u0 = gl.load(tab_ptr + t64 * 4 + 1)
+    u1 = gl.load(tab_ptr + t64 * 4 + 2)
+    pbase = gl.load(tab_ptr + t64 * 4 + 3)
+    tok0 = u0 // G
+
+    # the tile's rows, in the score rows' layout (masks, state) and in the load/store layout
+    rel_s = (u0 - tok0 * G).to(gl.int32) + gl.arange(0, BM, layout=row_s)
+    valid_s = gl.arange(0, BM, layout=row_s).to(gl.int64) < u1 - u0
+    tok_s = tok0 + rel_s // G
+    pos = gl.where(valid_s, tok_s - pbase, 0).to(gl.int32)
+    if HAS_WINDOW:
+        wlo = gl.maximum(pos - W + 1, 0)
+    else:
+        wlo = gl.zeros_like(pos)
+    first = gl.min(gl.where(valid_s, wlo // 64, 1 << 30), axis=0)
+    last = gl.max(gl.where(valid_s, pos // 64, -1), axis=0)
+    if last >= 0:
+        # blocks every valid row sees entirely: f0 .. f1 (unmasked steps); the others masked
+        f0 = (gl.max(gl.where(valid_s, wlo, 0), axis=0) + 63) // 64
+        f1 = (gl.min(gl.where(valid_s, pos, 1 << 30), axis=0) + 1) // 64 - 1
+
+        rel_io = (u0 - tok0 * G).to(gl.int32) + gl.arange(0, BM, layout=row_io)
+        valid_io = gl.arange(0, BM, layout=row_io).to(gl.int64) < u1 - u0
+        tq_io = rel_io // G
+        head_io = kvh * G + (rel_io - tq_io * G)
+        tok_io = tok0 + tq_io
+        q_off = (tok_io * HQ + head_io) * HEAD_D
+        offs_d = gl.arange(0, HEAD_D, layout=col_io)
+        q = gl.load(q_ptr + gl.expand_dims(q_off, 1) + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(valid_io, 1),
+                    other=0.0)
+        q_smem = gl.allocate_shared_memory(dtype, [BM, HEAD_D], q_smem_layout, q)
+        k_smem = gl.allocate_shared_memory(dtype, [K_ST, BN, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [V_ST, BN, HEAD_D], v_desc.layout)
+        k_bars = gl.allocate_shared_memory(gl.int64, [K_ST, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [V_ST, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(K_ST):
+            mbarrier.init(k_bars.index(i), count=1)
+        for i in gl.static_range(V_ST):
+            mbarrier.init(v_bars.index(i), count=1)
+        fence_async_shared()
+
+        kbase = gl.load(pr_ptr + seq * pr_stride).to(gl.int64)
+        col = (kvh * HEAD_D).to(gl.int32)
+        nb = last - first + 1
+        for i in gl.static_range(K_ST):
+            rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, i, nb, K_ST, V_ST,
+                             True)
+        for i in gl.static_range(V_ST):
+            rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, i, nb, K_ST, V_ST,
+                             False)
+
+        zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
+        mbarrier.wait(k_bars.index(0), phase=0)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+        # block 0's key slot is free: it takes block K_ST
+        rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, K_ST, nb, K_ST, V_ST,
+                         True)
+        kpos0 = gl.arange(0, BN, layout=col_s)
+        m0 = gl.full([BM], float("-inf"), gl.float32, row_s)
+        l0 = gl.zeros([BM], gl.float32, row_s)
+        m, l, p, alpha = rlk_attn_wg_softmax(s, m0, l0, first, f0, f1, pos, wlo, kpos0, qk_scale, BM, BN, row_s)
+        m_old = m0
+        l_old = l0
+        M = gl.full([BM], float("-inf"), gl.float32, row_o)
+        L = gl.zeros([BM], gl.float32, row_o)
+        acc = gl.zeros([BM, HEAD_D], gl.float32, o_layout)
+        scr = scr_ptr + (t64 * HKV + kvh) * (BM * HEAD_D) * MULTI  # this tile's scratch (only if MULTI)
+        # Iteration j: nothing in flight on entry; block j's P and alpha are computed. P goes to its
+        # operand registers, a finished KV split is merged, the accumulator rescaled; then block
+        # j + 1's score product and block j's P·V are issued; the scores retire and block j + 1's
+        # softmax runs while the P·V runs; the P·V retires. (No register an in-flight wgmma reads or writes is
+        # touched before it retires: P goes to its operand registers only once the previous
+        # product has retired, as in FlashAttention-3.)
+        for j in range(0, nb - 1):
+            b = first + j
+            jn = j + 1
+            pv = gl.convert_layout(p.to(dtype), p_layout)
+            M, L, acc = rlk_attn_wg_split_end(M, L, acc, m_old, l_old, scr, b, first, SB, BM, HEAD_D, row_o, o_layout,
+                                              MULTI)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            mbarrier.wait(k_bars.index(jn % K_ST), phase=(jn // K_ST) & 1)
+            s_tok = warpgroup_mma(q_smem, k_smem.index(jn % K_ST).permute((1, 0)), zero_s, use_acc=False,
+                                  is_async=True)
+            mbarrier.wait(v_bars.index(j % V_ST), phase=(j // V_ST) & 1)
+            acc_tok = warpgroup_mma(pv, v_smem.index(j % V_ST), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            # block j + 1's key slot is free: it takes block j + 1 + K_ST
+            rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, jn + K_ST, nb, K_ST,
+                             V_ST, True)
+            # block j + 1 opens a KV split: its state starts at (-inf, 0, +0); the finished split's
+            # (m, l) wait in (m_old, l_old) for the merge at the next iteration's start
+            new_split = (b + 1) % SB == 0
+            m_old = m
+            l_old = l
+            m = gl.where(new_split, float("-inf"), m)
+            l = gl.where(new_split, 0.0, l)
+            m, l, p, alpha = rlk_attn_wg_softmax(s, m, l, b + 1, f0, f1, pos, wlo, kpos0, qk_scale, BM, BN, row_s)
+            acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+            # block j's value slot is free: it takes block j + V_ST
+            rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, j + V_ST, nb, K_ST,
+                             V_ST, False)
+        # the last block
+        pv = gl.convert_layout(p.to(dtype), p_layout)
+        M, L, acc = rlk_attn_wg_split_end(M, L, acc, m_old, l_old, scr, last, first, SB, BM, HEAD_D, row_o, o_layout,
+                                          MULTI)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        jl = nb - 1
+        mbarrier.wait(v_bars.index(jl % V_ST), phase=(jl // V_ST) & 1)
+        acc_tok = warpgroup_mma(pv, v_smem.index(jl % V_ST), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+        for i in gl.static_range(K_ST):
+            mbarrier.invalidate(k_bars.index(i))
+        for i in gl.static_range(V_ST):
+            mbarrier.invalidate(v_bars.index(i))
+
+        m_o = gl.convert_layout(m, row_o)
+        l_o = gl.convert_layout(l, row_o)
+        if MULTI:
+            if last // SB > first // SB:
+                M, L, A = rlk_attn_wg_merge(M, L, gl.load(rlk_attn_wg_scratch(scr, BM, HEAD_D, o_layout)), m_o, l_o,
+                                            acc)
+            else:
+                M = m_o
+                L = l_o
+                A = acc
+        else:
+            M = m_o
+            L = l_o
+            A = acc
+        # kernels.rlk_attn_finish (stored through a blocked layout: storing from the accumulator's
+        # registers measured slower, 263 -> 301 us at 32 x 512, session 13 run 6)
+        r = gl.div_rn(gl.full([BM], 1.0, gl.float32, row_o), L)
+        o = gl.convert_layout(A * gl.expand_dims(r, 1), io_layout)
+        omask = gl.expand_dims(valid_io, 1)
+        optr = gl.expand_dims(q_off, 1) + gl.expand_dims(offs_d, 0)
+        gl.store(out_ptr + optr, o.to(out_ptr.dtype.element_ty), mask=omask)
+        if STORE_F32:
+            gl.store(out32_ptr + optr, o, mask=omask)
+        if STORE_LSE:
+            lse = gl.convert_layout((M + gl.log2(L)) * 0.6931471805599453, row_io)
+            gl.store(lse_ptr + tok_io * HQ + head_io, lse, mask=valid_io)
+
+
+def descriptors(k: torch.Tensor, v: torch.Tensor):
+    """TMA descriptors of the ``[T, Hkv·D]`` views of keys and values: ``[64, D]`` boxes."""
+    n, hkv, d = k.shape
+    dt = gl.bfloat16 if k.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dt)
+    return (TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [BLOCK_N, d], layout),
+            TensorDescriptor(v, [n, hkv * d], [v.stride(0), 1], [BLOCK_N, d], layout))
+
+
+def launch(q, k, v, out, out32, lse, scr, tab, page_rows, G, window, qk_scale, *, store_f32, store_lse, multi,
+           split_blocks, k_stages: int | None = None, v_stages: int | None = None):
+    """Launch ``rlk_attn_fwd_wg`` over tile table ``tab`` (64-row tiles); ring depths default to
+    ``K_STAGES`` / ``V_STAGES`` as they are at the call."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    k_desc, v_desc = descriptors(k, v)
+    nt = tab.shape[0]
+    dummy = out
+    rlk_attn_fwd_wg[(nt, Hkv)](
+        q, k_desc, v_desc, out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, scr, tab,
+        page_rows, page_rows.stride(0), G, 0 if window is None else int(window), qk_scale, Hq, Hkv, HEAD_D=D,
+        HAS_WINDOW=window is not None, STORE_F32=store_f32, STORE_LSE=store_lse, MULTI=multi, SB=split_blocks,
+        K_ST=k_stages or K_STAGES, V_ST=v_stages or V_STAGES, BLOCK_ROWS=BLOCK_M, num_warps=BLOCK_M // 16,
+        enable_fp_fusion=False,
+    )
+
+
+__all__ = ["BLOCK_M", "DEVICE_FUNCTIONS", "KERNEL_NAMES", "K_STAGES", "V_STAGES", "descriptors", "launch",
+           "rlk_attn_fwd_wg"]

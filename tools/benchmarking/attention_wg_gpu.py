@@ -1,0 +1,157 @@
+"""The Hopper warpgroup forward (``hopper.rlk_attn_fwd_wg``) against the Triton kernel: raw bits and time.
+
+For each case (packed causal sequences, GQA group, window, dtype) it runs ``kernels.varlen_forward``
+with the warpgroup kernel and with ``kernels.wg_forward(False)`` (the Triton kernel) and compares
+``out``, ``lse`` and the fp32 output raw-bit (integer views; a negative control perturbs one key
+and must move rows). Then it times, in CUDA graphs, SDPA, the Triton kernel and the warpgroup
+kernel at each TMA ring depth (``--stages``), output-only and training forward, and writes JSON
+rows (``--out``). A tool for choosing the ring depths and for a first look; the benchmark of
+record is ``benchmarks/operators/bench_attention_gpu.py`` (rows ``.no_wg``).
+
+    python tools/benchmarking/attention_wg_gpu.py --out /tmp/wg.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.common.harness import cuda_graph_ms, device_info, summarize, versions  # noqa: E402
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _case(lens, hq, hkv, dtype, window, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    T = sum(lens)
+    q, k, v = (torch.randn((T, h, 128), device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.int32)
+    return q, k, v, cu, window
+
+
+def _variant(ks_: int, vs_: int, rows: int):
+    """``hopper``'s ring depths and tile rows set for a block (restored after)."""
+    from rl_engine.backends.shared.triton.attention import hopper
+
+    @contextlib.contextmanager
+    def scope():
+        saved = hopper.K_STAGES, hopper.V_STAGES, hopper.BLOCK_M
+        hopper.K_STAGES, hopper.V_STAGES, hopper.BLOCK_M = ks_, vs_, rows
+        try:
+            yield
+        finally:
+            hopper.K_STAGES, hopper.V_STAGES, hopper.BLOCK_M = saved
+
+    return scope()
+
+
+def check_bits(cases, variants) -> list[dict]:
+    out = []
+    for var in variants:
+        with _variant(*var):
+            out += _check_bits(cases, "k{}v{}@{}".format(*var))
+    return out
+
+
+def _check_bits(cases, tag) -> list[dict]:
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    rows = []
+    for name, (q, k, v, cu, window) in cases:
+        name = f"{name} {tag}"
+        assert K.wg_eligible(q, k, v, None), name
+        a = K.varlen_forward(q, k, v, cu, 128**-0.5, window)
+        with K.wg_forward(False):
+            b = K.varlen_forward(q, k, v, cu, 128**-0.5, window)
+        a_nb = K.varlen_forward(q, k, v, cu, 128**-0.5, window, for_backward=False)[0]
+        diff = [int((_bits(x) != _bits(y)).sum()) for x, y in zip(a, b)]
+        diff.append(int((_bits(a_nb) != _bits(b[0])).sum()))
+        # negative control: a perturbed key moves some rows
+        k2 = k.clone()
+        k2[k.shape[0] // 2, 0, 0] += 1.0
+        c = K.varlen_forward(q, k2, v, cu, 128**-0.5, window)[0]
+        moved = int((_bits(c) != _bits(a[0])).sum())
+        ok = all(d == 0 for d in diff) and moved > 0 and bool(torch.isfinite(a[0].float()).all())
+        rows.append({"case": name, "mismatched": diff, "control_moved": moved, "ok": ok})
+        print(f"bits {name:40s} mismatched out/lse/out32/no-grad {diff} control moved {moved} "
+              f"-> {'OK' if ok else 'FAIL'}",
+              flush=True)
+    return rows
+
+
+def timing(stages, repeats: int) -> list[dict]:
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    dev, ver = device_info("cuda"), versions()
+    out = []
+    for B, S in ((32, 512), (4, 4096)):
+        q, k, v, cu, _ = _case([S] * B, 32, 8, torch.bfloat16, None, B * S)
+        qs, ks, vs = (t.view(B, S, -1, 128).transpose(1, 2).contiguous() for t in (q, k, v))
+        flop = 4 * B * 32 * 128 * S * (S + 1) / 2
+        impls = {"torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)}
+        for fb in (False, True):
+            tag = "train_forward" if fb else "out"
+
+            def triton_fwd(fb=fb):
+                with K.wg_forward(False):
+                    return K.varlen_forward(q, k, v, cu, 128**-0.5, None, max_seqlen=S, for_backward=fb)
+
+            impls[f"triton.{tag}"] = triton_fwd
+            for var in stages:
+                def wg(fb=fb, var=var):
+                    with _variant(*var):
+                        return K.varlen_forward(q, k, v, cu, 128**-0.5, None, max_seqlen=S, for_backward=fb)
+
+                impls["wg.k{}v{}@{}.{}".format(*var, tag)] = wg
+        res = {n: summarize(cuda_graph_ms(f, calls=5, repeats=repeats, warmup=3)) for n, f in impls.items()}
+        base = res["torch.sdpa"].median
+        for n, st in res.items():
+            row = {"case": f"prefill {B}x{S}", "implementation": n, "median_us": round(st.median * 1e3, 1),
+                   "throughput_ratio": round(base / st.median, 4), "tflops": round(flop / (st.median * 1e-3) / 1e12, 1),
+                   "device": dev, "versions": ver}
+            out.append(row)
+            print(f"time {row['case']:14s} {n:34s} {row['median_us']:9.1f} us  {row['throughput_ratio']:.3f} of SDPA "
+                  f"({row['tflops']} TFLOP/s)", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--stages", default="2x2x64,3x3x64,2x2x128,3x3x128,3x2x128",
+                    help="K x V TMA ring depths x tile rows to time (and to check bits at)")
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("attention_wg_gpu: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    stages = [tuple(int(x) for x in s.split("x")) for s in args.stages.split(",")]
+    for ks_, vs_, rows in stages:
+        if rows not in (64, 128) or ks_ < 1 or vs_ < 1:
+            ap.error(f"--stages: K and V depths >= 1 and 64 or 128 tile rows, got {ks_}x{vs_}x{rows}")
+    cases = [
+        ("32x512 G4 bf16", _case([512] * 32, 32, 8, torch.bfloat16, None, 1)),
+        ("4x4096 G4 bf16", _case([4096] * 4, 32, 8, torch.bfloat16, None, 2)),
+        ("ragged G4 bf16", _case([1, 63, 64, 65, 1023, 1025, 2100, 3000], 32, 8, torch.bfloat16, None, 3)),
+        ("ragged G1 fp16", _case([77, 1500, 2049], 8, 8, torch.float16, None, 4)),
+        ("ragged G8 bf16 window 700", _case([900, 2500, 31], 64, 8, torch.bfloat16, 700, 5)),
+        ("ragged G2 bf16 window 64", _case([300, 1100], 16, 8, torch.bfloat16, 64, 6)),
+    ]
+    bits = check_bits(cases, sorted({(2, 2, r) for _, _, r in stages}))
+    times = timing(stages, args.repeats)
+    args.out.write_text(json.dumps({"bits": bits, "timing": times}, indent=1))
+    return 0 if all(r["ok"] for r in bits) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
