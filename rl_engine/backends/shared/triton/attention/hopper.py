@@ -3,10 +3,11 @@
 The same computation as ``kernels.rlk_attn_fwd`` on the train path's packed rows with TMA copies
 (``kernels.tma_eligible``: 16-bit rows, one value slice, no pages), written with explicit
 asynchronous warpgroup MMAs so that the tensor cores and the softmax overlap inside one program:
-while block ``b``'s online-softmax step runs on the CUDA cores, the score product of block
-``b + 1`` and the ``P·V`` product of block ``b − 1`` are in flight (FlashAttention-3's
-intra-warpgroup pipelining). Triton 3.6 issues every ``tl.dot`` of the Triton kernel and waits
-for it with nothing pending (offline compile), so there the two units take turns.
+block ``j + 1``'s score product runs while block ``j``'s ``P`` is converted and the accumulator
+rescaled, and block ``j``'s ``P·V`` runs while block ``j + 1``'s online-softmax step runs on the
+CUDA cores (FlashAttention-3's intra-warpgroup pipelining). Triton 3.6 issues every ``tl.dot`` of
+the Triton kernel and waits for it with nothing pending (offline compile), so there the two units
+take turns.
 
 Only the order in which independent work is issued changes. Every value is the Triton kernel's
 (``kernels.rlk_attn_step``, ``rlk_attn_merge``, ``rlk_attn_finish``):
@@ -119,8 +120,8 @@ def rlk_attn_wg_scratch(base, BM: gl.constexpr, HEAD_D: gl.constexpr, o_layout: 
 @gluon.jit
 def rlk_attn_wg_split_end(M, L, acc, m_old, l_old, scr, b, first, SB: gl.constexpr, BM: gl.constexpr,
                           HEAD_D: gl.constexpr, row_o: gl.constexpr, o_layout: gl.constexpr, MULTI: gl.constexpr):
-    """Before block ``b``'s ``P·V``: if ``b`` opens a KV split after the tile's first, the split that
-    ended at block ``b - 1`` (state ``m_old, l_old, acc``) is merged into ``(M, L, A)`` in order
+    """Once block ``b - 1``'s ``P·V`` has retired: if ``b`` opens a KV split after the tile's first, the
+    split that ended at block ``b - 1`` (state ``m_old, l_old, acc``) is merged into ``(M, L, A)`` in order
     (``A`` in the fp32 scratch tile; the first merge from ``(-inf, 0, +0)``, as
     ``kernels.rlk_attn_fwd``) and the accumulator restarts at ``+0``."""
     if MULTI:
@@ -246,28 +247,26 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
         m0 = gl.full([BM], float("-inf"), gl.float32, row_s)
         l0 = gl.zeros([BM], gl.float32, row_s)
         m, l, p, alpha = rlk_attn_wg_softmax(s, m0, l0, first, f0, f1, pos, wlo, kpos0, qk_scale, BM, BN, row_s)
-        m_old = m0
-        l_old = l0
         M = gl.full([BM], float("-inf"), gl.float32, row_o)
         L = gl.zeros([BM], gl.float32, row_o)
         acc = gl.zeros([BM, HEAD_D], gl.float32, o_layout)
         scr = scr_ptr + (t64 * HKV + kvh) * (BM * HEAD_D) * MULTI  # this tile's scratch (only if MULTI)
-        # Iteration j: nothing in flight on entry; block j's P and alpha are computed. P goes to its
-        # operand registers, a finished KV split is merged, the accumulator rescaled; then block
-        # j + 1's score product and block j's P·V are issued; the scores retire and block j + 1's
-        # softmax runs while the P·V runs; the P·V retires. (No register an in-flight wgmma reads or writes is
-        # touched before it retires: P goes to its operand registers only once the previous
-        # product has retired, as in FlashAttention-3.)
+        # Iteration j: nothing in flight on entry; block j's P and alpha are computed and a KV split
+        # that ended before block j is merged. Block j + 1's score product is issued first; P goes to
+        # its operand registers and the accumulator is rescaled while it runs; block j's P·V is
+        # issued; the scores retire and block j + 1's softmax runs while the P·V runs; the P·V
+        # retires, and if block j + 1 opens a KV split the finished one is merged. No register an
+        # in-flight wgmma reads or writes is touched before it retires (P goes to its operand
+        # registers only once the previous product has retired, as in FlashAttention-3), and no
+        # merge runs while a product is in flight (it would spill).
         for j in range(0, nb - 1):
             b = first + j
             jn = j + 1
-            pv = gl.convert_layout(p.to(dtype), p_layout)
-            M, L, acc = rlk_attn_wg_split_end(M, L, acc, m_old, l_old, scr, b, first, SB, BM, HEAD_D, row_o, o_layout,
-                                              MULTI)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(k_bars.index(jn % K_ST), phase=(jn // K_ST) & 1)
             s_tok = warpgroup_mma(q_smem, k_smem.index(jn % K_ST).permute((1, 0)), zero_s, use_acc=False,
                                   is_async=True)
+            pv = gl.convert_layout(p.to(dtype), p_layout)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_bars.index(j % V_ST), phase=(j // V_ST) & 1)
             acc_tok = warpgroup_mma(pv, v_smem.index(j % V_ST), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s_tok, ))
@@ -275,7 +274,7 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
             rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, jn + K_ST, nb, K_ST,
                              V_ST, True)
             # block j + 1 opens a KV split: its state starts at (-inf, 0, +0); the finished split's
-            # (m, l) wait in (m_old, l_old) for the merge at the next iteration's start
+            # (m, l) are merged below with its accumulator
             new_split = (b + 1) % SB == 0
             m_old = m
             l_old = l
@@ -286,10 +285,10 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
             # block j's value slot is free: it takes block j + V_ST
             rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, j + V_ST, nb, K_ST,
                              V_ST, False)
-        # the last block
+            M, L, acc = rlk_attn_wg_split_end(M, L, acc, m_old, l_old, scr, b + 1, first, SB, BM, HEAD_D, row_o,
+                                              o_layout, MULTI)
+        # the last block (a split it opens was merged in the loop)
         pv = gl.convert_layout(p.to(dtype), p_layout)
-        M, L, acc = rlk_attn_wg_split_end(M, L, acc, m_old, l_old, scr, last, first, SB, BM, HEAD_D, row_o, o_layout,
-                                          MULTI)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         jl = nb - 1
         mbarrier.wait(v_bars.index(jl % V_ST), phase=(jl // V_ST) & 1)
