@@ -1783,8 +1783,9 @@ WG_CASES = {
 @gpu
 @pytest.mark.parametrize("case", sorted(WG_CASES))
 def test_warpgroup_forward_gives_the_triton_kernels_bits(case):
-    """``hopper.rlk_attn_fwd_wg`` (asynchronous warpgroup MMAs, the scores of the next block and the
-    ``P·V`` of this one in flight during the softmax) against the Triton kernel
+    """``hopper.rlk_attn_fwd_wg`` (asynchronous warpgroup MMAs: the next block's scores in flight
+    while this block's ``P`` is converted, this block's ``P·V`` during the next softmax) against the
+    Triton kernel
     (``wg_forward(False)``): ``out``, lse and the fp32 output of the training forward and the
     output of the no-grad forward raw-bit equal, over KV splits (tiles past 1024 and 2048
     positions), ragged lengths at block and split edges, GQA groups 1–16, fp16, windows. Negative
