@@ -81,6 +81,9 @@ __all__ = [
     "DECODE_TMA",
     "decode_tma_loads",
     "decode_tma_eligible",
+    "WG_FORWARD",
+    "wg_forward",
+    "wg_eligible",
     "LOG2E",
     "score_scale",
     "cached_forward",
@@ -1591,14 +1594,16 @@ def wg_forward(on: bool = True) -> contextlib.AbstractContextManager[None]:
 @functools.lru_cache(maxsize=None)
 def _has_gluon_hopper() -> bool:
     """Whether this Triton has the Gluon Hopper API the warpgroup kernel is written against
-    (Triton 3.6: ``warpgroup_mma`` with ``is_async``, ``warpgroup_mma_wait``, TMA copies)."""
+    (Triton 3.6: the names ``hopper.py`` imports, and TMA copies by ``async_copy_global_to_shared``,
+    which Triton 3.9 renamed ``async_load``)."""
     if not triton.__version__.startswith("3.6."):
         return False
     try:
-        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+        from triton.experimental.gluon.language.nvidia import hopper
     except ImportError:
         return False
-    return all(hasattr(hopper, n) for n in ("warpgroup_mma", "warpgroup_mma_wait", "warpgroup_mma_init"))
+    names = ("fence_async_shared", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait")
+    return all(hasattr(hopper, n) for n in names) and hasattr(hopper.tma, "async_copy_global_to_shared")
 
 
 def wg_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: AttnConfig | None) -> bool:
