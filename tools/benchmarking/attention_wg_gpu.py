@@ -4,9 +4,10 @@ For each case (packed causal sequences, GQA group, window, dtype) it runs ``kern
 with the warpgroup kernel and with ``kernels.wg_forward(False)`` (the Triton kernel) and compares
 ``out``, ``lse`` and the fp32 output raw-bit (integer views; a negative control perturbs one key
 and must move rows). Then it times, in CUDA graphs, SDPA, the Triton kernel and the warpgroup
-kernel at each TMA ring depth (``--stages``), output-only and training forward, and writes JSON
-rows (``--out``). A tool for choosing the ring depths and for a first look; the benchmark of
-record is ``benchmarks/operators/bench_attention_gpu.py`` (rows ``.no_wg``).
+kernel in each configuration (``--stages``: the shipped ``hopper.CONFIGS``, or ring depths, tile
+rows and a register cap for every launch), output-only and training forward, and writes JSON rows
+(``--out``). A tool for choosing ``hopper.CONFIGS`` and for a first look; the benchmark of record
+is ``benchmarks/operators/bench_attention_gpu.py`` (rows ``.no_wg``).
 
     python tools/benchmarking/attention_wg_gpu.py --out /tmp/wg.json
 """
@@ -39,27 +40,49 @@ def _case(lens, hq, hkv, dtype, window, seed):
     return q, k, v, cu, window
 
 
-def _variant(ks_: int, vs_: int, rows: int):
-    """``hopper``'s ring depths and tile rows set for a block (restored after)."""
+def _variant(var):
+    """``hopper``'s configuration for a block (restored after): ``None`` keeps the shipped
+    ``hopper.CONFIGS``; ``(K, V, rows, regs)`` sets every launch to K key and V value ring slots,
+    ``rows``-row tiles and the register cap ``regs`` (``None``: the compiler's choice)."""
     from rl_engine.backends.shared.triton.attention import hopper
 
     @contextlib.contextmanager
     def scope():
-        saved = hopper.K_STAGES, hopper.V_STAGES, hopper.BLOCK_M
-        hopper.K_STAGES, hopper.V_STAGES, hopper.BLOCK_M = ks_, vs_, rows
+        saved = dict(hopper.CONFIGS), hopper.BLOCK_M
+        if var is not None:
+            ks_, vs_, rows, regs = var
+            hopper.CONFIGS.update({False: (ks_, vs_, regs), True: (ks_, vs_, regs)})
+            hopper.BLOCK_M = rows
         try:
             yield
         finally:
-            hopper.K_STAGES, hopper.V_STAGES, hopper.BLOCK_M = saved
+            hopper.CONFIGS.clear()
+            hopper.CONFIGS.update(saved[0])
+            hopper.BLOCK_M = saved[1]
 
     return scope()
+
+
+def _tag(var) -> str:
+    if var is None:
+        return "shipped"
+    return "k{}v{}@{}".format(*var[:3]) + (f"r{var[3]}" if var[3] else "")
+
+
+def _parse_variant(text: str):
+    """``shipped``, ``KxVxROWS`` or ``KxVxROWSrREGS`` -> ``None`` or ``(K, V, ROWS, REGS or None)``."""
+    if text == "shipped":
+        return None
+    body, _, regs = text.partition("r")
+    ks_, vs_, rows = (int(x) for x in body.split("x"))
+    return ks_, vs_, rows, int(regs) if regs else None
 
 
 def check_bits(cases, variants) -> list[dict]:
     out = []
     for var in variants:
-        with _variant(*var):
-            out += _check_bits(cases, "k{}v{}@{}".format(*var))
+        with _variant(var):
+            out += _check_bits(cases, _tag(var))
     return out
 
 
@@ -109,10 +132,10 @@ def timing(stages, repeats: int) -> list[dict]:
             impls[f"triton.{tag}"] = triton_fwd
             for var in stages:
                 def wg(fb=fb, var=var):
-                    with _variant(*var):
+                    with _variant(var):
                         return K.varlen_forward(q, k, v, cu, 128**-0.5, None, max_seqlen=S, for_backward=fb)
 
-                impls["wg.k{}v{}@{}.{}".format(*var, tag)] = wg
+                impls[f"wg.{_tag(var)}.{tag}"] = wg
         res = {n: summarize(cuda_graph_ms(f, calls=5, repeats=repeats, warmup=3)) for n, f in impls.items()}
         base = res["torch.sdpa"].median
         for n, st in res.items():
@@ -128,17 +151,23 @@ def timing(stages, repeats: int) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--stages", default="2x2x64,3x3x64,2x2x128,3x3x128,3x2x128",
-                    help="K x V TMA ring depths x tile rows to time (and to check bits at)")
+    ap.add_argument("--stages", default="shipped,2x2x64",
+                    help="configurations to check bits at and to time: 'shipped' (hopper.CONFIGS) or "
+                         "KxVxROWS[rREGS] for every launch (e.g. 2x1x64r160: 2 key slots, 1 value slot, "
+                         "64-row tiles, maxnreg 160)")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("attention_wg_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
-    stages = [tuple(int(x) for x in s.split("x")) for s in args.stages.split(",")]
-    for ks_, vs_, rows in stages:
-        if rows not in (64, 128) or ks_ < 1 or vs_ < 1:
-            ap.error(f"--stages: K and V depths >= 1 and 64 or 128 tile rows, got {ks_}x{vs_}x{rows}")
+    try:
+        stages = [_parse_variant(s) for s in args.stages.split(",")]
+    except ValueError:
+        ap.error(f"--stages: 'shipped' or KxVxROWS[rREGS] items, got {args.stages!r}")
+    for ks_, vs_, rows, regs in (v for v in stages if v is not None):
+        if rows not in (64, 128) or ks_ < 1 or vs_ < 1 or (regs is not None and not 24 <= regs <= 256):
+            ap.error(f"--stages: K and V depths >= 1, 64 or 128 tile rows, a register cap in 24..256; got "
+                     f"{ks_}x{vs_}x{rows}r{regs}")
     cases = [
         ("32x512 G4 bf16", _case([512] * 32, 32, 8, torch.bfloat16, None, 1)),
         ("4x4096 G4 bf16", _case([4096] * 4, 32, 8, torch.bfloat16, None, 2)),
@@ -147,7 +176,7 @@ def main(argv=None) -> int:
         ("ragged G8 bf16 window 700", _case([900, 2500, 31], 64, 8, torch.bfloat16, 700, 5)),
         ("ragged G2 bf16 window 64", _case([300, 1100], 16, 8, torch.bfloat16, 64, 6)),
     ]
-    bits = check_bits(cases, sorted({(2, 2, r) for _, _, r in stages}))
+    bits = check_bits(cases, list(dict.fromkeys(stages)))
     times = timing(stages, args.repeats)
     args.out.write_text(json.dumps({"bits": bits, "timing": times}, indent=1))
     return 0 if all(r["ok"] for r in bits) else 1

@@ -35,6 +35,7 @@ every new fp32 specialisation recompiles kernels with IEEE products by FMA, slow
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from itertools import accumulate
@@ -1777,19 +1778,41 @@ WG_CASES = {
     "g8_window": ([900, 2500, 31], 2, 8, "bfloat16", 700),
     "g2_narrow_window": ([300, 1100], 2, 2, "bfloat16", 64),
     "g16_large_values": ([1300, 40], 1, 16, "bfloat16", None),
+    # every sequence within one KV split (launches without merges: ``hopper.CONFIGS[False]``)
+    "short_ragged": ([1, 63, 64, 65, 700, 1023, 1024], 2, 4, "bfloat16", None),
+    "short_fp16_g8_window": ([300, 999, 17], 2, 8, "float16", 100),
 }
 
 
+@contextlib.contextmanager
+def _wg_configs(which: str):
+    """``hopper.CONFIGS`` as shipped, or with its two entries exchanged (each launch kind run with
+    the other's ring depths and register cap), restored after."""
+    from rl_engine.backends.shared.triton.attention import hopper
+
+    saved = dict(hopper.CONFIGS)
+    if which == "swapped":
+        hopper.CONFIGS.update({False: saved[True], True: saved[False]})
+    try:
+        yield
+    finally:
+        hopper.CONFIGS.clear()
+        hopper.CONFIGS.update(saved)
+
+
 @gpu
+@pytest.mark.parametrize("configs", ["shipped", "swapped"])
 @pytest.mark.parametrize("case", sorted(WG_CASES))
-def test_warpgroup_forward_gives_the_triton_kernels_bits(case):
+def test_warpgroup_forward_gives_the_triton_kernels_bits(case, configs):
     """``hopper.rlk_attn_fwd_wg`` (asynchronous warpgroup MMAs: the next block's scores in flight
     while this block's ``P`` is converted, this block's ``P·V`` during the next softmax) against the
     Triton kernel
     (``wg_forward(False)``): ``out``, lse and the fp32 output of the training forward and the
     output of the no-grad forward raw-bit equal, over KV splits (tiles past 1024 and 2048
-    positions), ragged lengths at block and split edges, GQA groups 1–16, fp16, windows. Negative
-    control: a perturbed key (one element of one row) moves the rows that see it."""
+    positions), ragged lengths at block and split edges, GQA groups 1–16, fp16, windows; with
+    ``hopper.CONFIGS`` as shipped and with its entries exchanged, so that both shipped
+    configurations (ring depths, register cap) run every case. Negative control: a perturbed key
+    (one element of one row) moves the rows that see it."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     lens, hkv, g, dtype, window = WG_CASES[case]
@@ -1800,8 +1823,9 @@ def test_warpgroup_forward_gives_the_triton_kernels_bits(case):
         assert not K.wg_eligible(q, k, v, None)
         ref = K.varlen_forward(q, k, v, cu, 128**-0.5, window)
         ref_nograd = K.varlen_forward(q, k, v, cu, 128**-0.5, window, for_backward=False)[0]
-    got = K.varlen_forward(q, k, v, cu, 128**-0.5, window)
-    got_nograd = K.varlen_forward(q, k, v, cu, 128**-0.5, window, for_backward=False)[0]
+    with _wg_configs(configs):
+        got = K.varlen_forward(q, k, v, cu, 128**-0.5, window)
+        got_nograd = K.varlen_forward(q, k, v, cu, 128**-0.5, window, for_backward=False)[0]
     for name, a, b in (("out", got[0], ref[0]), ("lse", got[1], ref[1]), ("out_f32", got[2], ref[2]),
                        ("no-grad out", got_nograd, ref_nograd)):
         d = bit_diff(a, b)
@@ -1810,7 +1834,8 @@ def test_warpgroup_forward_gives_the_triton_kernels_bits(case):
     row = int(cu[1]) + 37 if len(lens) > 1 else 37  # a key of the second sequence
     k2 = k.clone()
     k2[row, 0, 5] += 0.5
-    moved = K.varlen_forward(q, k2, v, cu, 128**-0.5, window)[0]
+    with _wg_configs(configs):
+        moved = K.varlen_forward(q, k2, v, cu, 128**-0.5, window)[0]
     assert not bit_diff(moved, got[0])
     seq_rows = torch.zeros(q.shape[0], dtype=torch.bool, device="cuda")
     seq_rows[row:int(cu[2]) if len(lens) > 1 else q.shape[0]] = True

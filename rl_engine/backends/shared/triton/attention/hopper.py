@@ -48,10 +48,16 @@ DEVICE_FUNCTIONS = ("rlk_attn_wg_exp2", "rlk_attn_wg_rowsum", "rlk_attn_wg_merge
 #: 128-row tiles of two warpgroups were measured slower: session 13 run 3)
 BLOCK_N = 64
 BLOCK_M = 64
-#: TMA ring slots for key and value blocks (``Q`` 16 KiB + 16 KiB a slot: two programs per SM;
-#: 2 / 2 and 3 / 3 measured within the run-to-run spread of each other, session 13 runs 2–3)
-K_STAGES = 2
-V_STAGES = 2
+#: The launch configuration by whether the launch merges KV splits (``MULTI``: some sequence is
+#: longer than one split): TMA ring slots for key and value blocks (16 KiB each, ``Q`` 16 KiB) and
+#: the register cap per thread (``maxnreg``; ``None``: the compiler's choice). Without merges the
+#: kernel fits 160 registers without spilling, so one key and two value slots (64 KiB) let three
+#: programs share an SM instead of two: 0.70 -> 0.83 of SDPA at 32 x 512 (session 14 run 2; two
+#: key slots and one value slot gave 0.79). The in-loop merge needs 254 registers (two programs per
+#: SM); capped at 160 it spills (offline sm_90 compile), so long launches keep two slots each.
+#: Every entry gives the same bits (the kernel's order of operations does not depend on it); the
+#: probe tool ``tools/benchmarking/attention_wg_gpu.py`` checks and times others.
+CONFIGS: dict[bool, tuple[int, int, int | None]] = {False: (1, 2, 160), True: (2, 2, None)}
 
 
 @gluon.jit
@@ -337,22 +343,23 @@ def descriptors(k: torch.Tensor, v: torch.Tensor):
 
 
 def launch(q, k, v, out, out32, lse, scr, tab, page_rows, G, window, qk_scale, *, store_f32, store_lse, multi,
-           split_blocks, k_stages: int | None = None, v_stages: int | None = None):
-    """Launch ``rlk_attn_fwd_wg`` over tile table ``tab`` (64-row tiles); ring depths default to
-    ``K_STAGES`` / ``V_STAGES`` as they are at the call."""
+           split_blocks):
+    """Launch ``rlk_attn_fwd_wg`` over tile table ``tab`` (``BLOCK_M``-row tiles) with
+    ``CONFIGS[multi]`` (ring depths, register cap) as they are at the call."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     k_desc, v_desc = descriptors(k, v)
     nt = tab.shape[0]
     dummy = out
+    k_st, v_st, regs = CONFIGS[bool(multi)]
+    cap = {} if regs is None else {"maxnreg": int(regs)}
     rlk_attn_fwd_wg[(nt, Hkv)](
         q, k_desc, v_desc, out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, scr, tab,
         page_rows, page_rows.stride(0), G, 0 if window is None else int(window), qk_scale, Hq, Hkv, HEAD_D=D,
         HAS_WINDOW=window is not None, STORE_F32=store_f32, STORE_LSE=store_lse, MULTI=multi, SB=split_blocks,
-        K_ST=k_stages or K_STAGES, V_ST=v_stages or V_STAGES, BLOCK_ROWS=BLOCK_M, num_warps=BLOCK_M // 16,
-        enable_fp_fusion=False,
+        K_ST=k_st, V_ST=v_st, BLOCK_ROWS=BLOCK_M, num_warps=BLOCK_M // 16, enable_fp_fusion=False, **cap,
     )
 
 
-__all__ = ["BLOCK_M", "DEVICE_FUNCTIONS", "KERNEL_NAMES", "K_STAGES", "V_STAGES", "descriptors", "launch",
+__all__ = ["BLOCK_M", "CONFIGS", "DEVICE_FUNCTIONS", "KERNEL_NAMES", "descriptors", "launch",
            "rlk_attn_fwd_wg"]
