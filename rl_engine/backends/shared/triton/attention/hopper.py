@@ -18,7 +18,8 @@ Only the order in which independent work is issued changes. Every value is the T
 * ``l' = fma(l, α, Σ P)`` with the fixed pairwise row sum (``kernels.rlk_attn_rowsum``);
 * ``acc' = P·V + acc·α`` with ``acc·α`` as the ``wgmma`` accumulator, ``P`` rounded to the
   input dtype;
-* the KV splits of ``SB`` blocks each merged in increasing order through the fp32 scratch tile;
+* each KV split of ``SB`` blocks walked from ``(-inf, 0, +0)``, the splits merged in increasing
+  order through the fp32 scratch tile (``kernels.rlk_attn_fwd``'s structure);
 * ``out = acc · (1 / L)``, ``lse = (M + log2 L) · ln 2``.
 
 A block whose mask hides nothing gives the unmasked step's bits (the guard and the select are
@@ -42,7 +43,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 KERNEL_NAMES = ("rlk_attn_fwd_wg",)
 #: ``@gluon.jit`` device functions (inlined into the kernel, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_wg_exp2", "rlk_attn_wg_rowsum", "rlk_attn_wg_merge", "rlk_attn_wg_softmax",
-                    "rlk_attn_wg_scratch", "rlk_attn_wg_split_end", "rlk_attn_wg_load")
+                    "rlk_attn_wg_scratch", "rlk_attn_wg_rows_io", "rlk_attn_wg_walk",
+                    "rlk_attn_wg_load")
 
 #: key-block rows (``kernels.KV_BLOCK``) and the tile's query rows (one warpgroup, 16 rows a warp;
 #: 128-row tiles of two warpgroups were measured slower: session 13 run 3)
@@ -50,14 +52,15 @@ BLOCK_N = 64
 BLOCK_M = 64
 #: The launch configuration by whether the launch merges KV splits (``MULTI``: some sequence is
 #: longer than one split): TMA ring slots for key and value blocks (16 KiB each, ``Q`` 16 KiB) and
-#: the register cap per thread (``maxnreg``; ``None``: the compiler's choice). Without merges the
-#: kernel fits 160 registers without spilling, so one key and two value slots (64 KiB) let three
-#: programs share an SM instead of two: 0.70 -> 0.83 of SDPA at 32 x 512 (session 14 run 2; two
-#: key slots and one value slot gave 0.79). The in-loop merge needs 254 registers (two programs per
-#: SM); capped at 160 it spills (offline sm_90 compile), so long launches keep two slots each.
-#: Every entry gives the same bits (the kernel's order of operations does not depend on it); the
-#: probe tool ``tools/benchmarking/attention_wg_gpu.py`` checks and times others.
-CONFIGS: dict[bool, tuple[int, int, int | None]] = {False: (1, 2, 160), True: (2, 2, None)}
+#: the register cap per thread (``maxnreg``; ``None``: the compiler's choice). One key and two value
+#: slots (64 KiB) at 160 registers let three programs share an SM instead of two (session 14: at
+#: 32 x 512, 0.70 -> 0.83 of SDPA in run 2, where two key slots and one value slot gave 0.79).
+#: Without merges the kernel fits 160 registers without spilling; with them, the walks do and the
+#: merge between walks spills ~90 bytes (offline sm_90 compile), none of it inside a walk's loop.
+#: Every entry gives the same bits (the order of operations does not depend on it; the GPU test
+#: runs the shipped entries and two uncapped slots each); the probe tool
+#: ``tools/benchmarking/attention_wg_gpu.py`` checks and times others.
+CONFIGS: dict[bool, tuple[int, int, int | None]] = {False: (1, 2, 160), True: (1, 2, 160)}
 
 
 @gluon.jit
@@ -116,32 +119,92 @@ def rlk_attn_wg_softmax(s, m, l, b, f0, f1, pos, wlo, kpos0, qk_scale, BM: gl.co
 
 @gluon.jit
 def rlk_attn_wg_scratch(base, BM: gl.constexpr, HEAD_D: gl.constexpr, o_layout: gl.constexpr):
-    """The scratch tile's element pointers in the accumulator's layout (formed where used, so that
-    no pointer tensor stays live across the block loop)."""
+    """The scratch tile's element pointers in the accumulator's layout, thread-major: element
+    ``(r, c)`` of the ``wgmma`` accumulator (warp ``r // 16``, lane ``4·(r % 8) + (c % 8) // 2``,
+    register ``4·(c // 8) + 2·((r % 16) // 8) + c % 2``) sits at ``thread · D/2 + register``, so each
+    thread's ``D/2`` values are one contiguous run: its addresses are one base plus constants.
+    (Row-major addresses needed sixteen 64-bit bases a thread, kept live across the split loop
+    by the compiler.) The scratch is this program's own, written and read in the same layout,
+    and exact fp32, so its layout does not touch the bits."""
     r = gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
     c = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-    return base + gl.expand_dims(r, 1) * HEAD_D + gl.expand_dims(c, 0)
+    HALF: gl.constexpr = HEAD_D // 2
+    rpart = ((r // 16) * 32 + (r % 8) * 4) * HALF + ((r % 16) // 8) * 2
+    cpart = ((c % 8) // 2) * HALF + (c // 8) * 4 + (c % 2)
+    return base + gl.expand_dims(rpart, 1) + gl.expand_dims(cpart, 0)
 
 
 @gluon.jit
-def rlk_attn_wg_split_end(M, L, acc, m_old, l_old, scr, b, first, SB: gl.constexpr, BM: gl.constexpr,
-                          HEAD_D: gl.constexpr, row_o: gl.constexpr, o_layout: gl.constexpr, MULTI: gl.constexpr):
-    """Once block ``b - 1``'s ``P·V`` has retired: if ``b`` opens a KV split after the tile's first, the
-    split that ended at block ``b - 1`` (state ``m_old, l_old, acc``) is merged into ``(M, L, A)`` in order
-    (``A`` in the fp32 scratch tile; the first merge from ``(-inf, 0, +0)``, as
-    ``kernels.rlk_attn_fwd``) and the accumulator restarts at ``+0``."""
-    if MULTI:
-        if (b % SB == 0) & (b > first):
-            ptrs = rlk_attn_wg_scratch(scr, BM, HEAD_D, o_layout)
-            if b // SB - 1 > first // SB:
-                A = gl.load(ptrs)
-            else:
-                A = gl.zeros([BM, HEAD_D], gl.float32, o_layout)
-            M, L, A = rlk_attn_wg_merge(M, L, A, gl.convert_layout(m_old, row_o), gl.convert_layout(l_old, row_o),
-                                        acc)
-            gl.store(ptrs, A)
-            acc = gl.zeros([BM, HEAD_D], gl.float32, o_layout)
-    return M, L, acc
+def rlk_attn_wg_rows_io(u0, u1, tok0, kvh, zero, G: gl.constexpr, HQ, HEAD_D: gl.constexpr, BM: gl.constexpr,
+                        row_io: gl.constexpr):
+    """The tile's rows ``(token, g)`` in the load/store layout: ``(valid, token, head, q offset)``.
+    Formed once for the ``Q`` load and again for the stores, ``zero`` (a runtime 0) keeping the
+    compiler from reusing the first (it would hold them across the whole walk)."""
+    rel_io = (u0 - tok0 * G).to(gl.int32) + gl.arange(0, BM, layout=row_io) + zero
+    valid_io = gl.arange(0, BM, layout=row_io).to(gl.int64) < u1 - u0
+    tq_io = rel_io // G
+    head_io = kvh * G + (rel_io - tq_io * G)
+    tok_io = tok0 + tq_io
+    q_off = (tok_io * HQ + head_io) * HEAD_D
+    return valid_io, tok_io, head_io, q_off
+
+
+@gluon.jit
+def rlk_attn_wg_walk(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, kbase, col, first, nb, j0, j1, f0, f1, pos,
+                     wlo, kpos0, qk_scale, BM: gl.constexpr, BN: gl.constexpr, HEAD_D: gl.constexpr,
+                     K_ST: gl.constexpr, V_ST: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                     p_layout: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr):
+    """Blocks ``first + j0 .. first + j1`` (one KV split, or every block when none is merged) from
+    the state ``(-inf, 0, +0)``: returns ``(m, l, acc)``. ``j`` counts the tile's blocks from
+    ``first``: block ``j``'s keys and values sit in ring slots ``j % K_ST`` and ``j % V_ST``; the
+    copies run ahead across split ends (``rlk_attn_wg_load``, up to block ``nb - 1``).
+
+    Iteration ``j``, nothing in flight on entry, block ``j``'s ``P`` and ``α`` computed: block
+    ``j + 1``'s score product is issued first; ``P`` goes to its operand registers and the
+    accumulator is rescaled while it runs; block ``j``'s ``P·V`` is issued; the scores retire and
+    block ``j + 1``'s softmax runs while the ``P·V`` runs; the ``P·V`` retires. No register an
+    in-flight ``wgmma`` reads or writes is touched before it retires (``P`` goes to its operand
+    registers only once the previous product has retired, as in FlashAttention-3; a ``P·V`` left
+    in flight across the back edge made ``ptxas`` serialise every ``wgmma``, warning C7514). The
+    split's merge runs between walks, with nothing in flight: inside the pipelined order the
+    accumulator, the scratch tile and the next block's scores were live at once (254 registers)."""
+    dtype: gl.constexpr = k_desc.dtype
+    zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
+    mbarrier.wait(k_bars.index(j0 % K_ST), phase=(j0 // K_ST) & 1)
+    s_tok = warpgroup_mma(q_smem, k_smem.index(j0 % K_ST).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    # block j0's key slot is free: it takes block j0 + K_ST
+    rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, j0 + K_ST, nb, K_ST, V_ST, True)
+    m, l, p, alpha = rlk_attn_wg_softmax(s, gl.full([BM], float("-inf"), gl.float32, row_s),
+                                         gl.zeros([BM], gl.float32, row_s), first + j0, f0, f1, pos, wlo, kpos0,
+                                         qk_scale, BM, BN, row_s)
+    acc = gl.zeros([BM, HEAD_D], gl.float32, o_layout)
+    for j in range(j0, j1):
+        jn = j + 1
+        mbarrier.wait(k_bars.index(jn % K_ST), phase=(jn // K_ST) & 1)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(jn % K_ST).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        pv = gl.convert_layout(p.to(dtype), p_layout)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        mbarrier.wait(v_bars.index(j % V_ST), phase=(j // V_ST) & 1)
+        acc_tok = warpgroup_mma(pv, v_smem.index(j % V_ST), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        # block j + 1's key slot is free: it takes block j + 1 + K_ST
+        rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, jn + K_ST, nb, K_ST, V_ST,
+                         True)
+        m, l, p, alpha = rlk_attn_wg_softmax(s, m, l, first + jn, f0, f1, pos, wlo, kpos0, qk_scale, BM, BN, row_s)
+        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+        # block j's value slot is free: it takes block j + V_ST
+        rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, j + V_ST, nb, K_ST, V_ST,
+                         False)
+    # the walk's last block
+    pv = gl.convert_layout(p.to(dtype), p_layout)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    mbarrier.wait(v_bars.index(j1 % V_ST), phase=(j1 // V_ST) & 1)
+    acc_tok = warpgroup_mma(pv, v_smem.index(j1 % V_ST), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+    rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, j1 + V_ST, nb, K_ST, V_ST,
+                     False)
+    return m, l, acc
 
 
 @gluon.jit
@@ -212,12 +275,7 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
         f0 = (gl.max(gl.where(valid_s, wlo, 0), axis=0) + 63) // 64
         f1 = (gl.min(gl.where(valid_s, pos, 1 << 30), axis=0) + 1) // 64 - 1
 
-        rel_io = (u0 - tok0 * G).to(gl.int32) + gl.arange(0, BM, layout=row_io)
-        valid_io = gl.arange(0, BM, layout=row_io).to(gl.int64) < u1 - u0
-        tq_io = rel_io // G
-        head_io = kvh * G + (rel_io - tq_io * G)
-        tok_io = tok0 + tq_io
-        q_off = (tok_io * HQ + head_io) * HEAD_D
+        valid_io, tok_io, head_io, q_off = rlk_attn_wg_rows_io(u0, u1, tok0, kvh, 0, G, HQ, HEAD_D, BM, row_io)
         offs_d = gl.arange(0, HEAD_D, layout=col_io)
         q = gl.load(q_ptr + gl.expand_dims(q_off, 1) + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(valid_io, 1),
                     other=0.0)
@@ -242,87 +300,59 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
             rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, i, nb, K_ST, V_ST,
                              False)
 
-        zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
-        mbarrier.wait(k_bars.index(0), phase=0)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s_tok, ))
-        # block 0's key slot is free: it takes block K_ST
-        rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, K_ST, nb, K_ST, V_ST,
-                         True)
         kpos0 = gl.arange(0, BN, layout=col_s)
-        m0 = gl.full([BM], float("-inf"), gl.float32, row_s)
-        l0 = gl.zeros([BM], gl.float32, row_s)
-        m, l, p, alpha = rlk_attn_wg_softmax(s, m0, l0, first, f0, f1, pos, wlo, kpos0, qk_scale, BM, BN, row_s)
-        M = gl.full([BM], float("-inf"), gl.float32, row_o)
-        L = gl.zeros([BM], gl.float32, row_o)
-        acc = gl.zeros([BM, HEAD_D], gl.float32, o_layout)
-        scr = scr_ptr + (t64 * HKV + kvh) * (BM * HEAD_D) * MULTI  # this tile's scratch (only if MULTI)
-        # Iteration j: nothing in flight on entry; block j's P and alpha are computed and a KV split
-        # that ended before block j is merged. Block j + 1's score product is issued first; P goes to
-        # its operand registers and the accumulator is rescaled while it runs; block j's P·V is
-        # issued; the scores retire and block j + 1's softmax runs while the P·V runs; the P·V
-        # retires, and if block j + 1 opens a KV split the finished one is merged. No register an
-        # in-flight wgmma reads or writes is touched before it retires (P goes to its operand
-        # registers only once the previous product has retired, as in FlashAttention-3), and no
-        # merge runs while a product is in flight (it would spill).
-        for j in range(0, nb - 1):
-            b = first + j
-            jn = j + 1
-            mbarrier.wait(k_bars.index(jn % K_ST), phase=(jn // K_ST) & 1)
-            s_tok = warpgroup_mma(q_smem, k_smem.index(jn % K_ST).permute((1, 0)), zero_s, use_acc=False,
-                                  is_async=True)
-            pv = gl.convert_layout(p.to(dtype), p_layout)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            mbarrier.wait(v_bars.index(j % V_ST), phase=(j // V_ST) & 1)
-            acc_tok = warpgroup_mma(pv, v_smem.index(j % V_ST), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s_tok, ))
-            # block j + 1's key slot is free: it takes block j + 1 + K_ST
-            rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, jn + K_ST, nb, K_ST,
-                             V_ST, True)
-            # block j + 1 opens a KV split: its state starts at (-inf, 0, +0); the finished split's
-            # (m, l) are merged below with its accumulator
-            new_split = (b + 1) % SB == 0
-            m_old = m
-            l_old = l
-            m = gl.where(new_split, float("-inf"), m)
-            l = gl.where(new_split, 0.0, l)
-            m, l, p, alpha = rlk_attn_wg_softmax(s, m, l, b + 1, f0, f1, pos, wlo, kpos0, qk_scale, BM, BN, row_s)
-            acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
-            # block j's value slot is free: it takes block j + V_ST
-            rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, j + V_ST, nb, K_ST,
-                             V_ST, False)
-            M, L, acc = rlk_attn_wg_split_end(M, L, acc, m_old, l_old, scr, b + 1, first, SB, BM, HEAD_D, row_o,
-                                              o_layout, MULTI)
-        # the last block (a split it opens was merged in the loop)
-        pv = gl.convert_layout(p.to(dtype), p_layout)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        jl = nb - 1
-        mbarrier.wait(v_bars.index(jl % V_ST), phase=(jl // V_ST) & 1)
-        acc_tok = warpgroup_mma(pv, v_smem.index(jl % V_ST), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+        if MULTI:
+            # kernels.rlk_attn_fwd's order: each KV split walked on its own and merged into
+            # (M, L, A) in increasing order, A waiting in this tile's fp32 scratch between splits
+            # (the first merge from (-inf, 0, +0)); the last split merged into it once walked
+            scr = scr_ptr + (t64 * HKV + kvh) * (BM * HEAD_D)
+            M = gl.full([BM], float("-inf"), gl.float32, row_o)
+            L = gl.zeros([BM], gl.float32, row_o)
+            s_first = first // SB
+            s_last = last // SB
+            for sp in range(s_first, s_last):
+                m, l, a = rlk_attn_wg_walk(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, kbase, col, first,
+                                           nb, gl.maximum(first, sp * SB) - first, sp * SB + SB - 1 - first, f0, f1,
+                                           pos, wlo, kpos0, qk_scale, BM, BN, HEAD_D, K_ST, V_ST, s_layout, o_layout,
+                                           p_layout, row_s, row_o)
+                ptrs = rlk_attn_wg_scratch(scr, BM, HEAD_D, o_layout)
+                if sp > s_first:
+                    A = gl.load(ptrs)
+                else:
+                    A = gl.zeros([BM, HEAD_D], gl.float32, o_layout)
+                M, L, A = rlk_attn_wg_merge(M, L, A, gl.convert_layout(m, row_o), gl.convert_layout(l, row_o), a)
+                gl.store(ptrs, A)
+            m, l, a = rlk_attn_wg_walk(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, kbase, col, first, nb,
+                                       gl.maximum(first, s_last * SB) - first, nb - 1, f0, f1, pos, wlo, kpos0,
+                                       qk_scale, BM, BN, HEAD_D, K_ST, V_ST, s_layout, o_layout, p_layout, row_s,
+                                       row_o)
+            m_o = gl.convert_layout(m, row_o)
+            l_o = gl.convert_layout(l, row_o)
+            if s_last > s_first:
+                M, L, A = rlk_attn_wg_merge(M, L, gl.load(rlk_attn_wg_scratch(scr, BM, HEAD_D, o_layout)), m_o, l_o, a)
+            else:
+                M = m_o
+                L = l_o
+                A = a
+        else:
+            # every block in one KV split: no merge (merging one split into the initial state is an
+            # exact identity, kernels.rlk_attn_fwd)
+            m, l, A = rlk_attn_wg_walk(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, kbase, col, first, nb,
+                                       0, nb - 1, f0, f1, pos, wlo, kpos0, qk_scale, BM, BN, HEAD_D, K_ST, V_ST,
+                                       s_layout, o_layout, p_layout, row_s, row_o)
+            M = gl.convert_layout(m, row_o)
+            L = gl.convert_layout(l, row_o)
         for i in gl.static_range(K_ST):
             mbarrier.invalidate(k_bars.index(i))
         for i in gl.static_range(V_ST):
             mbarrier.invalidate(v_bars.index(i))
 
-        m_o = gl.convert_layout(m, row_o)
-        l_o = gl.convert_layout(l, row_o)
-        if MULTI:
-            if last // SB > first // SB:
-                M, L, A = rlk_attn_wg_merge(M, L, gl.load(rlk_attn_wg_scratch(scr, BM, HEAD_D, o_layout)), m_o, l_o,
-                                            acc)
-            else:
-                M = m_o
-                L = l_o
-                A = acc
-        else:
-            M = m_o
-            L = l_o
-            A = acc
         # kernels.rlk_attn_finish (stored through a blocked layout: storing from the accumulator's
         # registers measured slower, 263 -> 301 us at 32 x 512, session 13 run 6)
         r = gl.div_rn(gl.full([BM], 1.0, gl.float32, row_o), L)
         o = gl.convert_layout(A * gl.expand_dims(r, 1), io_layout)
+        # the rows again (nb >> 30 is 0: see rlk_attn_wg_rows_io)
+        valid_io, tok_io, head_io, q_off = rlk_attn_wg_rows_io(u0, u1, tok0, kvh, nb >> 30, G, HQ, HEAD_D, BM, row_io)
         omask = gl.expand_dims(valid_io, 1)
         optr = gl.expand_dims(q_off, 1) + gl.expand_dims(offs_d, 0)
         gl.store(out_ptr + optr, o.to(out_ptr.dtype.element_ty), mask=omask)
