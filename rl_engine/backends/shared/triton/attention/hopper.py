@@ -53,12 +53,13 @@ BLOCK_M = 64
 #: The launch configuration by whether the launch merges KV splits (``MULTI``: some sequence is
 #: longer than one split): TMA ring slots for key and value blocks (16 KiB each, ``Q`` 16 KiB) and
 #: the register cap per thread (``maxnreg``; ``None``: the compiler's choice). One key and two value
-#: slots (64 KiB) at 160 registers let three programs share an SM instead of two (session 14: at
-#: 32 x 512, 0.70 -> 0.83 of SDPA in run 2, where two key slots and one value slot gave 0.79).
-#: Without merges the kernel fits 160 registers without spilling; with them, the walks do and the
-#: merge between walks spills ~90 bytes (offline sm_90 compile), none of it inside a walk's loop.
-#: Every entry gives the same bits (the order of operations does not depend on it; the GPU test
-#: runs the shipped entries and two uncapped slots each); the probe tool
+#: slots (64 KiB) at 160 registers let three programs share an SM instead of two; without merges
+#: the kernel fits 160 registers without spilling, with them the walks do and the merges between
+#: walks spill 84-92 bytes, none inside a walk's loop (offline sm_90 compile). H200, session 14
+#: run 6 (the probe, three programs against two uncapped slots each): 0.69 -> 0.83 of SDPA at
+#: 32 x 512, 0.69 -> 0.77 at 4 x 4096; two key slots and one value slot gave 0.79 at 32 x 512
+#: (run 2). Every entry gives the same bits (the order of operations does not depend on it; the
+#: GPU test runs the shipped entries and two uncapped slots each); the probe tool
 #: ``tools/benchmarking/attention_wg_gpu.py`` checks and times others.
 CONFIGS: dict[bool, tuple[int, int, int | None]] = {False: (1, 2, 160), True: (1, 2, 160)}
 
