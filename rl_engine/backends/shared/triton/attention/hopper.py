@@ -43,8 +43,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 KERNEL_NAMES = ("rlk_attn_fwd_wg",)
 #: ``@gluon.jit`` device functions (inlined into the kernel, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_wg_exp2", "rlk_attn_wg_rowsum", "rlk_attn_wg_merge", "rlk_attn_wg_softmax",
-                    "rlk_attn_wg_scratch", "rlk_attn_wg_rows_io", "rlk_attn_wg_walk",
-                    "rlk_attn_wg_load")
+                    "rlk_attn_wg_scratch", "rlk_attn_wg_rows_io", "rlk_attn_wg_pv",
+                    "rlk_attn_wg_walk", "rlk_attn_wg_load")
 
 #: key-block rows (``kernels.KV_BLOCK``) and the tile's query rows (one warpgroup, 16 rows a warp;
 #: 128-row tiles of two warpgroups were measured slower: session 13 run 3)
@@ -153,6 +153,18 @@ def rlk_attn_wg_rows_io(u0, u1, tok0, kvh, zero, G: gl.constexpr, HQ, HEAD_D: gl
 
 
 @gluon.jit
+def rlk_attn_wg_pv(p, alpha, acc, v_smem, v_bars, j, V_ST: gl.constexpr, p_layout: gl.constexpr,
+                   row_o: gl.constexpr):
+    """Issue block ``j``'s ``P·V`` (asynchronous; returns its token): ``P`` rounded to the value
+    dtype into the ``wgmma`` operand registers, the accumulator rescaled by ``α`` (the product's
+    accumulator input), then the product once the value block has arrived."""
+    pv = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    mbarrier.wait(v_bars.index(j % V_ST), phase=(j // V_ST) & 1)
+    return warpgroup_mma(pv, v_smem.index(j % V_ST), acc, is_async=True)
+
+
+@gluon.jit
 def rlk_attn_wg_walk(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, kbase, col, first, nb, j0, j1, f0, f1, pos,
                      wlo, kpos0, qk_scale, BM: gl.constexpr, BN: gl.constexpr, HEAD_D: gl.constexpr,
                      K_ST: gl.constexpr, V_ST: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
@@ -171,7 +183,6 @@ def rlk_attn_wg_walk(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, kba
     in flight across the back edge made ``ptxas`` serialise every ``wgmma``, warning C7514). The
     split's merge runs between walks, with nothing in flight: inside the pipelined order the
     accumulator, the scratch tile and the next block's scores were live at once (254 registers)."""
-    dtype: gl.constexpr = k_desc.dtype
     zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
     mbarrier.wait(k_bars.index(j0 % K_ST), phase=(j0 // K_ST) & 1)
     s_tok = warpgroup_mma(q_smem, k_smem.index(j0 % K_ST).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -186,10 +197,7 @@ def rlk_attn_wg_walk(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, kba
         jn = j + 1
         mbarrier.wait(k_bars.index(jn % K_ST), phase=(jn // K_ST) & 1)
         s_tok = warpgroup_mma(q_smem, k_smem.index(jn % K_ST).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        pv = gl.convert_layout(p.to(dtype), p_layout)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        mbarrier.wait(v_bars.index(j % V_ST), phase=(j // V_ST) & 1)
-        acc_tok = warpgroup_mma(pv, v_smem.index(j % V_ST), acc, is_async=True)
+        acc_tok = rlk_attn_wg_pv(p, alpha, acc, v_smem, v_bars, j, V_ST, p_layout, row_o)
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
         # block j + 1's key slot is free: it takes block j + 1 + K_ST
         rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, jn + K_ST, nb, K_ST, V_ST,
@@ -200,11 +208,7 @@ def rlk_attn_wg_walk(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, kba
         rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, j + V_ST, nb, K_ST, V_ST,
                          False)
     # the walk's last block
-    pv = gl.convert_layout(p.to(dtype), p_layout)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    mbarrier.wait(v_bars.index(j1 % V_ST), phase=(j1 // V_ST) & 1)
-    acc_tok = warpgroup_mma(pv, v_smem.index(j1 % V_ST), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+    acc = warpgroup_mma_wait(0, deps=(rlk_attn_wg_pv(p, alpha, acc, v_smem, v_bars, j1, V_ST, p_layout, row_o), ))
     rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, j1 + V_ST, nb, K_ST, V_ST,
                      False)
     return m, l, acc
