@@ -28,13 +28,19 @@ def main(argv=None) -> int:
     ap.add_argument("--train", action="store_true", help="the training forward (fp32 output and lse stored)")
     ap.add_argument("--heads", default="32x8", help="query heads x kv heads (head dim 128)")
     args = ap.parse_args(argv)
+    try:
+        B, S = (int(x) for x in args.shape.split("x"))
+        hq, hkv = (int(x) for x in args.heads.split("x"))
+    except ValueError:
+        ap.error(f"--shape BxS and --heads HQxHKV with positive integers, got {args.shape!r}, {args.heads!r}")
+    if min(B, S, hq, hkv) < 1 or hq % hkv:
+        ap.error(f"--shape and --heads: positive sizes and query heads a multiple of kv heads, got "
+                 f"{args.shape!r}, {args.heads!r}")
     if not torch.cuda.is_available():
         print("attention_profile_once: needs a CUDA GPU", file=sys.stderr)
         return 2
     from rl_engine.backends.shared.triton.attention import kernels as K
 
-    B, S = (int(x) for x in args.shape.split("x"))
-    hq, hkv = (int(x) for x in args.heads.split("x"))
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn((B * S, h, 128), device="cuda", generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
     cu = torch.arange(0, (B + 1) * S, S, device="cuda", dtype=torch.int32)
