@@ -46,21 +46,7 @@ def _variant(var):
     ``rows``-row tiles and the register cap ``regs`` (``None``: the compiler's choice)."""
     from rl_engine.backends.shared.triton.attention import hopper
 
-    @contextlib.contextmanager
-    def scope():
-        saved = dict(hopper.CONFIGS), hopper.BLOCK_M
-        if var is not None:
-            ks_, vs_, rows, regs = var
-            hopper.CONFIGS.update({False: (ks_, vs_, regs), True: (ks_, vs_, regs)})
-            hopper.BLOCK_M = rows
-        try:
-            yield
-        finally:
-            hopper.CONFIGS.clear()
-            hopper.CONFIGS.update(saved[0])
-            hopper.BLOCK_M = saved[1]
-
-    return scope()
+    return contextlib.nullcontext() if var is None else hopper.configured(var[0], var[1], var[3], var[2])
 
 
 def _tag(var) -> str:

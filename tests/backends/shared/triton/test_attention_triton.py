@@ -1784,21 +1784,12 @@ WG_CASES = {
 }
 
 
-@contextlib.contextmanager
 def _wg_configs(which: str):
     """``hopper.CONFIGS`` as shipped, or ``"two_slots"``: every launch with two key and two value
-    ring slots and no register cap (session 13's configuration, two programs per SM), restored
-    after."""
+    ring slots and no register cap (session 13's configuration, two programs per SM)."""
     from rl_engine.backends.shared.triton.attention import hopper
 
-    saved = dict(hopper.CONFIGS)
-    if which == "two_slots":
-        hopper.CONFIGS.update({False: (2, 2, None), True: (2, 2, None)})
-    try:
-        yield
-    finally:
-        hopper.CONFIGS.clear()
-        hopper.CONFIGS.update(saved)
+    return hopper.configured(2, 2, None) if which == "two_slots" else contextlib.nullcontext()
 
 
 @gpu

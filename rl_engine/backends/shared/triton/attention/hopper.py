@@ -33,6 +33,9 @@ Import this module only to launch (``kernels.attend``): it imports ``triton.expe
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -62,6 +65,25 @@ BLOCK_M = 64
 #: GPU test runs the shipped entries and two uncapped slots each); the probe tool
 #: ``tools/benchmarking/attention_wg_gpu.py`` checks and times others.
 CONFIGS: dict[bool, tuple[int, int, int | None]] = {False: (1, 2, 160), True: (1, 2, 160)}
+
+
+@contextlib.contextmanager
+def configured(k_slots: int, v_slots: int, max_registers: int | None, block_m: int | None = None) -> Iterator[None]:
+    """Every launch inside the block with ``k_slots`` key and ``v_slots`` value ring slots, the
+    register cap ``max_registers`` (``None``: the compiler's choice) and, if given, ``block_m``-row
+    tiles; ``CONFIGS`` and ``BLOCK_M`` restored in ``finally``. For tests and the probe tool: every
+    configuration gives the same bits."""
+    global BLOCK_M
+    saved = dict(CONFIGS), BLOCK_M
+    CONFIGS.update({False: (k_slots, v_slots, max_registers), True: (k_slots, v_slots, max_registers)})
+    if block_m is not None:
+        BLOCK_M = block_m
+    try:
+        yield
+    finally:
+        CONFIGS.clear()
+        CONFIGS.update(saved[0])
+        BLOCK_M = saved[1]
 
 
 @gluon.jit
@@ -398,5 +420,5 @@ def launch(q, k, v, out, out32, lse, scr, tab, page_rows, G, window, qk_scale, *
     )
 
 
-__all__ = ["BLOCK_M", "CONFIGS", "DEVICE_FUNCTIONS", "KERNEL_NAMES", "descriptors", "launch",
+__all__ = ["BLOCK_M", "CONFIGS", "DEVICE_FUNCTIONS", "KERNEL_NAMES", "configured", "descriptors", "launch",
            "rlk_attn_fwd_wg"]
