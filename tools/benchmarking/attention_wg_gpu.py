@@ -6,16 +6,20 @@ with the warpgroup kernel and with ``kernels.wg_forward(False)`` (the Triton ker
 and must move rows). Then it times, in CUDA graphs, SDPA, the Triton kernel and the warpgroup
 kernel in each configuration (``--stages``: the shipped ``hopper.CONFIGS``, or ring depths, tile
 rows and a register cap for every launch), output-only and training forward, and writes JSON rows
-(``--out``). A tool for choosing ``hopper.CONFIGS`` and for a first look; the benchmark of record
+(``--out``). ``--baseline FILE`` adds another version of ``hopper.py`` (e.g. the previous commit's,
+``git show HEAD~1:rl_engine/backends/shared/triton/attention/hopper.py > /tmp/hopper_prev.py``),
+checked and timed with its own ``CONFIGS`` in the same run (stage ``baseline``). A tool for choosing ``hopper.CONFIGS`` and for a first look; the benchmark of record
 is ``benchmarks/operators/bench_attention_gpu.py`` (rows ``.no_wg``).
 
     python tools/benchmarking/attention_wg_gpu.py --out /tmp/wg.json
+    python tools/benchmarking/attention_wg_gpu.py --out /tmp/wg.json --stages shipped --baseline /tmp/hopper_prev.py
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -40,18 +44,52 @@ def _case(lens, hq, hkv, dtype, window, seed):
     return q, k, v, cu, window
 
 
+_HOPPER = "rl_engine.backends.shared.triton.attention.hopper"
+
+
+@contextlib.contextmanager
+def _kernel_from(module):
+    """``kernels.varlen_forward`` launches ``module``'s warpgroup kernel inside the block (it
+    imports ``hopper`` at each call): the package attribute and ``sys.modules`` entry are swapped
+    and restored in ``finally``."""
+    from rl_engine.backends.shared.triton import attention
+    from rl_engine.backends.shared.triton.attention import hopper
+
+    saved = hopper, sys.modules[_HOPPER]
+    attention.hopper = sys.modules[_HOPPER] = module
+    try:
+        yield
+    finally:
+        attention.hopper, sys.modules[_HOPPER] = saved
+
+
+def _load_baseline(path: Path):
+    """``path`` (a version of ``hopper.py``) imported as its own module: its kernels compile apart."""
+    spec = importlib.util.spec_from_file_location("rlk_hopper_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _variant(var):
     """``hopper``'s configuration for a block (restored after): ``None`` keeps the shipped
     ``hopper.CONFIGS``; ``(K, V, rows, regs)`` sets every launch to K key and V value ring slots,
-    ``rows``-row tiles and the register cap ``regs`` (``None``: the compiler's choice)."""
+    ``rows``-row tiles and the register cap ``regs`` (``None``: the compiler's choice); a module
+    (``--baseline``) launches that version of the kernel with its own ``CONFIGS``."""
     from rl_engine.backends.shared.triton.attention import hopper
 
-    return contextlib.nullcontext() if var is None else hopper.configured(var[0], var[1], var[3], var[2])
+    if var is None:
+        return contextlib.nullcontext()
+    if not isinstance(var, tuple):
+        return _kernel_from(var)
+    return hopper.configured(var[0], var[1], var[3], var[2])
 
 
 def _tag(var) -> str:
     if var is None:
         return "shipped"
+    if not isinstance(var, tuple):
+        return "baseline"
     return "k{}v{}@{}".format(*var[:3]) + (f"r{var[3]}" if var[3] else "")
 
 
@@ -141,8 +179,12 @@ def main(argv=None) -> int:
                     help="configurations to check bits at and to time: 'shipped' (hopper.CONFIGS) or "
                          "KxVxROWS[rREGS] for every launch (e.g. 2x1x64r160: 2 key slots, 1 value slot, "
                          "64-row tiles, maxnreg 160)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="another version of hopper.py, checked and timed beside the stages with its own CONFIGS")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
+    if args.baseline is not None and not args.baseline.is_file():
+        ap.error(f"--baseline: no such file {str(args.baseline)!r}")
     if not torch.cuda.is_available():
         print("attention_wg_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -154,6 +196,8 @@ def main(argv=None) -> int:
         if rows not in (64, 128) or ks_ < 1 or vs_ < 1 or (regs is not None and not 24 <= regs <= 256):
             ap.error(f"--stages: K and V depths >= 1, 64 or 128 tile rows, a register cap in 24..256; got "
                      f"{ks_}x{vs_}x{rows}r{regs}")
+    if args.baseline is not None:
+        stages.append(_load_baseline(args.baseline))
     cases = [
         ("32x512 G4 bf16", _case([512] * 32, 32, 8, torch.bfloat16, None, 1)),
         ("4x4096 G4 bf16", _case([4096] * 4, 32, 8, torch.bfloat16, None, 2)),

@@ -261,8 +261,11 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
                     STORE_F32: gl.constexpr, STORE_LSE: gl.constexpr, MULTI: gl.constexpr, SB: gl.constexpr,
                     K_ST: gl.constexpr, V_ST: gl.constexpr, BLOCK_ROWS: gl.constexpr):
     """Grid (tiles, kv heads): tile ``t``'s rows ``(token, g)`` of one sequence (the tile table of
-    ``kernels.varlen_tiles``), over the key blocks ``first .. last`` of the tile in increasing
-    order, split by split (``SB`` blocks each), as ``kernels.rlk_attn_fwd`` does."""
+    ``kernels.varlen_tiles``; program ``i`` takes tile ``tiles - 1 - i``), over the key blocks
+    ``first .. last`` of the tile in increasing order, split by split (``SB`` blocks each), as
+    ``kernels.rlk_attn_fwd`` does. The first key and value copies are issued before the tile's
+    ``Q`` rows are loaded; ``first``, ``last`` and the unmasked run ``f0 .. f1`` come from the
+    table's scalars (the tile's first and last valid rows), not from reductions over the rows."""
     BM: gl.constexpr = BLOCK_ROWS
     NW: gl.constexpr = BLOCK_ROWS // 16
     BN: gl.constexpr = 64
@@ -279,36 +282,38 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
     dtype: gl.constexpr = k_desc.dtype
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_D], dtype)
 
-    t = gl.program_id(0)
+    # the table's last tile first: a sequence's tiles are listed in increasing position, so under
+    # causal masks the programs launch heaviest first and the grid's last wave is its lightest
+    t = gl.num_programs(0) - 1 - gl.program_id(0)
     kvh = gl.program_id(1).to(gl.int64)
     t64 = t.to(gl.int64)
     seq = gl.load(tab_ptr + t64 * 4)
     u0 = gl.load(tab_ptr + t64 * 4 + 1)
     u1 = gl.load(tab_ptr + t64 * 4 + 2)
     pbase = gl.load(tab_ptr + t64 * 4 + 3)
+    kbase = gl.load(pr_ptr + seq * pr_stride).to(gl.int64)
     tok0 = u0 // G
 
-    # the tile's rows, in the score rows' layout (masks, state) and in the load/store layout
-    rel_s = (u0 - tok0 * G).to(gl.int32) + gl.arange(0, BM, layout=row_s)
-    valid_s = gl.arange(0, BM, layout=row_s).to(gl.int64) < u1 - u0
-    tok_s = tok0 + rel_s // G
-    pos = gl.where(valid_s, tok_s - pbase, 0).to(gl.int32)
+    # the valid rows' extremes from the table's scalars: positions (and window starts) do not
+    # decrease along the rows, so the first valid row holds the least and row u1 - u0 - 1 the
+    # greatest (the minima and maxima over the rows, without a reduction across the warps)
+    p_lo = (tok0 - pbase).to(gl.int32)
+    p_hi = ((u1 - 1) // G - pbase).to(gl.int32)
     if HAS_WINDOW:
-        wlo = gl.maximum(pos - W + 1, 0)
+        w_lo = gl.maximum(p_lo - W + 1, 0)
+        w_hi = gl.maximum(p_hi - W + 1, 0)
     else:
-        wlo = gl.zeros_like(pos)
-    first = gl.min(gl.where(valid_s, wlo // 64, 1 << 30), axis=0)
-    last = gl.max(gl.where(valid_s, pos // 64, -1), axis=0)
+        w_lo = 0
+        w_hi = 0
+    first = w_lo // 64
+    last = gl.where(u1 > u0, p_hi // 64, -1)
     if last >= 0:
         # blocks every valid row sees entirely: f0 .. f1 (unmasked steps); the others masked
-        f0 = (gl.max(gl.where(valid_s, wlo, 0), axis=0) + 63) // 64
-        f1 = (gl.min(gl.where(valid_s, pos, 1 << 30), axis=0) + 1) // 64 - 1
+        f0 = (w_hi + 63) // 64
+        f1 = (p_lo + 1) // 64 - 1
 
-        valid_io, tok_io, head_io, q_off = rlk_attn_wg_rows_io(u0, u1, tok0, kvh, 0, G, HQ, HEAD_D, BM, row_io)
-        offs_d = gl.arange(0, HEAD_D, layout=col_io)
-        q = gl.load(q_ptr + gl.expand_dims(q_off, 1) + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(valid_io, 1),
-                    other=0.0)
-        q_smem = gl.allocate_shared_memory(dtype, [BM, HEAD_D], q_smem_layout, q)
+        # the first key and value copies are issued before the tile's Q rows are loaded, so that
+        # both latencies overlap (a short sequence's tile is mostly its first copies' wait)
         k_smem = gl.allocate_shared_memory(dtype, [K_ST, BN, HEAD_D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [V_ST, BN, HEAD_D], v_desc.layout)
         k_bars = gl.allocate_shared_memory(gl.int64, [K_ST, 1], mbarrier.MBarrierLayout())
@@ -318,8 +323,6 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
         for i in gl.static_range(V_ST):
             mbarrier.init(v_bars.index(i), count=1)
         fence_async_shared()
-
-        kbase = gl.load(pr_ptr + seq * pr_stride).to(gl.int64)
         col = (kvh * HEAD_D).to(gl.int32)
         nb = last - first + 1
         for i in gl.static_range(K_ST):
@@ -329,6 +332,22 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
             rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, i, nb, K_ST, V_ST,
                              False)
 
+        valid_io, tok_io, head_io, q_off = rlk_attn_wg_rows_io(u0, u1, tok0, kvh, 0, G, HQ, HEAD_D, BM, row_io)
+        offs_d = gl.arange(0, HEAD_D, layout=col_io)
+        q = gl.load(q_ptr + gl.expand_dims(q_off, 1) + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(valid_io, 1),
+                    other=0.0)
+        q_smem = gl.allocate_shared_memory(dtype, [BM, HEAD_D], q_smem_layout, q)
+        fence_async_shared()
+
+        # the tile's rows in the score rows' layout: positions and window starts, for the masks
+        rel_s = (u0 - tok0 * G).to(gl.int32) + gl.arange(0, BM, layout=row_s)
+        valid_s = gl.arange(0, BM, layout=row_s).to(gl.int64) < u1 - u0
+        tok_s = tok0 + rel_s // G
+        pos = gl.where(valid_s, tok_s - pbase, 0).to(gl.int32)
+        if HAS_WINDOW:
+            wlo = gl.maximum(pos - W + 1, 0)
+        else:
+            wlo = gl.zeros_like(pos)
         kpos0 = gl.arange(0, BN, layout=col_s)
         if MULTI:
             # kernels.rlk_attn_fwd's order: each KV split walked on its own and merged into
