@@ -194,6 +194,39 @@ def cuda_graph_ms(fn: Callable[[], Any], *, calls: int, repeats: int, warmup: in
     return out
 
 
+def cuda_graphs_interleaved_ms(fns: Mapping[str, Callable[[], Any]], *, calls: int, repeats: int,
+                               warmup: int = 1) -> dict[str, list[float]]:
+    """``cuda_graph_ms`` of several callables, replayed round-robin: each is warmed up and captured
+    (``calls`` times in one graph) first, then round ``r`` replays every graph once, starting at a
+    rotating offset, so that clock and temperature drift over the run falls on all candidates
+    alike (timed one after another, the last ones ran on a hotter GPU). Returns per-call device
+    times (ms), ``repeats`` samples each."""
+    if calls < 1 or repeats < 1:
+        raise ValueError(f"calls, repeats: expected >= 1, got {calls}, {repeats}")
+    if not fns:
+        raise ValueError("fns: expected at least one callable")
+    names = list(fns)
+    graphs = {}
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+        torch.cuda.synchronize()
+        graphs[name] = capture_cuda_graph(fns[name], calls=calls)[0]
+        graphs[name].replay()
+        torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            graphs[name].replay()
+            e1.record()
+            e1.synchronize()
+            samples[name].append(e0.elapsed_time(e1) / calls)
+    return samples
+
+
 def measure(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 20, device: str = "cpu") -> Stats:
     """Timing statistics of ``fn()`` in **milliseconds**."""
     return summarize(time_samples(fn, warmup=warmup, repeats=repeats, device=device)).scaled(1e3)

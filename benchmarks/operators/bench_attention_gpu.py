@@ -41,8 +41,10 @@ Rows ending ``.no_pdl`` (prefill output-only and both decode launchers) are the 
 every kernel launched plainly (``kernels.PDL = False``), side by side with the default's
 programmatic dependent launch.
 
-Timing: ``prefill`` and ``decode`` are captured ``n`` times in a CUDA graph and replayed (device
-time, no Python launch overhead; per call = replay time / n); ``train`` (autograd, milliseconds
+Timing: ``prefill`` and ``decode`` are captured ``n`` times in a CUDA graph per implementation,
+and the graphs of a case are replayed round-robin (``harness.cuda_graphs_interleaved_ms``: clock
+drift over the case falls on SDPA and every candidate alike; device time, no Python launch
+overhead; per call = replay time / n); ``train`` (autograd, milliseconds
 of work per call) is timed eagerly. Warm-up calls (compilation included) are excluded; every
 sample is one replay / loop, ``--repeats`` samples, rows carry p20/p50/p80 in ms (harness rows)
 plus ``time_ratio`` = ours / SDPA p50 and ``throughput_ratio`` = its inverse. The rl-kernel
@@ -80,7 +82,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common.harness import cuda_graph_ms, device_info, make_row, summarize, versions, write_report  # noqa: E402,E501
+from benchmarks.common.harness import (cuda_graphs_interleaved_ms, device_info, make_row, summarize,  # noqa: E402
+                                      versions, write_report)
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -315,14 +318,17 @@ def run(quick: bool, repeats: int, all_configs: bool = False,
         impls, work, cfg = make()
         mode = "eager" if kind == "train" else "graph"
         n = 3 if kind == "train" else (20 if kind == "decode" else 5)
-        res = {}
-        for name, fn in impls.items():
-            ts = (time_eager(fn, n=n, repeats=repeats) if mode == "eager"
-                  else cuda_graph_ms(fn, calls=n, repeats=repeats, warmup=3))
-            res[name] = summarize(ts)
+        if mode == "graph":
+            # replayed round-robin: clock drift over the case falls on SDPA and every candidate alike
+            res = {name: summarize(ts)
+                   for name, ts in cuda_graphs_interleaved_ms(impls, calls=n, repeats=repeats, warmup=3).items()}
+        else:
+            res = {name: summarize(time_eager(fn, n=n, repeats=repeats)) for name, fn in impls.items()}
         base = res["torch.sdpa"].median
         for name, st in res.items():
-            extra = {"kind": kind, "timing": f"{mode} (CUDA graph of {n} calls)" if mode == "graph" else f"eager loop of {n}",
+            extra = {"kind": kind,
+                     "timing": f"{mode} (CUDA graphs of {n} calls, replayed round-robin)" if mode == "graph"
+                     else f"eager loop of {n}",
                      "time_ratio": round(st.median / base, 4), "throughput_ratio": round(base / st.median, 4)}
             if kind == "decode":
                 extra["kv_TB_per_s"] = round(work / (st.median * 1e-3) / 1e12, 3)

@@ -144,6 +144,10 @@ def test_markdown_tables_pair_rows_by_config():
 
 def test_cuda_graph_ms_rejects_bad_counts():
     with pytest.raises(ValueError, match="calls, repeats"):
+        harness.cuda_graphs_interleaved_ms({"a": lambda: None}, calls=1, repeats=0)
+    with pytest.raises(ValueError, match="fns"):
+        harness.cuda_graphs_interleaved_ms({}, calls=1, repeats=3)
+    with pytest.raises(ValueError, match="calls, repeats"):
         harness.cuda_graph_ms(lambda: None, calls=0, repeats=3)
 
 
@@ -155,3 +159,13 @@ def test_cuda_graph_ms_times_each_replay_per_call():
     assert len(one) == len(ten) == 5 and all(t > 0 for t in one + ten)
     # per-call time: ten captured calls are not ten times one call's time
     assert sorted(ten)[2] < 5 * sorted(one)[2]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_interleaved_ms_times_every_callable_per_call():
+    small, big = torch.randn(1 << 16, device="cuda"), torch.randn(1 << 24, device="cuda")
+    got = harness.cuda_graphs_interleaved_ms({"small": lambda: small.mul_(1.0), "big": lambda: big.mul_(1.0)},
+                                             calls=4, repeats=7)
+    assert set(got) == {"small", "big"} and all(len(v) == 7 and min(v) > 0 for v in got.values())
+    # 256x the bytes: the medians must order (a broken pairing of names and graphs would not)
+    assert sorted(got["big"])[3] > 4 * sorted(got["small"])[3]

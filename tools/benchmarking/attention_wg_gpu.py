@@ -3,10 +3,11 @@
 For each case (packed causal sequences, GQA group, window, dtype) it runs ``kernels.varlen_forward``
 with the warpgroup kernel and with ``kernels.wg_forward(False)`` (the Triton kernel) and compares
 ``out``, ``lse`` and the fp32 output raw-bit (integer views; a negative control perturbs one key
-and must move rows). Then it times, in CUDA graphs, SDPA, the Triton kernel and the warpgroup
-kernel in each configuration (``--stages``: the shipped ``hopper.CONFIGS``, or ring depths, tile
-rows and a register cap for every launch), output-only and training forward, and writes JSON rows
-(``--out``). ``--baseline FILE`` adds another version of ``hopper.py`` (e.g. the previous commit's,
+and must move rows). Then it times, in CUDA graphs replayed round-robin
+(``cuda_graphs_interleaved_ms``: drift over the run falls on every candidate alike), SDPA, the
+Triton kernel and the warpgroup kernel in each configuration (``--stages``: the shipped
+``hopper.CONFIGS``, or ring depths, tile rows and a register cap for every launch), output-only
+and training forward, and writes JSON rows (``--out``). ``--baseline FILE`` adds another version of ``hopper.py`` (e.g. the previous commit's,
 ``git show HEAD~1:rl_engine/backends/shared/triton/attention/hopper.py > /tmp/hopper_prev.py``),
 checked and timed with its own ``CONFIGS`` in the same run (stage ``baseline``). A tool for choosing ``hopper.CONFIGS`` and for a first look; the benchmark of record
 is ``benchmarks/operators/bench_attention_gpu.py`` (rows ``.no_wg``).
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common.harness import cuda_graph_ms, device_info, summarize, versions  # noqa: E402
+from benchmarks.common.harness import cuda_graphs_interleaved_ms, device_info, summarize, versions  # noqa: E402
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -160,7 +161,8 @@ def timing(stages, repeats: int) -> list[dict]:
                         return K.varlen_forward(q, k, v, cu, 128**-0.5, None, max_seqlen=S, for_backward=fb)
 
                 impls[f"wg.{_tag(var)}.{tag}"] = wg
-        res = {n: summarize(cuda_graph_ms(f, calls=5, repeats=repeats, warmup=3)) for n, f in impls.items()}
+        res = {n: summarize(v) for n, v in cuda_graphs_interleaved_ms(impls, calls=5, repeats=repeats,
+                                                                         warmup=3).items()}
         base = res["torch.sdpa"].median
         for n, st in res.items():
             row = {"case": f"prefill {B}x{S}", "implementation": n, "median_us": round(st.median * 1e3, 1),
