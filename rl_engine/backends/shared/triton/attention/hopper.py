@@ -63,7 +63,9 @@ BLOCK_M = 64
 #: 32 x 512, 0.69 -> 0.77 at 4 x 4096; two key slots and one value slot gave 0.79 at 32 x 512
 #: (run 2). Every entry gives the same bits (the order of operations does not depend on it; the
 #: GPU test runs the shipped entries and two uncapped slots each); the probe tool
-#: ``tools/benchmarking/attention_wg_gpu.py`` checks and times others.
+#: ``tools/benchmarking/attention_wg_gpu.py`` checks and times others. A cap of 168 also fits three
+#: programs (3 × 128 × 168 registers) and timed mixed (session 15 run 1: 0.873 / 0.818 against
+#: 0.851 / 0.853 of SDPA at 32 x 512 / 4 x 4096).
 CONFIGS: dict[bool, tuple[int, int, int | None]] = {False: (1, 2, 160), True: (1, 2, 160)}
 
 
