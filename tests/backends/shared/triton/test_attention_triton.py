@@ -1802,8 +1802,9 @@ def test_warpgroup_forward_gives_the_triton_kernels_bits(case, configs):
     (``wg_forward(False)``): ``out``, lse and the fp32 output of the training forward and the
     output of the no-grad forward raw-bit equal, over KV splits (tiles past 1024 and 2048
     positions), ragged lengths at block and split edges, GQA groups 1–16, fp16, windows; with
-    ``hopper.CONFIGS`` as shipped (one key and two value slots, 160 registers) and with two slots
-    each and no register cap, so the bits are shown not to depend on the configuration. Negative
+    ``hopper.CONFIGS`` as shipped (one key and two value slots, 168 registers without merges, 160
+    with) and with two slots each and no register cap, so the bits are shown not to depend on the
+    configuration. Negative
     control: a perturbed key (one element of one row) moves the rows that see it."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 

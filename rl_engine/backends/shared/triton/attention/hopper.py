@@ -56,17 +56,17 @@ BLOCK_M = 64
 #: The launch configuration by whether the launch merges KV splits (``MULTI``: some sequence is
 #: longer than one split): TMA ring slots for key and value blocks (16 KiB each, ``Q`` 16 KiB) and
 #: the register cap per thread (``maxnreg``; ``None``: the compiler's choice). One key and two value
-#: slots (64 KiB) at 160 registers let three programs share an SM instead of two; without merges
-#: the kernel fits 160 registers without spilling, with them the walks do and the merges between
-#: walks spill 84-92 bytes, none inside a walk's loop (offline sm_90 compile). H200, session 14
+#: slots (64 KiB) at 160 or 168 registers let three programs share an SM instead of two (3 × 128 ×
+#: 168 = 64 512 of 65 536); the walks' loops do not spill at either cap (the merges between walks
+#: spill a few bytes, outside the loops; offline sm_90 compile). H200, session 14
 #: run 6 (the probe, three programs against two uncapped slots each): 0.69 -> 0.83 of SDPA at
 #: 32 x 512, 0.69 -> 0.77 at 4 x 4096; two key slots and one value slot gave 0.79 at 32 x 512
 #: (run 2). Every entry gives the same bits (the order of operations does not depend on it; the
 #: GPU test runs the shipped entries and two uncapped slots each); the probe tool
-#: ``tools/benchmarking/attention_wg_gpu.py`` checks and times others. A cap of 168 also fits three
-#: programs (3 × 128 × 168 registers) and timed mixed (session 15 run 1: 0.873 / 0.818 against
-#: 0.851 / 0.853 of SDPA at 32 x 512 / 4 x 4096).
-CONFIGS: dict[bool, tuple[int, int, int | None]] = {False: (1, 2, 160), True: (1, 2, 160)}
+#: ``tools/benchmarking/attention_wg_gpu.py`` checks and times others. Launches without merges take
+#: 168 (session 15 run 6, round-robin: 0.887 -> 0.910 of SDPA at 32 x 512); launches with merges
+#: keep 160 (run 1: 0.853 at 160 against 0.818 at 168, 4 x 4096).
+CONFIGS: dict[bool, tuple[int, int, int | None]] = {False: (1, 2, 168), True: (1, 2, 160)}
 
 
 @contextlib.contextmanager
@@ -400,7 +400,12 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
         # kernels.rlk_attn_finish (stored through a blocked layout: storing from the accumulator's
         # registers measured slower, 263 -> 301 us at 32 x 512, session 13 run 6)
         r = gl.div_rn(gl.full([BM], 1.0, gl.float32, row_o), L)
-        o = gl.convert_layout(A * gl.expand_dims(r, 1), io_layout)
+        if STORE_F32:
+            o = gl.convert_layout(A * gl.expand_dims(r, 1), io_layout)
+        else:
+            # rounded before the relayout (an elementwise rounding either way round): half the
+            # bytes through shared memory when the fp32 rows are not stored
+            o = gl.convert_layout((A * gl.expand_dims(r, 1)).to(out_ptr.dtype.element_ty), io_layout)
         # the rows again (nb >> 30 is 0: see rlk_attn_wg_rows_io)
         valid_io, tok_io, head_io, q_off = rlk_attn_wg_rows_io(u0, u1, tok0, kvh, nb >> 30, G, HQ, HEAD_D, BM, row_io)
         omask = gl.expand_dims(valid_io, 1)
