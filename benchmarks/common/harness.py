@@ -175,23 +175,7 @@ def cuda_graph_ms(fn: Callable[[], Any], *, calls: int, repeats: int, warmup: in
     """Per-call device time (ms) of ``fn`` captured ``calls`` times in one CUDA graph: one sample
     per replay, ``repeats`` replays, after ``warmup`` eager calls and one call on a side stream
     (what capture needs). Free of Python launch overhead; time measured by CUDA events."""
-    if calls < 1 or repeats < 1:
-        raise ValueError(f"calls, repeats: expected >= 1, got {calls}, {repeats}")
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    graph, _ = capture_cuda_graph(fn, calls=calls)
-    graph.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graph.replay()
-        e1.record()
-        e1.synchronize()
-        out.append(e0.elapsed_time(e1) / calls)
-    return out
+    return cuda_graphs_interleaved_ms({"fn": fn}, calls=calls, repeats=repeats, warmup=warmup)["fn"]
 
 
 def cuda_graphs_interleaved_ms(fns: Mapping[str, Callable[[], Any]], *, calls: int, repeats: int,

@@ -7,10 +7,12 @@ and must move rows). Then it times, in CUDA graphs replayed round-robin
 (``cuda_graphs_interleaved_ms``: drift over the run falls on every candidate alike), SDPA, the
 Triton kernel and the warpgroup kernel in each configuration (``--stages``: the shipped
 ``hopper.CONFIGS``, or ring depths, tile rows and a register cap for every launch), output-only
-and training forward, and writes JSON rows (``--out``). ``--baseline FILE`` adds another version of ``hopper.py`` (e.g. the previous commit's,
-``git show HEAD~1:rl_engine/backends/shared/triton/attention/hopper.py > /tmp/hopper_prev.py``),
-checked and timed with its own ``CONFIGS`` in the same run (stage ``baseline``). A tool for choosing ``hopper.CONFIGS`` and for a first look; the benchmark of record
-is ``benchmarks/operators/bench_attention_gpu.py`` (rows ``.no_wg``).
+and training forward, and writes JSON rows (``--out``). ``--baseline FILE`` adds another version
+of ``hopper.py`` (e.g. the previous commit's, ``git show
+HEAD~1:rl_engine/backends/shared/triton/attention/hopper.py > /tmp/hopper_prev.py``), checked and
+timed with its own ``CONFIGS`` in the same run (stage ``baseline``). A tool for choosing
+``hopper.CONFIGS`` and for a first look; the benchmark of record is
+``benchmarks/operators/bench_attention_gpu.py`` (rows ``.no_wg``).
 
     python tools/benchmarking/attention_wg_gpu.py --out /tmp/wg.json
     python tools/benchmarking/attention_wg_gpu.py --out /tmp/wg.json --stages shipped --baseline /tmp/hopper_prev.py
