@@ -1866,8 +1866,10 @@ def test_interpreter_warpgroup_rule_and_import_are_pure():
 def test_bounded_performance_vs_sdpa():
     """Prefill forward, bf16, Qwen3-8B heads (32 q / 8 kv, D = 128), 4 × 4096 tokens: within 4×
     of SDPA (causal, GQA) time in the same run (CUDA graphs). A regression guard, not the
-    target: measured 2.8–3.1× on the H200 (reports/gpu/README.md); the throughput target
-    (≥ 0.9× SDPA) is not met and is tracked by benchmarks/operators/bench_attention_gpu.py."""
+    target: this is the training forward (fp32 output and lse stored too), measured 1.37× and
+    1.33× SDPA's time on the H200 (session 15 runs 4 and 8, ``bounded_perf_attention`` evidence);
+    the throughput target (≥ 0.9× SDPA) is tracked by benchmarks/operators/bench_attention_gpu.py
+    (reports/gpu/README.md)."""
     import torch.nn.functional as F
 
     from rl_engine.backends.shared.triton.attention import kernels as K
