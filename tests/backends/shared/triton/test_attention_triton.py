@@ -1862,6 +1862,27 @@ def test_interpreter_warpgroup_rule_and_import_are_pure():
     assert out.stdout.strip() == "0", out
 
 
+@interp
+def test_interpreter_hopper_configured_restores_its_tables():
+    """``hopper.configured`` (host-side only: importing ``hopper`` compiles nothing) sets every
+    launch's ring slots and register cap and the tile rows inside its block, and restores
+    ``CONFIGS`` and ``BLOCK_M`` after it, also when the block raises (the bits test and the probe
+    tool rely on it to leave the shipped table as it was)."""
+    from rl_engine.backends.shared.triton.attention import hopper
+
+    before = dict(hopper.CONFIGS), hopper.BLOCK_M
+    assert before[0][False] != (2, 2, None) and before[1] != 128
+    with pytest.raises(RuntimeError, match="inside the block"):
+        with hopper.configured(2, 2, None, block_m=128):
+            assert hopper.CONFIGS == {False: (2, 2, None), True: (2, 2, None)}
+            assert hopper.BLOCK_M == 128
+            raise RuntimeError("inside the block")
+    assert (dict(hopper.CONFIGS), hopper.BLOCK_M) == before
+    with hopper.configured(1, 1, 96):
+        assert hopper.CONFIGS[False] == hopper.CONFIGS[True] == (1, 1, 96) and hopper.BLOCK_M == before[1]
+    assert (dict(hopper.CONFIGS), hopper.BLOCK_M) == before
+
+
 @gpu
 def test_bounded_performance_vs_sdpa():
     """Prefill forward, bf16, Qwen3-8B heads (32 q / 8 kv, D = 128), 4 × 4096 tokens: within 4×
