@@ -57,8 +57,9 @@ BLOCK_M = 64
 #: longer than one split): TMA ring slots for key and value blocks (16 KiB each, ``Q`` 16 KiB) and
 #: the register cap per thread (``maxnreg``; ``None``: the compiler's choice). One key and two value
 #: slots (64 KiB) at 160 or 168 registers let three programs share an SM instead of two (3 × 128 ×
-#: 168 = 64 512 of 65 536); the walks' loops do not spill at either cap (the merges between walks
-#: spill a few bytes, outside the loops; offline sm_90 compile). H200, session 14
+#: 168 = 64 512 of 65 536); the walks' loops do not spill at the shipped caps, except one reloaded
+#: loop invariant a trip with a window and merges (the merges between walks spill a few bytes,
+#: outside the loops; offline sm_90 compile, reports/gpu/README.md session 15). H200, session 14
 #: run 6 (the probe, three programs against two uncapped slots each): 0.69 -> 0.83 of SDPA at
 #: 32 x 512, 0.69 -> 0.77 at 4 x 4096; two key slots and one value slot gave 0.79 at 32 x 512
 #: (run 2). Every entry gives the same bits (the order of operations does not depend on it; the
