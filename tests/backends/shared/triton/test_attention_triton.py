@@ -1804,8 +1804,8 @@ def test_warpgroup_forward_gives_the_triton_kernels_bits(case, configs):
     positions), ragged lengths at block and split edges, GQA groups 1–16, fp16, windows; with
     ``hopper.CONFIGS`` as shipped (one key and two value slots, 168 registers without merges, 160
     with) and with two slots each and no register cap, so the bits are shown not to depend on the
-    configuration. Negative
-    control: a perturbed key (one element of one row) moves the rows that see it."""
+    configuration. Negative control: a perturbed key (one element of one row) moves the rows that
+    see it."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     lens, hkv, g, dtype, window = WG_CASES[case]
