@@ -17,7 +17,8 @@ Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
   first (``rlk_attn_tiles``, what a step of mixed lengths runs); at batch 1 (fewer (sequence,
   kv head) pairs than SMs) rows ``@v1`` … ``@v8`` force each value slicing of the few-programs
   tile (``AttnConfig.v_slices``; the default row lets ``kernels.value_slices`` pick it, rows
-  ``.no_v`` run without it: ``kernels.auto_value_slices(False)``); at batch 64, rows ``@v2`` and
+  ``.no_v`` run without it: ``kernels.auto_value_slices(False)``; rows ``.no_quad`` run the sliced
+  step without four blocks a step, ``kernels.four_block_steps(False)``); at batch 64, rows ``@v2`` and
   ``@v4`` slice the decode tile (a finer grain for the last wave of programs); SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
   K/V with ``enable_gqa=True`` (no expanded copies).
 * ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.
@@ -143,17 +144,21 @@ def _with_experiment_rows(impls: dict, names: Sequence[str], split_blocks: Seque
     rows past a split boundary, so a benchmark-only override, not an API (the train path and the
     rollout path must share the value for parity). And a ``name~u{n}`` row for each ``unrolls``
     value: the selected forward tiles with ``AttnConfig.unroll = n`` (the same bits, proven on the
-    GPU by ``test_paired_blocks_give_the_same_rows``), to decide the tables' choice."""
+    GPU by ``test_paired_blocks_give_the_same_rows``; 4 only on 16-row tiles), to decide the tables'
+    choice."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     def unrolled(n: int) -> contextlib.ExitStack:
-        # every selected tile with unroll = n; the few-pairs rule kernels.pair_blocks off for n = 1
+        # every selected tile with unroll = n (n = 4: the 16-row tiles, the only ones it takes);
+        # the few-pairs rules kernels.pair_blocks / quad_blocks answer for n alone
         stack = contextlib.ExitStack()
         for select in ("select_prefill", "select_decode"):
             orig = getattr(K, select)
             stack.enter_context(mock.patch.object(
-                K, select, lambda *a, _orig=orig, **kw: replace(_orig(*a, **kw), unroll=n)))
+                K, select, lambda *a, _orig=orig, **kw: (lambda c: replace(c, unroll=n)
+                                                         if n != 4 or c.block_m == 16 else c)(_orig(*a, **kw))))
         stack.enter_context(mock.patch.object(K, "pair_blocks", lambda *a: n == 2))
+        stack.enter_context(mock.patch.object(K, "quad_blocks", lambda *a: n == 4))
         return stack
 
     for name in names:
@@ -238,6 +243,9 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
         # default and each slicing forced (@v1 ...): the measurement the rule is checked against
         impls[f"{OURS}.no_v"] = _within(impls[OURS], lambda: K.auto_value_slices(False))
         impls[f"{OURS}.paged16.no_v"] = _within(impls[f"{OURS}.paged16"], lambda: K.auto_value_slices(False))
+        # the sliced step without four blocks a step (kernels.quad_blocks): the walk it replaced
+        impls[f"{OURS}.no_quad"] = _within(impls[OURS], lambda: K.four_block_steps(False))
+        impls[f"{OURS}.paged16.no_quad"] = _within(impls[f"{OURS}.paged16"], lambda: K.four_block_steps(False))
     ns = K.num_splits(ctx)
     few_tile = few and (ns > 4 or K.one_wave(B * HKV * ns, q.device))  # cached_forward's choice
     _with_experiment_rows(impls, (OURS, f"{OURS}.paged16"), split_blocks, unrolls)
@@ -360,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="comma-separated KV split sizes in 64-key blocks to time beside the contract's "
                          "(rows ending ~sb<n>; an experiment: the bits of rows past a split change)")
     ap.add_argument("--unroll", default="",
-                    help="comma-separated blocks per unmasked step (1, 2: AttnConfig.unroll) to time beside the "
+                    help="comma-separated blocks per unmasked step (1, 2, 4: AttnConfig.unroll) to time beside the "
                          "shipped tiles (rows ending ~u<n>; the same bits)")
     args = ap.parse_args(argv)
 
@@ -377,8 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     decode_ctx = ints("--decode-ctx", args.decode_ctx, 16)
     split_blocks = ints("--split-blocks", args.split_blocks) if args.split_blocks else ()
     unrolls = ints("--unroll", args.unroll) if args.unroll else ()
-    if any(u not in (1, 2) for u in unrolls):
-        ap.error(f"--unroll: expected values among 1,2, got {args.unroll!r}")
+    if any(u not in (1, 2, 4) for u in unrolls):
+        ap.error(f"--unroll: expected values among 1,2,4, got {args.unroll!r}")
     kinds = tuple(k for k in args.kinds.split(",") if k)
     bad = [k for k in kinds if k not in ("prefill", "decode", "train")]
     if bad or not kinds:

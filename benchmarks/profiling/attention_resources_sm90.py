@@ -80,6 +80,14 @@ class Resources:
         return self.cp_async > 0 or self.tma_copies > 0
 
 
+def stages_of(cfg, head_dim: int) -> int:
+    """The pipeline depth ``kernels.attend`` launches ``cfg`` with (16-bit): four-block steps keep
+    three stages only with at most 64 value columns."""
+    if cfg.unroll == 4 and head_dim // cfg.v_slices > 64:
+        return min(cfg.num_stages, 2)
+    return cfg.num_stages
+
+
 def signature(fn, dtype: str, constexprs: dict) -> dict:
     """The argument types of a kernel call with ``dtype`` (``"bf16"``, ``"fp16"``, ``"fp32"``) q/k/v."""
     sig = {}
@@ -88,7 +96,8 @@ def signature(fn, dtype: str, constexprs: dict) -> dict:
             sig[name] = "constexpr"
         elif name in ("k_desc", "v_desc"):  # TMA descriptors of 64-row blocks, else unused pointers
             cols = constexprs["HEAD_D"] if name == "k_desc" else constexprs.get("DV", constexprs["HEAD_D"])
-            sig[name] = f"tensordesc<{dtype}[64,{cols}]>" if constexprs.get("TMA") else f"*{dtype}"
+            rows = 256 if name == "k_desc" and constexprs.get("U") == 4 else 64  # rlk_attn_quad: four key blocks
+            sig[name] = f"tensordesc<{dtype}[{rows},{cols}]>" if constexprs.get("TMA") else f"*{dtype}"
         elif name.endswith("_ptr"):
             sig[name] = "*fp32" if name in _FP32 else ("*i64" if name in _I64 else f"*{dtype}")
         else:
@@ -153,6 +162,9 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
             few = K.select_decode(torch.bfloat16, head_dim, page, few=True)
             for u in (1, 2):
                 tiles[replace(few, unroll=u)] = (1, *(v for v in (2, 4, 8) if head_dim // v >= 16))
+            # four blocks a step where the step is sliced (kernels.quad_blocks), at value_slices' slicings
+            tiles[K.quad_tile(few)] = tuple(v for v in (2, 4) if v <= K.MAX_V_SLICES
+                                                  and head_dim // v >= K.MIN_V_COLUMNS)
             for base, slicings in tiles.items():
                 for vs in slicings:
                     cfg = replace(base, v_slices=vs)
@@ -163,16 +175,17 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
                                       {**common, "page_size": page or 1, "DV": head_dim // vs, "BLOCK_M": cfg.block_m,
                                        "PAGED": paged, "IEEE": False, "SPLIT": True, "ONE": one, "U": cfg.unroll,
                                        "TMA": not paged},
-                                      cfg.num_warps, cfg.num_stages)
+                                      cfg.num_warps, stages_of(cfg, head_dim))
         # a decode step of one KV split runs the prefill kernel with the few-programs tile; over a
         # contiguous cache its unmasked run by TMA copies (kernels.decode_tma_eligible)
         few = K.select_decode(torch.bfloat16, head_dim, None, few=True)
         for vs in (v for v in (1, 2, 4) if v <= K.MAX_V_SLICES and head_dim // v >= K.MIN_V_COLUMNS):
-            cfg = replace(few, v_slices=vs)
+            cfg = replace(K.quad_tile(few) if K.quad_blocks(vs) else few, v_slices=vs)
             yield Variant(f"fwd contiguous {cfg.key} one=True tma", "rlk_attn_fwd",
                           {**common, "page_size": 1, "DV": head_dim // vs, "BLOCK_M": cfg.block_m, "PAGED": False,
                            "IEEE": False, "STORE_F32": False, "STORE_LSE": False, "SPLIT": True, "MULTI": False,
-                           "ONE": True, "TMA": True, "U": 1, "TMA_EDGE": False}, cfg.num_warps, cfg.num_stages)
+                           "ONE": True, "TMA": True, "U": cfg.unroll, "TMA_EDGE": False}, cfg.num_warps,
+                          stages_of(cfg, head_dim))
     if "prefill" in kinds:
         for paged, page in ((False, None), (True, 16)):
             cfg = K.select_prefill(torch.bfloat16, head_dim, page)

@@ -16,7 +16,7 @@ from benchmarks.operators import bench_attention_gpu as bench
         (["--decode-ctx", "100"], "--decode-ctx: expected positive integers (multiples of 16)"),
         (["--decode-ctx", ""], "--decode-ctx: expected positive integers"),
         (["--kinds", "decode,bogus"], "--kinds: expected a subset of prefill,decode,train"),
-        (["--unroll", "3"], "--unroll: expected values among 1,2"),
+        (["--unroll", "3"], "--unroll: expected values among 1,2,4"),
         (["--unroll", "0"], "--unroll: expected positive integers"),
     ],
 )

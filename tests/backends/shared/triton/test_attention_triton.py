@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from itertools import accumulate
+from itertools import accumulate, product
 
 import pytest
 import torch
@@ -516,15 +516,17 @@ def test_interpreter_unmasked_interior_blocks_give_the_same_bits(window, monkeyp
 
 
 @interp
+@pytest.mark.parametrize("unroll", [2, 4])
 @pytest.mark.parametrize("window", [None, 300])  # 300: windows holding up to 4 whole blocks
-def test_interpreter_paired_blocks_give_the_same_bits(window, monkeypatch):
-    """``AttnConfig.unroll = 2`` (the unmasked run two blocks per step, ``rlk_attn_pair``) against
-    one block per step, with the three-run walk forced on and 4-block KV splits (so splits hold
-    even and odd unmasked runs, the odd block left to the masked run): the train path's rows and
-    lse, and decode steps through the split kernel and through the prefill kernel, contiguous and
-    on 16-row pages, raw-bit equal. Negative control: a planted pair step whose
-    second block rescales by the wrong maximum is caught at ``unroll = 2`` and unseen at 1 (so
-    the paired steps do run here)."""
+def test_interpreter_paired_blocks_give_the_same_bits(window, unroll, monkeypatch):
+    """``AttnConfig.unroll = 2`` (the unmasked run two blocks per step, ``rlk_attn_pair``) and
+    ``unroll = 4`` (four, ``rlk_attn_quad``: one batched score product, the running maxima by a
+    prefix scan) against one block per step, with the three-run walk forced on and 4-block KV
+    splits (so splits hold whole and partial unmasked runs, the blocks left over walked by the
+    masked run): the train path's rows and lse, and decode steps through the split kernel and
+    through the prefill kernel, contiguous and on 16-row pages, raw-bit equal. Negative control:
+    a planted step whose second block rescales by the wrong maximum is caught at the unroll
+    and unseen at 1 (so the multi-block steps do run here)."""
     import sys
     from dataclasses import replace
 
@@ -534,8 +536,8 @@ def test_interpreter_paired_blocks_give_the_same_bits(window, monkeypatch):
     monkeypatch.setattr(K, "SPLIT_BLOCKS", 4)
     lens = [448, 3, 200]  # last rows at 447 and 199: odd unmasked runs (3 blocks) in their splits
     q, k, v, cu = make_qkv(lens, 1, 2, 32, "float32", seed=23)
-    one, two = K.AttnConfig(16, 4, 1), K.AttnConfig(16, 4, 1, unroll=2)
-    assert two.key == "m16_w4_s1_u2"
+    one, two = K.AttnConfig(16, 4, 1), K.AttnConfig(16, 4, 1, unroll=unroll)
+    assert two.key == f"m16_w4_s1_u{unroll}"
     last = torch.tensor([c - 1 for c in accumulate(lens)])
     q_seq, q_pos = torch.arange(3), torch.tensor([n - 1 for n in lens])
     kp, vp = (torch.zeros(64 * 16 * 3, 1, 32) for _ in range(2))
@@ -558,8 +560,11 @@ def test_interpreter_paired_blocks_give_the_same_bits(window, monkeypatch):
     want = run(K, one)
     for a, b in zip(run(K, two), want):
         assert bit_diff(a, b)
-    edits = (("    alpha1 = rlk_attn_exp2(mn0 - mn1)\n", "    alpha1 = rlk_attn_exp2(mn0 - mn1) * 1.0001\n"),)
-    planted, path = _load_planted(K, edits, "pair")
+    if unroll == 2:
+        edits = (("    alpha1 = rlk_attn_exp2(mn0 - mn1)\n", "    alpha1 = rlk_attn_exp2(mn0 - mn1) * 1.0001\n"),)
+    else:
+        edits = (("    a1 = rlk_attn_exp2(mn0 - mn1)\n", "    a1 = rlk_attn_exp2(mn0 - mn1) * 1.0001\n"),)
+    planted, path = _load_planted(K, edits, f"unroll{unroll}")
     try:
         monkeypatch.setattr(planted, "FORCE_SPLIT_RUNS", True)
         monkeypatch.setattr(planted, "SPLIT_BLOCKS", 4)
@@ -615,10 +620,11 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
     paged cache, decode with many or few (sequence, kv head) pairs — is in ``shipped_forward_configs``, the
     list the GPU test proves raw-bit equal; ``few_programs`` compares the pairs with the SM count
     and is False off CUDA; the few-programs tiles come with every value slicing ``value_slices``
-    can choose and both block walks ``pair_blocks`` can choose; the many-pairs decode tile is
-    listed. Negative controls: the list without the few-programs variants, without the paged
-    prefill tile, without the value slicings and paired tiles, without the paired tiles, without
-    the many-pairs tile, is caught."""
+    can choose and every block walk ``pair_blocks`` and ``quad_blocks`` can choose; the
+    many-pairs decode tile is listed. Negative controls: the list without the few-programs
+    variants, without the paged prefill tile, without the value slicings and multi-block tiles,
+    without the paired tiles, without the four-block tiles, without the many-pairs tile, is
+    caught."""
     from dataclasses import replace
 
     from rl_engine.backends.shared.triton.attention import kernels as K
@@ -640,8 +646,9 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
                 for page in (None, 16, 64, 256):  # cached_forward: the few tile, sliced, paired by pair_blocks
                     unrolls = {2 if K.pair_blocks(n, ns, page is not None and page < 64, cuda) else 1
                                for n in range(1, 300) for ns in (1, 2, 5)}
-                    chosen += [replace(K.select_decode(dt, d, page, few=True), v_slices=v, unroll=u)
-                               for v in slicings for u in unrolls]
+                    few = K.select_decode(dt, d, page, few=True)
+                    chosen += [replace(K.quad_tile(few) if K.quad_blocks(v) else replace(few, unroll=u), v_slices=v)
+                               for v in slicings for u in unrolls]  # cached_forward's order
                 missing += [(dt, d, c) for c in chosen if c not in shipped]
         return missing
 
@@ -663,9 +670,12 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
         K.select_prefill(dt, d), K.select_prefill(dt, d, 1),
         *(K.select_decode(dt, d, p, few=f, many=m) for p in (None, 1) for f in (False, True) for m in (False, True))])
     assert uncovered() and all(c.v_slices > 1 or c.unroll > 1 for _, _, c in uncovered())
-    # ... without the paired few-programs tiles (pair_blocks), and without the many-pairs tile
-    monkeypatch.setattr(K, "shipped_forward_configs", lambda dt, d: [c for c in shipped(dt, d) if c.unroll == 1])
+    # ... without the paired few-programs tiles (pair_blocks), without the four-block tiles
+    # (quad_blocks), and without the many-pairs tile
+    monkeypatch.setattr(K, "shipped_forward_configs", lambda dt, d: [c for c in shipped(dt, d) if c.unroll != 2])
     assert uncovered() and all(c.unroll == 2 for _, _, c in uncovered())
+    monkeypatch.setattr(K, "shipped_forward_configs", lambda dt, d: [c for c in shipped(dt, d) if c.unroll != 4])
+    assert uncovered() and all(c.unroll == 4 and c.v_slices > 1 for _, _, c in uncovered())
     monkeypatch.setattr(K, "shipped_forward_configs", lambda dt, d: [
         c for c in shipped(dt, d) if c != K.MANY_DECODE_CONFIGS[(dt, d)]])
     assert any(c == K.MANY_DECODE_CONFIGS[(dt, 128)] for dt, _, c in uncovered())
@@ -919,6 +929,53 @@ def test_interpreter_pair_blocks_rule(monkeypatch):
 
 
 @interp
+def test_interpreter_quad_blocks_rule(monkeypatch):
+    """``quad_blocks``: four blocks a step exactly where ``value_slices`` sliced a decode step on
+    the few-programs tile (``v_slices >= 2``) and ``QUAD_BLOCKS`` is on (``four_block_steps``
+    restores it, also when its block raises); ``cached_forward`` asks it before ``pair_blocks``,
+    launches ``quad_tile`` (4 warps) and the rows are the same bits either way (the three-run walk forced on, so the four-block
+    steps run). A four-block config on a tile other than 16 rows is rejected with the reason.
+    Negative control: with the rule off the kernels get the paired walk (``unroll = 2``)."""
+    from dataclasses import replace
+
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    assert K.quad_blocks(2) and K.quad_blocks(4) and not K.quad_blocks(1)
+    with pytest.raises(RuntimeError, match="boom"):
+        with K.four_block_steps(False):
+            assert not K.quad_blocks(4)
+            raise RuntimeError("boom")
+    assert K.QUAD_BLOCKS and K.quad_blocks(2)
+    seen = []
+    attend = K.attend
+    monkeypatch.setattr(K, "attend", lambda *a, **kw: seen.append(kw["config"]) or attend(*a, **kw))
+    monkeypatch.setattr(K, "few_programs", lambda *a: True)
+    monkeypatch.setattr(K, "one_wave", lambda *a: True)
+    monkeypatch.setattr(K, "value_slices", lambda *a: 2)
+    monkeypatch.setattr(K, "pair_blocks", lambda *a: True)
+    monkeypatch.setattr(K, "FORCE_SPLIT_RUNS", True)
+    q, k, v, cu = make_qkv([1100], 1, 2, 32, "float32", seed=17)
+
+    def step():
+        return K.cached_forward(q[-1:].contiguous(), k, v, torch.zeros((1, 1), dtype=torch.int64), 2048,
+                                torch.zeros(1, dtype=torch.int64), torch.tensor([1099]), 0.2, None, decode_only=True)
+
+    quad = step()
+    assert (seen[-1].unroll, seen[-1].v_slices, seen[-1].num_warps) == (4, 2, 4)
+    with K.four_block_steps(False):
+        paired = step()
+    assert (seen[-1].unroll, seen[-1].v_slices) == (2, 2)
+    # the paged few-programs tile (2 warps) takes 4 warps for four blocks a step (quad_tile)
+    paged_few = K.select_decode(torch.bfloat16, 128, 16, few=True)
+    assert paged_few.num_warps == 2 and K.quad_tile(paged_few) == replace(paged_few, num_warps=4, unroll=4)
+    assert bit_diff(quad, paired)
+    ref = K.varlen_forward(q, k, v, cu, 0.2, None)[0]
+    assert bit_diff(quad, ref[-1:])
+    with pytest.raises(ValueError, match="unroll=4 takes 16-row tiles"):
+        K.varlen_forward(q, k, v, cu, 0.2, None, config=K.AttnConfig(64, 4, 2, unroll=4))
+
+
+@interp
 def test_interpreter_few_pairs_decode_tile_rule(monkeypatch):
     """``cached_forward``'s decode tile for a step with few (sequence, kv head) pairs: the
     few-programs tile when its programs fit one wave (``one_wave``, False off CUDA) or when the
@@ -963,7 +1020,7 @@ def test_offline_sm90_decode_kernels_are_pipelined_without_spills():
     from benchmarks.profiling.attention_resources_sm90 import compile_sm90, variants
 
     rows = {v.label: (v, compile_sm90(v)) for v in variants(("decode",))}
-    assert len(rows) == 38 + 3, sorted(rows)  # + the one-split steps through the prefill kernel
+    assert len(rows) == 38 + 8 + 3, sorted(rows)  # + the four-block tiles, + the one-split steps (prefill kernel)
     for label, (v, r) in rows.items():
         assert r.pipelined, (label, r)
         if "_v" not in label:  # one value slice: a few bytes at most (the 255-register, spilling
@@ -1314,11 +1371,13 @@ def test_every_shipped_config_and_path_gives_the_same_rows(dtype, d, g):
 @pytest.mark.parametrize("dtype,d,g,window", [("bfloat16", 128, 4, None), ("bfloat16", 64, 1, 300),
                                               ("float16", 128, 4, 300)])
 def test_paired_blocks_give_the_same_rows(dtype, d, g, window):
-    """``AttnConfig.unroll = 2`` (``rlk_attn_pair``) on the H200: the train path's rows and lse on
-    both paths, and decode steps (one token per sequence, split kernel and combine, 16- and
-    64-row tiles, with and without value slices) over sequences of 2085 (three KV splits), 300
-    and 1 tokens, raw-bit equal to one block per step. Negative control: a perturbed visible key
-    changes the paired rows of its sequence."""
+    """``AttnConfig.unroll = 2`` (``rlk_attn_pair``) and ``unroll = 4`` (``rlk_attn_quad``: the
+    batched score product, four key blocks a TMA copy over a contiguous cache) on the H200: the
+    train path's rows and lse on both paths, and decode steps (one token per sequence, split
+    kernel and combine; two blocks a step on 16- and 64-row tiles over a contiguous cache, four
+    on the 16-row tile with 1, 2 and 4 value slices, contiguous and on shuffled 16-row pages)
+    over sequences of 2085 (three KV splits), 300 and 1 tokens, raw-bit equal to one block per
+    step. Negative control: a perturbed visible key changes the paired rows of its sequence."""
     from dataclasses import replace
 
     from rl_engine.backends.shared.triton.attention import kernels as K
@@ -1330,19 +1389,28 @@ def test_paired_blocks_give_the_same_rows(dtype, d, g, window):
     q_seq = torch.arange(3, device="cuda")
     q_pos = torch.tensor([n - 1 for n in lens], device="cuda")
     rows = cu[:-1].to(torch.int64)[:, None].contiguous()
+    # the 16-row pages: sequence i's positions at 4096·i + page-permuted rows
+    pages = torch.randperm(3 * 256, generator=torch.Generator().manual_seed(d)).view(3, 256).cuda() * 16
+    kp, vp = (torch.zeros(3 * 4096, t.shape[1], d, dtype=t.dtype, device="cuda") for t in (k, v))
+    for i, n in enumerate(lens):
+        at = pages[i, torch.arange(n, device="cuda") // 16] + torch.arange(n, device="cuda") % 16
+        kp[at], vp[at] = k[cu[i]:cu[i + 1]], v[cu[i]:cu[i + 1]]
+    caches = ((k, v, rows, 4096), (kp, vp, pages.contiguous(), 16))
     for base in (K.select_prefill(q.dtype, d), K.AttnConfig(16, 4, 3), K.AttnConfig(64, 4, 2)):
-        paired = replace(base, unroll=2)
-        for path in ("prefill", "decode"):
-            a = K.varlen_forward(q, k, v, cu, scale, window, path=path, config=base)
-            b = K.varlen_forward(q, k, v, cu, scale, window, path=path, config=paired)
-            assert bit_diff(a[0], b[0]) and bit_diff(a[1], b[1]), (base.key, path)
-    for vs in (1, 2):
-        for bm in (16, 64):
-            one, two = K.AttnConfig(bm, 4, 3, v_slices=vs), K.AttnConfig(bm, 4, 3, v_slices=vs, unroll=2)
-            for path in ("decode", "prefill"):
-                a, b = (K.cached_forward(q[last].contiguous(), k, v, rows, 4096, q_seq, q_pos, scale, window, path=path,
-                                         config=c, decode_only=True) for c in (one, two))
-                assert bit_diff(a, b), (bm, vs, path)
+        for u in (2, 4) if base.block_m == 16 else (2,):  # four blocks a step: 16-row tiles
+            paired = replace(base, unroll=u)
+            for path in ("prefill", "decode"):
+                a = K.varlen_forward(q, k, v, cu, scale, window, path=path, config=base)
+                b = K.varlen_forward(q, k, v, cu, scale, window, path=path, config=paired)
+                assert bit_diff(a[0], b[0]) and bit_diff(a[1], b[1]), (base.key, u, path)
+    steps = [(bm, vs, 2, caches[:1]) for vs in (1, 2) for bm in (16, 64)]
+    steps += [(16, vs, 4, caches) for vs in (1, 2, 4)]
+    for bm, vs, u, cached in steps:
+        one, two = K.AttnConfig(bm, 4, 3, v_slices=vs), K.AttnConfig(bm, 4, 3, v_slices=vs, unroll=u)
+        for (kk, vv, pr, psz), path in product(cached, ("decode", "prefill")):
+            a, b = (K.cached_forward(q[last].contiguous(), kk, vv, pr, psz, q_seq, q_pos, scale, window,
+                                     path=path, config=c, decode_only=True) for c in (one, two))
+            assert bit_diff(a, b), (bm, vs, u, psz, path)
     k2 = k.clone()
     k2[2000, 1, 3] += 0.5
     paired = replace(K.select_prefill(q.dtype, d), unroll=2)
@@ -1404,7 +1472,8 @@ def test_value_slices_give_the_same_rows(dtype, d, g, monkeypatch):
     ref, ref_lse, _ = K.varlen_forward(q, k, v, cu, scale, None)
     # every valid slicing (16 columns or more) of the few-programs tiles: the benchmark's @v rows;
     # the shipped list holds those the rule can pick (at most 4 slices of at least 32 columns)
-    few = [replace(K.select_decode(dt, d, page, few=True), unroll=u) for page in (None, 16) for u in (1, 2)]  # pair_blocks
+    few = [replace(K.select_decode(dt, d, page, few=True), unroll=u) for page in (None, 16) for u in (1, 2)]
+    few += [K.quad_tile(c) for c in few if c.unroll == 1]  # pair_blocks, quad_blocks
     sliced = [replace(c, v_slices=v) for c in few for v in (2, 4, 8) if d // v >= 16]
     shipped = {c for c in K.shipped_forward_configs(dt, d) if c.v_slices > 1}
     assert shipped <= set(sliced)

@@ -396,6 +396,10 @@ def test_dispatch_picks_triton_on_cuda_and_records_provenance():
 @gpu
 def test_custom_ops_pass_opcheck():
     """Schema, autograd registration and fake (meta) implementation of the fused custom ops."""
+    # the ops are registered when their backend module is imported (``import rl_engine`` registers
+    # nothing): import it here, not rely on an earlier test of the same worker having dispatched
+    import rl_engine.backends.shared.triton.logprob  # noqa: F401
+
     hidden, weight, targets = _data(20, 64, 2100, "bfloat16", seed=6)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.rlk.linear_token_logprobs_triton.default,

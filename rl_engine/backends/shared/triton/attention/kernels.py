@@ -62,6 +62,10 @@ __all__ = [
     "one_wave",
     "value_slices",
     "pair_blocks",
+    "QUAD_BLOCKS",
+    "four_block_steps",
+    "quad_blocks",
+    "quad_tile",
     "auto_value_slices",
     "BWD_CONFIGS",
     "shipped_forward_configs",
@@ -102,7 +106,8 @@ KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_a
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_exp2", "rlk_attn_gdc_wait", "rlk_attn_gdc_launch", "rlk_attn_rowsum", "rlk_attn_rows",
                     "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_load", "rlk_attn_scores", "rlk_attn_step",
-                    "rlk_attn_block", "rlk_attn_pair", "rlk_attn_split", "rlk_attn_merge",
+                    "rlk_attn_block", "rlk_attn_pair", "rlk_attn_rowsum3", "rlk_attn_max2", "rlk_attn_quarters",
+                    "rlk_attn_vblock", "rlk_attn_quad", "rlk_attn_split", "rlk_attn_merge",
                     "rlk_attn_ws_load", "rlk_attn_finish", "rlk_attn_bwd_dq_block", "rlk_attn_bwd_dkdv_block")
 
 #: Keys per block, at absolute positions 0, 64, 128, ... (the same on every path and kernel).
@@ -131,9 +136,11 @@ class AttnConfig:
     #: with few programs (``value_slices``). The scores, the state and each output column's
     #: products are the same, so the same bits.
     v_slices: int = 1
-    #: 64-key blocks per step of the unmasked run (1 or 2, ``rlk_attn_pair``): with 2, the second
-    #: block's loads and scores are issued before the first block's state update, for the
-    #: compiler to overlap. The same blocks in the same order, so the same bits.
+    #: 64-key blocks per step of the unmasked run (1, 2 or 4): with 2 (``rlk_attn_pair``), the
+    #: second block's loads and scores are issued before the first block's state update, for the
+    #: compiler to overlap; with 4 (``rlk_attn_quad``, 16-row tiles), one batched score product
+    #: gives each warp one block, and the row maxima and sums stay inside the warps. The same
+    #: blocks in the same order, so the same bits.
     unroll: int = 1
 
     @property
@@ -362,6 +369,38 @@ def pair_blocks(programs: int, splits: int, paged: bool, device: torch.device) -
     return programs <= 2 * sm if paged else (splits > 1 and programs <= sm)
 
 
+#: Whether ``cached_forward`` walks the unmasked run of sliced few-programs decode steps four
+#: blocks a step (``quad_blocks``); ``four_block_steps(False)`` turns it off for a block of code.
+#: The bits are the same either way.
+QUAD_BLOCKS = True
+
+
+def four_block_steps(on: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Set ``QUAD_BLOCKS`` inside the block (restored in ``finally``)."""
+    return _scoped("QUAD_BLOCKS", bool(on))
+
+
+def quad_blocks(v_slices: int) -> bool:
+    """Whether a decode step on the few-programs tile walks its unmasked blocks four per step
+    (``AttnConfig.unroll = 4``, ``rlk_attn_quad``): where ``value_slices`` sliced it (``v_slices
+    >= 2``: the grid is a fraction of the SMs, so each program's walk is the step's critical
+    path), unless ``QUAD_BLOCKS`` is off. H200, session 16 run 1 (batch 1, D = 128, bf16; same
+    run, against the shipped one- or two-block walk, ``tools/benchmarking/attention_decode_gpu.py``):
+    contiguous 512 keys 0.82 -> 1.07 of SDPA (4 slices), 4096 keys 0.62 -> 0.72 (4 slices);
+    16-token pages 0.76 -> 0.84 and 0.45 -> 0.51 (the 2-warp paged tile, 4 slices); unsliced
+    launches lost (batch 1 at 32768 keys 0.97 -> 0.80, batch 4 at 4096 keys 0.98 -> 0.82). The
+    same bits either way (tested)."""
+    return QUAD_BLOCKS and v_slices >= 2
+
+
+def quad_tile(cfg: AttnConfig) -> AttnConfig:
+    """The few-programs tile ``cfg`` walking four blocks a step (``quad_blocks``): 4 warps, each
+    holding one block of a step (the 2-warp paged tile takes 4 here). H200, session 16 run 2,
+    batch 1 over 16-token pages, 4 value slices: 512 keys 0.85 -> 0.98 of SDPA, 4096 keys 0.51 ->
+    0.60 with 4 warps (2 stages) against 2. The same bits."""
+    return replace(cfg, num_warps=4, unroll=4)
+
+
 def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfig]:
     """Every forward configuration a call can use for ``(dtype, head_dim)`` (the tests cover each):
     the prefill tiles, the decode tiles (fewer and many pairs), and the
@@ -369,7 +408,9 @@ def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfi
     and two blocks per step (``pair_blocks``)."""
     out = [select_prefill(dtype, head_dim)]
     few = [replace(select_decode(dtype, head_dim, page, few=True), unroll=u) for page in (None, 1) for u in (1, 2)]
-    sliced = [replace(c, v_slices=v) for c in few for v in (2, 4, 8) if v <= MAX_V_SLICES and head_dim // v >= MIN_V_COLUMNS]
+    # sliced: by value_slices' rule; a sliced step also walks four blocks a step (quad_blocks)
+    sliced = [replace(t, v_slices=v) for c in few for v in (2, 4, 8) if v <= MAX_V_SLICES and head_dim // v >= MIN_V_COLUMNS
+              for t in (c, quad_tile(c))]
     for cfg in (select_prefill(dtype, head_dim, page_size=1),
                 *(select_decode(dtype, head_dim, page, many=many) for page in (None, 1) for many in (False, True)),
                 *few, *sliced):
@@ -709,6 +750,121 @@ def rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
 
 
 @triton.jit
+def rlk_attn_rowsum3(x, NB: tl.constexpr, BLOCK_M: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
+    """``rlk_attn_rowsum`` of each of ``NB`` stacked blocks (``x``: ``[NB, BLOCK_M, N]`` ->
+    ``[NB, BLOCK_M]``): the same strided halving, pair for pair, so each block's row sums have the
+    bits ``rlk_attn_rowsum`` gives that block alone."""
+    for i in tl.static_range(LOG2N):
+        x = tl.reshape(x, [NB, BLOCK_M, 2, N >> (i + 1)])
+        a, b = tl.split(tl.permute(x, (0, 1, 3, 2)))
+        x = a + b
+    return tl.reshape(x, [NB, BLOCK_M])
+
+
+@triton.jit
+def rlk_attn_max2(a, b):
+    """``max(a, b)``: the combine of the running maxima's prefix scan (exact, so any grouping)."""
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def rlk_attn_quarters(x):
+    """The four ``[..., 4]`` → ``[...]`` slices of ``x`` along its last axis, in index order."""
+    e, o = tl.split(tl.reshape(x, x.shape[:-1] + [2, 2]))  # e: indices 0, 2; o: 1, 3
+    x0, x2 = tl.split(e)
+    x1, x3 = tl.split(o)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def rlk_attn_vblock(v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sv_row, sv_head, offs_v,
+                    PAGED: tl.constexpr):
+    """Value rows of block ``b`` (``[64, DV]``, columns ``offs_v``) by pointer loads, positions
+    clamped to ``cap`` (``rlk_attn_load``'s value half)."""
+    kpos = b * 64 + tl.arange(0, 64)
+    rows = rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kbase, tl.minimum(kpos, cap), PAGED)
+    return tl.load(v_ptr + (rows * sv_row + kvh * sv_head)[:, None] + offs_v[None, :])
+
+
+@triton.jit
+def rlk_attn_quad(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, m, l, acc,
+                  qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  PAGED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, v0):
+    """Blocks ``b .. b + 3``, every one seen entirely by every row (the unmasked run), as four
+    ``rlk_attn_block`` steps in order (``AttnConfig.unroll = 4``; 16-bit inputs).
+
+    What depends on the state is only the running maximum, ``l`` and the ``P·V`` accumulator; the
+    four blocks' scores do not. So the four score products are one batched ``tl.dot``
+    (``[4, BLOCK_M, D] · [4, D, 64]``: the compiler gives each warp one block, the same
+    ``mma.sync`` instructions over the head dim in the same order as the single block's product,
+    hence the same scores), and the row maxima, exponentials and row sums of the four blocks are
+    computed inside each warp, with no reduction across warps. The states between blocks follow
+    exactly:
+
+    * ``mn_j = max(m, x_0, .., x_j)`` with ``x_j = max_k s_jk · c + 0`` (a maximum is exact, so
+      its grouping is free), ``mp_j`` the same over ``x_0 .. x_{j-1}`` (the state before block ``j``);
+    * ``α_j = 2^{mp_j − mn_j}``, ``P_j = 2^{fma(s_j, c, −mn_j)}``, row sums by
+      ``rlk_attn_rowsum3`` (the same pairs as ``rlk_attn_rowsum``);
+    * ``l ← fma(l, α_j, Σ P_j)`` and ``acc ← P_j·V_j + acc·α_j`` for ``j = 0 .. 3`` in order: the
+      same operations, operands and order as four ``rlk_attn_step`` calls, so the same bits.
+
+    Keys by pointer loads (``[4, D, 64]``, positions clamped to ``cap``: a no-op here); values by
+    TMA copies where ``TMA`` (as ``rlk_attn_load``), else pointer loads."""
+    jj = tl.arange(0, 4)
+    if TMA:
+        row0 = (kbase + b * 64).to(tl.int32)
+        col = (kvh * HEAD_D).to(tl.int32)
+        kt = tl.permute(tl.reshape(k_desc.load([row0, col]), [4, 64, HEAD_D]), (0, 2, 1))  # [4, D, 64]
+        col = col + v0
+        va = v_desc.load([row0, col])
+        vb = v_desc.load([row0 + 64, col])
+        vc = v_desc.load([row0 + 128, col])
+        vd = v_desc.load([row0 + 192, col])
+    else:
+        offs_d = tl.arange(0, HEAD_D)
+        kpos = b * 64 + jj[:, None] * 64 + tl.arange(0, 64)[None, :]  # [4, 64]
+        krows = rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kbase, tl.minimum(kpos, cap), PAGED)
+        kt = tl.load(k_ptr + (krows * sk_row + kvh * sk_head)[:, None, :] + offs_d[None, :, None])  # [4, D, 64]
+        va = rlk_attn_vblock(v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sv_row, sv_head, offs_v,
+                             PAGED)
+        vb = rlk_attn_vblock(v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b + 1, sv_row, sv_head,
+                             offs_v, PAGED)
+        vc = rlk_attn_vblock(v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b + 2, sv_row, sv_head,
+                             offs_v, PAGED)
+        vd = rlk_attn_vblock(v_ptr, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b + 3, sv_row, sv_head,
+                             offs_v, PAGED)
+    s = rlk_attn_scores(tl.broadcast_to(q[None, :, :], [4, BLOCK_M, HEAD_D]), kt, IEEE)  # [4, BLOCK_M, 64] fp32
+    x = tl.max(s, axis=2) * qk_scale + 0.0  # [4, BLOCK_M]
+    mn = tl.maximum(m[None, :], tl.associative_scan(x, 0, rlk_attn_max2))  # mn_j = max(m, x_0 .. x_j)
+    p = rlk_attn_exp2(tl.fma(s, qk_scale, -mn[:, :, None]))
+    r = rlk_attn_rowsum3(p, 4, BLOCK_M, 64, 6)
+    # the four blocks' row values side by side in each thread: (mn_j, Σ P_j) as [BLOCK_M, 2, 4]
+    mr0, mr1, mr2, mr3 = rlk_attn_quarters(tl.permute(tl.join(mn, r), (1, 2, 0)))
+    mn0, r0 = tl.split(mr0)
+    mn1, r1 = tl.split(mr1)
+    mn2, r2 = tl.split(mr2)
+    mn3, r3 = tl.split(mr3)
+    a0 = rlk_attn_exp2(m - mn0)  # the state before block j has the maximum mn_{j-1} (m before block 0)
+    a1 = rlk_attn_exp2(mn0 - mn1)
+    a2 = rlk_attn_exp2(mn1 - mn2)
+    a3 = rlk_attn_exp2(mn2 - mn3)
+    l = tl.fma(tl.fma(tl.fma(tl.fma(l, a0, r0), a1, r1), a2, r2), a3, r3)
+    if IEEE:
+        p0, p1, p2, p3 = rlk_attn_quarters(tl.permute(p, (1, 2, 0)))
+        acc = tl.dot(p0, va, acc * a0[:, None], input_precision="ieee")
+        acc = tl.dot(p1, vb, acc * a1[:, None], input_precision="ieee")
+        acc = tl.dot(p2, vc, acc * a2[:, None], input_precision="ieee")
+        acc = tl.dot(p3, vd, acc * a3[:, None], input_precision="ieee")
+    else:
+        p0, p1, p2, p3 = rlk_attn_quarters(tl.permute(p.to(va.dtype), (1, 2, 0)))
+        acc = tl.dot(p0, va, acc * a0[:, None])
+        acc = tl.dot(p1, vb, acc * a1[:, None])
+        acc = tl.dot(p2, vc, acc * a2[:, None])
+        acc = tl.dot(p3, vd, acc * a3[:, None])
+    return mn3, l, acc
+
+
+@triton.jit
 def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                    valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr,
                    DV: tl.constexpr, BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr,
@@ -742,6 +898,13 @@ def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
                                           kvh, pos, wlo, b0 + 2 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row,
                                           sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA, v0)
             u1 = b0 + 2 * pairs - 1
+        elif U == 4:
+            quads = tl.maximum(u1 - b0 + 1, 0) // 4
+            for i in range(0, quads):
+                m, l, acc = rlk_attn_quad(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
+                                          b0 + 4 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v,
+                                          HEAD_D, BLOCK_M, PAGED, IEEE, TMA, v0)
+            u1 = b0 + 4 * quads - 1
         else:
             for b in range(b0, u1 + 1):
                 m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
@@ -770,6 +933,13 @@ def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
                                           kvh, pos, wlo, u0 + 2 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row,
                                           sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA, v0)
             u1 = tl.where(u1 >= u0, u0 + 2 * pairs - 1, u1)
+        elif U == 4:
+            quads = tl.maximum(u1 - u0 + 1, 0) // 4
+            for i in range(0, quads):
+                m, l, acc = rlk_attn_quad(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
+                                          u0 + 4 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v,
+                                          HEAD_D, BLOCK_M, PAGED, IEEE, TMA, v0)
+            u1 = tl.where(u1 >= u0, u0 + 4 * quads - 1, u1)
         else:
             for b in range(u0, u1 + 1):
                 m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
@@ -1446,8 +1616,21 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     vsl = cfg.v_slices
     if vsl < 1 or D % vsl or D // vsl < 16:
         raise ValueError(f"config: v_slices={vsl} must divide head_dim={D} into slices of at least 16 columns")
-    if cfg.unroll not in (1, 2):
-        raise ValueError(f"config: unroll={cfg.unroll}, expected 1 or 2 blocks per step")
+    if cfg.unroll not in (1, 2, 4):
+        raise ValueError(f"config: unroll={cfg.unroll}, expected 1, 2 or 4 blocks per step")
+    if cfg.unroll == 4 and cfg.block_m != 16:
+        raise ValueError(f"config: unroll=4 takes 16-row tiles (each warp holds a block's scores), got "
+                         f"block_m={cfg.block_m}")
+    # rlk_attn_quad copies four blocks of keys in one box; the train path's masked blocks copy one
+    # with the same descriptor, so four blocks a step there take the pointer loads (the same bits)
+    tma = tma and cfg.unroll != 4
+    quad = 4 if cfg.unroll == 4 else 1
+    stages = cfg.num_stages
+    if quad == 4:
+        # a stage of four-block steps holds four key blocks (64 KiB at D = 128, 16-bit): three
+        # stages fit an SM's shared memory only with 16-row tiles and at most 64 value columns
+        # (offline sm_90 compile, Triton 3.6: 170 KiB at 32 columns, 203 KiB at 64, 268 KiB at 128)
+        stages = min(stages, 3 if cfg.block_m == 16 and D // vsl <= 64 and q.element_size() == 2 else 2)
     common = dict(HQ=Hq, HKV=Hkv, HEAD_D=D, BLOCK_M=cfg.block_m, HAS_WINDOW=has_w)
     runs = split_runs(q.dtype)
     # storage rows may be views with their own row / head strides (an engine's cache buffer);
@@ -1474,24 +1657,25 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
                 scr = torch.empty((1,), dtype=torch.float32, device=q.device)
             if tma and (vsl != 1 or paged):
                 raise ValueError(f"tma: expected one value slice and packed rows, got v_slices={vsl}, paged={paged}")
-            k_desc, v_desc = _kv_descriptors(k_rows, v_rows, D // vsl) if tma or cache_tma else (k_rows, v_rows)
+            k_desc, v_desc = (_kv_descriptors(k_rows, v_rows, D // vsl, quad) if tma or cache_tma
+                              else (k_rows, v_rows))
             rlk_attn_fwd[(nt, Hkv, vsl)](
                 q, k_rows, v_rows, k_desc, v_desc, out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, scr,
                 tab, page_rows, page_rows.stride(0), psz, G, w, score_scale(scale), *kv_strides, **common, DV=D // vsl,
                 PAGED=paged, IEEE=ieee, STORE_F32=want_f32, STORE_LSE=want_lse, SPLIT=runs, MULTI=multi, ONE=one,
                 PDL=pdl, SB=SPLIT_BLOCKS, TMA=tma or cache_tma, U=cfg.unroll, TMA_EDGE=tma, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
+                num_stages=stages, enable_fp_fusion=False, launch_pdl=pdl,
             )
         else:
             ws_m = torch.empty((nt, Hkv, ns, cfg.block_m), dtype=torch.float32, device=q.device)
             ws_l = torch.empty_like(ws_m)
             ws_a = torch.empty((nt, Hkv, ns, cfg.block_m, D), dtype=torch.float32, device=q.device)
-            k_desc, v_desc = _kv_descriptors(k_rows, v_rows, D // vsl) if cache_tma else (k_rows, v_rows)
+            k_desc, v_desc = _kv_descriptors(k_rows, v_rows, D // vsl, quad) if cache_tma else (k_rows, v_rows)
             rlk_attn_fwd_split[(nt, Hkv, ns * vsl)](
                 q, k_rows, v_rows, k_desc, v_desc, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), psz, G, w,
                 score_scale(scale), *kv_strides, ns, **common, DV=D // vsl, PAGED=paged, IEEE=ieee, SPLIT=runs, ONE=one,
                 PDL=pdl, SB=SPLIT_BLOCKS, U=cfg.unroll, TMA=cache_tma, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, enable_fp_fusion=False, launch_pdl=pdl,
+                num_stages=stages, enable_fp_fusion=False, launch_pdl=pdl,
             )
             dc = min(D, COMBINE_COLUMNS)
             rlk_attn_combine[(nt, Hkv, D // dc)](
@@ -1510,13 +1694,14 @@ def _copyable_rows(*rows: torch.Tensor) -> bool:
                and (t.stride(0) * t.element_size()) % 16 == 0 for t in rows)
 
 
-def _kv_descriptors(k_rows: torch.Tensor, v_rows: torch.Tensor, dv: int):
-    """TMA descriptors of the ``[rows, Hkv·D]`` views of the key and value storage rows: 64-row
-    boxes of a head's ``D`` key columns and of ``dv`` value columns (a value slice)."""
+def _kv_descriptors(k_rows: torch.Tensor, v_rows: torch.Tensor, dv: int, key_blocks: int = 1):
+    """TMA descriptors of the ``[rows, Hkv·D]`` views of the key and value storage rows: boxes of
+    ``key_blocks`` 64-row blocks of a head's ``D`` key columns (4 for ``rlk_attn_quad``) and of 64
+    rows of ``dv`` value columns (a value slice)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     n_rows, hkv, d = k_rows.shape
-    return (TensorDescriptor(k_rows, [n_rows, hkv * d], [k_rows.stride(0), 1], [KV_BLOCK, d]),
+    return (TensorDescriptor(k_rows, [n_rows, hkv * d], [k_rows.stride(0), 1], [KV_BLOCK * key_blocks, d]),
             TensorDescriptor(v_rows, [n_rows, hkv * d], [v_rows.stride(0), 1], [KV_BLOCK, dv]))
 
 
@@ -1750,7 +1935,9 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         programs = (B if decode_only else -(-T * G // cfg.block_m) + B) * Hkv * ns
         if few and AUTO_V_SLICES:
             cfg = replace(cfg, v_slices=value_slices(programs, D, q.device))
-        if few_tile and pair_blocks(programs * cfg.v_slices, ns, P > 1, q.device):
+        if few_tile and quad_blocks(cfg.v_slices):
+            cfg = quad_tile(cfg)
+        elif few_tile and pair_blocks(programs * cfg.v_slices, ns, P > 1, q.device):
             cfg = replace(cfg, unroll=2)
     else:
         cfg = select_prefill(q.dtype, D, page_size if P > 1 else None)

@@ -1,0 +1,148 @@
+"""Decode-step launch configurations on the GPU: raw bits and time, side by side with SDPA.
+
+For each case (batch ``B`` × context ``ctx``, one query token per sequence, Qwen3-8B heads: 32
+query / 8 kv heads, D = 128, bf16) over a contiguous cache and over 16-token pages in shuffled
+order, it runs ``kernels.cached_forward(decode_only=True)`` with the shipped selection and with
+every ``--configs`` key (``AttnConfig.key`` spelling: ``m16_w4_s3_v4_u4`` = 16-row tile, 4 warps,
+3 stages, 4 value slices, 4 blocks a step), checks each output raw-bit against the shipped one
+(integer views; negative control: a perturbed visible key must move the shipped output), then
+times them all with SDPA (``F.scaled_dot_product_attention(..., enable_gqa=True)``) in CUDA
+graphs replayed round-robin (``cuda_graphs_interleaved_ms``). A tool for choosing the decode
+tables and rules (``FEW_DECODE_CONFIGS``, ``value_slices``, ``pair_blocks``, ``quad_blocks``); the
+benchmark of record is ``benchmarks/operators/bench_attention_gpu.py``.
+
+    python tools/benchmarking/attention_decode_gpu.py --out /tmp/decode.json \\
+        --cases 1x512,1x4096,1x32768 --configs m16_w4_s3_v4_u1,m16_w4_s3_v4_u4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.common.harness import cuda_graphs_interleaved_ms, device_info, summarize, versions  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+_KEY = re.compile(r"m(\d+)_w(\d+)_s(\d+)(?:_v(\d+))?(?:_u(\d+))?$")
+
+
+def parse_config(key: str):
+    """``AttnConfig`` from its ``key`` spelling (``m16_w4_s3``, ``m16_w4_s3_v4_u4``)."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    m = _KEY.match(key)
+    if not m:
+        raise SystemExit(f"--configs: {key!r} is not a config key like m16_w4_s3_v4_u4")
+    bm, w, s, v, u = m.groups()
+    return K.AttnConfig(int(bm), int(w), int(s), v_slices=int(v or 1), unroll=int(u or 1))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def case(B: int, ctx: int):
+    """The step's tensors: query, contiguous cache + rows, paged cache + page table, SDPA views."""
+    g = torch.Generator(device="cuda").manual_seed(B * 7 + ctx)
+    kc, vc = (torch.randn((B * ctx, HKV, D), device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn((B, HQ, D), device="cuda", generator=g).to(torch.bfloat16)
+    rows = (torch.arange(B, device="cuda", dtype=torch.int64) * ctx)[:, None].contiguous()
+    pages = torch.randperm(B * ctx // PAGE, generator=torch.Generator().manual_seed(0)).cuda()
+    table = (pages.view(B, ctx // PAGE) * PAGE).contiguous()
+    pos = torch.arange(ctx, device="cuda")
+    at = (table[:, pos // PAGE] + pos % PAGE).reshape(-1)
+    kp, vp = torch.empty_like(kc), torch.empty_like(vc)
+    kp[at], vp[at] = kc, vc
+    sdpa = (q.view(B, 1, HQ, D).transpose(1, 2).contiguous(),
+            *(t.view(B, ctx, HKV, D).transpose(1, 2).contiguous() for t in (kc, vc)))
+    return q, (kc, vc, rows, ctx), (kp, vp, table, PAGE), sdpa
+
+
+def kernel_times(fn, calls: int) -> dict[str, float]:
+    """Device time per call of each kernel ``fn`` launches (torch profiler, ``calls`` calls after a
+    warm-up), in µs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.count:
+            out[e.key[:40]] = round(e.device_time_total / calls, 3)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", default="1x512,1x4096,1x32768", help="BxCTX,... (contexts multiples of 16)")
+    ap.add_argument("--configs", default="", help="config keys, comma-separated (both caches)")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--profile", default="", help="implementations (names as printed) to run under the torch "
+                    "profiler after timing: per-kernel device time per call")
+    args = ap.parse_args(argv)
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    configs = [parse_config(k) for k in args.configs.split(",") if k]
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",") if c]
+    rows, failures = [], []
+    for B, ctx in cases:
+        q, contiguous, paged, sdpa = case(B, ctx)
+        q_seq = torch.arange(B, device="cuda")
+        q_pos = torch.full((B,), ctx - 1, device="cuda", dtype=torch.int64)
+        impls = {"torch.sdpa": lambda s=sdpa: F.scaled_dot_product_attention(*s, enable_gqa=True)}
+        for cache_name, (kk, vv, pr, psz) in (("contiguous", contiguous), ("paged16", paged)):
+            def step(cfg=None, kk=kk, vv=vv, pr=pr, psz=psz):
+                return K.cached_forward(q, kk, vv, pr, psz, q_seq, q_pos, D**-0.5, None, config=cfg,
+                                        path="decode" if cfg is not None else None, decode_only=True)
+
+            want = step()
+            k2 = kk.clone()
+            k2[pr[0, 0] + 3, 0, 5] += 1.0  # position 3 of sequence 0 (page 0 on either cache), kv head 0
+            moved = K.cached_forward(q, k2, vv, pr, psz, q_seq, q_pos, D**-0.5, None, decode_only=True)
+            control = bool(torch.equal(_bits(moved), _bits(want)))
+            if control:
+                failures.append(f"{B}x{ctx} {cache_name}: negative control (a perturbed key) left the output unchanged")
+            impls[f"{cache_name}.shipped"] = step
+            for cfg in configs:
+                got = step(cfg)
+                equal = bool(torch.equal(_bits(got), _bits(want)))
+                if not equal:
+                    failures.append(f"{B}x{ctx} {cache_name} {cfg.key}: bits differ from the shipped step")
+                impls[f"{cache_name}@{cfg.key}"] = lambda c=cfg, f=step: f(c)
+                rows.append({"case": f"{B}x{ctx}", "cache": cache_name, "config": cfg.key, "bits_equal": equal})
+            print(f"{B}x{ctx} {cache_name}: {len(configs)} configs checked, control moved={not control}", flush=True)
+        samples = cuda_graphs_interleaved_ms(impls, calls=args.calls, repeats=args.repeats, warmup=2)
+        base = summarize(samples["torch.sdpa"]).median
+        for name, s in samples.items():
+            st = summarize(s)
+            rows.append({"case": f"{B}x{ctx}", "impl": name, "unit": "ms", "p20": st.p20, "p50": st.median, "p80": st.p80,
+                         "samples": len(s), "throughput_ratio": round(base / st.median, 4)})
+            print(f"  {B}x{ctx} {name:40s} {st.median * 1e3:8.2f} us  {base / st.median:.3f} of SDPA", flush=True)
+        for name in (n for n in args.profile.split(",") if n in impls):
+            per_call = kernel_times(impls[name], args.calls)
+            rows.append({"case": f"{B}x{ctx}", "impl": name, "profile_us_per_call": per_call})
+            print(f"  {B}x{ctx} {name} kernels (us/call): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in per_call.items()), flush=True)
+    Path(args.out).write_text(json.dumps({"device": device_info("cuda"), "versions": versions(), "rows": rows,
+                                          "failures": failures}, indent=1))
+    for f in failures:
+        print("FAIL", f)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
