@@ -12,6 +12,9 @@
 # (tools/benchmarking/attention_breakdown_gpu.py). Two jobs can share a 2-GPU machine: give each
 # its CUDA_VISIBLE_DEVICES, OUT and WORK (see reports/gpu/README.md, "Session 3").
 #
+# SHARD (attention | rest | all, default all) picks the tests step's default TESTS: a full GPU
+# test run needs two device calls since session 16 (one per shard).
+#
 # Carry .whl (pydantic & deps and the Liger-Kernel wheel, missing on the device image; see
 # reports/gpu/README.md). Each step has its own timeout (*_TIMEOUT, seconds) so one call of the
 # device tool (600 s) can hold them; TESTS / KEXPR narrow the test run. DEADLINE (seconds from
@@ -45,7 +48,16 @@ export RLK_EVIDENCE_DIR="$OUT/evidence" TRITON_CACHE_DIR=/tmp/rlk_triton_cache
 } 2>&1 | tee "$OUT/env.txt"
 # the vLLM modules are CPU tests of .venv-vllm (no vLLM on the device image): left out, or their
 # module-level importorskip would read as two skips of the GPU run
-TESTS=${TESTS:-"tests --ignore=tests/integrations/engines/rollout/vllm"}
+# SHARD=attention / SHARD=rest: the attention kernels' GPU tests, or every other GPU test: since
+# session 16 the whole set takes more than one device call (498 s at 16 workers and unfinished),
+# so a full run is two calls, one per shard (TESTS, when set, wins)
+case ${SHARD:-all} in
+  attention) DEFAULT_TESTS="tests/backends/shared/triton/test_attention_triton.py" ;;
+  rest) DEFAULT_TESTS="tests --ignore=tests/integrations/engines/rollout/vllm --ignore=tests/backends/shared/triton/test_attention_triton.py" ;;
+  all) DEFAULT_TESTS="tests --ignore=tests/integrations/engines/rollout/vllm" ;;
+  *) echo "SHARD: expected attention, rest or all, got ${SHARD}" >&2; exit 2 ;;
+esac
+TESTS=${TESTS:-$DEFAULT_TESTS}
 # the device tool returns at most 8 files: run.log and the benchmark JSON as they are, the rest packed
 pack() {
   mkdir -p "$FINAL"; cp "$OUT/run.log" "$FINAL/" 2>/dev/null; cp "$OUT"/bench_*.json "$FINAL/" 2>/dev/null
