@@ -812,14 +812,14 @@ def rlk_attn_quad(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
     TMA copies where ``TMA`` (as ``rlk_attn_load``), else pointer loads."""
     jj = tl.arange(0, 4)
     if TMA:
-        row0 = (kbase + b * 64).to(tl.int32)
+        top = (kbase + b * 64).to(tl.int32)
         col = (kvh * HEAD_D).to(tl.int32)
-        kt = tl.permute(tl.reshape(k_desc.load([row0, col]), [4, 64, HEAD_D]), (0, 2, 1))  # [4, D, 64]
+        kt = tl.permute(tl.reshape(k_desc.load([top, col]), [4, 64, HEAD_D]), (0, 2, 1))  # [4, D, 64]
         col = col + v0
-        va = v_desc.load([row0, col])
-        vb = v_desc.load([row0 + 64, col])
-        vc = v_desc.load([row0 + 128, col])
-        vd = v_desc.load([row0 + 192, col])
+        va = v_desc.load([top, col])
+        vb = v_desc.load([top + 64, col])
+        vc = v_desc.load([top + 128, col])
+        vd = v_desc.load([top + 192, col])
     else:
         offs_d = tl.arange(0, HEAD_D)
         kpos = b * 64 + jj[:, None] * 64 + tl.arange(0, 64)[None, :]  # [4, 64]
