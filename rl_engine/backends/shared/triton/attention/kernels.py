@@ -384,12 +384,12 @@ def quad_blocks(v_slices: int) -> bool:
     """Whether a decode step on the few-programs tile walks its unmasked blocks four per step
     (``AttnConfig.unroll = 4``, ``rlk_attn_quad``): where ``value_slices`` sliced it (``v_slices
     >= 2``: the grid is a fraction of the SMs, so each program's walk is the step's critical
-    path), unless ``QUAD_BLOCKS`` is off. H200, session 16 run 1 (batch 1, D = 128, bf16; same
-    run, against the shipped one- or two-block walk, ``tools/benchmarking/attention_decode_gpu.py``):
-    contiguous 512 keys 0.82 -> 1.07 of SDPA (4 slices), 4096 keys 0.62 -> 0.72 (4 slices);
-    16-token pages 0.76 -> 0.84 and 0.45 -> 0.51 (the 2-warp paged tile, 4 slices); unsliced
-    launches lost (batch 1 at 32768 keys 0.97 -> 0.80, batch 4 at 4096 keys 0.98 -> 0.82). The
-    same bits either way (tested)."""
+    path), unless ``QUAD_BLOCKS`` is off; the step runs on ``quad_tile``. H200, session 16 run 4
+    (batch 1, D = 128, bf16, 4 value slices; the benchmark's ``.no_quad`` rows, the walk it
+    replaced, in the same run): contiguous 512 keys 0.82 -> 1.07 of SDPA, 4096 keys 0.63 -> 0.72;
+    16-token pages 0.76 -> 0.98 and 0.46 -> 0.61. Unsliced launches lost with it (run 1,
+    ``tools/benchmarking/attention_decode_gpu.py``: batch 1 at 32768 keys 0.97 -> 0.80, batch 4 at
+    4096 keys 0.98 -> 0.82). The same bits either way (tested)."""
     return QUAD_BLOCKS and v_slices >= 2
 
 
@@ -791,7 +791,8 @@ def rlk_attn_quad(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
                   qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                   PAGED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, v0):
     """Blocks ``b .. b + 3``, every one seen entirely by every row (the unmasked run), as four
-    ``rlk_attn_block`` steps in order (``AttnConfig.unroll = 4``; 16-bit inputs).
+    ``rlk_attn_block`` steps in order (``AttnConfig.unroll = 4``, 16-row tiles; shapes: ``q``
+    ``[BLOCK_M, D]``, ``m``, ``l`` ``[BLOCK_M]``, ``acc`` ``[BLOCK_M, DV]``).
 
     What depends on the state is only the running maximum, ``l`` and the ``P·V`` accumulator; the
     four blocks' scores do not. So the four score products are one batched ``tl.dot``
@@ -802,14 +803,16 @@ def rlk_attn_quad(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
     exactly:
 
     * ``mn_j = max(m, x_0, .., x_j)`` with ``x_j = max_k s_jk · c + 0`` (a maximum is exact, so
-      its grouping is free), ``mp_j`` the same over ``x_0 .. x_{j-1}`` (the state before block ``j``);
-    * ``α_j = 2^{mp_j − mn_j}``, ``P_j = 2^{fma(s_j, c, −mn_j)}``, row sums by
+      its grouping is free: a prefix scan over the four blocks);
+    * ``α_j = 2^{mn_{j−1} − mn_j}`` (``mn_{−1} = m``, the state before block 0),
+      ``P_j = 2^{fma(s_j, c, −mn_j)}``, row sums by
       ``rlk_attn_rowsum3`` (the same pairs as ``rlk_attn_rowsum``);
     * ``l ← fma(l, α_j, Σ P_j)`` and ``acc ← P_j·V_j + acc·α_j`` for ``j = 0 .. 3`` in order: the
       same operations, operands and order as four ``rlk_attn_step`` calls, so the same bits.
 
-    Keys by pointer loads (``[4, D, 64]``, positions clamped to ``cap``: a no-op here); values by
-    TMA copies where ``TMA`` (as ``rlk_attn_load``), else pointer loads."""
+    ``TMA`` (a contiguous cache): the four key blocks by one TMA copy (``k_desc``'s box is
+    ``[256, D]``, ``attend``'s descriptor for ``unroll = 4``), the value blocks by one copy each;
+    else pointer loads (``[4, D, 64]`` keys, positions clamped to ``cap``: a no-op here)."""
     jj = tl.arange(0, 4)
     if TMA:
         top = (kbase + b * 64).to(tl.int32)
