@@ -107,7 +107,7 @@ KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_a
 DEVICE_FUNCTIONS = ("rlk_attn_exp2", "rlk_attn_gdc_wait", "rlk_attn_gdc_launch", "rlk_attn_rowsum", "rlk_attn_rows",
                     "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_load", "rlk_attn_scores", "rlk_attn_step",
                     "rlk_attn_block", "rlk_attn_pair", "rlk_attn_rowsum3", "rlk_attn_max2", "rlk_attn_quarters",
-                    "rlk_attn_vblock", "rlk_attn_quad", "rlk_attn_split", "rlk_attn_merge",
+                    "rlk_attn_vblock", "rlk_attn_quad", "rlk_attn_unmasked", "rlk_attn_split", "rlk_attn_merge",
                     "rlk_attn_ws_load", "rlk_attn_finish", "rlk_attn_bwd_dq_block", "rlk_attn_bwd_dkdv_block")
 
 #: Keys per block, at absolute positions 0, 64, 128, ... (the same on every path and kernel).
@@ -868,6 +868,38 @@ def rlk_attn_quad(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
 
 
 @triton.jit
+def rlk_attn_unmasked(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo, u0,
+                      u1, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+                      U: tl.constexpr, v0):
+    """The unmasked run's blocks ``u0 .. u1`` (every row sees them entirely), ``U`` per step
+    (``AttnConfig.unroll``: ``rlk_attn_block``, ``rlk_attn_pair`` or ``rlk_attn_quad``). Returns the
+    state and the last block walked: with ``U > 1`` the blocks left over (fewer than ``U``) are
+    the masked run's, ``last + 1 ..`` (a mask that hides nothing gives the same bits)."""
+    if U == 2:
+        pairs = tl.maximum(u1 - u0 + 1, 0) // 2
+        for i in range(0, pairs):
+            m, l, acc = rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
+                                      pos, wlo, u0 + 2 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v,
+                                      HEAD_D, BLOCK_M, PAGED, IEEE, TMA, v0)
+        last = u0 + 2 * pairs - 1
+    elif U == 4:
+        quads = tl.maximum(u1 - u0 + 1, 0) // 4
+        for i in range(0, quads):
+            m, l, acc = rlk_attn_quad(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
+                                      u0 + 4 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
+                                      BLOCK_M, PAGED, IEEE, TMA, v0)
+        last = u0 + 4 * quads - 1
+    else:
+        for b in range(u0, u1 + 1):
+            m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
+                                       pos, wlo, b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
+                                       BLOCK_M, PAGED, IEEE, False, TMA, v0)
+        last = u1
+    return m, l, acc, last
+
+
+@triton.jit
 def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                    valid, b0, b1, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr,
                    DV: tl.constexpr, BLOCK_M: tl.constexpr, PAGED: tl.constexpr, IEEE: tl.constexpr,
@@ -894,25 +926,9 @@ def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
         # a prefix ``b0 .. min(b1, f1)``; two runs (unmasked, then masked), in increasing order
         f1 = (tl.min(tl.where(valid, pos, 1 << 30), axis=0) + 1) // 64 - 1
         u1 = tl.minimum(b1, f1)
-        if U == 2:
-            pairs = tl.maximum(u1 - b0 + 1, 0) // 2
-            for i in range(0, pairs):
-                m, l, acc = rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap,
-                                          kvh, pos, wlo, b0 + 2 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row,
-                                          sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA, v0)
-            u1 = b0 + 2 * pairs - 1
-        elif U == 4:
-            quads = tl.maximum(u1 - b0 + 1, 0) // 4
-            for i in range(0, quads):
-                m, l, acc = rlk_attn_quad(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
-                                          b0 + 4 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v,
-                                          HEAD_D, BLOCK_M, PAGED, IEEE, TMA, v0)
-            u1 = b0 + 4 * quads - 1
-        else:
-            for b in range(b0, u1 + 1):
-                m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                           b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                           BLOCK_M, PAGED, IEEE, False, TMA, v0)
+        m, l, acc, u1 = rlk_attn_unmasked(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap,
+                                          kvh, pos, wlo, b0, u1, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head,
+                                          offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA, U, v0)
         for b in range(tl.maximum(u1 + 1, b0), b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
@@ -929,25 +945,10 @@ def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
                                        BLOCK_M, PAGED, IEEE, True, TMA_EDGE, v0)
-        if U == 2:
-            pairs = tl.maximum(u1 - u0 + 1, 0) // 2
-            for i in range(0, pairs):
-                m, l, acc = rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap,
-                                          kvh, pos, wlo, u0 + 2 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row,
-                                          sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA, v0)
-            u1 = tl.where(u1 >= u0, u0 + 2 * pairs - 1, u1)
-        elif U == 4:
-            quads = tl.maximum(u1 - u0 + 1, 0) // 4
-            for i in range(0, quads):
-                m, l, acc = rlk_attn_quad(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
-                                          u0 + 4 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v,
-                                          HEAD_D, BLOCK_M, PAGED, IEEE, TMA, v0)
-            u1 = tl.where(u1 >= u0, u0 + 4 * quads - 1, u1)
-        else:
-            for b in range(u0, u1 + 1):
-                m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
-                                           b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
-                                           BLOCK_M, PAGED, IEEE, False, TMA, v0)
+        m, l, acc, last = rlk_attn_unmasked(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size,
+                                            cap, kvh, pos, wlo, u0, u1, m, l, acc, qk_scale, sk_row, sk_head, sv_row,
+                                            sv_head, offs_v, HEAD_D, BLOCK_M, PAGED, IEEE, TMA, U, v0)
+        u1 = tl.where(u1 >= u0, last, u1)
         for b in range(tl.maximum(u1 + 1, e1 + 1), b1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, pos, wlo,
                                        b, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
