@@ -520,8 +520,8 @@ def test_interpreter_unmasked_interior_blocks_give_the_same_bits(window, monkeyp
 @pytest.mark.parametrize("window", [None, 300])  # 300: windows holding up to 4 whole blocks
 def test_interpreter_paired_blocks_give_the_same_bits(window, unroll, monkeypatch):
     """``AttnConfig.unroll = 2`` (the unmasked run two blocks per step, ``rlk_attn_pair``) and
-    ``unroll = 4`` (four, ``rlk_attn_quad``: one batched score product, the running maxima by a
-    prefix scan) against one block per step, with the three-run walk forced on and 4-block KV
+    ``unroll = 4`` (four, ``rlk_attn_quad``: one batched score product, the running maxima taken in
+    block order) against one block per step, with the three-run walk forced on and 4-block KV
     splits (so splits hold whole and partial unmasked runs, the blocks left over walked by the
     masked run): the train path's rows and lse, and decode steps through the split kernel and
     through the prefill kernel, contiguous and on 16-row pages, raw-bit equal. Negative control:

@@ -106,7 +106,7 @@ KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_a
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_exp2", "rlk_attn_gdc_wait", "rlk_attn_gdc_launch", "rlk_attn_rowsum", "rlk_attn_rows",
                     "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_load", "rlk_attn_scores", "rlk_attn_step",
-                    "rlk_attn_block", "rlk_attn_pair", "rlk_attn_rowsum3", "rlk_attn_max2", "rlk_attn_quarters",
+                    "rlk_attn_block", "rlk_attn_pair", "rlk_attn_rowsum3", "rlk_attn_quarters",
                     "rlk_attn_vblock", "rlk_attn_quad", "rlk_attn_unmasked", "rlk_attn_split", "rlk_attn_merge",
                     "rlk_attn_ws_load", "rlk_attn_finish", "rlk_attn_bwd_dq_block", "rlk_attn_bwd_dkdv_block")
 
@@ -762,12 +762,6 @@ def rlk_attn_rowsum3(x, NB: tl.constexpr, BLOCK_M: tl.constexpr, N: tl.constexpr
 
 
 @triton.jit
-def rlk_attn_max2(a, b):
-    """``max(a, b)``: the combine of the running maxima's prefix scan (exact, so any grouping)."""
-    return tl.maximum(a, b)
-
-
-@triton.jit
 def rlk_attn_quarters(x):
     """The four ``[..., 4]`` → ``[...]`` slices of ``x`` along its last axis, in index order."""
     e, o = tl.split(tl.reshape(x, x.shape[:-1] + [2, 2]))  # e: indices 0, 2; o: 1, 3
@@ -802,8 +796,10 @@ def rlk_attn_quad(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
     computed inside each warp, with no reduction across warps. The states between blocks follow
     exactly:
 
-    * ``mn_j = max(m, x_0, .., x_j)`` with ``x_j = max_k s_jk · c + 0`` (a maximum is exact, so
-      its grouping is free: a prefix scan over the four blocks);
+    * ``mn_j = max(mn_{j−1}, x_j)`` with ``x_j = max_k s_jk · c + 0``, taken in block order from
+      each thread's four ``x_j`` (``rlk_attn_quarters``) and selected back into ``[4, BLOCK_M]``
+      (a maximum is exact; in order, the step needs 21 CTA barriers a trip instead of the
+      prefix scan's 33, offline sm_90);
     * ``α_j = 2^{mn_{j−1} − mn_j}`` (``mn_{−1} = m``, the state before block 0),
       ``P_j = 2^{fma(s_j, c, −mn_j)}``, row sums by
       ``rlk_attn_rowsum3`` (the same pairs as ``rlk_attn_rowsum``);
@@ -838,15 +834,16 @@ def rlk_attn_quad(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
                              offs_v, PAGED)
     s = rlk_attn_scores(tl.broadcast_to(q[None, :, :], [4, BLOCK_M, HEAD_D]), kt, IEEE)  # [4, BLOCK_M, 64] fp32
     x = tl.max(s, axis=2) * qk_scale + 0.0  # [4, BLOCK_M]
-    mn = tl.maximum(m[None, :], tl.associative_scan(x, 0, rlk_attn_max2))  # mn_j = max(m, x_0 .. x_j)
+    x0, x1, x2, x3 = rlk_attn_quarters(tl.permute(x, (1, 0)))
+    mn0 = tl.maximum(m, x0)
+    mn1 = tl.maximum(mn0, x1)
+    mn2 = tl.maximum(mn1, x2)
+    mn3 = tl.maximum(mn2, x3)
+    sel = jj[:, None]
+    mn = tl.where(sel == 0, mn0[None, :], tl.where(sel == 1, mn1[None, :], tl.where(sel == 2, mn2[None, :], mn3[None, :])))
     p = rlk_attn_exp2(tl.fma(s, qk_scale, -mn[:, :, None]))
     r = rlk_attn_rowsum3(p, 4, BLOCK_M, 64, 6)
-    # the four blocks' row values side by side in each thread: (mn_j, Σ P_j) as [BLOCK_M, 2, 4]
-    mr0, mr1, mr2, mr3 = rlk_attn_quarters(tl.permute(tl.join(mn, r), (1, 2, 0)))
-    mn0, r0 = tl.split(mr0)
-    mn1, r1 = tl.split(mr1)
-    mn2, r2 = tl.split(mr2)
-    mn3, r3 = tl.split(mr3)
+    r0, r1, r2, r3 = rlk_attn_quarters(tl.permute(r, (1, 0)))
     a0 = rlk_attn_exp2(m - mn0)  # the state before block j has the maximum mn_{j-1} (m before block 0)
     a1 = rlk_attn_exp2(mn0 - mn1)
     a2 = rlk_attn_exp2(mn1 - mn2)
