@@ -387,7 +387,9 @@ def quad_blocks(v_slices: int) -> bool:
     path), unless ``QUAD_BLOCKS`` is off; the step runs on ``quad_tile``. H200, session 16 run 4
     (batch 1, D = 128, bf16, 4 value slices; the benchmark's ``.no_quad`` rows, the walk it
     replaced, in the same run): contiguous 512 keys 0.82 -> 1.07 of SDPA, 4096 keys 0.63 -> 0.72;
-    16-token pages 0.76 -> 0.98 and 0.46 -> 0.61. Unsliced launches lost with it (run 1,
+    16-token pages 0.76 -> 0.98 and 0.46 -> 0.61; with the running maxima in block order
+    (session 17 run 1) 1.21 and 0.78 contiguous, 1.06 and 0.63 on pages. Unsliced launches lost
+    with it (session 16 run 1,
     ``tools/benchmarking/attention_decode_gpu.py``: batch 1 at 32768 keys 0.97 -> 0.80, batch 4 at
     4096 keys 0.98 -> 0.82). The same bits either way (tested)."""
     return QUAD_BLOCKS and v_slices >= 2
