@@ -38,6 +38,12 @@ step of few sequences more programs, and prefill more merges); the ``best`` list
 Rows ending ``~u<n>`` (``--unroll``) run the shipped call with the selected forward tiles walking
 the unmasked blocks ``n`` per step (``AttnConfig.unroll``; the same bits), side by side.
 
+``--rows`` narrows every case to the implementations matching its shell-style patterns (SDPA, the
+baseline, always runs): a decode case with every side-by-side row takes about 100 s on the H200
+(session 17), ``--rows 'rlk.triton.blocked_online_softmax,*.paged16'`` a fraction of it. The JSON
+is rewritten after every case (``meta.partial`` until the run ends), so a run cut by its time
+limit keeps the cases it finished.
+
 Rows ending ``.no_pdl`` (prefill output-only and both decode launchers) are the same calls with
 every kernel launched plainly (``kernels.PDL = False``), side by side with the default's
 programmatic dependent launch.
@@ -72,6 +78,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -307,10 +314,22 @@ def train_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence
     return impls, flop, {"B": B, "S": S, "tokens": T}
 
 
+def select_rows(names: Sequence[str], patterns: Sequence[str]) -> list[str]:
+    """The implementations of a case that ``--rows`` keeps: ``torch.sdpa`` (every ratio's
+    baseline) and each name matching one of the shell-style ``patterns`` (``fnmatch``, case
+    sensitive); every name when ``patterns`` is empty."""
+    if not patterns:
+        return list(names)
+    return [n for n in names if n == "torch.sdpa" or any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
 def run(quick: bool, repeats: int, all_configs: bool = False,
         kinds: Sequence[str] = ("prefill", "decode", "train"), decode_batch: Sequence[int] = DECODE_BATCH,
         decode_ctx: Sequence[int] = DECODE_CTX, split_blocks: Sequence[int] = (),
-        unrolls: Sequence[int] = ()) -> list[dict]:
+        unrolls: Sequence[int] = (), patterns: Sequence[str] = (),
+        checkpoint: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Time every case of ``kinds``; ``patterns`` (``--rows``) narrows each case's implementations
+    (``select_rows``); ``checkpoint(rows)`` runs after each case (the partial JSON a cut run keeps)."""
     dev, ver = device_info("cuda"), versions()
     rows: list[dict] = []
     cases: list[tuple[str, Callable]] = []
@@ -324,6 +343,7 @@ def run(quick: bool, repeats: int, all_configs: bool = False,
     cases = [(kind, make) for kind, make in cases if kind in kinds]
     for kind, make in cases:
         impls, work, cfg = make()
+        impls = {name: impls[name] for name in select_rows(list(impls), patterns)}
         mode = "eager" if kind == "train" else "graph"
         n = 3 if kind == "train" else (20 if kind == "decode" else 5)
         if mode == "graph":
@@ -349,6 +369,8 @@ def run(quick: bool, repeats: int, all_configs: bool = False,
                   f"(throughput {extra['throughput_ratio']:.3f} of SDPA)", flush=True)
         del impls
         torch.cuda.empty_cache()
+        if checkpoint is not None:
+            checkpoint(rows)
     return rows
 
 
@@ -370,6 +392,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--unroll", default="",
                     help="comma-separated blocks per unmasked step (1, 2, 4: AttnConfig.unroll) to time beside the "
                          "shipped tiles (rows ending ~u<n>; the same bits)")
+    ap.add_argument("--rows", default=None,
+                    help="comma-separated shell-style patterns of the implementations to time (torch.sdpa, the "
+                         "baseline, always runs), e.g. 'rlk.triton.blocked_online_softmax,*.paged16'; default: all")
     args = ap.parse_args(argv)
 
     def ints(flag: str, text: str, multiple: int = 1) -> tuple[int, ...]:
@@ -387,6 +412,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     unrolls = ints("--unroll", args.unroll) if args.unroll else ()
     if any(u not in (1, 2, 4) for u in unrolls):
         ap.error(f"--unroll: expected values among 1,2,4, got {args.unroll!r}")
+    patterns = ()
+    if args.rows is not None:
+        patterns = tuple(p.strip() for p in args.rows.split(","))
+        if not all(patterns):
+            ap.error(f"--rows: expected comma-separated non-empty patterns, got {args.rows!r}")
     kinds = tuple(k for k in args.kinds.split(",") if k)
     bad = [k for k in kinds if k not in ("prefill", "decode", "train")]
     if bad or not kinds:
@@ -395,7 +425,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench_attention_gpu: no CUDA device visible", file=sys.stderr)
         return 2
     repeats = args.repeats or (3 if args.quick else 15)
-    rows = run(args.quick, repeats, args.configs == "all", kinds, decode_batch, decode_ctx, split_blocks, unrolls)
+
+    def checkpoint(rows: list[dict]) -> None:  # the rows so far: a run cut by its time limit keeps them
+        write_report(rows, args.out, meta={"partial": True})
+
+    rows = run(args.quick, repeats, args.configs == "all", kinds, decode_batch, decode_ctx, split_blocks, unrolls,
+               patterns, checkpoint)
     target = {"prefill": 0.9, "decode": 0.9}
     def has_target(r):  # the training forward (extra outputs for the backward) is reported, not targeted
         return r["kind"] in target and ".train_forward" not in r["implementation"]

@@ -18,6 +18,8 @@ from benchmarks.operators import bench_attention_gpu as bench
         (["--kinds", "decode,bogus"], "--kinds: expected a subset of prefill,decode,train"),
         (["--unroll", "3"], "--unroll: expected values among 1,2,4"),
         (["--unroll", "0"], "--unroll: expected positive integers"),
+        (["--rows", ""], "--rows: expected comma-separated non-empty patterns"),
+        (["--rows", "*.paged16,,x"], "--rows: expected comma-separated non-empty patterns"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(tmp_path, capsys, args, message):
@@ -33,3 +35,15 @@ def test_valid_arguments_without_cuda_exit_cleanly(tmp_path, capsys, monkeypatch
     code = bench.main(["--out", str(out), "--kinds", "decode", "--decode-batch", "1,2", "--decode-ctx", "512,4096"])
     assert code == 2 and not out.exists()
     assert "no CUDA device visible" in capsys.readouterr().err
+
+
+def test_rows_keep_the_baseline_and_the_matching_implementations():
+    """``--rows`` patterns (``select_rows``): SDPA always stays (every ratio's baseline), a
+    pattern keeps exactly its matches, no pattern keeps everything; a pattern matching nothing
+    keeps only the baseline (negative control: the filter does drop rows)."""
+    ours = bench.OURS
+    names = ["torch.sdpa", ours, f"{ours}.paged16", f"{ours}.two_launch", f"{ours}.paged16.no_quad", f"{ours}@v4"]
+    assert bench.select_rows(names, ()) == names
+    assert bench.select_rows(names, (ours, "*.paged16")) == ["torch.sdpa", ours, f"{ours}.paged16"]
+    assert bench.select_rows(names, ("*@v*", "*.no_quad")) == ["torch.sdpa", f"{ours}.paged16.no_quad", f"{ours}@v4"]
+    assert bench.select_rows(names, ("nothing*",)) == ["torch.sdpa"]
