@@ -28,8 +28,9 @@ row of a tile sees entirely (``rlk_attn_block(..., MASKED=False)``, ``split_runs
 
 Device functions shared by the kernels (so one expression compiles one way): the row bookkeeping
 ``rlk_attn_rows``, the key/value row addresses ``rlk_attn_kv_rows``, the block body
-``rlk_attn_block`` (and ``rlk_attn_bwd_dq_block`` / ``rlk_attn_bwd_dkdv_block``), the split
-``rlk_attn_split``, the merge ``rlk_attn_merge``, the final division ``rlk_attn_finish`` and the
+``rlk_attn_block`` (and ``rlk_attn_bwd_dq_block`` / ``rlk_attn_bwd_dkdv_block``), the
+multi-block steps ``rlk_attn_pair`` / ``rlk_attn_quad`` and the unmasked run's walk
+``rlk_attn_unmasked``, the split ``rlk_attn_split``, the merge ``rlk_attn_merge``, the final division ``rlk_attn_finish`` and the
 fixed pairwise row sum ``rlk_attn_rowsum``.
 """
 
@@ -841,8 +842,9 @@ def rlk_attn_quad(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
     mn1 = tl.maximum(mn0, x1)
     mn2 = tl.maximum(mn1, x2)
     mn3 = tl.maximum(mn2, x3)
-    sel = jj[:, None]
-    mn = tl.where(sel == 0, mn0[None, :], tl.where(sel == 1, mn1[None, :], tl.where(sel == 2, mn2[None, :], mn3[None, :])))
+    sel = jj[:, None]  # block j's row takes mn_j
+    mn = tl.where(sel == 0, mn0[None, :],
+                  tl.where(sel == 1, mn1[None, :], tl.where(sel == 2, mn2[None, :], mn3[None, :])))
     p = rlk_attn_exp2(tl.fma(s, qk_scale, -mn[:, :, None]))
     r = rlk_attn_rowsum3(p, 4, BLOCK_M, 64, 6)
     r0, r1, r2, r3 = rlk_attn_quarters(tl.permute(r, (1, 0)))
@@ -914,9 +916,10 @@ def rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
     ``f0 = ceil(max wlo / 64)``, ``f1 = floor((min pos + 1) / 64) - 1`` over the valid rows.
     (Padding rows, never stored, may take finite values in the unmasked run.)
 
-    ``U = 2`` (``AttnConfig.unroll``) walks the unmasked run two blocks per step
-    (``rlk_attn_pair``); an odd block left over joins the masked run after it (a mask that hides
-    nothing gives the same bits). The blocks are the same, in the same order, so the same bits."""
+    ``U = 2`` or ``4`` (``AttnConfig.unroll``) walks the unmasked run that many blocks per step
+    (``rlk_attn_unmasked``: ``rlk_attn_pair``, ``rlk_attn_quad``); the blocks left over (fewer
+    than ``U``) join the masked run after it (a mask that hides nothing gives the same bits). The
+    blocks are the same, in the same order, so the same bits."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
