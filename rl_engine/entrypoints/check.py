@@ -2,7 +2,10 @@
 
 With no arguments: the embedded default — the ``tiny`` Qwen3 preset with seeded random weights,
 fp32 on CPU, the built-in prompt set, every train layout, plan ``R/R``. ``--model DIR`` loads a
-HF Qwen3 checkpoint directory instead. ``--plan P/P`` runs native torch on both sides: the
+HF Qwen3 checkpoint directory instead; ``--preset NAME`` takes another preset's dimensions with
+random weights (``qwen3-0.6b``: head dim 128). ``--extra-prompt-tokens N`` lengthens every
+prompt by ``N`` tokens: with ``N >= 1000`` every context crosses position 1024, so the rollout's
+decode steps take the split-parallel kernels and the train path merges KV splits. ``--plan P/P`` runs native torch on both sides: the
 negative control, which is expected to report mismatches. See docs/check.md for the JSON fields.
 ``--engine hf`` runs the same flow through transformers instead of the reference executors:
 ``generate`` is the rollout and the model's training forward the train side, with rl_engine
@@ -61,8 +64,10 @@ def render(result: dict[str, Any], console: Console) -> None:
     )
     steps = (f"{ro['steps']} steps, {ro['distinct_batch_compositions']} distinct batch compositions"
              if ro.get("steps") is not None else f"continuous batching of up to {ro['max_sequences_per_step']} sequences")
+    context = (f", contexts up to {result['max_context']} tokens (+{result['extra_prompt_tokens']} per prompt)"
+               if result.get("extra_prompt_tokens") else "")
     console.print(
-        f"rollout: {result['num_prompts']} prompts, {ro['active_tokens']} sampled tokens, {steps} "
+        f"rollout: {result['num_prompts']} prompts{context}, {ro['active_tokens']} sampled tokens, {steps} "
         f"(temperature={result['sampling']['temperature']}, top_k={result['sampling']['top_k']}, "
         f"top_p={result['sampling']['top_p']})"
     )
@@ -91,10 +96,12 @@ def render(result: dict[str, Any], console: Console) -> None:
 
 def command(
     model: str | None = typer.Option(None, "--model", help="HF Qwen3 checkpoint directory (config.json + safetensors). Default: tiny random Qwen3."),
+    preset: str = typer.Option("tiny", "--preset", help="Without --model: the Qwen3 preset whose dimensions the random-weight model takes (tiny, qwen3-0.6b, ... qwen3-32b)."),
     dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda:0."),
     num_prompts: int = typer.Option(12, "--num-prompts", min=1, help="Prompts from the built-in set (varied lengths)."),
     max_new_tokens: int = typer.Option(24, "--max-new-tokens", min=1, help="Longest response; samples ask for up to 9 fewer."),
+    extra_prompt_tokens: int = typer.Option(0, "--extra-prompt-tokens", min=0, help="Tokens added to every built-in prompt (1 to 64 tokens); 1000 takes the contexts past the first 1024-key KV split."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights, prompts and sampling draws."),
     temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Sampling temperature; 0 = greedy."),
     top_k: int = typer.Option(50, "--top-k", min=0, help="Keep the k most likely tokens (0 = off)."),
@@ -123,6 +130,13 @@ def command(
                                  param_hint="--plan")
     if top_p <= 0.0:
         raise typer.BadParameter("expected a value in (0, 1]", param_hint="--top-p")
+    from rl_engine.models.qwen3 import PRESETS
+
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"expected one of {sorted(PRESETS)}, got {preset!r}", param_hint="--preset")
+    if model is not None and preset != "tiny":
+        raise typer.BadParameter("--preset names random-weight dimensions; --model loads a checkpoint: give one",
+                                 param_hint="--preset")
     try:
         import torch
 
@@ -130,9 +144,9 @@ def command(
     except Exception as exc:
         print(f"rlk check: device {device!r} is not usable here: {exc}", file=sys.stderr)
         raise typer.Exit(EXIT_USAGE) from exc
-    cfg = ParityConfig(model=model, dtype=dtype.value, device=device, num_prompts=num_prompts,
-                       max_new_tokens=max_new_tokens, seed=seed, temperature=temperature, top_k=top_k,
-                       top_p=top_p, plan=plan)
+    cfg = ParityConfig(model=model, preset=preset, dtype=dtype.value, device=device, num_prompts=num_prompts,
+                       max_new_tokens=max_new_tokens, extra_prompt_tokens=extra_prompt_tokens, seed=seed,
+                       temperature=temperature, top_k=top_k, top_p=top_p, plan=plan)
     if engine is Engine.vllm:
         _check_vllm(cfg, threads, as_json, err)
         return
@@ -141,7 +155,7 @@ def command(
             from rl_engine.integrations.common.hf_check import load_hf_model, run_hf_parity
             from rl_engine.models.qwen3 import dtype_from_name
 
-            loaded, hf_name = load_hf_model(model, dtype_from_name(dtype.value), device, seed)
+            loaded, hf_name = load_hf_model(model, dtype_from_name(dtype.value), device, seed, preset)
             n_params = sum(p.numel() for p in loaded.parameters())
         else:
             loaded = load_model(cfg)[0]

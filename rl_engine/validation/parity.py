@@ -2,10 +2,11 @@
 
 One run:
 
-1. load the model (a HF Qwen3 checkpoint directory, or the ``tiny`` preset with seeded random
-   weights) in the requested dtype on the requested device;
+1. load the model (a HF Qwen3 checkpoint directory, or a preset's dimensions — ``tiny`` by
+   default — with seeded random weights) in the requested dtype on the requested device;
 2. **rollout** the built-in prompt set (:func:`builtin_prompts`: varied lengths, staggered
-   arrivals, different response lengths) with the plan's rollout provider: chunked prefill +
+   arrivals, different response lengths; ``extra_prompt_tokens`` lengthens every prompt so that
+   the contexts cross the 1024-key KV splits) with the plan's rollout provider: chunked prefill +
    decode over KV caches, continuous batching, recording each sampled token's log-prob
    (``log softmax(z / T)`` of the full distribution, before top-k/top-p filtering);
 3. **score** the same sequences on the train path under every layout in ``layouts``
@@ -25,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rl_engine.runtime.executor import LAYOUTS, RolloutExecutor, RolloutRequest, SamplingParams, TrainSequence, score
 from rl_engine.runtime.plan import Plan
 from rl_engine.validation.alignment import align, compare
 
-__all__ = ["ParityConfig", "builtin_prompts", "load_model", "run_parity", "SCHEMA_VERSION", "PROMPT_LENGTHS"]
+__all__ = ["ParityConfig", "builtin_prompts", "check_context", "load_model", "run_parity", "SCHEMA_VERSION",
+           "PROMPT_LENGTHS"]
 
 SCHEMA_VERSION = 1
 #: Prompt lengths of the built-in prompt set (cycled): short, long, odd, one-token.
@@ -43,11 +45,18 @@ class ParityConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str | None = None  # HF checkpoint directory; None = tiny preset, random weights
+    model: str | None = None  # HF checkpoint directory; None = ``preset``'s dimensions, random weights
+    #: the preset (``rl_engine.models.qwen3.PRESETS``) whose dimensions the random-weight model
+    #: takes when ``model`` is None: ``tiny`` (head dim 32), or a Qwen3 size such as
+    #: ``qwen3-0.6b`` (head dim 128: the GPU kernels' value-sliced decode steps)
+    preset: str = "tiny"
     dtype: str = "float32"
     device: str = "cpu"
     num_prompts: int = Field(default=12, ge=1)
     max_new_tokens: int = Field(default=24, ge=1)
+    #: tokens added to every built-in prompt (``builtin_prompts``): with 1000 the contexts are
+    #: 1021-1085 tokens (12 prompts), past position 1024, the attention contract's first KV split
+    extra_prompt_tokens: int = Field(default=0, ge=0)
     seed: int = 0
     temperature: float = Field(default=1.0, ge=0.0)
     top_k: int = Field(default=50, ge=0)
@@ -58,20 +67,44 @@ class ParityConfig(BaseModel):
     prefill_chunk: int = Field(default=16, ge=1)
     max_step_tokens: int = Field(default=40, ge=1)
 
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str) -> str:
+        from rl_engine.models.qwen3 import PRESETS
 
-def builtin_prompts(n: int, vocab_size: int, max_new_tokens: int, seed: int) -> list[RolloutRequest]:
-    """``n`` prompts of varied length (:data:`PROMPT_LENGTHS`) with token ids in ``[1, vocab)``.
+        if v not in PRESETS:
+            raise ValueError(f"unknown Qwen3 preset {v!r}; known: {sorted(PRESETS)}")
+        return v
+
+
+def builtin_prompts(n: int, vocab_size: int, max_new_tokens: int, seed: int,
+                    extra_tokens: int = 0) -> list[RolloutRequest]:
+    """``n`` prompts of varied length (:data:`PROMPT_LENGTHS`, each plus ``extra_tokens``) with
+    token ids in ``[1, vocab)``.
 
     Sample ``i`` arrives at step ``2 * (i // 3)`` and asks for ``max_new_tokens - 3 * (i % 4)``
-    tokens (at least 1), so sequences join and finish at different steps.
+    tokens (at least 1), so sequences join and finish at different steps. With ``extra_tokens =
+    0`` the prompts are the embedded default's (``rlk check``'s prompt ids never change).
     """
+    if extra_tokens < 0:
+        raise ValueError(f"extra_tokens: expected a count >= 0, got {extra_tokens}")
     g = torch.Generator().manual_seed(10_000 + seed)
     reqs = []
     for i in range(n):
-        L = PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]
+        L = PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)] + extra_tokens
         ids = torch.randint(1, vocab_size, (L,), generator=g).tolist()
         reqs.append(RolloutRequest(i, tuple(ids), max(1, max_new_tokens - 3 * (i % 4)), arrival_step=2 * (i // 3)))
     return reqs
+
+
+def check_context(reqs: list[RolloutRequest], max_positions: int) -> int:
+    """The longest context of ``reqs`` (prompt + response tokens); raises ``ValueError`` (naming
+    ``--extra-prompt-tokens``) when it exceeds the model's ``max_position_embeddings``."""
+    longest = max(len(r.prompt) + r.max_new_tokens for r in reqs)
+    if longest > max_positions:
+        raise ValueError(f"extra_prompt_tokens (--extra-prompt-tokens): the longest prompt + response is {longest} "
+                         f"tokens, more than the model's max_position_embeddings = {max_positions}")
+    return longest
 
 
 def load_model(cfg: ParityConfig):
@@ -80,7 +113,8 @@ def load_model(cfg: ParityConfig):
 
     dtype = dtype_from_name(cfg.dtype)
     if cfg.model is None:
-        return Qwen3ForCausalLM.random(PRESETS["tiny"], seed=cfg.seed, dtype=dtype, device=cfg.device), "tiny (random weights)"
+        return (Qwen3ForCausalLM.random(PRESETS[cfg.preset], seed=cfg.seed, dtype=dtype, device=cfg.device),
+                f"{cfg.preset} (random weights)")
     return Qwen3ForCausalLM.from_pretrained(cfg.model, dtype=dtype, device=cfg.device), str(Path(cfg.model))
 
 
@@ -96,7 +130,7 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
     from rl_engine.platforms import platform_of
     from rl_engine.runtime import current_policy
     from rl_engine.runtime import provenance as prov
-    from rl_engine.utils.checks import nan_policy
+    from rl_engine.utils.checks import current_nan_policy, nan_policy
 
     def tick(stage: str, done: int, total: int) -> None:
         if progress is not None:
@@ -117,18 +151,25 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
     if bad_w:
         raise ValueError(f"model: parameters {bad_w[:3]} contain NaN or Inf")
     sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
-    reqs = builtin_prompts(cfg.num_prompts, model.spec.vocab_size, cfg.max_new_tokens, cfg.seed)
-    max_len = max(len(r.prompt) + r.max_new_tokens for r in reqs)
+    reqs = builtin_prompts(cfg.num_prompts, model.spec.vocab_size, cfg.max_new_tokens, cfg.seed,
+                           cfg.extra_prompt_tokens)
+    max_len = check_context(reqs, model.spec.max_position_embeddings)
     tick("rollout", 1, total)
     records: list = []
-    # The weights are checked finite at load; intermediate NaN would propagate into a log-prob
-    # and fail the raw-bit comparison, so the per-call NaN scans of the operators are skipped.
-    with prov.record() as records, torch.no_grad(), nan_policy("propagate"):
-        ex = RolloutExecutor(model, plan.provider("rollout"), max_seqs=cfg.max_seqs, max_len=max_len,
-                             prefill_chunk=cfg.prefill_chunk, max_step_tokens=cfg.max_step_tokens)
-        t_r = time.perf_counter()
-        rollout = ex.generate(reqs, sampling)
-        rollout_s = time.perf_counter() - t_r
+    # The rollout runs as engines run it, without per-call NaN scans ("propagate": what a CUDA
+    # graph capture needs; the weights are checked finite above, and a NaN would reach a log-prob
+    # and fail the comparison anyway). The train layouts are scored under the caller's policy
+    # (default "raise": the scans a trainer's calls run, and the kernels they select: on Hopper the
+    # train path's TMA and warpgroup forward need finite inputs and run only under a scanning
+    # policy, kernels.tma_eligible).
+    train_policy = current_nan_policy()
+    with prov.record() as records, torch.no_grad():
+        with nan_policy("propagate"):
+            ex = RolloutExecutor(model, plan.provider("rollout"), max_seqs=cfg.max_seqs, max_len=max_len,
+                                 prefill_chunk=cfg.prefill_chunk, max_step_tokens=cfg.max_step_tokens)
+            t_r = time.perf_counter()
+            rollout = ex.generate(reqs, sampling)
+            rollout_s = time.perf_counter() - t_r
         seqs = [TrainSequence(s.sample_id, s.tokens, (0,) * len(s.prompt) + (1,) * len(s.response))
                 for s in rollout.values()]
         layouts = []
@@ -157,6 +198,8 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
                      "log_softmax(logits / T) of the full distribution, before top-k/top-p (T = 1 when greedy)"},
         "num_prompts": cfg.num_prompts,
         "max_new_tokens": cfg.max_new_tokens,
+        "extra_prompt_tokens": cfg.extra_prompt_tokens,
+        "max_context": max(len(s.tokens) for s in rollout.values()),
         "seed": cfg.seed,
         "rollout": {
             "steps": len(ex.batch_log),
@@ -176,6 +219,7 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
             "rl_engine": rlk_version,
             "platform": platform.as_dict(),
             "policy": current_policy(),
+            "nan_policy": {"rollout": "propagate", "train": train_policy},
             "torch_threads": torch.get_num_threads(),
             "fallback": any(r["fallback"] for r in summary),
             "operators": summary,

@@ -44,6 +44,7 @@ def test_default_passes_bitwise(capsys):
     assert res["rollout"]["distinct_batch_compositions"] > 5
     prov = res["provenance"]
     assert prov["fallback"] is False and prov["native_modules"] == []
+    assert prov["nan_policy"] == {"rollout": "propagate", "train": "raise"}  # the train side scans, as trainers do
     ops = {r["op"] for r in prov["operators"]}
     assert {"gemm.linear", "norm.rms_norm", "rope.apply_rope", "activation.silu_and_mul",
             "embedding.embedding", "logprob.linear_token_logprobs"} <= ops
@@ -87,8 +88,73 @@ def test_load_errors_exit_2(capsys, tmp_path):
     assert code == 2 and "unsupported architecture" in err
 
 
+def test_long_prompts_cross_the_kv_split_and_pass_bitwise(capsys):
+    """``--extra-prompt-tokens 1000``: contexts past position 1024 (the first KV split of the
+    attention contract), so the rollout decodes over caches of two splits and the train path
+    merges them; every active token's bits still match."""
+    code, out, _ = _run(capsys, "--extra-prompt-tokens", "1000", "--json")
+    res = json.loads(out)
+    assert code == 0 and res["passed"] is True, res["first_mismatch"]
+    assert res["extra_prompt_tokens"] == 1000 and 1024 < res["max_context"] <= 1000 + 64 + 24
+    assert res["compared_tokens"] >= 200 and res["rollout"]["distinct_batch_compositions"] > 5
+
+
+def test_long_prompts_negative_control_exits_1(capsys):
+    code, out, _ = _run(capsys, "--extra-prompt-tokens", "1000", "--plan", "P/P", "--json", "--num-prompts", "4",
+                        "--max-new-tokens", "12")
+    res = json.loads(out)
+    assert code == 1 and res["passed"] is False and res["mismatched_tokens"] > 0
+    assert res["max_context"] > 1024
+
+
+def test_hf_engine_long_prompts_pass_bitwise(capsys):
+    """``--engine hf`` (transformers ``generate`` vs its training forward, rl_engine installed)
+    past the first KV split."""
+    code, out, _ = _run(capsys, "--engine", "hf", "--extra-prompt-tokens", "1000", "--num-prompts", "4",
+                        "--max-new-tokens", "8", "--json")
+    res = json.loads(out)
+    assert code == 0 and res["passed"] is True, res["first_mismatch"]
+    assert res["engine"] == "hf" and res["max_context"] > 1024 and res["compared_tokens"] > 0
+
+
+def test_prompt_options_are_validated(capsys):
+    code, _, err = _run(capsys, "--extra-prompt-tokens", "5000")  # tiny: max_position_embeddings 4096
+    assert code == 2 and "--extra-prompt-tokens" in err and "4096" in err
+    code, _, err = _run(capsys, "--preset", "qwen3-0.6b", "--model", "somewhere")
+    assert code == 2 and "--preset" in err
+
+
+def test_builtin_prompts_extra_tokens():
+    from rl_engine.validation.parity import PROMPT_LENGTHS, builtin_prompts, check_context
+
+    base = builtin_prompts(5, 100, 10, seed=3)
+    longer = builtin_prompts(5, 100, 10, seed=3, extra_tokens=7)
+    assert [len(r.prompt) for r in base] == list(PROMPT_LENGTHS[:5])  # the embedded default's prompts unchanged
+    assert [len(r.prompt) for r in longer] == [n + 7 for n in PROMPT_LENGTHS[:5]]
+    assert all(0 < t < 100 for r in longer for t in r.prompt)
+    assert check_context(longer, 10_000) == max(len(r.prompt) + r.max_new_tokens for r in longer)
+    longest = max(len(r.prompt) + r.max_new_tokens for r in longer)
+    assert check_context(longer, longest) == longest
+    with pytest.raises(ValueError, match=f"is {longest} tokens, more than the model's max_position_embeddings = "
+                                         f"{longest - 1}"):
+        check_context(longer, longest - 1)
+    with pytest.raises(ValueError, match="extra_tokens"):
+        builtin_prompts(2, 100, 10, seed=0, extra_tokens=-1)
+
+
+def test_parity_config_rejects_unknown_preset():
+    from pydantic import ValidationError
+
+    from rl_engine.validation.parity import ParityConfig
+
+    assert ParityConfig(preset="qwen3-0.6b").preset == "qwen3-0.6b"
+    with pytest.raises(ValidationError, match="unknown Qwen3 preset 'qwen3-7b'"):
+        ParityConfig(preset="qwen3-7b")
+
+
 @pytest.mark.parametrize("args", [["--plan", "X/R"], ["--dtype", "float16"], ["--top-p", "0"], ["--num-prompts", "0"],
-                                  ["--bogus"], ["--device", "nosuchdevice"]])
+                                  ["--bogus"], ["--device", "nosuchdevice"], ["--preset", "nope"],
+                                  ["--extra-prompt-tokens", "-1"]])
 def test_usage_errors_exit_2(capsys, args):
     code, _, _ = _run(capsys, *args)
     assert code == 2
@@ -127,5 +193,59 @@ def test_default_passes_bitwise_on_gpu(capsys, dtype):
 def test_pp_negative_control_fails_on_gpu(capsys):
     """Control: native torch on both sides (cuBLAS/SDPA in different batch shapes) mismatches."""
     code, out, _ = _run(capsys, "--device", "cuda", "--dtype", "bfloat16", "--plan", "P/P", "--json")
+    res = json.loads(out)
+    assert code == 1 and res["passed"] is False and res["mismatched_tokens"] > 0
+
+
+@pytest.mark.gpu
+def test_long_context_qwen3_shape_passes_bitwise_on_gpu(capsys):
+    """The main job past the first KV split on the GPU, at Qwen3-0.6B's dimensions (random
+    weights: 16 query / 8 KV heads of 128, 28 layers), bf16: prompts of 1001-1064 tokens, so
+    every decode step reads a cache of two 1024-key splits (``rlk_attn_fwd_split`` +
+    ``rlk_attn_combine``; steps with few sequences take value slices and four blocks a step)
+    and the train path merges the splits (in the Hopper warpgroup forward). Every active token's bits must match; the attention
+    launches the rollout made are recorded to show those kernels ran."""
+    from unittest import mock
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from rl_engine.backends.shared.triton.attention import kernels as K
+    from tests.backends.shared.triton._rowwise_common import evidence
+
+    seen: dict[str, int] = {}
+    real = K.attend
+
+    def spy(*args, **kw):
+        cfg, path = kw.get("config"), kw["path"]
+        ns = K.num_splits(args[8])
+        kind = "decode" if path == "decode" and ns > 1 else "prefill-kernel"
+        key = f"{kind} splits={ns} {cfg.key if cfg is not None else 'default'}"
+        seen[key] = seen.get(key, 0) + 1
+        return real(*args, **kw)
+
+    with mock.patch.object(K, "attend", spy), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        code, out, _ = _run(capsys, "--device", "cuda", "--dtype", "bfloat16", "--preset", "qwen3-0.6b",
+                            "--extra-prompt-tokens", "1000", "--num-prompts", "8", "--json")
+    res = json.loads(out)
+    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    evidence("check_long_context_gpu", {"result": {k: res[k] for k in ("passed", "compared_tokens", "mismatched_tokens",
+                                                                       "max_context", "model", "rollout")},
+                                        "attend_calls": seen, "rlk_kernels": sorted(n for n in names if "rlk_" in n)})
+    assert code == 0 and res["passed"] is True, res.get("first_mismatch")
+    assert res["mismatched_tokens"] == 0 and res["compared_tokens"] >= 100 and res["max_context"] > 1024
+    assert res["provenance"]["fallback"] is False and res["provenance"]["native_modules"] == []
+    assert any(k.startswith("decode splits=2") for k in seen), seen  # the split-parallel decode ran
+    # the rollout's split-parallel decode, and the train path's Hopper warpgroup forward (16-bit,
+    # D = 128, sm90; scored under the default NaN policy, as a trainer's calls run)
+    assert res["provenance"]["nan_policy"] == {"rollout": "propagate", "train": "raise"}
+    assert {"rlk_attn_fwd_split", "rlk_attn_combine", "rlk_attn_fwd_wg"} <= names, sorted(names)
+
+
+@pytest.mark.gpu
+def test_long_context_negative_control_fails_on_gpu(capsys):
+    """Control for the test above: native torch on both sides at the same shape mismatches."""
+    code, out, _ = _run(capsys, "--device", "cuda", "--dtype", "bfloat16", "--preset", "qwen3-0.6b",
+                        "--extra-prompt-tokens", "1000", "--num-prompts", "4", "--max-new-tokens", "12",
+                        "--plan", "P/P", "--json")
     res = json.loads(out)
     assert code == 1 and res["passed"] is False and res["mismatched_tokens"] > 0

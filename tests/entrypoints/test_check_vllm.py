@@ -69,6 +69,17 @@ def test_engine_vllm_plugin_off_is_the_negative_control():
 
 
 @needs_vllm
+def test_engine_vllm_long_prompts_pass():
+    """``--extra-prompt-tokens 1000``: vLLM's paged cache past the first 1024-key KV split (the
+    plugin's paged attention) against rl_engine / transformers scoring, raw bits."""
+    code, res, log = _rlk("check", "--engine", "vllm", "--json", "--num-prompts", "4", "--max-new-tokens", "8",
+                          "--extra-prompt-tokens", "1000")
+    assert code == 0, log[-4000:]
+    assert res["passed"] is True and res["mismatched_tokens"] == 0 and res["compared_tokens"] > 0
+    assert res["extra_prompt_tokens"] == 1000 and res["max_context"] > 1024
+
+
+@needs_vllm
 def test_engine_vllm_bad_model_exits_2(tmp_path):
     code, _, log = _rlk("check", "--engine", "vllm", "--num-prompts", "2", "--max-new-tokens", "3", "--model", str(tmp_path))
     assert code == 2 and "cannot load" in log, log[-2000:]

@@ -38,11 +38,12 @@ HF_LAYOUTS: dict[str, tuple[str, int | None, int | None]] = {
 }
 
 
-def load_hf_model(model_dir: str | None, dtype: torch.dtype, device: str, seed: int):
+def load_hf_model(model_dir: str | None, dtype: torch.dtype, device: str, seed: int, preset: str = "tiny"):
     """A transformers ``Qwen3ForCausalLM`` (eval mode) and its display name.
 
-    ``model_dir=None`` builds the ``tiny`` preset with the same seeded weights as the
-    reference check (``Qwen3ForCausalLM.random``); otherwise ``from_pretrained`` (no hub).
+    ``model_dir=None`` builds ``preset``'s dimensions (``rl_engine.models.qwen3.PRESETS``) with
+    the same seeded weights as the reference check (``Qwen3ForCausalLM.random``); otherwise
+    ``from_pretrained`` (no hub).
     """
     from transformers import Qwen3Config
     from transformers import Qwen3ForCausalLM as HFQwen3
@@ -51,13 +52,15 @@ def load_hf_model(model_dir: str | None, dtype: torch.dtype, device: str, seed: 
         from rl_engine.models.qwen3 import PRESETS
         from rl_engine.models.qwen3 import Qwen3ForCausalLM as Ours
 
-        spec = PRESETS["tiny"]
+        if preset not in PRESETS:
+            raise ValueError(f"preset: unknown Qwen3 preset {preset!r}; known: {sorted(PRESETS)}")
+        spec = PRESETS[preset]
         cfg = Qwen3Config(**{k: v for k, v in spec.to_hf_config().items() if k not in ("architectures", "rope_theta")})
         hf = HFQwen3(cfg)
         missing, unexpected = hf.load_state_dict(Ours.random(spec, seed=seed).to_hf_state_dict(), strict=False)
         if unexpected or set(missing) - {"lm_head.weight"}:
             raise ValueError(f"model: state dict mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})")
-        name = "tiny (random weights)"
+        name = f"{preset} (random weights)"
     else:
         hf = HFQwen3.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
         name = str(model_dir)
@@ -150,9 +153,9 @@ def run_hf_parity(cfg, progress: Callable[[str, int, int], None] | None = None, 
     from rl_engine.runtime import provenance as prov
     from rl_engine.runtime.executor import SamplingParams, TrainSequence
     from rl_engine.runtime.plan import Plan
-    from rl_engine.utils.checks import nan_policy
+    from rl_engine.utils.checks import current_nan_policy, nan_policy
     from rl_engine.validation.alignment import align, compare
-    from rl_engine.validation.parity import SCHEMA_VERSION, builtin_prompts
+    from rl_engine.validation.parity import SCHEMA_VERSION, builtin_prompts, check_context
 
     def tick(stage: str, done: int, total: int) -> None:
         if progress is not None:
@@ -166,16 +169,22 @@ def run_hf_parity(cfg, progress: Callable[[str, int, int], None] | None = None, 
     total = 2 + len(HF_LAYOUTS)
     tick("load model", 0, total)
     if model is None:
-        model, model_name = load_hf_model(cfg.model, dtype_from_name(cfg.dtype), cfg.device, cfg.seed)
+        model, model_name = load_hf_model(cfg.model, dtype_from_name(cfg.dtype), cfg.device, cfg.seed, cfg.preset)
     sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
-    reqs = builtin_prompts(cfg.num_prompts, model.config.vocab_size, cfg.max_new_tokens, cfg.seed)
+    reqs = builtin_prompts(cfg.num_prompts, model.config.vocab_size, cfg.max_new_tokens, cfg.seed,
+                           cfg.extra_prompt_tokens)
+    check_context(reqs, model.config.max_position_embeddings)
     inst = install(model) if plan.label == "R/R" else None
     records: list = []
     try:
-        with prov.record() as records, torch.no_grad(), nan_policy("propagate"):
+        # the rollout without per-call NaN scans, the training forward under the caller's policy
+        # (default "raise"), as in rl_engine.validation.parity.run_parity
+        train_policy = current_nan_policy()
+        with prov.record() as records, torch.no_grad():
             tick("rollout (generate)", 1, total)
             t_r = time.perf_counter()
-            rollout, steps = _rollout(model, reqs, sampling, cfg.max_seqs, cfg.device)
+            with nan_policy("propagate"):
+                rollout, steps = _rollout(model, reqs, sampling, cfg.max_seqs, cfg.device)
             rollout_s = time.perf_counter() - t_r
             seqs = [TrainSequence(s.sample_id, s.tokens, (0,) * len(s.prompt) + (1,) * len(s.response))
                     for s in rollout.values()]
@@ -206,6 +215,8 @@ def run_hf_parity(cfg, progress: Callable[[str, int, int], None] | None = None, 
                      "log_softmax(logits / T) of generate's raw logits (output_logits), before top-k/top-p (T = 1 when greedy)"},
         "num_prompts": cfg.num_prompts,
         "max_new_tokens": cfg.max_new_tokens,
+        "extra_prompt_tokens": cfg.extra_prompt_tokens,
+        "max_context": max(len(s.tokens) for s in rollout.values()),
         "seed": cfg.seed,
         "rollout": {
             "steps": sum(steps),
@@ -226,6 +237,7 @@ def run_hf_parity(cfg, progress: Callable[[str, int, int], None] | None = None, 
             "transformers": transformers.__version__,
             "platform": platform_of(torch.empty(0, device=cfg.device)).as_dict(),
             "policy": current_policy(),
+            "nan_policy": {"rollout": "propagate", "train": train_policy},
             "torch_threads": torch.get_num_threads(),
             "fallback": any(r["fallback"] for r in summary),
             "operators": summary,

@@ -126,8 +126,8 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
     """Run the ``rlk check`` flow of ``cfg`` (a :class:`~rl_engine.validation.parity.ParityConfig`)
     with vLLM as the rollout engine; returns the ``rlk check`` result dict (``engine: "vllm"``).
 
-    ``cfg.model=None`` writes the ``tiny`` preset with ``cfg.seed``'s weights (head_dim 32, as
-    vLLM's CPU attention needs) to a temporary checkpoint directory. :data:`VLLM_ENV_DEFAULTS`
+    ``cfg.model=None`` writes ``cfg.preset``'s dimensions (``tiny`` by default: head_dim 32, as
+    vLLM's CPU attention needs) with ``cfg.seed``'s weights to a temporary checkpoint directory. :data:`VLLM_ENV_DEFAULTS`
     are set unless already set.
 
     Raises:
@@ -146,7 +146,7 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
     from rl_engine.runtime.plan import Plan
     from rl_engine.utils.checks import nan_policy
     from rl_engine.validation.alignment import align, compare
-    from rl_engine.validation.parity import SCHEMA_VERSION, builtin_prompts
+    from rl_engine.validation.parity import SCHEMA_VERSION, builtin_prompts, check_context
 
     def tick(stage: str, done: int, total: int) -> None:
         if progress is not None:
@@ -169,7 +169,8 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
         from rl_engine.integrations.engines.rollout.vllm.parity import write_tiny_checkpoint
 
         tmp = tempfile.TemporaryDirectory(prefix="rlk-check-vllm-")
-        model_dir, model_name = str(write_tiny_checkpoint(Path(tmp.name) / "tiny", seed=cfg.seed)), "tiny"
+        model_dir = str(write_tiny_checkpoint(Path(tmp.name) / cfg.preset, preset=cfg.preset, seed=cfg.seed))
+        model_name = cfg.preset
     else:
         model_dir, model_name = str(cfg.model), str(cfg.model)
     try:
@@ -180,8 +181,14 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
             tmp.cleanup()
         raise ValueError(f"model: cannot load {model_dir!r}: {exc}") from exc
     sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
-    reqs = builtin_prompts(cfg.num_prompts, ours.spec.vocab_size, cfg.max_new_tokens, cfg.seed)
-    max_len = max(len(r.prompt) + r.max_new_tokens for r in reqs) + 1
+    reqs = builtin_prompts(cfg.num_prompts, ours.spec.vocab_size, cfg.max_new_tokens, cfg.seed,
+                           cfg.extra_prompt_tokens)
+    try:
+        max_len = check_context(reqs, ours.spec.max_position_embeddings) + 1
+    except ValueError:
+        if tmp is not None:
+            tmp.cleanup()
+        raise
     installed_here = False
     if rollout_letter == "R" and not rlk_vllm.is_installed():
         rlk_vllm.install(strict=True)
@@ -248,6 +255,8 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
                      "top-p, whatever the sampling temperature; the train side scores at temperature 1"},
         "num_prompts": cfg.num_prompts,
         "max_new_tokens": cfg.max_new_tokens,
+        "extra_prompt_tokens": cfg.extra_prompt_tokens,
+        "max_context": max(len(s.prompt) + len(s.response) for s in rollout.values()),
         "seed": cfg.seed,
         "rollout": {
             "steps": None,  # vLLM's scheduler steps are not observed from outside
