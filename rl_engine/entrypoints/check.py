@@ -5,7 +5,8 @@ fp32 on CPU, the built-in prompt set, every train layout, plan ``R/R``. ``--mode
 HF Qwen3 checkpoint directory instead; ``--preset NAME`` takes another preset's dimensions with
 random weights (``qwen3-0.6b``: head dim 128). ``--extra-prompt-tokens N`` lengthens every
 prompt by ``N`` tokens: with ``N >= 1000`` every context crosses position 1024, so the rollout's
-decode steps take the split-parallel kernels and the train path merges KV splits. ``--plan P/P`` runs native torch on both sides: the
+decode steps take the split-parallel kernels and the train path merges KV splits. ``--kv-cache
+paged`` gives the rollout 16-token pages from a shared pool instead of one buffer per sequence. ``--plan P/P`` runs native torch on both sides: the
 negative control, which is expected to report mismatches. See docs/check.md for the JSON fields.
 ``--engine hf`` runs the same flow through transformers instead of the reference executors:
 ``generate`` is the rollout and the model's training forward the train side, with rl_engine
@@ -45,6 +46,11 @@ class Engine(str, enum.Enum):
     vllm = "vllm"
 
 
+class KVCache(str, enum.Enum):
+    contiguous = "contiguous"
+    paged = "paged"
+
+
 class DType(str, enum.Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -66,6 +72,8 @@ def render(result: dict[str, Any], console: Console) -> None:
              if ro.get("steps") is not None else f"continuous batching of up to {ro['max_sequences_per_step']} sequences")
     context = (f", contexts up to {result['max_context']} tokens (+{result['extra_prompt_tokens']} per prompt)"
                if result.get("extra_prompt_tokens") else "")
+    if result.get("kv_cache", "contiguous") != "contiguous":
+        context += f", {result['kv_cache']} KV cache"
     console.print(
         f"rollout: {result['num_prompts']} prompts{context}, {ro['active_tokens']} sampled tokens, {steps} "
         f"(temperature={result['sampling']['temperature']}, top_k={result['sampling']['top_k']}, "
@@ -102,6 +110,7 @@ def command(
     num_prompts: int = typer.Option(12, "--num-prompts", min=1, help="Prompts from the built-in set (varied lengths)."),
     max_new_tokens: int = typer.Option(24, "--max-new-tokens", min=1, help="Longest response; samples ask for up to 9 fewer."),
     extra_prompt_tokens: int = typer.Option(0, "--extra-prompt-tokens", min=0, help="Tokens added to every built-in prompt (1 to 64 tokens); 1000 takes the contexts past the first 1024-key KV split."),
+    kv_cache: KVCache = typer.Option(KVCache.contiguous, "--kv-cache", help="The rollout's KV cache (--engine reference): one buffer per sequence, or 16-token pages from a shared pool."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights, prompts and sampling draws."),
     temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Sampling temperature; 0 = greedy."),
     top_k: int = typer.Option(50, "--top-k", min=0, help="Keep the k most likely tokens (0 = off)."),
@@ -134,6 +143,9 @@ def command(
 
     if preset not in PRESETS:
         raise typer.BadParameter(f"expected one of {sorted(PRESETS)}, got {preset!r}", param_hint="--preset")
+    if engine is not Engine.reference and kv_cache is not KVCache.contiguous:
+        raise typer.BadParameter(f"--engine {engine.value} keeps its own KV cache; --kv-cache applies to --engine "
+                                 "reference", param_hint="--kv-cache")
     if model is not None and preset != "tiny":
         raise typer.BadParameter("--preset names random-weight dimensions; --model loads a checkpoint: give one",
                                  param_hint="--preset")
@@ -145,7 +157,8 @@ def command(
         print(f"rlk check: device {device!r} is not usable here: {exc}", file=sys.stderr)
         raise typer.Exit(EXIT_USAGE) from exc
     cfg = ParityConfig(model=model, preset=preset, dtype=dtype.value, device=device, num_prompts=num_prompts,
-                       max_new_tokens=max_new_tokens, extra_prompt_tokens=extra_prompt_tokens, seed=seed,
+                       max_new_tokens=max_new_tokens, extra_prompt_tokens=extra_prompt_tokens,
+                       kv_cache=kv_cache.value, seed=seed,
                        temperature=temperature, top_k=top_k, top_p=top_p, plan=plan)
     if engine is Engine.vllm:
         _check_vllm(cfg, threads, as_json, err)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -57,6 +57,10 @@ class ParityConfig(BaseModel):
     #: tokens added to every built-in prompt (``builtin_prompts``): with 1000 the contexts are
     #: 1021-1085 tokens (12 prompts), past position 1024, the attention contract's first KV split
     extra_prompt_tokens: int = Field(default=0, ge=0)
+    #: the rollout's rl-kernel KV cache (plan rollout ``R``): one contiguous buffer per sequence
+    #: slot, or 16-token pages handed out from a shared pool (``PagedKVCache``: a sequence's pages
+    #: interleave with the others', so the kernels gather each block through the page table)
+    kv_cache: Literal["contiguous", "paged"] = "contiguous"
     seed: int = 0
     temperature: float = Field(default=1.0, ge=0.0)
     top_k: int = Field(default=50, ge=0)
@@ -165,7 +169,8 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
     train_policy = current_nan_policy()
     with prov.record() as records, torch.no_grad():
         with nan_policy("propagate"):
-            ex = RolloutExecutor(model, plan.provider("rollout"), max_seqs=cfg.max_seqs, max_len=max_len,
+            ex = RolloutExecutor(model, plan.provider("rollout", kv_cache=cfg.kv_cache), max_seqs=cfg.max_seqs,
+                                 max_len=max_len,
                                  prefill_chunk=cfg.prefill_chunk, max_step_tokens=cfg.max_step_tokens)
             t_r = time.perf_counter()
             rollout = ex.generate(reqs, sampling)
@@ -200,6 +205,7 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
         "max_new_tokens": cfg.max_new_tokens,
         "extra_prompt_tokens": cfg.extra_prompt_tokens,
         "max_context": max(len(s.tokens) for s in rollout.values()),
+        "kv_cache": cfg.kv_cache,
         "seed": cfg.seed,
         "rollout": {
             "steps": len(ex.batch_log),

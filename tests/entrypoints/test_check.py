@@ -99,6 +99,14 @@ def test_long_prompts_cross_the_kv_split_and_pass_bitwise(capsys):
     assert res["compared_tokens"] >= 200 and res["rollout"]["distinct_batch_compositions"] > 5
 
 
+def test_long_prompts_paged_cache_pass_bitwise(capsys):
+    """The same past the split with the rollout's cache in 16-token pages from a shared pool."""
+    code, out, _ = _run(capsys, "--extra-prompt-tokens", "1000", "--kv-cache", "paged", "--num-prompts", "6", "--json")
+    res = json.loads(out)
+    assert code == 0 and res["passed"] is True, res["first_mismatch"]
+    assert res["kv_cache"] == "paged" and res["max_context"] > 1024 and res["compared_tokens"] > 0
+
+
 def test_long_prompts_negative_control_exits_1(capsys):
     code, out, _ = _run(capsys, "--extra-prompt-tokens", "1000", "--plan", "P/P", "--json", "--num-prompts", "4",
                         "--max-new-tokens", "12")
@@ -154,7 +162,8 @@ def test_parity_config_rejects_unknown_preset():
 
 @pytest.mark.parametrize("args", [["--plan", "X/R"], ["--dtype", "float16"], ["--top-p", "0"], ["--num-prompts", "0"],
                                   ["--bogus"], ["--device", "nosuchdevice"], ["--preset", "nope"],
-                                  ["--extra-prompt-tokens", "-1"]])
+                                  ["--extra-prompt-tokens", "-1"], ["--kv-cache", "ring"],
+                                  ["--engine", "hf", "--kv-cache", "paged"]])
 def test_usage_errors_exit_2(capsys, args):
     code, _, _ = _run(capsys, *args)
     assert code == 2
@@ -198,13 +207,16 @@ def test_pp_negative_control_fails_on_gpu(capsys):
 
 
 @pytest.mark.gpu
-def test_long_context_qwen3_shape_passes_bitwise_on_gpu(capsys):
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
+def test_long_context_qwen3_shape_passes_bitwise_on_gpu(capsys, kv_cache):
     """The main job past the first KV split on the GPU, at Qwen3-0.6B's dimensions (random
     weights: 16 query / 8 KV heads of 128, 28 layers), bf16: prompts of 1001-1064 tokens, so
     every decode step reads a cache of two 1024-key splits (``rlk_attn_fwd_split`` +
     ``rlk_attn_combine``; steps with few sequences take value slices and four blocks a step)
-    and the train path merges the splits (in the Hopper warpgroup forward). Every active token's bits must match; the attention
-    launches the rollout made are recorded to show those kernels ran."""
+    and the train path merges the splits (in the Hopper warpgroup forward). Every active
+    token's bits must match; the attention launches the rollout made are recorded to show those
+    kernels ran. ``paged``: the rollout's cache in 16-token pages from a shared pool (each key
+    block gathered through the page table)."""
     from unittest import mock
 
     from torch.profiler import ProfilerActivity, profile
@@ -219,22 +231,25 @@ def test_long_context_qwen3_shape_passes_bitwise_on_gpu(capsys):
         cfg, path = kw.get("config"), kw["path"]
         ns = K.num_splits(args[8])
         kind = "decode" if path == "decode" and ns > 1 else "prefill-kernel"
-        key = f"{kind} splits={ns} {cfg.key if cfg is not None else 'default'}"
+        layout = "paged" if args[3].shape[1] > 1 else "contiguous"  # page_rows: one column when contiguous
+        key = f"{kind} splits={ns} {layout} {cfg.key if cfg is not None else 'default'}"
         seen[key] = seen.get(key, 0) + 1
         return real(*args, **kw)
 
     with mock.patch.object(K, "attend", spy), profile(activities=[ProfilerActivity.CUDA]) as prof:
         code, out, _ = _run(capsys, "--device", "cuda", "--dtype", "bfloat16", "--preset", "qwen3-0.6b",
-                            "--extra-prompt-tokens", "1000", "--num-prompts", "8", "--json")
+                            "--extra-prompt-tokens", "1000", "--num-prompts", "8", "--kv-cache", kv_cache, "--json")
     res = json.loads(out)
     names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
-    evidence("check_long_context_gpu", {"result": {k: res[k] for k in ("passed", "compared_tokens", "mismatched_tokens",
-                                                                       "max_context", "model", "rollout")},
-                                        "attend_calls": seen, "rlk_kernels": sorted(n for n in names if "rlk_" in n)})
+    result = {k: res[k] for k in ("passed", "compared_tokens", "mismatched_tokens", "max_context", "model", "rollout",
+                                  "kv_cache")}
+    evidence(f"check_long_context_gpu_{kv_cache}",
+             {"result": result, "attend_calls": seen, "rlk_kernels": sorted(n for n in names if "rlk_" in n)})
     assert code == 0 and res["passed"] is True, res.get("first_mismatch")
     assert res["mismatched_tokens"] == 0 and res["compared_tokens"] >= 100 and res["max_context"] > 1024
     assert res["provenance"]["fallback"] is False and res["provenance"]["native_modules"] == []
-    assert any(k.startswith("decode splits=2") for k in seen), seen  # the split-parallel decode ran
+    assert res["kv_cache"] == kv_cache
+    assert any(k.startswith(f"decode splits=2 {kv_cache}") for k in seen), seen  # the split-parallel decode ran
     # the rollout's split-parallel decode, and the train path's Hopper warpgroup forward (16-bit,
     # D = 128, sm90; scored under the default NaN policy, as a trainer's calls run)
     assert res["provenance"]["nan_policy"] == {"rollout": "propagate", "train": "raise"}

@@ -30,7 +30,7 @@ CLI_SURFACE = {
     "env": ["--help", "--json"],
     "ops": ["--device", "--help", "--json"],
     "check": [
-        "--device", "--dtype", "--engine", "--extra-prompt-tokens", "--help", "--json", "--max-new-tokens", "--model",
+        "--device", "--dtype", "--engine", "--extra-prompt-tokens", "--help", "--json", "--kv-cache", "--max-new-tokens", "--model",
         "--num-prompts", "--plan", "--preset", "--seed", "--temperature", "--threads", "--top-k", "--top-p",
     ],
     "validate": ["--device", "--help", "--inject", "--json", "--out", "--plan", "--workload", "<suite>"],

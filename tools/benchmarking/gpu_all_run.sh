@@ -7,7 +7,7 @@
 #
 # Steps: tests, bench_attention, bench_attention_extra (BENCH_ATTENTION_EXTRA_ARGS), bench_attention_configs, bench_logprob, debug_logprob, bench_gemm,
 # check_cuda (`rlk check --device cuda`: fp32 and bf16 R/R, the P/P control, bf16 R/R past the first KV
-# split at Qwen3-0.6B's dimensions), ablation
+# split at Qwen3-0.6B's dimensions over contiguous and paged caches; CHECK_RUNS overrides), ablation
 # (tools/benchmarking/attention_ablation_gpu.py), sweep (tools/benchmarking/gemm_sweep.py),
 # host_overhead (tools/benchmarking/host_overhead_gpu.py), breakdown
 # (tools/benchmarking/attention_breakdown_gpu.py). Two jobs can share a 2-GPU machine: give each
@@ -93,9 +93,10 @@ for step in $STEPS; do
         --out "$OUT/bench_attention_configs.json" ${BENCH_ATTENTION_CONFIGS_ARGS:-} > "$OUT/bench_attention_configs.log" 2>&1
       tail -40 "$OUT/bench_attention_configs.log" ;;
     check_cuda)  # the main job end to end on the GPU: rl-kernel train vs rollout log-probs, then the native control
-      # the last: past the first 1024-key KV split at Qwen3-0.6B's dimensions (split-parallel decode)
-      for args in "--dtype float32" "--dtype bfloat16" "--dtype bfloat16 --plan P/P" \
-          "--dtype bfloat16 --preset qwen3-0.6b --extra-prompt-tokens 1000"; do
+      # the last two: past the first 1024-key KV split at Qwen3-0.6B's dimensions (split-parallel
+      # decode), contiguous and paged rollout caches; CHECK_RUNS (';'-separated argument sets) overrides
+      IFS=';' read -ra check_runs <<< "${CHECK_RUNS:---dtype float32;--dtype bfloat16;--dtype bfloat16 --plan P/P;--dtype bfloat16 --preset qwen3-0.6b --extra-prompt-tokens 1000;--dtype bfloat16 --preset qwen3-0.6b --extra-prompt-tokens 1000 --kv-cache paged}"
+      for args in "${check_runs[@]}"; do
         echo "-- rlk check --device cuda $args"
         timeout $(lim ${CHECK_TIMEOUT:-120}) python3 -c 'import sys; from rl_engine.entrypoints.cli import main; sys.exit(main())' check --device cuda $args --json \
           > "$OUT/check_cuda_$(echo $args | tr -c 'a-zA-Z0-9' _).json" 2>> "$OUT/check_cuda.err"; echo "rc=$?"
