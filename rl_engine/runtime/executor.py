@@ -25,7 +25,7 @@ fixed order (probabilities sorted descending, ties by token id), and inverted by
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -327,7 +327,15 @@ class RolloutExecutor:
         self.prefill_chunk, self.max_step_tokens = prefill_chunk, max_step_tokens
         self.batch_log: list[tuple[tuple[int, int], ...]] = []  # per step: (sample_id, n_tokens)
 
-    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> dict[int, RolloutSample]:
+    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams,
+                 progress: Callable[[int, int], None] | None = None) -> dict[int, RolloutSample]:
+        """Run every request to its ``max_new_tokens``; returns the samples by ``sample_id``.
+
+        ``progress(done, total)``, if given, is called after every step with the tokens processed
+        so far (prompt tokens fed plus tokens sampled) out of ``Σ len(prompt) + max_new_tokens``.
+        """
+        total_tokens = sum(len(r.prompt) + r.max_new_tokens for r in requests)
+        done_tokens = 0
         for r in requests:
             if len(r.prompt) + r.max_new_tokens > self.max_len:
                 raise ValueError(f"requests: sample {r.sample_id} needs {len(r.prompt) + r.max_new_tokens} "
@@ -376,6 +384,7 @@ class RolloutExecutor:
             ready = []
             for j, (st, n) in enumerate(batch):
                 st.fed += n
+                done_tokens += n
                 if st.fed == st.known:
                     ready.append((st, cu[j + 1] - 1))
             if ready:
@@ -392,6 +401,9 @@ class RolloutExecutor:
                         free.append(st.slot)
                         free.sort()
                         done[st.req.sample_id] = st.sample
+                        done_tokens += 1  # the last sampled token, never fed back
                 running = [st for st in running if st.req.sample_id not in done]
             step += 1
+            if progress is not None:
+                progress(done_tokens, total_tokens)
         return done

@@ -173,7 +173,8 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
                                  max_len=max_len,
                                  prefill_chunk=cfg.prefill_chunk, max_step_tokens=cfg.max_step_tokens)
             t_r = time.perf_counter()
-            rollout = ex.generate(reqs, sampling)
+            rollout = ex.generate(reqs, sampling,
+                                  progress=lambda done, n: tick(f"rollout: {done}/{n} tokens", 1, total))
             rollout_s = time.perf_counter() - t_r
         seqs = [TrainSequence(s.sample_id, s.tokens, (0,) * len(s.prompt) + (1,) * len(s.response))
                 for s in rollout.values()]

@@ -181,3 +181,22 @@ def test_backward_works_and_is_deterministic(dtype):
     for k, v in grads[0].items():
         scale = v.double().abs().max().clamp_min(1e-30)
         assert tol.check(grads[2][k].double() / scale, v.double() / scale), k
+
+
+def test_rollout_progress_counts_every_token():
+    """``generate(progress=)``: called after every step with the tokens processed so far (prompt
+    tokens fed + tokens sampled), non-decreasing, ending at ``Σ len(prompt) + max_new_tokens``;
+    the samples are those of a run without it."""
+    name = next(iter(TINY_CONFIGS))
+    model = _model(name, torch.float32)
+    reqs = _requests(model.spec.vocab_size)
+    calls: list[tuple[int, int]] = []
+    plan = Plan.parse("R/R")
+    ex = RolloutExecutor(model, plan.provider("rollout"), max_len=64, max_seqs=3, prefill_chunk=8, max_step_tokens=20)
+    with torch.no_grad():
+        out = ex.generate(reqs, SAMPLING["sampled"], progress=lambda done, total: calls.append((done, total)))
+    total = sum(len(r.prompt) + r.max_new_tokens for r in reqs)
+    assert len(calls) == len(ex.batch_log) and calls[-1] == (total, total)
+    assert all(a[0] <= b[0] and a[1] == total for a, b in zip(calls, calls[1:]))
+    plain, _ = _rollout(model, plan, SAMPLING["sampled"])
+    assert {k: v.response for k, v in out.items()} == {k: v.response for k, v in plain.items()}
