@@ -4,10 +4,11 @@ With no arguments: the embedded default — the ``tiny`` Qwen3 preset with seede
 fp32 on CPU, the built-in prompt set, every train layout, plan ``R/R``. ``--model DIR`` loads a
 HF Qwen3 checkpoint directory instead; ``--preset NAME`` takes another preset's dimensions with
 random weights (``qwen3-0.6b``: head dim 128). ``--extra-prompt-tokens N`` lengthens every
-prompt by ``N`` tokens: with ``N >= 1000`` every context crosses position 1024, so the rollout's
+prompt by ``N`` tokens: with ``N = 1000`` the contexts pass position 1024, so the rollout's
 decode steps take the split-parallel kernels and the train path merges KV splits. ``--kv-cache
-paged`` gives the rollout 16-token pages from a shared pool instead of one buffer per sequence. ``--plan P/P`` runs native torch on both sides: the
-negative control, which is expected to report mismatches. See docs/check.md for the JSON fields.
+paged`` gives the rollout 16-token pages from a shared pool instead of one buffer per sequence.
+``--plan P/P`` runs native torch on both sides: the negative control, which is expected to
+report mismatches. See docs/check.md for the JSON fields.
 ``--engine hf`` runs the same flow through transformers instead of the reference executors:
 ``generate`` is the rollout and the model's training forward the train side, with rl_engine
 installed (plan ``R/R``) or unpatched (``P/P``); see docs/integrations/hf.md. ``--engine vllm``

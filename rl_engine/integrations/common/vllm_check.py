@@ -127,8 +127,8 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
     with vLLM as the rollout engine; returns the ``rlk check`` result dict (``engine: "vllm"``).
 
     ``cfg.model=None`` writes ``cfg.preset``'s dimensions (``tiny`` by default: head_dim 32, as
-    vLLM's CPU attention needs) with ``cfg.seed``'s weights to a temporary checkpoint directory. :data:`VLLM_ENV_DEFAULTS`
-    are set unless already set.
+    vLLM's CPU attention needs) with ``cfg.seed``'s weights to a temporary checkpoint directory.
+    :data:`VLLM_ENV_DEFAULTS` are set unless already set.
 
     Raises:
         VllmUnavailable: vLLM is not importable (the message names the vLLM environment).
