@@ -112,6 +112,9 @@ def command(
     max_new_tokens: int = typer.Option(24, "--max-new-tokens", min=1, help="Longest response; samples ask for up to 9 fewer."),
     extra_prompt_tokens: int = typer.Option(0, "--extra-prompt-tokens", min=0, help="Tokens added to every built-in prompt (1 to 64 tokens); 1000 takes the contexts past the first 1024-key KV split."),
     kv_cache: KVCache = typer.Option(KVCache.contiguous, "--kv-cache", help="The rollout's KV cache (--engine reference): one buffer per sequence, or 16-token pages from a shared pool."),
+    max_seqs: int = typer.Option(8, "--max-seqs", min=1, help="Sequences the rollout runs at once (cache slots; hf: prompts per generate batch; vllm: max_num_seqs)."),
+    prefill_chunk: int = typer.Option(16, "--prefill-chunk", min=1, help="Prompt tokens a sequence feeds per rollout step (chunked prefill; --engine reference)."),
+    max_step_tokens: int = typer.Option(40, "--max-step-tokens", min=1, help="Token budget of one rollout step: decode tokens first, then prefill chunks (--engine reference)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights, prompts and sampling draws."),
     temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Sampling temperature; 0 = greedy."),
     top_k: int = typer.Option(50, "--top-k", min=0, help="Keep the k most likely tokens (0 = off)."),
@@ -147,6 +150,9 @@ def command(
     if engine is not Engine.reference and kv_cache is not KVCache.contiguous:
         raise typer.BadParameter(f"--engine {engine.value} keeps its own KV cache; --kv-cache applies to --engine "
                                  "reference", param_hint="--kv-cache")
+    if engine is not Engine.reference and (prefill_chunk, max_step_tokens) != (16, 40):
+        raise typer.BadParameter(f"--engine {engine.value} schedules its own steps; --prefill-chunk and "
+                                 "--max-step-tokens apply to --engine reference", param_hint="--prefill-chunk")
     if model is not None and preset != "tiny":
         raise typer.BadParameter("--preset names random-weight dimensions; --model loads a checkpoint: give one",
                                  param_hint="--preset")
@@ -159,7 +165,8 @@ def command(
         raise typer.Exit(EXIT_USAGE) from exc
     cfg = ParityConfig(model=model, preset=preset, dtype=dtype.value, device=device, num_prompts=num_prompts,
                        max_new_tokens=max_new_tokens, extra_prompt_tokens=extra_prompt_tokens,
-                       kv_cache=kv_cache.value, seed=seed,
+                       kv_cache=kv_cache.value, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
+                       max_step_tokens=max_step_tokens, seed=seed,
                        temperature=temperature, top_k=top_k, top_p=top_p, plan=plan)
     if engine is Engine.vllm:
         _check_vllm(cfg, threads, as_json, err)

@@ -67,6 +67,8 @@ class ParityConfig(BaseModel):
     top_p: float = Field(default=0.95, gt=0.0, le=1.0)
     plan: str = "R/R"
     layouts: tuple[str, ...] = tuple(LAYOUTS)
+    #: the rollout scheduler (``RolloutExecutor``): sequences at once (cache slots), prompt tokens a
+    #: sequence feeds per step, and one step's token budget (decode tokens first, then chunks)
     max_seqs: int = Field(default=8, ge=1)
     prefill_chunk: int = Field(default=16, ge=1)
     max_step_tokens: int = Field(default=40, ge=1)
@@ -212,6 +214,9 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
             "steps": len(ex.batch_log),
             "distinct_batch_compositions": len(compositions),
             "max_sequences_per_step": max(len(s) for s in ex.batch_log),
+            "max_tokens_per_step": max(sum(n for _, n in s) for s in ex.batch_log),
+            "scheduler": {"max_seqs": cfg.max_seqs, "prefill_chunk": cfg.prefill_chunk,
+                          "max_step_tokens": cfg.max_step_tokens},
             "active_tokens": sum(len(s.response) for s in rollout.values()),
             "seconds": round(rollout_s, 3),
         },

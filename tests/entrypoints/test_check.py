@@ -107,6 +107,18 @@ def test_long_prompts_paged_cache_pass_bitwise(capsys):
     assert res["kv_cache"] == "paged" and res["max_context"] > 1024 and res["compared_tokens"] > 0
 
 
+def test_long_prompts_large_prefill_chunks_pass_bitwise(capsys):
+    """A rollout scheduler with 512-token prefill chunks and 1100-token steps: chunks that start
+    before position 1024 and end past it, many sequences' chunks in one step."""
+    code, out, _ = _run(capsys, "--extra-prompt-tokens", "1000", "--prefill-chunk", "512", "--max-step-tokens", "1100",
+                        "--num-prompts", "6", "--json")
+    res = json.loads(out)
+    assert code == 0 and res["passed"] is True, res["first_mismatch"]
+    ro = res["rollout"]
+    assert ro["scheduler"] == {"max_seqs": 8, "prefill_chunk": 512, "max_step_tokens": 1100}
+    assert 512 < ro["max_tokens_per_step"] <= 1100 + 8 and res["max_context"] > 1024
+
+
 def test_long_prompts_negative_control_exits_1(capsys):
     code, out, _ = _run(capsys, "--extra-prompt-tokens", "1000", "--plan", "P/P", "--json", "--num-prompts", "4",
                         "--max-new-tokens", "12")
@@ -163,7 +175,8 @@ def test_parity_config_rejects_unknown_preset():
 @pytest.mark.parametrize("args", [["--plan", "X/R"], ["--dtype", "float16"], ["--top-p", "0"], ["--num-prompts", "0"],
                                   ["--bogus"], ["--device", "nosuchdevice"], ["--preset", "nope"],
                                   ["--extra-prompt-tokens", "-1"], ["--kv-cache", "ring"],
-                                  ["--engine", "hf", "--kv-cache", "paged"]])
+                                  ["--engine", "hf", "--kv-cache", "paged"], ["--engine", "hf", "--prefill-chunk", "64"],
+                                  ["--max-seqs", "0"], ["--max-step-tokens", "0"]])
 def test_usage_errors_exit_2(capsys, args):
     code, _, _ = _run(capsys, *args)
     assert code == 2

@@ -30,8 +30,9 @@ CLI_SURFACE = {
     "env": ["--help", "--json"],
     "ops": ["--device", "--help", "--json"],
     "check": [
-        "--device", "--dtype", "--engine", "--extra-prompt-tokens", "--help", "--json", "--kv-cache", "--max-new-tokens", "--model",
-        "--num-prompts", "--plan", "--preset", "--seed", "--temperature", "--threads", "--top-k", "--top-p",
+        "--device", "--dtype", "--engine", "--extra-prompt-tokens", "--help", "--json", "--kv-cache", "--max-new-tokens",
+        "--max-seqs", "--max-step-tokens", "--model", "--num-prompts", "--plan", "--prefill-chunk", "--preset", "--seed",
+        "--temperature", "--threads", "--top-k", "--top-p",
     ],
     "validate": ["--device", "--help", "--inject", "--json", "--out", "--plan", "--workload", "<suite>"],
     "debug": ["--device", "--help", "--inject", "--json", "--out", "--plan-a", "--plan-b", "--sample", "--workload"],
