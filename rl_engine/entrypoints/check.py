@@ -143,10 +143,13 @@ def command(
                                  param_hint="--plan")
     if top_p <= 0.0:
         raise typer.BadParameter("expected a value in (0, 1]", param_hint="--top-p")
-    from rl_engine.models.qwen3 import PRESETS
+    from rl_engine.models.qwen3 import ModelLoadError as _UnknownPreset
+    from rl_engine.models.qwen3 import preset as preset_spec
 
-    if preset not in PRESETS:
-        raise typer.BadParameter(f"expected one of {sorted(PRESETS)}, got {preset!r}", param_hint="--preset")
+    try:
+        preset_spec(preset)
+    except _UnknownPreset as exc:
+        raise typer.BadParameter(str(exc), param_hint="--preset") from exc
     if engine is not Engine.reference and kv_cache is not KVCache.contiguous:
         raise typer.BadParameter(f"--engine {engine.value} keeps its own KV cache; --kv-cache applies to --engine "
                                  "reference", param_hint="--kv-cache")

@@ -76,10 +76,9 @@ class ParityConfig(BaseModel):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, v: str) -> str:
-        from rl_engine.models.qwen3 import PRESETS
+        from rl_engine.models.qwen3 import preset
 
-        if v not in PRESETS:
-            raise ValueError(f"unknown Qwen3 preset {v!r}; known: {sorted(PRESETS)}")
+        preset(v)  # ModelLoadError (a ValueError) naming the known presets
         return v
 
 

@@ -170,6 +170,10 @@ def test_parity_config_rejects_unknown_preset():
     assert ParityConfig(preset="qwen3-0.6b").preset == "qwen3-0.6b"
     with pytest.raises(ValidationError, match="unknown Qwen3 preset 'qwen3-7b'"):
         ParityConfig(preset="qwen3-7b")
+    from rl_engine.integrations.common.hf_check import load_hf_model
+
+    with pytest.raises(ValueError, match="unknown Qwen3 preset 'qwen3-7b'"):  # the --engine hf loader, same rule
+        load_hf_model(None, torch.float32, "cpu", 0, "qwen3-7b")
 
 
 @pytest.mark.parametrize("args", [["--plan", "X/R"], ["--dtype", "float16"], ["--top-p", "0"], ["--num-prompts", "0"],

@@ -49,12 +49,10 @@ def load_hf_model(model_dir: str | None, dtype: torch.dtype, device: str, seed: 
     from transformers import Qwen3ForCausalLM as HFQwen3
 
     if model_dir is None:
-        from rl_engine.models.qwen3 import PRESETS
         from rl_engine.models.qwen3 import Qwen3ForCausalLM as Ours
+        from rl_engine.models.qwen3 import preset as preset_spec
 
-        if preset not in PRESETS:
-            raise ValueError(f"preset: unknown Qwen3 preset {preset!r}; known: {sorted(PRESETS)}")
-        spec = PRESETS[preset]
+        spec = preset_spec(preset)
         cfg = Qwen3Config(**{k: v for k, v in spec.to_hf_config().items() if k not in ("architectures", "rope_theta")})
         hf = HFQwen3(cfg)
         missing, unexpected = hf.load_state_dict(Ours.random(spec, seed=seed).to_hf_state_dict(), strict=False)
