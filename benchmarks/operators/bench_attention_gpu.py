@@ -44,6 +44,11 @@ baseline, always runs): a decode case with every side-by-side row takes about 10
 is rewritten after every case (``meta.partial`` until the run ends), so a run cut by its time
 limit keeps the cases it finished.
 
+Decode rows ending ``.grid_tiles``, ``.grid_heads`` and ``.grid_splits`` run the step with the split
+kernel's grid in that order (``kernels.split_grid``: tiles, kv heads or splits scheduled fastest;
+launch order only, the same bits), side by side with the default's rule (``kernels.SPLIT_GRID =
+"auto"``: splits first at batch 1, kv heads first at batch 64).
+
 Rows ending ``.no_pdl`` (prefill output-only and both decode launchers) are the same calls with
 every kernel launched plainly (``kernels.PDL = False``), side by side with the default's
 programmatic dependent launch.
@@ -244,6 +249,10 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
     # the contiguous step with every block by pointer loads (kernels.decode_tma_eligible), side by side
     impls[f"{OURS}.no_dtma"] = _within(impls[OURS], lambda: K.decode_tma_loads(False))
     impls[f"{OURS}.paged16.no_pdl"] = _within(impls[f"{OURS}.paged16"], K.launch_plainly)
+    # the split kernel's grid in another order (kernels.split_grid), side by side
+    for order in ("tiles", "heads", "splits"):
+        for name in (OURS, f"{OURS}.paged16"):
+            impls[f"{name}.grid_{order}"] = _within(impls[name], lambda o=order: K.split_grid(o))
     few = K.few_programs(B, HKV, q.device)
     if few:
         # the step without the value slicing kernels.value_slices picks (".no_v"), beside the

@@ -165,7 +165,11 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
             # four blocks a step where the step is sliced (kernels.quad_blocks), at value_slices' slicings
             tiles[K.quad_tile(few)] = tuple(v for v in (2, 4) if v <= K.MAX_V_SLICES
                                                   and head_dim // v >= K.MIN_V_COLUMNS)
+            few_tiles = {replace(few, unroll=u) for u in (1, 2)} | {K.quad_tile(few)}
             for base, slicings in tiles.items():
+                # the grid order kernels.split_grid_order's rule gives: splits first for the
+                # few-programs tiles, kv heads first otherwise (program-id arithmetic only)
+                order = 2 if base in few_tiles else 1
                 for vs in slicings:
                     cfg = replace(base, v_slices=vs)
                     for one in (False, True):
@@ -174,7 +178,7 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
                                       "rlk_attn_fwd_split",
                                       {**common, "page_size": page or 1, "DV": head_dim // vs, "BLOCK_M": cfg.block_m,
                                        "PAGED": paged, "IEEE": False, "SPLIT": True, "ONE": one, "U": cfg.unroll,
-                                       "TMA": not paged},
+                                       "TMA": not paged, "ORDER": order},
                                       cfg.num_warps, stages_of(cfg, head_dim))
         # a decode step of one KV split runs the prefill kernel with the few-programs tile; over a
         # contiguous cache its unmasked run by TMA copies (kernels.decode_tma_eligible)
@@ -204,9 +208,10 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
                            "ONE": False, "TMA": True, "U": cfg.unroll, "TMA_EDGE": True}, cfg.num_warps, cfg.num_stages)
     if "combine" in kinds:
         cfg = K.select_decode(torch.bfloat16, head_dim)
-        yield Variant(f"combine {cfg.key}", "rlk_attn_combine",
-                      {**common, "BLOCK_M": cfg.block_m, "DC": min(head_dim, K.COMBINE_COLUMNS), "STORE_F32": False,
-                       "STORE_LSE": False, "ONE": True}, cfg.num_warps, 1)
+        for grp in (1, 2, 4, 8, 16):  # kernels.combine_group: the launch's splits, a power of two up to 16
+            yield Variant(f"combine {cfg.key} group={grp}", "rlk_attn_combine",
+                          {**common, "BLOCK_M": cfg.block_m, "DC": min(head_dim, K.COMBINE_COLUMNS),
+                           "STORE_F32": False, "STORE_LSE": False, "ONE": True, "GROUP": grp}, cfg.num_warps, 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,12 +1,20 @@
-"""One packed causal attention forward, run a few times inside an NVTX range, for a profiler.
+"""One attention call (a packed causal forward, or a decode step), run a few times, the last
+inside an NVTX range, for a profiler.
 
 ``ncu --nvtx --nvtx-include "rlk_profile/"`` then profiles only the kernels of the last call
 (the earlier calls compile and warm up). Implementations: ``wg`` (the shipped train-path forward,
 the Hopper warpgroup kernel where eligible), ``triton`` (``kernels.wg_forward(False)``), ``sdpa``
 (``torch.nn.functional.scaled_dot_product_attention`` on the padded ``[B, H, S, D]`` layout).
 
+``--decode BxCTX``: instead, one decode step (one query token per sequence at position
+``CTX - 1``, ``kernels.cached_forward(decode_only=True)``, what ``bench_attention_gpu.py``'s
+decode rows time) over a contiguous cache (``--impl wg`` or ``triton``: the shipped selection)
+or, with ``--paged``, over 16-token pages in shuffled order; ``--impl sdpa``: SDPA's decode
+(``enable_gqa=True``).
+
     ncu --clock-control none --nvtx --nvtx-include "rlk_profile/" --set full -o prof \\
         python tools/benchmarking/attention_profile_once.py --shape 4x4096 --impl wg
+    ncu ... python tools/benchmarking/attention_profile_once.py --decode 64x4096 --paged
 """
 
 from __future__ import annotations
@@ -27,12 +35,18 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", choices=("wg", "triton", "sdpa"), default="wg")
     ap.add_argument("--train", action="store_true", help="the training forward (fp32 output and lse stored)")
     ap.add_argument("--heads", default="32x8", help="query heads x kv heads (head dim 128)")
+    ap.add_argument("--decode", default=None, metavar="BxCTX",
+                    help="a decode step of B sequences at CTX keys instead of the packed forward")
+    ap.add_argument("--paged", action="store_true", help="with --decode: a cache of 16-token pages, shuffled")
     args = ap.parse_args(argv)
+    if args.paged and args.decode is None:
+        ap.error("--paged needs --decode BxCTX")
     try:
-        B, S = (int(x) for x in args.shape.split("x"))
+        B, S = (int(x) for x in (args.decode or args.shape).split("x"))
         hq, hkv = (int(x) for x in args.heads.split("x"))
     except ValueError:
-        ap.error(f"--shape BxS and --heads HQxHKV with positive integers, got {args.shape!r}, {args.heads!r}")
+        ap.error(f"--shape BxS (--decode BxCTX) and --heads HQxHKV with positive integers, got "
+                 f"{args.decode or args.shape!r}, {args.heads!r}")
     if min(B, S, hq, hkv) < 1 or hq % hkv:
         ap.error(f"--shape and --heads: positive sizes and query heads a multiple of kv heads, got "
                  f"{args.shape!r}, {args.heads!r}")
@@ -42,6 +56,9 @@ def main(argv=None) -> int:
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     g = torch.Generator(device="cuda").manual_seed(0)
+    if args.decode is not None:
+        fn = _decode_step(K, B, S, hq, hkv, args.impl, args.paged, g)
+        return _profile(fn)
     q, k, v = (torch.randn((B * S, h, 128), device="cuda", generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
     cu = torch.arange(0, (B + 1) * S, S, device="cuda", dtype=torch.int32)
     if args.impl == "sdpa":
@@ -55,6 +72,34 @@ def main(argv=None) -> int:
                 with K.wg_forward(False):
                     return K.varlen_forward(q, k, v, cu, 128**-0.5, None, max_seqlen=S, for_backward=args.train)
             return K.varlen_forward(q, k, v, cu, 128**-0.5, None, max_seqlen=S, for_backward=args.train)
+    return _profile(fn)
+
+
+def _decode_step(K, B: int, ctx: int, hq: int, hkv: int, impl: str, paged: bool, g: torch.Generator):
+    """A decode step's call: one query token per sequence at position ``ctx - 1``."""
+    kc, vc = (torch.randn((B * ctx, hkv, 128), device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn((B, hq, 128), device="cuda", generator=g).to(torch.bfloat16)
+    if impl == "sdpa":
+        qs = q.view(B, 1, hq, 128).transpose(1, 2).contiguous()
+        ks, vs = (t.view(B, ctx, hkv, 128).transpose(1, 2).contiguous() for t in (kc, vc))
+        return lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
+    q_seq = torch.arange(B, device="cuda")
+    q_pos = torch.full((B,), ctx - 1, device="cuda", dtype=torch.int64)
+    if not paged:
+        rows = (torch.arange(B, device="cuda", dtype=torch.int64) * ctx)[:, None].contiguous()
+        ps, kk, vv = ctx, kc, vc
+    else:
+        ps = 16
+        pages = torch.randperm(B * ctx // ps, generator=torch.Generator().manual_seed(0)).cuda()
+        rows = (pages.view(B, ctx // ps) * ps).contiguous()
+        pos = torch.arange(ctx, device="cuda")
+        kk, vv = torch.empty_like(kc), torch.empty_like(vc)
+        at = (rows[:, pos // ps] + pos % ps).reshape(-1)
+        kk[at], vv[at] = kc, vc
+    return lambda: K.cached_forward(q, kk, vv, rows, ps, q_seq, q_pos, 128**-0.5, None, decode_only=True)
+
+
+def _profile(fn) -> int:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()

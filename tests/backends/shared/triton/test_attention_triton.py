@@ -287,6 +287,97 @@ def test_interpreter_split_size_is_one_constant_of_every_kernel(monkeypatch):
 
 
 @interp
+def test_interpreter_combine_group_size_does_not_change_the_bits(monkeypatch):
+    """``rlk_attn_combine`` loads ``combine_group(splits)`` splits per trip before merging them
+    (the launch's split count rounded up to a power of two, at most 16); splits past a tile's
+    last merge as exact identities, so the group size cannot change a row. With 1-block (64-key)
+    splits, a decode step of three sequences over 1, 3 and 5 splits (the launch's bound: 5, the
+    shipped group 8) gives the prefill kernel's rows with every group size forced: 1, 2, 4, 8 and
+    16 (several trips, a partly used trip, one trip with identities). Negative control: a planted
+    combine that stops after its first trip is caught at group 2."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    assert [K.combine_group(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 16, 16]
+    with pytest.raises(ValueError, match="splits: expected at least 1"):
+        K.combine_group(0)
+    lens = [40, 150, 300]
+    q, k, v, cu = make_qkv(lens, 1, 2, 32, "float32", seed=41)
+    qd = q[(cu[1:] - 1).long()].contiguous()
+    page_rows = cu[:-1].to(torch.int64)[:, None].contiguous()
+    args = (qd, k, v, page_rows, 320, torch.arange(3), torch.tensor(lens) - 1, 0.2, None)
+    monkeypatch.setattr(K, "SPLIT_BLOCKS", 1)
+    assert K.num_splits(320) == 5 and K.combine_group(5) == 8
+    want = K.cached_forward(*args, path="prefill")
+    for group in (1, 2, 4, 8, 16):
+        monkeypatch.setattr(K, "combine_group", lambda splits, g=group: g)
+        assert bit_diff(K.cached_forward(*args, path="decode"), want), group
+    planted, path = _load_planted(K, (("        for j in range(0, n, GROUP):", "        for j in range(0, GROUP, GROUP):"),),
+                                  "combine_first_trip")
+    try:
+        planted.SPLIT_BLOCKS = 1
+        planted.combine_group = lambda splits: 2
+        got = planted.cached_forward(*args, path="decode")
+        assert bit_diff(got[0], want[0]) and not bit_diff(got[2], want[2])  # 1 split: right; 5: caught
+    finally:
+        import sys
+
+        sys.modules.pop(planted.__name__, None)
+        os.remove(path)
+
+
+@interp
+def test_interpreter_split_grid_orders_give_the_same_bits(monkeypatch):
+    """``kernels.split_grid``: the split kernel's grid with tiles, kv heads or splits scheduled
+    fastest (``rlk_attn_fwd_split(ORDER=...)``), or the ``auto`` rule (splits first for fewer
+    (tile, kv head) pairs than SMs, else kv heads first) — launch order only — gives the prefill
+    kernel's rows for a decode step of three sequences over 1, 3 and 5 KV splits (64-key splits),
+    2 kv heads. An order that would put more than 65 535 programs on the grid's y or z axis falls
+    back to tiles first; an unknown order is refused; the switch is restored. Negative control: a
+    planted kernel whose heads-first order reads the split index from the wrong axis is caught."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    lens = [40, 150, 300]
+    q, k, v, cu = make_qkv(lens, 2, 2, 32, "float32", seed=43)
+    qd = q[(cu[1:] - 1).long()].contiguous()
+    page_rows = cu[:-1].to(torch.int64)[:, None].contiguous()
+    args = (qd, k, v, page_rows, 320, torch.arange(3), torch.tensor(lens) - 1, 0.2, None)
+    monkeypatch.setattr(K, "SPLIT_BLOCKS", 1)
+    want = K.cached_forward(*args, path="prefill")
+    assert K.SPLIT_GRID == "auto"
+    cpu = torch.device("cpu")
+    assert K.split_grid_order(3, 2, 5, cpu) == 1  # auto off CUDA: never few programs, heads first
+    for order in ("tiles", "heads", "splits", "auto"):
+        with K.split_grid(order):
+            if order != "auto":
+                assert K.split_grid_order(3, 2, 5, cpu) == ("tiles", "heads", "splits").index(order)
+            assert bit_diff(K.cached_forward(*args, path="decode"), want), order
+    assert K.SPLIT_GRID == "auto"
+    # auto: splits first for fewer (tile, kv head) pairs than SMs, kv heads first otherwise
+    monkeypatch.setattr(K, "few_programs", lambda tiles, heads, device: tiles * heads < 132)
+    assert K.split_grid_order(1, 8, 16, cpu) == 2 and K.split_grid_order(64, 8, 4, cpu) == 1
+    with K.split_grid("heads"):  # (kv heads, tiles, split programs)
+        assert K.split_grid_order(70000, 8, 4, cpu) == 0  # 70 000 tiles on the y axis: tiles first
+        assert K.split_grid_order(8, 8, 70000, cpu) == 0  # 70 000 split programs on z
+    with K.split_grid("splits"):  # (split programs, tiles, kv heads)
+        assert K.split_grid_order(70000, 8, 4, cpu) == 0
+        assert K.split_grid_order(8, 8, 70000, cpu) == 2  # the x axis takes them
+    with pytest.raises(ValueError, match="order: expected 'auto' or one of"):
+        K.split_grid("rows")
+    planted, path = _load_planted(K, (("        kvh = tl.program_id(0).to(tl.int64)\n        js = tl.program_id(2)",
+                                       "        kvh = tl.program_id(0).to(tl.int64)\n        js = tl.program_id(0)"),),
+                                  "grid_heads_axis")
+    try:
+        planted.SPLIT_BLOCKS = 1
+        with planted.split_grid("heads"):
+            assert not bit_diff(planted.cached_forward(*args, path="decode"), want)
+    finally:
+        import sys
+
+        sys.modules.pop(planted.__name__, None)
+        os.remove(path)
+
+
+@interp
 @pytest.mark.parametrize("window", [None, 7])
 def test_interpreter_tma_loads_give_the_same_bits(window, monkeypatch):
     """``TMA_LOADS`` (on by default; ``tma_loads(False)`` scopes it off): the train path's key /
@@ -1660,6 +1751,131 @@ def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch):
     finally:
         import sys
 
+        for mod, path in mods:
+            sys.modules.pop(mod.__name__, None)
+            os.remove(path)
+
+
+@gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "pages16"])
+@pytest.mark.parametrize("batch", [1, 40])
+def test_split_grid_orders_give_the_same_rows_on_gpu(batch, paged):
+    """Every order of the split kernel's grid (``kernels.split_grid``: tiles, kv heads or splits
+    fastest, and the ``auto`` rule) gives the same decode rows, raw bits, on the device: one
+    sequence (fewer (sequence, kv head) pairs than SMs: the few-programs tile with value slices
+    and four blocks a step) or 40 (160 pairs: the many-programs tile), 1100-3000 keys (2-3 KV
+    splits, the combine's groups of 2 and 4), bf16, D = 128, over a contiguous cache or 16-token
+    pages in shuffled order. Negative control: a perturbed visible key moves the rows."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    gen = torch.Generator().manual_seed(50 + batch)
+    hkv, g, d, ps = 4, 4, 128, 16
+    lens = torch.randint(1100, 3001, (batch,), generator=gen)
+    lens[0] = 3000
+    cap = 3008  # 188 pages of 16 rows per sequence
+    kc = torch.randn((batch * cap, hkv, d), generator=gen).to(torch.bfloat16).cuda()
+    vc = torch.randn((batch * cap, hkv, d), generator=gen).to(torch.bfloat16).cuda()
+    q = torch.randn((batch, hkv * g, d), generator=gen).to(torch.bfloat16).cuda()
+    q_seq, q_pos = torch.arange(batch).cuda(), (lens - 1).cuda()
+    if paged:
+        pages = torch.randperm(batch * cap // ps, generator=gen).cuda()
+        rows, size = (pages.view(batch, cap // ps) * ps).contiguous(), ps
+    else:
+        rows, size = (torch.arange(batch) * cap).cuda()[:, None].contiguous(), cap
+
+    def step(k):
+        return K.cached_forward(q, k, vc, rows, size, q_seq, q_pos, d**-0.5, None, path="decode", decode_only=True)
+
+    want = step(kc)
+    for order in ("tiles", "heads", "splits", "auto"):
+        with K.split_grid(order):
+            assert bit_diff(step(kc), want), order
+    k2 = kc.clone()
+    at = (rows[0, 0] + 5) if paged else rows[0, 0] + 2000  # a key that sequence 0's query sees
+    k2[at, 0] += 0.5
+    moved = step(k2)
+    assert not bit_diff(moved[0], want[0]) and (batch == 1 or bit_diff(moved[1:], want[1:]))
+
+
+@gpu
+def test_programmatic_dependent_launch_of_the_warpgroup_forward(monkeypatch):
+    """The train path's Hopper warpgroup forward (``hopper.rlk_attn_fwd_wg``, bf16, D = 128)
+    launched under programmatic dependent launch (it starts while ``rlk_attn_varlen_tiles`` runs
+    and waits on the device before reading the table) gives the rows of a plain launch: ``out``,
+    lse and the fp32 rows, eager and replayed from a CUDA graph, with and without KV-split merges.
+    Its page rows are ``cu_seqlens[:-1]`` as given (int32 here, int64 too): no cast kernel.
+    Negative control: with the table kernel made slow (its table pre-filled with -1), the kernel
+    that waits stays right and a planted copy of the warpgroup module without the wait is caught
+    (a race: at least once in five tries)."""
+    import sys
+
+    from rl_engine.backends.shared.triton.attention import hopper
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    dev = torch.device("cuda")
+    assert K.use_pdl(dev), "programmatic dependent launch is expected on an sm90 device"
+    long = [t.cuda() for t in make_qkv([2085, 300, 1], 2, 4, 128, "bfloat16", seed=23)]
+    short = [t.cuda() for t in make_qkv([300, 1, 700], 2, 4, 128, "bfloat16", seed=24)]
+    assert K.wg_eligible(*long[:3], None), "the warpgroup forward is expected on an sm90 device with Triton 3.6"
+    scale = 128**-0.5
+    # (q, k, v, cu_seqlens, max_seqlen): KV-split merges; one split (compiled without merges);
+    # int64 cu_seqlens
+    cases = {"merges": (*long, 2085), "one split": (*short, 700),
+             "int64 cu_seqlens": (*long[:3], long[3].to(torch.int64), 2085)}
+
+    def calls(mod):
+        return {name: (lambda a=a: mod.varlen_forward(a[0], a[1], a[2], a[3], scale, None, max_seqlen=a[4]))
+                for name, a in cases.items()}
+
+    monkeypatch.setattr(K, "PDL", False)
+    plain = {name: fn() for name, fn in calls(K).items()}
+    monkeypatch.setattr(K, "PDL", True)
+    for name, fn in calls(K).items():
+        for how, got in (("eager", fn()), ("graph", _graph_replay(fn))):
+            for what, a, b in zip(("out", "lse", "out32"), got, plain[name]):
+                assert bit_diff(a, b), (name, how, what, bit_diff(a, b))
+    # negative control: a slow varlen table kernel over a table pre-filled with -1 (a chain of 4000
+    # dependent loads of cu_seqlens[0] = 0, which every table row depends on through B)
+    slow = (("    tab = torch.empty((nt, 4), dtype=torch.int64, device=cu_seqlens.device)\n    if B <= 0",
+             "    tab = torch.full((nt, 4), -1, dtype=torch.int64, device=cu_seqlens.device)\n    if B <= 0"),
+            ("    rlk_attn_gdc_launch(PDL)  # the attention kernel may launch (it waits for this kernel's end)\n"
+             "    t = tl.program_id(0).to(tl.int64) * TBLOCK",
+             "    rlk_attn_gdc_launch(PDL)  # the attention kernel may launch (it waits for this kernel's end)\n"
+             "    spin = tl.zeros([], tl.int64)\n    for _ in range(0, 4000):\n"
+             "        spin += tl.load(cu_ptr + spin, volatile=True).to(tl.int64)\n    B = B + spin.to(tl.int32)\n"
+             "    t = tl.program_id(0).to(tl.int64) * TBLOCK"))
+    no_wait_hopper = (('        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0"',
+                       '        gl.inline_asm_elementwise("// no wait $0"'),)
+    import_hopper = "    from rl_engine.backends.shared.triton.attention import hopper\n\n    T, Hq, D = q.shape"
+    mods = []
+    try:
+        hop, p0 = _load_planted(hopper, no_wait_hopper, "pdl_wg_hopper")
+        mods.append((hop, p0))
+        waits, p1 = _load_planted(K, slow, "pdl_wg_slow")
+        mods.append((waits, p1))
+        skips, p2 = _load_planted(K, slow + ((import_hopper, import_hopper.replace(
+            "from rl_engine.backends.shared.triton.attention import hopper", f"import {hop.__name__} as hopper")),),
+            "pdl_wg_nowait")
+        mods.append((skips, p2))
+        kept = []  # outputs stay alive: a freed one's memory could come back holding the right rows
+        name = "merges"
+        kept += [calls(waits)[name](), calls(skips)[name]()]  # compiled before the timed calls
+        torch.cuda.synchronize()
+        for mod, caught in ((waits, False), (skips, True)):
+            results = []
+            for _ in range(5 if caught else 2):
+                poison = torch.full_like(plain[name][0], float("nan"))
+                del poison
+                kept.append(calls(mod)[name]())
+                torch.cuda.synchronize()
+                results.append(bool(bit_diff(kept[-1][0], plain[name][0])))
+                if caught and not results[-1]:
+                    break
+            if caught:
+                assert not all(results), (mod.__name__, "the warpgroup copy without the wait was never caught")
+            else:
+                assert all(results), (mod.__name__, results)
+    finally:
         for mod, path in mods:
             sys.modules.pop(mod.__name__, None)
             os.remove(path)

@@ -45,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 KERNEL_NAMES = ("rlk_attn_fwd_wg",)
 #: ``@gluon.jit`` device functions (inlined into the kernel, never launched on their own).
-DEVICE_FUNCTIONS = ("rlk_attn_wg_exp2", "rlk_attn_wg_rowsum", "rlk_attn_wg_merge", "rlk_attn_wg_softmax",
+DEVICE_FUNCTIONS = ("rlk_attn_wg_gdc_wait", "rlk_attn_wg_exp2", "rlk_attn_wg_rowsum", "rlk_attn_wg_merge", "rlk_attn_wg_softmax",
                     "rlk_attn_wg_scratch", "rlk_attn_wg_rows_io", "rlk_attn_wg_pv",
                     "rlk_attn_wg_walk", "rlk_attn_wg_load")
 
@@ -259,16 +259,28 @@ def rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col,
 
 
 @gluon.jit
+def rlk_attn_wg_gdc_wait(PDL: gl.constexpr):
+    """``kernels.rlk_attn_gdc_wait`` in Gluon: ``griddepcontrol.wait`` before the first load of
+    data the step's preceding kernel writes (compiled in only for ``PDL``)."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
 def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr, tab_ptr, pr_ptr, pr_stride,
                     G: gl.constexpr, W, qk_scale, HQ, HKV, HEAD_D: gl.constexpr, HAS_WINDOW: gl.constexpr,
                     STORE_F32: gl.constexpr, STORE_LSE: gl.constexpr, MULTI: gl.constexpr, SB: gl.constexpr,
-                    K_ST: gl.constexpr, V_ST: gl.constexpr, BLOCK_ROWS: gl.constexpr):
+                    K_ST: gl.constexpr, V_ST: gl.constexpr, BLOCK_ROWS: gl.constexpr, PDL: gl.constexpr):
     """Grid (tiles, kv heads): tile ``t``'s rows ``(token, g)`` of one sequence (the tile table of
     ``kernels.varlen_tiles``; program ``i`` takes tile ``tiles - 1 - i``), over the key blocks
     ``first .. last`` of the tile in increasing order, split by split (``SB`` blocks each), as
     ``kernels.rlk_attn_fwd`` does. The first key and value copies are issued before the tile's
     ``Q`` rows are loaded; ``first``, ``last`` and the unmasked run ``f0 .. f1`` come from the
-    table's scalars (the tile's first and last valid rows), not from reductions over the rows."""
+    table's scalars (the tile's first and last valid rows), not from reductions over the rows.
+    ``PDL``: launched under programmatic dependent launch, it waits on the device for the tile
+    table's kernel (``kernels.rlk_attn_varlen_tiles``) before reading the table."""
+    rlk_attn_wg_gdc_wait(PDL)
     BM: gl.constexpr = BLOCK_ROWS
     NW: gl.constexpr = BLOCK_ROWS // 16
     BN: gl.constexpr = 64
@@ -429,9 +441,11 @@ def descriptors(k: torch.Tensor, v: torch.Tensor):
 
 
 def launch(q, k, v, out, out32, lse, scr, tab, page_rows, G, window, qk_scale, *, store_f32, store_lse, multi,
-           split_blocks):
+           split_blocks, pdl: bool = False):
     """Launch ``rlk_attn_fwd_wg`` over tile table ``tab`` (``BLOCK_M``-row tiles) with
-    ``CONFIGS[multi]`` (ring depths, register cap) as they are at the call."""
+    ``CONFIGS[multi]`` (ring depths, register cap) as they are at the call. ``page_rows``: the
+    storage row of each sequence's position 0 (int32 or int64, ``[B, 1]`` with any row stride:
+    ``cu_seqlens[:-1]`` as it is). ``pdl``: programmatic dependent launch (``kernels.use_pdl``)."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     k_desc, v_desc = descriptors(k, v)
@@ -443,7 +457,8 @@ def launch(q, k, v, out, out32, lse, scr, tab, page_rows, G, window, qk_scale, *
         q, k_desc, v_desc, out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, scr, tab,
         page_rows, page_rows.stride(0), G, 0 if window is None else int(window), qk_scale, Hq, Hkv, HEAD_D=D,
         HAS_WINDOW=window is not None, STORE_F32=store_f32, STORE_LSE=store_lse, MULTI=multi, SB=split_blocks,
-        K_ST=k_st, V_ST=v_st, BLOCK_ROWS=BLOCK_M, num_warps=BLOCK_M // 16, enable_fp_fusion=False, **cap,
+        K_ST=k_st, V_ST=v_st, BLOCK_ROWS=BLOCK_M, PDL=bool(pdl), num_warps=BLOCK_M // 16, enable_fp_fusion=False,
+        launch_pdl=bool(pdl), **cap,
     )
 
 

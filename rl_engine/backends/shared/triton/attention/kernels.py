@@ -100,6 +100,10 @@ __all__ = [
     "PDL",
     "use_pdl",
     "launch_plainly",
+    "SPLIT_GRID",
+    "split_grid",
+    "split_grid_order",
+    "combine_group",
 ]
 
 KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_attn_bwd_delta", "rlk_attn_bwd_dq",
@@ -420,6 +424,51 @@ def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfi
         if cfg not in out:
             out.append(cfg)
     return out
+
+
+#: The split kernel's grid order (``split_grid``): "tiles" (tiles fastest, then kv heads, then
+#: splits), "heads" (kv heads fastest: the programs that start together read the same cache
+#: rows' heads), "splits" (splits and value slices fastest: together they read one sequence's
+#: consecutive splits, the slices of a split the same keys), or "auto" (``split_grid_order``'s
+#: rule). Launch order only, the same bits (tests). H200, session 19 run 3 (decode benchmark,
+#: ``.grid_*`` rows): batch 1 × 4096 keys splits-first 12.51 µs against 12.93 tiles-first (16-token
+#: pages 14.77 against 15.98; 32768 keys equal within 0.3 %), batch 64 heads-first 248.5 against
+#: 250.1 µs at 4096 keys (pages 267.7 / 268.8; 32768 keys 1927 / 1939, pages 1940 / 1953) and
+#: splits-first slower there (256.1).
+SPLIT_GRID = "auto"
+_GRID_ORDERS = ("tiles", "heads", "splits")
+_GRID_YZ = 65535  # the CUDA grid's y / z extent limit
+
+
+def split_grid(order: str) -> contextlib.AbstractContextManager[None]:
+    """Set ``SPLIT_GRID`` (``"auto"``, ``"tiles"``, ``"heads"`` or ``"splits"``) inside the block
+    (restored in ``finally``). The bits are the same either way."""
+    if order not in ("auto", *_GRID_ORDERS):
+        raise ValueError(f"order: expected 'auto' or one of {_GRID_ORDERS}, got {order!r}")
+    return _scoped("SPLIT_GRID", order)
+
+
+def split_grid_order(tiles: int, kv_heads: int, split_programs: int, device: torch.device) -> int:
+    """The ``ORDER`` constant of ``rlk_attn_fwd_split`` (0 tiles, 1 kv heads, 2 splits fastest) for
+    ``SPLIT_GRID``. ``"auto"``: splits first when the step has fewer (tile, kv head) pairs than
+    SMs (``few_programs``: the slices and splits of one pair spread over the GPU), kv heads first
+    otherwise. Tiles first wherever the order would put more than 65 535 programs on the grid's
+    y or z axis."""
+    if SPLIT_GRID == "auto":
+        order = 2 if few_programs(tiles, kv_heads, device) else 1
+    else:
+        order = _GRID_ORDERS.index(SPLIT_GRID)
+    yz = ((kv_heads, split_programs), (tiles, split_programs), (tiles, kv_heads))[order]
+    return order if max(yz) <= _GRID_YZ else 0
+
+
+def combine_group(splits: int) -> int:
+    """Splits ``rlk_attn_combine`` loads before merging them, per trip: ``splits`` (the launch's
+    bound on a tile's KV splits) rounded up to a power of two, at most 16. Any group size gives
+    the same bits (the splits past a tile's last merge as exact identities)."""
+    if splits < 1:
+        raise ValueError(f"splits: expected at least 1, got {splits}")
+    return min(16, 1 << (splits - 1).bit_length())
 
 
 def num_splits(max_positions: int) -> int:
@@ -1084,8 +1133,10 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, k_desc, v_desc, ws_m_ptr, ws_l_ptr, 
                        qk_scale, sk_row, sk_head, sv_row, sv_head, NS, HQ, HKV, HEAD_D: tl.constexpr,
                        DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr,
                        IEEE: tl.constexpr, SPLIT: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr,
-                       SB: tl.constexpr, U: tl.constexpr, TMA: tl.constexpr):
-    """Grid (tiles, kv heads, splits · ``HEAD_D / DV``): program ``(t, h, j·VS + vs)`` runs split
+                       SB: tl.constexpr, U: tl.constexpr, TMA: tl.constexpr, ORDER: tl.constexpr):
+    """Grid (tiles, kv heads, splits · ``HEAD_D / DV``) in the axis order ``ORDER`` (``split_grid``:
+    which of them the hardware schedules fastest; the work of a program does not depend on it):
+    program ``(t, h, j·VS + vs)`` runs split
     ``j`` of tile ``t`` for value columns ``vs·DV ..`` (``AttnConfig.v_slices``; the ``vs = 0``
     program stores the split's ``m``, ``l``, which every slice computes alike) into the workspace
     that ``rlk_attn_combine`` folds. ``TMA`` (contiguous caches, ``decode_tma_eligible``): the
@@ -1093,10 +1144,20 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, k_desc, v_desc, ws_m_ptr, ws_l_ptr, 
     the ``[rows, Hkv·D]`` views); the masked blocks by pointer loads. The same bits."""
     rlk_attn_gdc_wait(PDL)
     rlk_attn_gdc_launch(PDL)  # the combine may launch (it waits for this kernel's end)
-    t = tl.program_id(0)
-    kvh = tl.program_id(1).to(tl.int64)
-    j = tl.program_id(2) // (HEAD_D // DV)
-    vs = tl.program_id(2) % (HEAD_D // DV)
+    if ORDER == 1:  # kv heads fastest: (kv heads, tiles, splits)
+        t = tl.program_id(1)
+        kvh = tl.program_id(0).to(tl.int64)
+        js = tl.program_id(2)
+    elif ORDER == 2:  # splits fastest: (splits, tiles, kv heads)
+        t = tl.program_id(1)
+        kvh = tl.program_id(2).to(tl.int64)
+        js = tl.program_id(0)
+    else:  # tiles fastest: (tiles, kv heads, splits)
+        t = tl.program_id(0)
+        kvh = tl.program_id(1).to(tl.int64)
+        js = tl.program_id(2)
+    j = js // (HEAD_D // DV)
+    vs = js % (HEAD_D // DV)
     seq, valid, tok, g, pos, wlo, lo, hi, first, last, cap = rlk_attn_rows(tab_ptr, t, G, W, HAS_WINDOW, BLOCK_M,
                                                                            ONE)
     sp = first // SB + j
@@ -1145,16 +1206,19 @@ def rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j, n, valid, offs_d, HE
 def rlk_attn_combine(out_ptr, out32_ptr, lse_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_ptr, G: tl.constexpr, W, NS,
                      HQ, HKV, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, DC: tl.constexpr,
                      HAS_WINDOW: tl.constexpr, STORE_F32: tl.constexpr, STORE_LSE: tl.constexpr, ONE: tl.constexpr,
-                     PDL: tl.constexpr, SB: tl.constexpr):
+                     PDL: tl.constexpr, SB: tl.constexpr, GROUP: tl.constexpr):
     """Fold a tile's splits ``0 .. n-1`` left to right with ``rlk_attn_merge``, then finish.
 
     Grid (tiles, kv heads, ``HEAD_D / DC``): each program takes ``DC`` columns of the
     accumulator (a column's merge reads only that column and the row's ``m``, ``l``, which every
-    chunk merges alike). The loads of sixteen splits are issued before their sixteen merges: the
+    chunk merges alike). The loads of a group of splits are issued before their merges: the
     fold is a chain, but its loads are not, and one load round-trip per split was most of a
     long decode step's combine (20.5 µs for 32 splits at batch 1, H200 session 6; 6.5 µs with
-    groups of eight, session 7 run 1). Splits past the last read the initial state, an exact
-    identity. The merge order is unchanged."""
+    groups of eight, session 7 run 1). ``GROUP`` (1, 2, 4, 8 or 16: ``combine_group``, the launch's
+    split count rounded up to a power of two, at most 16) splits are loaded, then merged, per
+    trip: a step of 4 splits merges 4 times, not 16 (session 19). Splits past the last read the
+    initial state, an exact identity, so the group size does not change the bits. The merge
+    order is unchanged."""
     rlk_attn_gdc_wait(PDL)
     t = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -1169,39 +1233,63 @@ def rlk_attn_combine(out_ptr, out32_ptr, lse_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, 
         M = tl.full([BLOCK_M], float("-inf"), tl.float32)
         L = tl.zeros([BLOCK_M], tl.float32)
         A = tl.zeros([BLOCK_M, DC], tl.float32)
-        for j in range(0, n, 16):  # 16 loads in flight, then 16 merges in order
-            m0, l0, a0 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m1, l1, a1 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 1, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m2, l2, a2 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 2, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m3, l3, a3 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 3, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m4, l4, a4 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 4, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m5, l5, a5 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 5, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m6, l6, a6 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 6, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m7, l7, a7 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 7, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m8, l8, a8 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 8, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m9, l9, a9 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 9, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m10, l10, a10 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 10, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m11, l11, a11 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 11, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m12, l12, a12 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 12, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m13, l13, a13 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 13, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m14, l14, a14 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 14, n, valid, offs_d, HEAD_D, BLOCK_M)
-            m15, l15, a15 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 15, n, valid, offs_d, HEAD_D, BLOCK_M)
+        for j in range(0, n, GROUP):  # GROUP loads in flight, then GROUP merges in order
+            m0, l0, a0 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 0, n, valid, offs_d,
+                                          HEAD_D, BLOCK_M)
+            if GROUP >= 2:
+                m1, l1, a1 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 1, n, valid, offs_d,
+                                              HEAD_D, BLOCK_M)
+            if GROUP >= 4:
+                m2, l2, a2 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 2, n, valid, offs_d,
+                                              HEAD_D, BLOCK_M)
+                m3, l3, a3 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 3, n, valid, offs_d,
+                                              HEAD_D, BLOCK_M)
+            if GROUP >= 8:
+                m4, l4, a4 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 4, n, valid, offs_d,
+                                              HEAD_D, BLOCK_M)
+                m5, l5, a5 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 5, n, valid, offs_d,
+                                              HEAD_D, BLOCK_M)
+                m6, l6, a6 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 6, n, valid, offs_d,
+                                              HEAD_D, BLOCK_M)
+                m7, l7, a7 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 7, n, valid, offs_d,
+                                              HEAD_D, BLOCK_M)
+            if GROUP >= 16:
+                m8, l8, a8 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 8, n, valid, offs_d,
+                                              HEAD_D, BLOCK_M)
+                m9, l9, a9 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 9, n, valid, offs_d,
+                                              HEAD_D, BLOCK_M)
+                m10, l10, a10 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 10, n, valid, offs_d,
+                                                 HEAD_D, BLOCK_M)
+                m11, l11, a11 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 11, n, valid, offs_d,
+                                                 HEAD_D, BLOCK_M)
+                m12, l12, a12 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 12, n, valid, offs_d,
+                                                 HEAD_D, BLOCK_M)
+                m13, l13, a13 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 13, n, valid, offs_d,
+                                                 HEAD_D, BLOCK_M)
+                m14, l14, a14 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 14, n, valid, offs_d,
+                                                 HEAD_D, BLOCK_M)
+                m15, l15, a15 = rlk_attn_ws_load(ws_m_ptr, ws_l_ptr, ws_a_ptr, base, j + 15, n, valid, offs_d,
+                                                 HEAD_D, BLOCK_M)
             M, L, A = rlk_attn_merge(M, L, A, m0, l0, a0)
-            M, L, A = rlk_attn_merge(M, L, A, m1, l1, a1)
-            M, L, A = rlk_attn_merge(M, L, A, m2, l2, a2)
-            M, L, A = rlk_attn_merge(M, L, A, m3, l3, a3)
-            M, L, A = rlk_attn_merge(M, L, A, m4, l4, a4)
-            M, L, A = rlk_attn_merge(M, L, A, m5, l5, a5)
-            M, L, A = rlk_attn_merge(M, L, A, m6, l6, a6)
-            M, L, A = rlk_attn_merge(M, L, A, m7, l7, a7)
-            M, L, A = rlk_attn_merge(M, L, A, m8, l8, a8)
-            M, L, A = rlk_attn_merge(M, L, A, m9, l9, a9)
-            M, L, A = rlk_attn_merge(M, L, A, m10, l10, a10)
-            M, L, A = rlk_attn_merge(M, L, A, m11, l11, a11)
-            M, L, A = rlk_attn_merge(M, L, A, m12, l12, a12)
-            M, L, A = rlk_attn_merge(M, L, A, m13, l13, a13)
-            M, L, A = rlk_attn_merge(M, L, A, m14, l14, a14)
-            M, L, A = rlk_attn_merge(M, L, A, m15, l15, a15)
+            if GROUP >= 2:
+                M, L, A = rlk_attn_merge(M, L, A, m1, l1, a1)
+            if GROUP >= 4:
+                M, L, A = rlk_attn_merge(M, L, A, m2, l2, a2)
+                M, L, A = rlk_attn_merge(M, L, A, m3, l3, a3)
+            if GROUP >= 8:
+                M, L, A = rlk_attn_merge(M, L, A, m4, l4, a4)
+                M, L, A = rlk_attn_merge(M, L, A, m5, l5, a5)
+                M, L, A = rlk_attn_merge(M, L, A, m6, l6, a6)
+                M, L, A = rlk_attn_merge(M, L, A, m7, l7, a7)
+            if GROUP >= 16:
+                M, L, A = rlk_attn_merge(M, L, A, m8, l8, a8)
+                M, L, A = rlk_attn_merge(M, L, A, m9, l9, a9)
+                M, L, A = rlk_attn_merge(M, L, A, m10, l10, a10)
+                M, L, A = rlk_attn_merge(M, L, A, m11, l11, a11)
+                M, L, A = rlk_attn_merge(M, L, A, m12, l12, a12)
+                M, L, A = rlk_attn_merge(M, L, A, m13, l13, a13)
+                M, L, A = rlk_attn_merge(M, L, A, m14, l14, a14)
+                M, L, A = rlk_attn_merge(M, L, A, m15, l15, a15)
         rlk_attn_finish(M, L, A, out_ptr, out32_ptr, lse_ptr, (tok * HQ + head) * HEAD_D, tok * HQ + head, valid,
                         valid & (tl.full([BLOCK_M], dc, tl.int32) == 0), offs_d, STORE_F32, STORE_LSE)
 
@@ -1677,17 +1765,20 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
             ws_l = torch.empty_like(ws_m)
             ws_a = torch.empty((nt, Hkv, ns, cfg.block_m, D), dtype=torch.float32, device=q.device)
             k_desc, v_desc = _kv_descriptors(k_rows, v_rows, D // vsl, quad) if cache_tma else (k_rows, v_rows)
-            rlk_attn_fwd_split[(nt, Hkv, ns * vsl)](
+            order = split_grid_order(nt, Hkv, ns * vsl, q.device)
+            grid = ((nt, Hkv, ns * vsl), (Hkv, nt, ns * vsl), (ns * vsl, nt, Hkv))[order]
+            rlk_attn_fwd_split[grid](
                 q, k_rows, v_rows, k_desc, v_desc, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), psz, G, w,
                 score_scale(scale), *kv_strides, ns, **common, DV=D // vsl, PAGED=paged, IEEE=ieee, SPLIT=runs, ONE=one,
-                PDL=pdl, SB=SPLIT_BLOCKS, U=cfg.unroll, TMA=cache_tma, num_warps=cfg.num_warps,
+                PDL=pdl, SB=SPLIT_BLOCKS, U=cfg.unroll, TMA=cache_tma, ORDER=order, num_warps=cfg.num_warps,
                 num_stages=stages, enable_fp_fusion=False, launch_pdl=pdl,
             )
             dc = min(D, COMBINE_COLUMNS)
             rlk_attn_combine[(nt, Hkv, D // dc)](
                 out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, ws_m, ws_l, ws_a,
                 tab, G, w, ns, **common, DC=dc, STORE_F32=want_f32, STORE_LSE=want_lse, ONE=one, PDL=pdl,
-                SB=SPLIT_BLOCKS, num_warps=cfg.num_warps, enable_fp_fusion=False, launch_pdl=pdl,
+                SB=SPLIT_BLOCKS, GROUP=combine_group(ns), num_warps=cfg.num_warps, enable_fp_fusion=False,
+                launch_pdl=pdl,
             )
     return out, lse, out32
 
@@ -1826,13 +1917,14 @@ def _wg_forward(q, k, v, cu_seqlens, scale, window, bound: int, for_backward: bo
     if T == 0 or cu_seqlens.shape[0] < 2:
         return out, lse, out32
     tab = varlen_tiles(cu_seqlens, G, hopper.BLOCK_M, T)
-    page_rows = cu_seqlens[:-1].to(torch.int64).unsqueeze(1)
+    page_rows = cu_seqlens[:-1].unsqueeze(1)  # a view: the kernel reads int32 or int64 rows as int64
     multi = bound > KV_BLOCK * SPLIT_BLOCKS
     nt = tab.shape[0]
     scr = torch.empty((nt * Hkv * hopper.BLOCK_M * D if multi else 1,), dtype=torch.float32, device=q.device)
     with device_guard(q):
         hopper.launch(q, k, v, out, out32, lse, scr, tab, page_rows, G, window, score_scale(scale),
-                      store_f32=for_backward, store_lse=for_backward, multi=multi, split_blocks=SPLIT_BLOCKS)
+                      store_f32=for_backward, store_lse=for_backward, multi=multi, split_blocks=SPLIT_BLOCKS,
+                      pdl=use_pdl(q.device))
     return out, lse, out32
 
 
@@ -1852,7 +1944,9 @@ def varlen_forward(q, k, v, cu_seqlens, scale, window, *, path: str = "prefill",
     if path == "prefill" and wg_eligible(q, k, v, config):
         return _wg_forward(q, k, v, cu_seqlens, scale, window, bound, for_backward)
     cfg = config or (select_decode(q.dtype, D) if path == "decode" else select_prefill(q.dtype, D))
-    page_rows = cu_seqlens[:-1].to(torch.int64).unsqueeze(1)  # key row of position 0: the first token
+    # key row of position 0: the first token (a view, no cast kernel: the kernels read int32 or
+    # int64 rows as int64, rlk_attn_kv_base)
+    page_rows = cu_seqlens[:-1].unsqueeze(1)
     nseq = page_rows.new_empty(B)  # only its length is read (the table is built)
     tab = varlen_tiles(cu_seqlens, Hq // k.shape[1], cfg.block_m, T) if T and B > 0 else None
     want_f32 = for_backward and q.dtype != torch.float32
