@@ -1663,6 +1663,33 @@ def _graph_replay(fn):
     return out
 
 
+def _assert_pdl_race_caught(waits, skips, out_of, want, label):
+    """The negative control of the PDL tests: ``waits`` / ``skips`` run an attention call of a
+    planted module after a slowed table kernel, with and without the device-side wait; ``out_of``
+    picks the output compared with ``want``. Both are compiled first (a first call's compilation
+    between the two launches outlasts the slow table kernel, so the attention kernel would start
+    after it whatever the wait). A race: the copy without the wait reads the table before the slow
+    kernel writes it unless the GPU runs the two kernels apart (other test processes share it), so
+    it must be caught at least once in 5 tries; the copy that waits is right every time."""
+    kept = [waits(), skips()]  # outputs stay alive: a freed one's memory could come back holding the right rows
+    torch.cuda.synchronize()
+    for fn, caught in ((waits, False), (skips, True)):
+        results = []
+        for _ in range(5 if caught else 2):
+            # the output memory the caching allocator hands out next holds NaN, not an earlier result
+            poison = torch.full_like(want, float("nan"))
+            del poison
+            kept.append(fn())
+            torch.cuda.synchronize()
+            results.append(bool(bit_diff(out_of(kept[-1]), want)))
+            if caught and not results[-1]:
+                break
+        if caught:
+            assert not all(results), (label, "the copy without the wait was never caught")
+        else:
+            assert all(results), (label, "the copy that waits", results)
+
+
 @gpu
 def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch):
     """The attention kernels launched with programmatic dependent launch (each starts while the
@@ -1724,30 +1751,8 @@ def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch):
         mods.append((waits, p1))
         skips, p2 = _load_planted(K, slow + no_wait, "pdl_nowait")
         mods.append((skips, p2))
-        kept = []  # outputs stay alive: a freed one's memory could come back holding the right rows
         for name in ("rollout prefill", "decode"):
-            # compile first: a first call's compilation between the two launches outlasts the slow
-            # table kernel, so the attention kernel would start after it whatever the wait
-            kept += [calls(waits)[name](), calls(skips)[name]()]
-            torch.cuda.synchronize()
-            for mod, caught in ((waits, False), (skips, True)):
-                # a race: the copy without the wait reads the table before the slow kernel writes it
-                # unless the GPU runs the two kernels apart (other test processes share it), so it
-                # must be caught at least once in 5 tries; the copy that waits is right every time
-                results = []
-                for _ in range(5 if caught else 2):
-                    # the output memory the caching allocator hands out next holds NaN, not an earlier result
-                    poison = torch.full_like(plain[name][0], float("nan"))
-                    del poison
-                    kept.append(calls(mod)[name]())
-                    torch.cuda.synchronize()
-                    results.append(bool(bit_diff(kept[-1], plain[name][0])))
-                    if caught and not results[-1]:
-                        break
-                if caught:
-                    assert not all(results), (name, mod.__name__, "the copy without the wait was never caught")
-                else:
-                    assert all(results), (name, mod.__name__, results)
+            _assert_pdl_race_caught(calls(waits)[name], calls(skips)[name], lambda out: out, plain[name][0], name)
     finally:
         import sys
 
@@ -1857,24 +1862,8 @@ def test_programmatic_dependent_launch_of_the_warpgroup_forward(monkeypatch):
             "from rl_engine.backends.shared.triton.attention import hopper", f"import {hop.__name__} as hopper")),),
             "pdl_wg_nowait")
         mods.append((skips, p2))
-        kept = []  # outputs stay alive: a freed one's memory could come back holding the right rows
-        name = "merges"
-        kept += [calls(waits)[name](), calls(skips)[name]()]  # compiled before the timed calls
-        torch.cuda.synchronize()
-        for mod, caught in ((waits, False), (skips, True)):
-            results = []
-            for _ in range(5 if caught else 2):
-                poison = torch.full_like(plain[name][0], float("nan"))
-                del poison
-                kept.append(calls(mod)[name]())
-                torch.cuda.synchronize()
-                results.append(bool(bit_diff(kept[-1][0], plain[name][0])))
-                if caught and not results[-1]:
-                    break
-            if caught:
-                assert not all(results), (mod.__name__, "the warpgroup copy without the wait was never caught")
-            else:
-                assert all(results), (mod.__name__, results)
+        _assert_pdl_race_caught(calls(waits)["merges"], calls(skips)["merges"], lambda got: got[0],
+                                plain["merges"][0], "warpgroup forward")
     finally:
         for mod, path in mods:
             sys.modules.pop(mod.__name__, None)
