@@ -286,6 +286,17 @@ def test_interpreter_split_size_is_one_constant_of_every_kernel(monkeypatch):
     assert not bit_diff(out[128:], shipped[128:])
 
 
+def _last_token_step(hkv, seed):
+    """``kernels.cached_forward``'s positional arguments for a decode step of the last tokens of
+    three sequences of 40, 150 and 300 tokens (fp32, G = 2, D = 32) over their packed rows as a
+    contiguous cache of 320 positions (scale 0.2, no window)."""
+    lens = [40, 150, 300]
+    q, k, v, cu = make_qkv(lens, hkv, 2, 32, "float32", seed=seed)
+    qd = q[(cu[1:] - 1).long()].contiguous()
+    page_rows = cu[:-1].to(torch.int64)[:, None].contiguous()
+    return qd, k, v, page_rows, 320, torch.arange(3), torch.tensor(lens) - 1, 0.2, None
+
+
 @interp
 def test_interpreter_combine_group_size_does_not_change_the_bits(monkeypatch):
     """``rlk_attn_combine`` loads ``combine_group(splits)`` splits per trip before merging them
@@ -300,11 +311,7 @@ def test_interpreter_combine_group_size_does_not_change_the_bits(monkeypatch):
     assert [K.combine_group(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 16, 16]
     with pytest.raises(ValueError, match="splits: expected at least 1"):
         K.combine_group(0)
-    lens = [40, 150, 300]
-    q, k, v, cu = make_qkv(lens, 1, 2, 32, "float32", seed=41)
-    qd = q[(cu[1:] - 1).long()].contiguous()
-    page_rows = cu[:-1].to(torch.int64)[:, None].contiguous()
-    args = (qd, k, v, page_rows, 320, torch.arange(3), torch.tensor(lens) - 1, 0.2, None)
+    args = _last_token_step(1, seed=41)
     monkeypatch.setattr(K, "SPLIT_BLOCKS", 1)
     assert K.num_splits(320) == 5 and K.combine_group(5) == 8
     want = K.cached_forward(*args, path="prefill")
@@ -336,11 +343,7 @@ def test_interpreter_split_grid_orders_give_the_same_bits(monkeypatch):
     planted kernel whose heads-first order reads the split index from the wrong axis is caught."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
-    lens = [40, 150, 300]
-    q, k, v, cu = make_qkv(lens, 2, 2, 32, "float32", seed=43)
-    qd = q[(cu[1:] - 1).long()].contiguous()
-    page_rows = cu[:-1].to(torch.int64)[:, None].contiguous()
-    args = (qd, k, v, page_rows, 320, torch.arange(3), torch.tensor(lens) - 1, 0.2, None)
+    args = _last_token_step(2, seed=43)
     monkeypatch.setattr(K, "SPLIT_BLOCKS", 1)
     want = K.cached_forward(*args, path="prefill")
     assert K.SPLIT_GRID == "auto"
