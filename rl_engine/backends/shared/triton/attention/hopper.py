@@ -45,8 +45,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 KERNEL_NAMES = ("rlk_attn_fwd_wg",)
 #: ``@gluon.jit`` device functions (inlined into the kernel, never launched on their own).
-DEVICE_FUNCTIONS = ("rlk_attn_wg_gdc_wait", "rlk_attn_wg_exp2", "rlk_attn_wg_rowsum", "rlk_attn_wg_merge", "rlk_attn_wg_softmax",
-                    "rlk_attn_wg_scratch", "rlk_attn_wg_rows_io", "rlk_attn_wg_pv",
+DEVICE_FUNCTIONS = ("rlk_attn_wg_gdc_wait", "rlk_attn_wg_exp2", "rlk_attn_wg_rowsum", "rlk_attn_wg_merge",
+                    "rlk_attn_wg_softmax", "rlk_attn_wg_scratch", "rlk_attn_wg_rows_io", "rlk_attn_wg_pv",
                     "rlk_attn_wg_walk", "rlk_attn_wg_load")
 
 #: key-block rows (``kernels.KV_BLOCK``) and the tile's query rows (one warpgroup, 16 rows a warp;
