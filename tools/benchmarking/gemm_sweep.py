@@ -80,7 +80,10 @@ def bits_part(only_subtile: bool = False) -> list[dict]:
 # gate_up, lm_head at M = 16384: epilogue subtiling frees shared memory for a 4th stage)
 SMALL = [C(16, 64, 256, 4, 4, tma=True), C(16, 32, 256, 4, 6, tma=True), C(16, 32, 512, 4, 4, tma=True),
          C(16, 32, 256, 4, 8, tma=True), C(16, 64, 256, 8, 4, tma=True), C(16, 32, 256, 2, 6, tma=True),
-         C(16, 64, 512, 4, 2, tma=True), C(16, 64, 128, 4, 6, tma=True), C(16, 32, 512, 8, 3, tma=True)]
+         C(16, 64, 512, 4, 2, tma=True), C(16, 64, 128, 4, 6, tma=True), C(16, 32, 512, 8, 3, tma=True),
+         # session 20: 16-column tiles (down M = 1: 256 programs over 4096 columns instead of 64 / 128);
+         # H200 run 1: slower everywhere (down M = 1 1.20-1.60x cuBLAS against the shipped 1.03)
+         C(16, 16, 512, 4, 4, tma=True), C(16, 16, 256, 2, 8, tma=True), C(16, 16, 512, 2, 6, tma=True)]
 MID64 = [C(64, 64, 128, 4, 6, tma=True), C(64, 32, 256, 4, 4, tma=True), C(64, 64, 128, 4, 4, tma=True),
          C(64, 32, 128, 4, 6, tma=True), C(64, 64, 64, 4, 8, tma=True), C(64, 128, 64, 4, 6, tma=True),
          C(64, 32, 256, 4, 3, tma=True)]

@@ -566,6 +566,58 @@ def test_interpreter_paged_decode_equals_varlen_rows():
 
 
 @interp
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_interpreter_paged_walks_load_page_entries_ahead(unroll, monkeypatch):
+    """The paged unmasked walks load the page-table entries of the next block (``unroll = 1``) or
+    pair (``unroll = 2``) before the current one's products (``rlk_attn_pages``,
+    ``rlk_attn_load_paged``). Decode steps over 16-token pages in shuffled order, through the
+    split kernel (4-block KV splits, the three-run walk forced on: unmasked runs of several
+    blocks), raw-bit equal to the same steps over a contiguous cache. Negative control: a
+    planted walk that never advances its loaded entries (every block reads the first block's
+    pages) is caught."""
+    import sys
+    from dataclasses import replace
+
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    lens = [700, 300]
+    q, k, v, cu = make_qkv(lens, 1, 2, 32, "float32", seed=31)
+    ps, npages = 16, sum(-(-n // 16) for n in lens)
+    perm = torch.randperm(npages, generator=torch.Generator().manual_seed(5))
+    kp, vp = torch.full((npages * ps, 1, 32), GARBAGE), torch.full((npages * ps, 1, 32), -GARBAGE)
+    table = torch.zeros(2, 44, dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(lens):
+        pages = perm[used : used + -(-n // ps)]
+        used += len(pages)
+        table[i, : len(pages)] = pages * ps
+        pos = torch.arange(n)
+        kp[pages[pos // ps] * ps + pos % ps] = k[cu[i] : cu[i + 1]]
+        vp[pages[pos // ps] * ps + pos % ps] = v[cu[i] : cu[i + 1]]
+    q_seq, q_pos = torch.arange(2), torch.tensor([n - 1 for n in lens])
+    last = torch.tensor([c - 1 for c in accumulate(lens)])
+    cfg = replace(K.AttnConfig(16, 4, 1), unroll=unroll)
+
+    def step(mod, kk, vv, rows, psz):
+        monkeypatch.setattr(mod, "FORCE_SPLIT_RUNS", True)
+        monkeypatch.setattr(mod, "SPLIT_BLOCKS", 4)
+        return mod.cached_forward(q[last].contiguous(), kk, vv, rows, psz, q_seq, q_pos, 0.2, None, path="decode",
+                                  config=cfg, decode_only=True)
+
+    want = step(K, k, v, cu[:-1].to(torch.int64)[:, None], 1024)
+    assert bit_diff(step(K, kp, vp, table, ps), want)
+    stale = ("            pages = nxt\n", "            pages = pages\n") if unroll == 1 else \
+        ("            p0 = n0\n", "            p0 = p0\n")
+    planted, path = _load_planted(K, (stale,), f"pages_ahead{unroll}")
+    try:
+        assert bit_diff(step(planted, k, v, cu[:-1].to(torch.int64)[:, None], 1024), want)  # contiguous: unaffected
+        assert not bit_diff(step(planted, kp, vp, table, ps), want), "planted stale page entries not caught"
+    finally:
+        sys.modules.pop(planted.__name__, None)
+        os.remove(path)
+
+
+@interp
 @pytest.mark.parametrize("window", [None, 100])
 def test_interpreter_unmasked_interior_blocks_give_the_same_bits(window, monkeypatch):
     """fp32 (the interpreter's faithful dtype) with the three-run block walk forced on (masked

@@ -110,8 +110,9 @@ KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_a
                 "rlk_attn_bwd_dkdv", "rlk_attn_tiles", "rlk_attn_varlen_tiles")
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_exp2", "rlk_attn_gdc_wait", "rlk_attn_gdc_launch", "rlk_attn_rowsum", "rlk_attn_rows",
-                    "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_load", "rlk_attn_scores", "rlk_attn_step",
-                    "rlk_attn_block", "rlk_attn_pair", "rlk_attn_rowsum3", "rlk_attn_quarters",
+                    "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_pages", "rlk_attn_load_paged", "rlk_attn_load",
+                    "rlk_attn_scores", "rlk_attn_step",
+                    "rlk_attn_block", "rlk_attn_pair", "rlk_attn_pair_step", "rlk_attn_rowsum3", "rlk_attn_quarters",
                     "rlk_attn_vblock", "rlk_attn_quad", "rlk_attn_unmasked", "rlk_attn_split", "rlk_attn_merge",
                     "rlk_attn_ws_load", "rlk_attn_finish", "rlk_attn_bwd_dq_block", "rlk_attn_bwd_dkdv_block")
 
@@ -666,6 +667,29 @@ def rlk_attn_kv_base(pr_ptr, seq, pr_stride):
 
 
 @triton.jit
+def rlk_attn_pages(pr_ptr, seq, pr_stride, page_size, cap, b):
+    """The page-table entries (int64 storage rows of each key's page) of block ``b``'s 64 keys,
+    positions clamped to ``cap`` as ``rlk_attn_load`` clamps them."""
+    kpos = tl.minimum(b * 64 + tl.arange(0, 64), cap)
+    return tl.load(pr_ptr + seq * pr_stride + kpos // page_size)
+
+
+@triton.jit
+def rlk_attn_load_paged(k_ptr, v_ptr, pages, page_size, cap, kvh, b, sk_row, sk_head, sv_row, sv_head, offs_v,
+                        HEAD_D: tl.constexpr):
+    """``rlk_attn_load``'s pointer loads over a paged cache with block ``b``'s page-table entries
+    ``pages`` already loaded (``rlk_attn_pages``): the same rows, so the same values."""
+    offs_d = tl.arange(0, HEAD_D)
+    kpos = tl.minimum(b * 64 + tl.arange(0, 64), cap)
+    rows = pages + (kpos % page_size).to(tl.int64)
+    koff = rows * sk_row + kvh * sk_head
+    voff = rows * sv_row + kvh * sv_head
+    kt = tl.load(k_ptr + koff[None, :] + offs_d[:, None])  # [D, 64]
+    v = tl.load(v_ptr + voff[:, None] + offs_v[None, :])  # [64, DV]
+    return kt, v
+
+
+@triton.jit
 def rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b, sk_row, sk_head,
                   sv_row, sv_head, offs_v, HEAD_D: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr, v0):
     """Key block ``b`` transposed (``[D, 64]``) and its value rows (``[64, DV]``, columns ``offs_v``):
@@ -778,6 +802,13 @@ def rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride
                             sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA, v0)
     kt1, vb = rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh, b + 1,
                             sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D, PAGED, TMA, v0)
+    return rlk_attn_pair_step(q, kt0, va, kt1, vb, m, l, acc, qk_scale, BLOCK_M, IEEE)
+
+
+@triton.jit
+def rlk_attn_pair_step(q, kt0, va, kt1, vb, m, l, acc, qk_scale, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
+    """``rlk_attn_pair``'s arithmetic on two loaded unmasked blocks (keys ``kt0``, ``kt1``
+    transposed, values ``va``, ``vb``), in block order."""
     s0 = rlk_attn_scores(q, kt0, IEEE)
     s1 = rlk_attn_scores(q, kt1, IEEE)
     # as rlk_attn_step (unmasked): mn = max(m, max(s)·c + 0), shift = mn, for b then b + 1
@@ -925,8 +956,32 @@ def rlk_attn_unmasked(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_st
     """The unmasked run's blocks ``u0 .. u1`` (every row sees them entirely), ``U`` per step
     (``AttnConfig.unroll``: ``rlk_attn_block``, ``rlk_attn_pair`` or ``rlk_attn_quad``). Returns the
     state and the last block walked: with ``U > 1`` the blocks left over (fewer than ``U``) are
-    the masked run's, ``last + 1 ..`` (a mask that hides nothing gives the same bits)."""
-    if U == 2:
+    the masked run's, ``last + 1 ..`` (a mask that hides nothing gives the same bits).
+
+    Over a paged cache (pointer loads) the one-block and pair walks load the next step's
+    page-table entries before the current step's products (``rlk_attn_pages``): the software
+    pipeline issues the next block's copies at the end of an iteration, and their rows no longer
+    wait on a page-table load issued there. H200, session 20 run 1: batch 64 × 4096 keys over
+    16-token pages 270.9 → 260.4 µs. The same rows, so the same bits."""
+    if U == 2 and PAGED and not TMA:
+        # as the one-block walk below: the page-table entries of the next pair are loaded before
+        # this pair's products (the same rows, so the same bits)
+        pairs = tl.maximum(u1 - u0 + 1, 0) // 2
+        p0 = rlk_attn_pages(pr_ptr, seq, pr_stride, page_size, cap, u0)
+        p1 = rlk_attn_pages(pr_ptr, seq, pr_stride, page_size, cap, u0 + 1)
+        for i in range(0, pairs):
+            b = u0 + 2 * i
+            n0 = rlk_attn_pages(pr_ptr, seq, pr_stride, page_size, cap, tl.minimum(b + 2, u1))
+            n1 = rlk_attn_pages(pr_ptr, seq, pr_stride, page_size, cap, tl.minimum(b + 3, u1))
+            kt0, va = rlk_attn_load_paged(k_ptr, v_ptr, p0, page_size, cap, kvh, b, sk_row, sk_head, sv_row, sv_head,
+                                          offs_v, HEAD_D)
+            kt1, vb = rlk_attn_load_paged(k_ptr, v_ptr, p1, page_size, cap, kvh, b + 1, sk_row, sk_head, sv_row,
+                                          sv_head, offs_v, HEAD_D)
+            m, l, acc = rlk_attn_pair_step(q, kt0, va, kt1, vb, m, l, acc, qk_scale, BLOCK_M, IEEE)
+            p0 = n0
+            p1 = n1
+        last = u0 + 2 * pairs - 1
+    elif U == 2:
         pairs = tl.maximum(u1 - u0 + 1, 0) // 2
         for i in range(0, pairs):
             m, l, acc = rlk_attn_pair(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
@@ -940,6 +995,19 @@ def rlk_attn_unmasked(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_st
                                       u0 + 4 * i, m, l, acc, qk_scale, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D,
                                       BLOCK_M, PAGED, IEEE, TMA, v0)
         last = u0 + 4 * quads - 1
+    elif PAGED and not TMA:
+        # the page-table entries of the next block are loaded before this block's products, so
+        # the next block's key / value copies (issued after them) need not wait for a dependent
+        # page-table load; the same rows, so the same bits
+        pages = rlk_attn_pages(pr_ptr, seq, pr_stride, page_size, cap, u0)
+        for b in range(u0, u1 + 1):
+            nxt = rlk_attn_pages(pr_ptr, seq, pr_stride, page_size, cap, tl.minimum(b + 1, u1))
+            kt, v = rlk_attn_load_paged(k_ptr, v_ptr, pages, page_size, cap, kvh, b, sk_row, sk_head, sv_row, sv_head,
+                                        offs_v, HEAD_D)
+            m, l, acc = rlk_attn_step(rlk_attn_scores(q, kt, IEEE), v, b, m, l, acc, pos, wlo, qk_scale, BLOCK_M, IEEE,
+                                      False)
+            pages = nxt
+        last = u1
     else:
         for b in range(u0, u1 + 1):
             m, l, acc = rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
