@@ -84,7 +84,9 @@ SMALL = [C(16, 64, 256, 4, 4, tma=True), C(16, 32, 256, 4, 6, tma=True), C(16, 3
          # session 20: 16-column tiles (down M = 1: 256 programs over 4096 columns instead of 64 / 128);
          # H200 run 1: slower everywhere (down M = 1 1.20-1.60x cuBLAS against the shipped 1.03)
          C(16, 16, 512, 4, 4, tma=True), C(16, 16, 256, 2, 8, tma=True), C(16, 16, 512, 2, 6, tma=True),
-         # session 20 run 6: deeper pipelines of the 64-column tile (more bytes in flight per SM)
+         # session 20 run 6: deeper pipelines of the 64-column tile (more bytes in flight per SM): the
+         # 5-stage tile beat the shipped one at down M = 1 in this sweep (28.6 against 30.5 µs) but not in
+         # the benchmark of record (run 7: 31.1 / 31.4 µs against 30.9-31.9 with 4 stages): not kept
          C(16, 64, 256, 4, 5, tma=True), C(16, 64, 128, 4, 8, tma=True), C(16, 64, 128, 4, 10, tma=True),
          C(16, 64, 256, 8, 5, tma=True)]
 MID64 = [C(64, 64, 128, 4, 6, tma=True), C(64, 32, 256, 4, 4, tma=True), C(64, 64, 128, 4, 4, tma=True),

@@ -65,10 +65,8 @@ _BIG = 1 << 62
 _WS = dict(tma=True, persistent=True, warp_specialize=True)
 _TABLE_16BIT: tuple[tuple[int, int, TileConfig], ...] = (
     # decode-sized M: memory bound; few, deep programs streaming W (session 4 sweep: 16×64×256
-    # with 4 stages beats more, smaller programs at qkv and down M = 1). M = 1, N <= 4096 (down,
-    # K = 12288: 64 programs on 132 SMs, each streaming a long K): a 5th stage, 28.6 against 30.5
-    # µs (cuBLAS 30.1) on the H200 (session 20 run 6, gemm_sweep.py; at qkv, N = 6144, it lost).
-    (1, 4096, C(16, 64, 256, 4, 5, tma=True)),
+    # with 4 stages beats more, smaller programs at qkv and down M = 1)
+    (1, 4096, C(16, 64, 256, 4, 4, tma=True)),
     (16, 4096, C(16, 32, 256, 4, 6, tma=True)),
     (16, 8192, C(16, 64, 256, 4, 4, tma=True)),
     (16, _BIG, C(16, 64, 128, 4, 4, tma=True)),
