@@ -268,8 +268,8 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
     # many programs: the tail of the last wave is a program's work (batch 64 x 4096 keys: 2048
     # programs, about 5.2 waves at three programs per SM); value slices make the grain finer
     for v in (1, 2, 4, 8) if few else (2, 4):
-        contiguous_cfg = replace(K.select_decode(q.dtype, D, None, few=few_tile), v_slices=v)
-        paged_cfg = replace(K.select_decode(q.dtype, D, ps, few=few_tile), v_slices=v)
+        contiguous_cfg = replace(K.select_decode(q.dtype, D, None, few=few_tile, many=not few_tile), v_slices=v)
+        paged_cfg = replace(K.select_decode(q.dtype, D, ps, few=few_tile, many=not few_tile), v_slices=v)
         impls[f"{OURS}@v{v}"] = lambda c=contiguous_cfg: K.cached_forward(
             q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5, None, path="decode", config=c, decode_only=True)
         impls[f"{OURS}.paged16@v{v}"] = lambda c=paged_cfg: K.cached_forward(

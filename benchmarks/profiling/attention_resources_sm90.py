@@ -181,10 +181,13 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
                                        "TMA": not paged, "ORDER": order},
                                       cfg.num_warps, stages_of(cfg, head_dim))
         # a decode step of one KV split runs the prefill kernel with the few-programs tile; over a
-        # contiguous cache its unmasked run by TMA copies (kernels.decode_tma_eligible)
+        # contiguous cache its unmasked run by TMA copies (kernels.decode_tma_eligible); unsliced,
+        # one or two blocks a step (kernels.pair_blocks), sliced, four (kernels.quad_blocks)
         few = K.select_decode(torch.bfloat16, head_dim, None, few=True)
-        for vs in (v for v in (1, 2, 4) if v <= K.MAX_V_SLICES and head_dim // v >= K.MIN_V_COLUMNS):
-            cfg = replace(K.quad_tile(few) if K.quad_blocks(vs) else few, v_slices=vs)
+        one_split = [replace(K.quad_tile(few) if K.quad_blocks(vs) else few, v_slices=vs)
+                     for vs in (1, 2, 4) if vs <= K.MAX_V_SLICES and head_dim // vs >= K.MIN_V_COLUMNS]
+        for cfg in one_split + [replace(few, unroll=2)]:
+            vs = cfg.v_slices
             yield Variant(f"fwd contiguous {cfg.key} one=True tma", "rlk_attn_fwd",
                           {**common, "page_size": 1, "DV": head_dim // vs, "BLOCK_M": cfg.block_m, "PAGED": False,
                            "IEEE": False, "STORE_F32": False, "STORE_LSE": False, "SPLIT": True, "MULTI": False,

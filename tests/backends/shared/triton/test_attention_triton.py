@@ -454,7 +454,8 @@ def test_interpreter_decode_tma_loads_give_the_same_bits(window, monkeypatch):
     the split kernel (2 KV splits) and the prefill kernel (one split), one or two blocks per
     step, one or two value slices (the value copy's column offset); fp32 here with the 16-bit
     three-run walk forced. The rule: only CUDA sm90+, 16-bit, unpaged, head-contiguous aligned
-    rows; not the ``DECODE_CONFIGS`` tile of steps with few pairs past one wave. Negative control: a planted kernel whose masked blocks also take the copies reads the NaN
+    rows; every decode tile (since session 21 the many-pairs tile of steps with few pairs past
+    one wave too). Negative control: a planted kernel whose masked blocks also take the copies reads the NaN
     slots past a sequence's end (unclamped) and its rows are caught."""
     import os
     import sys
@@ -511,9 +512,9 @@ def test_interpreter_decode_tma_loads_give_the_same_bits(window, monkeypatch):
         plain = step(K, base, n=2, bound=64)
     assert bit_diff(step(K, base, n=2, bound=64), plain)  # one split: the prefill kernel
     assert seen
-    # the rule's exception (measured, session 12): steps of few pairs past one wave on the
-    # 4-warp, 2-stage tile (DECODE_CONFIGS) keep the pointer loads; the few-programs tile takes
-    # the copies
+    # every decode step takes the copies: the few-programs tile and, since session 21, the
+    # many-pairs tile of steps with few pairs past one wave (which kept the pointer loads on the
+    # 4-warp, 2-stage DECODE_CONFIGS tile before)
     flags = []
     attend = K.attend
     monkeypatch.setattr(K, "attend", lambda *a, **kw: flags.append((kw["cache_tma"], kw["config"])) or attend(*a, **kw))
@@ -521,8 +522,8 @@ def test_interpreter_decode_tma_loads_give_the_same_bits(window, monkeypatch):
     for wave in (False, True):
         monkeypatch.setattr(K, "one_wave", lambda *a, wave=wave: wave)
         step(K, None)
-    assert [f for f, _ in flags] == [False, True]
-    assert flags[0][1] == K.select_decode(torch.float32, 32) and flags[1][1].num_stages == K.select_decode(
+    assert [f for f, _ in flags] == [True, True]
+    assert flags[0][1] == K.select_decode(torch.float32, 32, many=True) and flags[1][1].num_stages == K.select_decode(
         torch.float32, 32, few=True).num_stages
     edit = ("HAS_WINDOW, TMA, U, False, vs * DV)", "HAS_WINDOW, TMA, U, True, vs * DV)")
     planted, path = _load_planted(K, (edit,), f"dtma_{window}")
@@ -788,10 +789,9 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
                 chosen = [K.select_prefill(dt, d, page) for page in (None, 16, 64, 256)]
                 chosen += [K.select_decode(dt, d, page, few=few, many=many) for page in (None, 16, 64, 256)
                            for few in (False, True) for many in (False, True)]
-                slicings = {K.value_slices(n, d, cuda) for n in range(1, 140)}
+                slicings = {K.value_slices(n, d, cuda, small) for n in range(1, 300) for small in (False, True)}
                 for page in (None, 16, 64, 256):  # cached_forward: the few tile, sliced, paired by pair_blocks
-                    unrolls = {2 if K.pair_blocks(n, ns, page is not None and page < 64, cuda) else 1
-                               for n in range(1, 300) for ns in (1, 2, 5)}
+                    unrolls = {2 if K.pair_blocks(n, page is not None, cuda) else 1 for n in range(1, 300)}
                     few = K.select_decode(dt, d, page, few=True)
                     chosen += [replace(K.quad_tile(few) if K.quad_blocks(v) else replace(few, unroll=u), v_slices=v)
                                for v in slicings for u in unrolls]  # cached_forward's order
@@ -1000,9 +1000,11 @@ def test_interpreter_value_slices_give_the_same_bits():
 def test_interpreter_value_slices_rule(monkeypatch):
     """``value_slices``: doubled while the doubled grid fits in one wave of SMs, at most 4,
     slices of at least 32 columns; 1 off CUDA (the picks of the H200's batch-1 rows, session 9).
-    ``cached_forward`` asks it for few-programs decode steps unless ``auto_value_slices(False)``,
-    which restores the switch on the way out, an exception included; the rows are the same bits
-    either way. Negative control: with the switch off the rule is never asked."""
+    Over pages shorter than a key block: doubled while the doubled grid fits two programs per SM,
+    at most 2 (session 21). ``cached_forward`` asks it for few-programs decode steps unless
+    ``auto_value_slices(False)``, which restores the switch on the way out, an exception
+    included, and tells it whether the pages are shorter than a key block; the rows are the same
+    bits either way. Negative control: with the switch off the rule is never asked."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     assert K.value_slices(1, 128, torch.device("cpu")) == 1
@@ -1012,11 +1014,15 @@ def test_interpreter_value_slices_rule(monkeypatch):
     assert [K.value_slices(8 * s, 128, cuda) for s in (1, 4, 32)] == [4, 4, 1]
     assert K.value_slices(16 * 8 * 4, 128, cuda) == 1
     assert K.value_slices(8, 32, cuda) == 1 and K.value_slices(8, 64, cuda) == 2
+    # 16-token pages: batch 1 at 512 / 4096 / 32768 keys, batch 4 at 4096 (128 programs)
+    assert [K.value_slices(8 * s, 128, cuda, True) for s in (1, 4, 32)] == [2, 2, 1]
+    assert K.value_slices(4 * 8 * 4, 128, cuda, True) == 2 and K.value_slices(133, 128, cuda, True) == 1
+    assert K.value_slices(4 * 8 * 4, 128, cuda) == 1 and K.value_slices(8, 32, cuda, True) == 1
     assert K.AUTO_V_SLICES
 
     asked = []
     monkeypatch.setattr(K, "few_programs", lambda *a: True)  # the interpreter's CPU tensors: pretend few SMs' worth
-    monkeypatch.setattr(K, "value_slices", lambda n, d, dev: asked.append(n) or 2)
+    monkeypatch.setattr(K, "value_slices", lambda n, d, dev, small_pages=False: asked.append((n, small_pages)) or 2)
     q, k, v, cu = make_qkv([1100], 1, 2, 32, "float32", seed=13)
     args = (q[-1:].contiguous(), k, v, torch.zeros((1, 1), dtype=torch.int64), 2048, torch.zeros(1, dtype=torch.int64),
             torch.tensor([1099]), 0.2, None)
@@ -1024,7 +1030,11 @@ def test_interpreter_value_slices_rule(monkeypatch):
         plain = K.cached_forward(*args, decode_only=True)
     assert asked == [] and K.AUTO_V_SLICES
     sliced = K.cached_forward(*args, decode_only=True)
-    assert asked == [2] and bit_diff(sliced, plain)  # 1 sequence x 1 kv head x 2 splits
+    assert asked == [(2, False)] and bit_diff(sliced, plain)  # 1 sequence x 1 kv head x 2 splits
+    for page, small in ((16, True), (64, False)):  # the same rows in pages (in order) of 16 and 64 keys
+        rows = (torch.arange(-(-1100 // page)) * page)[None, :]
+        paged = K.cached_forward(args[0], k, v, rows, page, *args[5:], decode_only=True)
+        assert asked[-1] == (2, small) and bit_diff(paged, plain)
     with pytest.raises(RuntimeError, match="boom"):
         with K.auto_value_slices(False):
             raise RuntimeError("boom")
@@ -1034,23 +1044,22 @@ def test_interpreter_value_slices_rule(monkeypatch):
 @interp
 def test_interpreter_pair_blocks_rule(monkeypatch):
     """``pair_blocks``: two blocks per step for a decode step on the few-programs tile: over a
-    contiguous cache with more than one KV split and at most one program per SM (value slices
-    counted), over pages with at most two programs per SM; False off CUDA. ``cached_forward`` asks
-    it for the few-programs tile and the rows are the same bits either way; steps of many pairs
-    take the 2-warp tile except paged steps of 2-4 splits. Negative control: a rule answering True
-    pairs the walk (the config the kernels get has ``unroll = 2``), one answering False does not."""
+    contiguous cache with at most one program per SM (value slices counted; one KV split
+    included since session 21), over pages with at most two programs per SM; False off CUDA.
+    ``cached_forward`` asks it for the few-programs tile and the rows are the same bits either
+    way; steps of many pairs take the 2-warp tile. Negative control: a rule answering True pairs
+    the walk (the config the kernels get has ``unroll = 2``), one answering False does not."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
-    assert not K.pair_blocks(1, 4, False, torch.device("cpu"))
+    assert not K.pair_blocks(1, False, torch.device("cpu"))
     monkeypatch.setattr(K, "_sm_count_of", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    # contiguous: batch 1 / 4 at 4096 keys (128 programs), batch 1 at 32768 (256), batch 1 at 512 (one split)
-    assert K.pair_blocks(128, 4, False, cuda) and not K.pair_blocks(256, 32, False, cuda)
-    assert not K.pair_blocks(32, 1, False, cuda)
-    assert K.pair_blocks(132, 2, False, cuda) and not K.pair_blocks(133, 2, False, cuda)
-    # pages: up to two programs per SM, one split included; batch 4 at 32768 keys (1024) not
-    assert K.pair_blocks(32, 1, True, cuda) and K.pair_blocks(264, 32, True, cuda)
-    assert not K.pair_blocks(265, 32, True, cuda) and not K.pair_blocks(1024, 32, True, cuda)
+    # contiguous: batch 1 / 4 at 4096 keys (128 programs), batch 1 at 32768 (256), batch 16 at 512 (one split)
+    assert K.pair_blocks(128, False, cuda) and not K.pair_blocks(256, False, cuda)
+    assert K.pair_blocks(132, False, cuda) and not K.pair_blocks(133, False, cuda)
+    # pages: up to two programs per SM; batch 4 at 32768 keys (1024) not
+    assert K.pair_blocks(32, True, cuda) and K.pair_blocks(264, True, cuda)
+    assert not K.pair_blocks(265, True, cuda) and not K.pair_blocks(1024, True, cuda)
     # the many-pairs tile on both cache kinds (since session 11 also for paged steps of 2-4 splits)
     assert all(K.select_decode(torch.bfloat16, 128, p, many=True) == K.AttnConfig(16, 2, 2) for p in (None, 16))
     assert K.select_decode(torch.bfloat16, 128, 16) == K.AttnConfig(16, 4, 2)
@@ -1064,13 +1073,13 @@ def test_interpreter_pair_blocks_rule(monkeypatch):
     q, k, v, cu = make_qkv([1100], 1, 2, 32, "float32", seed=13)
 
     def step(rule):
-        monkeypatch.setattr(K, "pair_blocks", lambda n, ns, paged, dev: asked.append((n, ns, paged)) or rule)
+        monkeypatch.setattr(K, "pair_blocks", lambda n, paged, dev: asked.append((n, paged)) or rule)
         return K.cached_forward(q[-1:].contiguous(), k, v, torch.zeros((1, 1), dtype=torch.int64), 2048,
                                 torch.zeros(1, dtype=torch.int64), torch.tensor([1099]), 0.2, None, decode_only=True)
 
     with K.auto_value_slices(False):
         plain, paired = step(False), step(True)
-    assert asked == [(2, 2, False), (2, 2, False)] and [c.unroll for c in seen] == [1, 2]  # 1 seq x 1 kv head x 2 splits
+    assert asked == [(2, False), (2, False)] and [c.unroll for c in seen] == [1, 2]  # 1 seq x 1 kv head x 2 splits
     assert bit_diff(plain, paired)
 
 
@@ -1097,7 +1106,7 @@ def test_interpreter_quad_blocks_rule(monkeypatch):
     monkeypatch.setattr(K, "attend", lambda *a, **kw: seen.append(kw["config"]) or attend(*a, **kw))
     monkeypatch.setattr(K, "few_programs", lambda *a: True)
     monkeypatch.setattr(K, "one_wave", lambda *a: True)
-    monkeypatch.setattr(K, "value_slices", lambda *a: 2)
+    monkeypatch.setattr(K, "value_slices", lambda *a, **kw: 2)
     monkeypatch.setattr(K, "pair_blocks", lambda *a: True)
     monkeypatch.setattr(K, "FORCE_SPLIT_RUNS", True)
     q, k, v, cu = make_qkv([1100], 1, 2, 32, "float32", seed=17)
@@ -1131,7 +1140,8 @@ def test_interpreter_few_pairs_decode_tile_rule(monkeypatch):
 
     asked = []
     select = K.select_decode
-    monkeypatch.setattr(K, "select_decode", lambda *a, few=False, **kw: asked.append(few) or select(*a, few=few, **kw))
+    monkeypatch.setattr(K, "select_decode", lambda *a, few=False, many=False: asked.append((few, many)) or select(
+        *a, few=few, many=many))
     q, k, v, cu = make_qkv([1100], 1, 2, 32, "float32", seed=13)
 
     def step(bound):
@@ -1140,12 +1150,13 @@ def test_interpreter_few_pairs_decode_tile_rule(monkeypatch):
 
     monkeypatch.setattr(K, "few_programs", lambda *a: True)
     rows = {bound: step(bound) for bound in (2048, 4096, 5120, 8192)}  # 2, 4, 5, 8 splits
-    assert asked == [False, False, True, True]
+    # (few, many): the many-pairs tile for 2-4 splits past one wave (since session 21)
+    assert asked == [(False, True), (False, True), (True, False), (True, False)]
     assert all(bit_diff(r, rows[2048]) for r in rows.values())
     monkeypatch.setattr(K, "few_programs", lambda *a: False)
     asked.clear()
     step(8192)
-    assert asked == [False]
+    assert asked == [(False, True)]
 
 
 @offline_sm90
@@ -1166,7 +1177,8 @@ def test_offline_sm90_decode_kernels_are_pipelined_without_spills():
     from benchmarks.profiling.attention_resources_sm90 import compile_sm90, variants
 
     rows = {v.label: (v, compile_sm90(v)) for v in variants(("decode",))}
-    assert len(rows) == 38 + 8 + 3, sorted(rows)  # + the four-block tiles, + the one-split steps (prefill kernel)
+    # + the four-block tiles, + the one-split steps (prefill kernel: one, two or four blocks a step)
+    assert len(rows) == 38 + 8 + 4, sorted(rows)
     for label, (v, r) in rows.items():
         assert r.pipelined, (label, r)
         if "_v" not in label:  # one value slice: a few bytes at most (the 255-register, spilling
@@ -1633,7 +1645,7 @@ def test_value_slices_give_the_same_rows(dtype, d, g, monkeypatch):
             assert bit_diff(out, ref) and bit_diff(lse, ref_lse), (cfg.key, path, bit_diff(out, ref))
     chosen = []
     rule = K.value_slices
-    monkeypatch.setattr(K, "value_slices", lambda *a: chosen.append(rule(*a)) or chosen[-1])
+    monkeypatch.setattr(K, "value_slices", lambda *a, **kw: chosen.append(rule(*a, **kw)) or chosen[-1])
     t = 2084  # the last token of the first sequence: one step of batch 1
     zero = torch.zeros(1, dtype=torch.int64, device="cuda")
     pages = torch.randperm(131, generator=torch.Generator().manual_seed(d)).cuda()  # 16-row pages, shuffled

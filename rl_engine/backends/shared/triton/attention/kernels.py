@@ -110,8 +110,8 @@ KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_a
                 "rlk_attn_bwd_dkdv", "rlk_attn_tiles", "rlk_attn_varlen_tiles")
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_exp2", "rlk_attn_gdc_wait", "rlk_attn_gdc_launch", "rlk_attn_rowsum", "rlk_attn_rows",
-                    "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_pages", "rlk_attn_load_paged", "rlk_attn_load",
-                    "rlk_attn_scores", "rlk_attn_step",
+                    "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_pages", "rlk_attn_load_rows", "rlk_attn_load_paged",
+                    "rlk_attn_load", "rlk_attn_scores", "rlk_attn_step",
                     "rlk_attn_block", "rlk_attn_pair", "rlk_attn_pair_step", "rlk_attn_rowsum3", "rlk_attn_quarters",
                     "rlk_attn_vblock", "rlk_attn_quad", "rlk_attn_unmasked", "rlk_attn_split", "rlk_attn_merge",
                     "rlk_attn_ws_load", "rlk_attn_finish", "rlk_attn_bwd_dq_block", "rlk_attn_bwd_dkdv_block")
@@ -186,9 +186,10 @@ PAGED_PREFILL_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 # contiguous and paged caches alike (since the page arithmetic is compile-time, session 5).
 # 4 warps, 2 stages: the fastest candidate at batch 64 on the H200 in session 5, contiguous 0.86 /
 # 0.86 / 0.91 and 16-token pages 0.83 / 0.88 / 0.89 of SDPA's throughput at 512 / 4096 / 32768 keys
-# (session 5 run 5, bench_attention_configs.json). Since session 10 the tile of steps with fewer
-# pairs than SMs that are not on the few-programs tile (``MANY_DECODE_CONFIGS`` for steps of many
-# pairs).
+# (session 5 run 5, bench_attention_configs.json). Sessions 10-20: the tile of steps with fewer
+# pairs than SMs that are not on the few-programs tile; since session 21 those take
+# ``MANY_DECODE_CONFIGS`` too, and this tile is ``select_decode``'s default (``attend`` and
+# ``varlen_forward`` on the decode path without a config).
 DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 4, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
@@ -211,6 +212,10 @@ FEW_PAGED_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 # 0.90 / 0.92. Paged steps of 2-4 KV splits kept the 4-warp tile in session 10 (0.90 against 0.88);
 # with session 11's base-2 scores it fell to 0.84-0.85 (three timings, runs 1-2) and the 2-warp
 # tile gives 0.88 (run 2, bench_attention_configs.json), so every step of many pairs takes it.
+# Since session 21 also the steps of few pairs past one wave (2-4 KV splits, e.g. batch 16 x 4096
+# keys: 512 programs), with TMA copies over a contiguous cache: against the 4-warp tile that took
+# them before (``DECODE_CONFIGS``, pointer loads), 16-token pages 97.1 -> 69.5 us (0.67 -> 0.94 of
+# SDPA), contiguous 70.9 -> 69.6 us (run 2, tools/benchmarking/attention_decode_gpu.py).
 MANY_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 2, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
@@ -270,8 +275,9 @@ def select_decode(dtype: torch.dtype, head_dim: int, page_size: int | None = Non
                   many: bool = False) -> AttnConfig:
     """The decode tile; ``page_size``: that of a paged cache (``None``: contiguous); ``few``: the
     few-programs tile (``cached_forward``: fewer (sequence, kv head) pairs than SMs, ``few_programs``,
-    and the launch fits one wave or has more than 4 KV splits); ``many``: at least as many pairs
-    as SMs. Every choice gives the same bits."""
+    and the launch fits one wave or has more than 4 KV splits); ``many``: the many-pairs tile
+    (``cached_forward``'s every other decode step); neither: ``DECODE_CONFIGS``, the default of
+    ``attend`` and ``varlen_forward``. Every choice gives the same bits."""
     paged = page_size is not None and page_size < KV_BLOCK
     if few:
         return (FEW_PAGED_DECODE_CONFIGS if paged else FEW_DECODE_CONFIGS)[(dtype, head_dim)]
@@ -324,6 +330,9 @@ def one_wave(programs: int, device: torch.device) -> bool:
 #: (any ``v_slices`` leaving 16 or more columns is valid and gives the same bits).
 MAX_V_SLICES = 4
 MIN_V_COLUMNS = 32
+#: Most value slices ``value_slices`` picks over a cache of pages shorter than a key block (the
+#: paged few-programs tile, ``FEW_PAGED_DECODE_CONFIGS``).
+MAX_PAGED_V_SLICES = 2
 #: Whether ``cached_forward`` picks a value slicing by ``value_slices`` for decode steps with
 #: few programs (on since session 9: batch 1 on the H200, 0.72 -> 0.82 of SDPA at 512 keys and
 #: 0.40 -> 0.51 at 4096 with 4 slices, 32768 keys unsliced; reports/gpu/README.md "Session 9").
@@ -336,10 +345,12 @@ def auto_value_slices(on: bool = True) -> contextlib.AbstractContextManager[None
     return _scoped("AUTO_V_SLICES", bool(on))
 
 
-def value_slices(programs: int, head_dim: int, device: torch.device) -> int:
+def value_slices(programs: int, head_dim: int, device: torch.device, small_pages: bool = False) -> int:
     """Value slices (``AttnConfig.v_slices``) for a decode launch of ``programs`` (tile, kv head,
     split) programs: doubled while the doubled grid still fits in one wave of the device's SMs,
-    up to ``MAX_V_SLICES`` and slices of ``MIN_V_COLUMNS`` columns; 1 off CUDA.
+    up to ``MAX_V_SLICES`` and slices of ``MIN_V_COLUMNS`` columns; 1 off CUDA. ``small_pages``
+    (a paged cache whose pages are shorter than a key block: the 2-stage paged tile): doubled
+    while the doubled grid fits two programs per SM, up to ``MAX_PAGED_V_SLICES``.
 
     A decode step of few sequences has few programs (batch 1, 8 kv heads, 4096 keys: 32 on a
     132-SM H200), each walking its split's blocks in sequence; slicing the ``P·V`` columns
@@ -348,31 +359,42 @@ def value_slices(programs: int, head_dim: int, device: torch.device) -> int:
     D = 128, steps without the tile table): 8 programs (512 keys) 0.72 of SDPA unsliced, 0.82 with
     4 slices (8 slices were slower than 4 in run 1); 32 programs (4096 keys) 0.40 unsliced, 0.44
     with 2, 0.51 with 4; 256 programs (32768 keys) fastest unsliced: the rule's picks. Every
-    slicing gives the same bits (tested)."""
+    slicing gives the same bits (tested).
+
+    Over 16-token pages two slices beat four and beat none up to two programs per SM (session 21,
+    runs 2-3, ``tools/benchmarking/attention_decode_gpu.py``, four blocks a step on the paged
+    tile): batch 1 × 4096 keys (32 programs) 14.95 → 14.21 µs, batch 4 × 4096 (128 programs,
+    unsliced before) 32.05 → 29.76 µs, batch 4 × 512 (32) 8.80 → 7.86 µs; batch 1 and 2 × 512 equal
+    within 1 %. Contiguous caches keep the one-wave rule (batch 1 × 4096 keys: 12.56 µs with four
+    slices, 12.45 with two, within the noise)."""
     if device.type != "cuda":
         return 1
     sm = _sm_count_of(_index(device))
+    cap, per_sm = (MAX_PAGED_V_SLICES, 2) if small_pages else (MAX_V_SLICES, 1)
     vs = 1
-    while vs < MAX_V_SLICES and head_dim // (2 * vs) >= MIN_V_COLUMNS and programs * 2 * vs <= sm:
+    while vs < cap and head_dim // (2 * vs) >= MIN_V_COLUMNS and programs * 2 * vs <= per_sm * sm:
         vs *= 2
     return vs
 
 
-def pair_blocks(programs: int, splits: int, paged: bool, device: torch.device) -> bool:
+def pair_blocks(programs: int, paged: bool, device: torch.device) -> bool:
     """Whether a decode step on the few-programs tile walks its unmasked blocks two per step
     (``AttnConfig.unroll = 2``, ``rlk_attn_pair``). ``programs``: the launch's programs, value
-    slices counted. Contiguous cache: with more than one KV split and at most one program per SM;
-    paged cache: at most two programs per SM. H200, session 10 (runs 1-2, D = 128, against one
-    block per step): contiguous batch 1 at 4096 keys (128 programs with 4 value slices) 0.50 ->
-    0.52 of SDPA, batch 4 at 4096 (128 programs) 0.85 -> 0.97, but batch 1 at 32768 (256
-    programs) 0.94 -> 0.85 and at 512 keys (one split, the prefill kernel) 0.81 -> 0.79; 16-token
-    pages batch 1 at 512 / 4096 / 32768 keys (32 / 128 / 256 programs) 0.70 -> 0.77 / 0.42 ->
-    0.46 / 0.82 -> 0.84, batch 4 at 4096 0.60 -> 0.63, but batch 4 at 32768 (1024 programs) 0.91
-    -> 0.87. The same bits either way (tested). False off CUDA."""
+    slices counted. Contiguous cache: at most one program per SM; paged cache: at most two
+    programs per SM. H200, session 10 (runs 1-2, D = 128, against one block per step):
+    contiguous batch 1 at 4096 keys (128 programs with 4 value slices) 0.50 -> 0.52 of SDPA, batch
+    4 at 4096 (128 programs) 0.85 -> 0.97, but batch 1 at 32768 (256 programs) 0.94 -> 0.85;
+    16-token pages batch 1 at 512 / 4096 / 32768 keys (32 / 128 / 256 programs) 0.70 -> 0.77 /
+    0.42 -> 0.46 / 0.82 -> 0.84, batch 4 at 4096 0.60 -> 0.63, but batch 4 at 32768 (1024
+    programs) 0.91 -> 0.87. Contiguous steps of one KV split (the prefill kernel) pair too since
+    session 21 (run 2): batch 16 at 512 keys (128 programs, unsliced) 11.29 -> 10.07 µs, 0.81 ->
+    0.90 of SDPA (session 10's one-split loss, batch 1 at 512 keys with 4 value slices, 0.81 ->
+    0.79, was of a step that walks four blocks a step since session 16). The same bits either way
+    (tested). False off CUDA."""
     if device.type != "cuda":
         return False
     sm = _sm_count_of(_index(device))
-    return programs <= 2 * sm if paged else (splits > 1 and programs <= sm)
+    return programs <= (2 * sm if paged else sm)
 
 
 #: Whether ``cached_forward`` walks the unmasked run of sliced few-programs decode steps four
@@ -675,18 +697,25 @@ def rlk_attn_pages(pr_ptr, seq, pr_stride, page_size, cap, b):
 
 
 @triton.jit
-def rlk_attn_load_paged(k_ptr, v_ptr, pages, page_size, cap, kvh, b, sk_row, sk_head, sv_row, sv_head, offs_v,
-                        HEAD_D: tl.constexpr):
-    """``rlk_attn_load``'s pointer loads over a paged cache with block ``b``'s page-table entries
-    ``pages`` already loaded (``rlk_attn_pages``): the same rows, so the same values."""
+def rlk_attn_load_rows(k_ptr, v_ptr, rows, kvh, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D: tl.constexpr):
+    """Pointer loads of one block: the keys of storage ``rows`` (int64, ``[64]``) transposed
+    (``[D, 64]``) and their value rows (``[64, DV]``, columns ``offs_v``), kv head ``kvh``."""
     offs_d = tl.arange(0, HEAD_D)
-    kpos = tl.minimum(b * 64 + tl.arange(0, 64), cap)
-    rows = pages + (kpos % page_size).to(tl.int64)
     koff = rows * sk_row + kvh * sk_head
     voff = rows * sv_row + kvh * sv_head
     kt = tl.load(k_ptr + koff[None, :] + offs_d[:, None])  # [D, 64]
     v = tl.load(v_ptr + voff[:, None] + offs_v[None, :])  # [64, DV]
     return kt, v
+
+
+@triton.jit
+def rlk_attn_load_paged(k_ptr, v_ptr, pages, page_size, cap, kvh, b, sk_row, sk_head, sv_row, sv_head, offs_v,
+                        HEAD_D: tl.constexpr):
+    """``rlk_attn_load``'s pointer loads over a paged cache with block ``b``'s page-table entries
+    ``pages`` already loaded (``rlk_attn_pages``): the same rows, so the same values."""
+    kpos = tl.minimum(b * 64 + tl.arange(0, 64), cap)
+    rows = pages + (kpos % page_size).to(tl.int64)
+    return rlk_attn_load_rows(k_ptr, v_ptr, rows, kvh, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D)
 
 
 @triton.jit
@@ -701,13 +730,9 @@ def rlk_attn_load(k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, p
         kt = tl.trans(k_desc.load([row0, col]))  # [D, 64]
         v = v_desc.load([row0, col + v0])  # [64, DV]
     else:
-        offs_d = tl.arange(0, HEAD_D)
         kpos = b * 64 + tl.arange(0, 64)
         rows = rlk_attn_kv_rows(pr_ptr, seq, pr_stride, page_size, kbase, tl.minimum(kpos, cap), PAGED)
-        koff = rows * sk_row + kvh * sk_head
-        voff = rows * sv_row + kvh * sv_head
-        kt = tl.load(k_ptr + koff[None, :] + offs_d[:, None])  # [D, 64]
-        v = tl.load(v_ptr + voff[:, None] + offs_v[None, :])  # [64, DV]
+        kt, v = rlk_attn_load_rows(k_ptr, v_ptr, rows, kvh, sk_row, sk_head, sv_row, sv_head, offs_v, HEAD_D)
     return kt, v
 
 
@@ -2098,14 +2123,15 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         cfg = config
     elif path == "decode":
         few_tile = few and (ns > 4 or one_wave(B * Hkv * ns, q.device))
-        cfg = select_decode(q.dtype, D, page_size if P > 1 else None, few=few_tile, many=not few)
+        # steps of few pairs past one wave (2-4 KV splits) take the many-pairs tile too (session 21)
+        cfg = select_decode(q.dtype, D, page_size if P > 1 else None, few=few_tile, many=not few_tile)
         # programs: tiles (one per sequence in a decode-only step, else the table's bound) x kv heads x splits
         programs = (B if decode_only else -(-T * G // cfg.block_m) + B) * Hkv * ns
         if few and AUTO_V_SLICES:
-            cfg = replace(cfg, v_slices=value_slices(programs, D, q.device))
+            cfg = replace(cfg, v_slices=value_slices(programs, D, q.device, small_pages=P > 1 and page_size < KV_BLOCK))
         if few_tile and quad_blocks(cfg.v_slices):
             cfg = quad_tile(cfg)
-        elif few_tile and pair_blocks(programs * cfg.v_slices, ns, P > 1, q.device):
+        elif few_tile and pair_blocks(programs * cfg.v_slices, P > 1, q.device):
             cfg = replace(cfg, unroll=2)
     else:
         cfg = select_prefill(q.dtype, D, page_size if P > 1 else None)
@@ -2119,12 +2145,8 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         tab = q_pos
     else:
         tab = rollout_tiles(q_seq, q_pos, B, G, cfg.block_m) if T and B else None
-    # TMA copies for the unmasked run over a contiguous cache, except on the 4-warp, 2-stage tile of
-    # steps with few pairs past one wave (DECODE_CONFIGS): H200, session 12 run 4, batch 16 x 4096
-    # keys 70.0 -> 85.9 us with the copies, while the few-programs tile gained (batch 1 x 4096 keys
-    # 18.2 -> 15.9 us) and the many-programs tile held (batch 64: 0.94-1.06 of SDPA either way)
-    middle = config is None and path == "decode" and few and not few_tile
-    cache_tma = path == "decode" and not middle and decode_tma_eligible(k_rows, v_rows, P > 1, q.device)
+    # TMA copies for the unmasked run of every decode step over a contiguous cache
+    cache_tma = path == "decode" and decode_tma_eligible(k_rows, v_rows, P > 1, q.device)
     nseq = torch.empty(B, dtype=torch.int64, device=q.device)  # only its length is read (table built)
     out, _, _ = attend(q, k_rows, v_rows, page_rows.contiguous(), page_size, nseq, nseq, nseq,
                        max_positions, scale, window, path=path, config=cfg, tab=tab, one=one, cache_tma=cache_tma)
