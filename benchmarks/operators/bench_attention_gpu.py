@@ -263,7 +263,7 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
         impls[f"{OURS}.no_quad"] = _within(impls[OURS], lambda: K.four_block_steps(False))
         impls[f"{OURS}.paged16.no_quad"] = _within(impls[f"{OURS}.paged16"], lambda: K.four_block_steps(False))
     ns = K.num_splits(ctx)
-    few_tile = few and (ns > 4 or K.one_wave(B * HKV * ns, q.device))  # cached_forward's choice
+    few_tile = few and K.one_wave(B * HKV * ns, q.device)  # cached_forward's choice
     _with_experiment_rows(impls, (OURS, f"{OURS}.paged16"), split_blocks, unrolls)
     # many programs: the tail of the last wave is a program's work (batch 64 x 4096 keys: 2048
     # programs, about 5.2 waves at three programs per SM); value slices make the grain finer

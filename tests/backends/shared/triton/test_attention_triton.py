@@ -1133,9 +1133,11 @@ def test_interpreter_quad_blocks_rule(monkeypatch):
 @interp
 def test_interpreter_few_pairs_decode_tile_rule(monkeypatch):
     """``cached_forward``'s decode tile for a step with few (sequence, kv head) pairs: the
-    few-programs tile when its programs fit one wave (``one_wave``, False off CUDA) or when the
-    step has more than 4 KV splits, else the many-programs tile; with many pairs always the latter.
-    The rows are the same bits whichever is picked (GPU: every shipped config)."""
+    few-programs tile when its programs fit one wave (``one_wave``, False off CUDA), whatever the
+    number of KV splits (since session 21; before, also every step of more than 4 splits), else
+    the many-programs tile; with many pairs always the latter. The rows are the same bits whichever
+    is picked (GPU: every shipped config). Negative control: the rule's answer is what decides (a
+    ``one_wave`` answering True takes the few-programs tile at every split count)."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     asked = []
@@ -1149,9 +1151,14 @@ def test_interpreter_few_pairs_decode_tile_rule(monkeypatch):
                                 torch.zeros(1, dtype=torch.int64), torch.tensor([1099]), 0.2, None, decode_only=True)
 
     monkeypatch.setattr(K, "few_programs", lambda *a: True)
-    rows = {bound: step(bound) for bound in (2048, 4096, 5120, 8192)}  # 2, 4, 5, 8 splits
-    # (few, many): the many-pairs tile for 2-4 splits past one wave (since session 21)
-    assert asked == [(False, True), (False, True), (True, False), (True, False)]
+    bounds = (2048, 4096, 5120, 8192)  # 2, 4, 5, 8 splits
+    rows = {bound: step(bound) for bound in bounds}  # one_wave: False off CUDA
+    # (few, many): past one wave the many-pairs tile, at every split count (since session 21)
+    assert asked == [(False, True)] * 4
+    monkeypatch.setattr(K, "one_wave", lambda *a: True)
+    asked.clear()
+    rows.update({-bound: step(bound) for bound in bounds})
+    assert asked == [(True, False)] * 4
     assert all(bit_diff(r, rows[2048]) for r in rows.values())
     monkeypatch.setattr(K, "few_programs", lambda *a: False)
     asked.clear()

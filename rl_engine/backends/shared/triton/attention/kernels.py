@@ -212,10 +212,12 @@ FEW_PAGED_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 # 0.90 / 0.92. Paged steps of 2-4 KV splits kept the 4-warp tile in session 10 (0.90 against 0.88);
 # with session 11's base-2 scores it fell to 0.84-0.85 (three timings, runs 1-2) and the 2-warp
 # tile gives 0.88 (run 2, bench_attention_configs.json), so every step of many pairs takes it.
-# Since session 21 also the steps of few pairs past one wave (2-4 KV splits, e.g. batch 16 x 4096
-# keys: 512 programs), with TMA copies over a contiguous cache: against the 4-warp tile that took
-# them before (``DECODE_CONFIGS``, pointer loads), 16-token pages 97.1 -> 69.5 us (0.67 -> 0.94 of
-# SDPA), contiguous 70.9 -> 69.6 us (run 2, tools/benchmarking/attention_decode_gpu.py).
+# Since session 21 also the steps of few pairs past one wave (``one_wave``), with TMA copies over
+# a contiguous cache: at 2-4 KV splits against the 4-warp tile that took them before
+# (``DECODE_CONFIGS``, pointer loads; batch 16 x 4096 keys: 512 programs), 16-token pages 97.1 ->
+# 69.5 us (0.67 -> 0.94 of SDPA), contiguous 70.9 -> 69.6 us; at more splits against the 3-stage
+# few-programs tile (batch 2 x 32768 keys contiguous 0.86 -> 0.94; runs 2 and 6,
+# tools/benchmarking/attention_decode_gpu.py).
 MANY_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 2, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
@@ -275,7 +277,7 @@ def select_decode(dtype: torch.dtype, head_dim: int, page_size: int | None = Non
                   many: bool = False) -> AttnConfig:
     """The decode tile; ``page_size``: that of a paged cache (``None``: contiguous); ``few``: the
     few-programs tile (``cached_forward``: fewer (sequence, kv head) pairs than SMs, ``few_programs``,
-    and the launch fits one wave or has more than 4 KV splits); ``many``: the many-pairs tile
+    and the launch fits one wave, ``one_wave``); ``many``: the many-pairs tile
     (``cached_forward``'s every other decode step); neither: ``DECODE_CONFIGS``, the default of
     ``attend`` and ``varlen_forward``. Every choice gives the same bits."""
     paged = page_size is not None and page_size < KV_BLOCK
@@ -320,9 +322,13 @@ def one_wave(programs: int, device: torch.device) -> bool:
     pipeline pays, else the many-programs tile does. H200, session 9 (run 1,
     bench_attention_extra.json, 4096 keys, steps without the table): batch 4 (128 programs) 0.85
     of SDPA with 3 stages against 0.59 with 2; batch 16 (512 programs) 0.77 against 0.91; batch 1
-    at 32768 keys (256 programs) keeps 3 stages (0.62 against 0.56, session 5). ``cached_forward``
-    asks it for steps of 2-4 KV splits only: with more, the 3-stage tile held its own past one
-    wave (run 3, 32768 keys: batch 16 0.94 against 0.92, batch 4 0.92 either way). False off CUDA."""
+    at 32768 keys (256 programs) keeps 3 stages (0.62 against 0.56, session 5). Sessions 9-20 asked
+    it for steps of 2-4 KV splits only (session 9 run 3, 32768 keys: batch 16 0.94 against 0.92,
+    batch 4 0.92 either way); since session 21 for every step: past one wave the many-pairs tile
+    (2 warps, 2 stages, TMA copies) beat the 3-stage tile at 32768 keys on a contiguous cache
+    (runs 2 and 6, tools/benchmarking/attention_decode_gpu.py: batch 2 77.8 -> 70.9 µs, 0.86 ->
+    0.94 of SDPA; batch 4 140.0 -> 135.2 µs; batch 8 262.9 -> 258.4 µs; batch 16 equal). Over
+    small pages the two tiles are one configuration. False off CUDA."""
     return device.type == "cuda" and programs <= 2 * _sm_count_of(_index(device))
 
 
@@ -2122,8 +2128,8 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     if config is not None:
         cfg = config
     elif path == "decode":
-        few_tile = few and (ns > 4 or one_wave(B * Hkv * ns, q.device))
-        # steps of few pairs past one wave (2-4 KV splits) take the many-pairs tile too (session 21)
+        few_tile = few and one_wave(B * Hkv * ns, q.device)
+        # steps of few pairs past one wave take the many-pairs tile too (session 21)
         cfg = select_decode(q.dtype, D, page_size if P > 1 else None, few=few_tile, many=not few_tile)
         # programs: tiles (one per sequence in a decode-only step, else the table's bound) x kv heads x splits
         programs = (B if decode_only else -(-T * G // cfg.block_m) + B) * Hkv * ns
