@@ -110,8 +110,8 @@ KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_a
                 "rlk_attn_bwd_dkdv", "rlk_attn_tiles", "rlk_attn_varlen_tiles")
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_exp2", "rlk_attn_gdc_wait", "rlk_attn_gdc_launch", "rlk_attn_rowsum", "rlk_attn_rows",
-                    "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_pages", "rlk_attn_load_rows", "rlk_attn_load_paged",
-                    "rlk_attn_load", "rlk_attn_scores", "rlk_attn_step",
+                    "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_pages", "rlk_attn_load_rows",
+                    "rlk_attn_load_paged", "rlk_attn_load", "rlk_attn_scores", "rlk_attn_step",
                     "rlk_attn_block", "rlk_attn_pair", "rlk_attn_pair_step", "rlk_attn_rowsum3", "rlk_attn_quarters",
                     "rlk_attn_vblock", "rlk_attn_quad", "rlk_attn_unmasked", "rlk_attn_split", "rlk_attn_merge",
                     "rlk_attn_ws_load", "rlk_attn_finish", "rlk_attn_bwd_dq_block", "rlk_attn_bwd_dkdv_block")
@@ -2129,12 +2129,13 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         cfg = config
     elif path == "decode":
         few_tile = few and one_wave(B * Hkv * ns, q.device)
+        small_pages = P > 1 and page_size < KV_BLOCK  # the paged tiles (select_decode's own test)
         # steps of few pairs past one wave take the many-pairs tile too (session 21)
         cfg = select_decode(q.dtype, D, page_size if P > 1 else None, few=few_tile, many=not few_tile)
         # programs: tiles (one per sequence in a decode-only step, else the table's bound) x kv heads x splits
         programs = (B if decode_only else -(-T * G // cfg.block_m) + B) * Hkv * ns
         if few and AUTO_V_SLICES:
-            cfg = replace(cfg, v_slices=value_slices(programs, D, q.device, small_pages=P > 1 and page_size < KV_BLOCK))
+            cfg = replace(cfg, v_slices=value_slices(programs, D, q.device, small_pages=small_pages))
         if few_tile and quad_blocks(cfg.v_slices):
             cfg = quad_tile(cfg)
         elif few_tile and pair_blocks(programs * cfg.v_slices, P > 1, q.device):
