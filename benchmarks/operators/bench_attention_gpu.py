@@ -29,7 +29,9 @@ ending ``.no_dtma`` run the contiguous step with every block by pointer loads
 (``kernels.decode_tma_loads(False)``), beside the default's TMA copies of the unmasked run. Rows
 ending ``.no_wg`` (prefill and train) run the train path's forward with the Triton kernel
 (``kernels.wg_forward(False)``), beside the default's Hopper warpgroup kernel
-(``hopper.rlk_attn_fwd_wg``, sm90 with Triton 3.6).
+(``hopper.rlk_attn_fwd_wg``, sm90 with Triton 3.6); decode rows ending ``.paged16.no_wg`` run the
+paged step on the Triton kernels (``kernels.wg_decode(False)``), beside the default's warpgroup
+split kernel (``hopper.rlk_attn_split_wg``) where ``kernels.wg_decode_programs`` takes the step.
 
 Rows ending ``~sb<n>`` (``--split-blocks``) run the shipped call with the KV split set to ``n``
 64-key blocks instead of the contract's 16 (an experiment: fewer blocks per split give a decode
@@ -249,6 +251,9 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
     # the contiguous step with every block by pointer loads (kernels.decode_tma_eligible), side by side
     impls[f"{OURS}.no_dtma"] = _within(impls[OURS], lambda: K.decode_tma_loads(False))
     impls[f"{OURS}.paged16.no_pdl"] = _within(impls[f"{OURS}.paged16"], K.launch_plainly)
+    # the paged step with its splits on the Triton kernels (kernels.wg_decode(False)), beside the
+    # default's warpgroup kernel where kernels.wg_decode_programs takes the step
+    impls[f"{OURS}.paged16.no_wg"] = _within(impls[f"{OURS}.paged16"], lambda: K.wg_decode(False))
     # the split kernel's grid in another order (kernels.split_grid), side by side
     for order in ("tiles", "heads", "splits"):
         for name in (OURS, f"{OURS}.paged16"):

@@ -145,6 +145,64 @@ def compile_sm90(variant: Variant, dtype: str = "bf16", divisibility: bool = Tru
                      shared_bytes=int(compiled.metadata.shared))
 
 
+def compile_split_wg_sm90(page_size: int, dv: int, slots: int, one: bool, finish: bool = False,
+                          group: int = 4) -> Resources:
+    """Compile the Gluon paged decode split kernel (``hopper.rlk_attn_split_wg``, bf16, D = 128)
+    for sm_90a and read its resources from ``ptxas -v``. Needs Triton 3.6's Gluon Hopper API
+    (``kernels._has_gluon_hopper``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from rl_engine.backends.shared.triton.attention import hopper
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    fn = hopper.rlk_attn_split_wg
+    d = 128
+
+    def desc(cols: int) -> str:
+        return f"tensordesc<bf16[{page_size},{cols}],{gl.NVMMASharedLayout.get_default_for([64, cols], gl.bfloat16)!r}>"
+
+    sig = {"q_ptr": "*bf16", "k_desc": desc(d), "v_desc": desc(dv), "k_ptr": "*bf16", "v_ptr": "*bf16",
+           "out_ptr": "*bf16", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_a_ptr": "*fp32", "tab_ptr": "*i64", "pr_ptr": "*i64",
+           **{n: _SCALARS[n] for n in ("pr_stride", "qk_scale", "sk_row", "sk_head", "sv_row", "sv_head", "NS", "HQ",
+                                       "HKV")}}
+    const = {"PS": page_size, "G": group, "HEAD_D": d, "DV": dv, "WS_M": 16, "ONE": one, "ST": slots, "PDL": True,
+             "SB": K.SPLIT_BLOCKS, "ORDER": 2, "FINISH": finish}
+    sig.update({n: "constexpr" for n in const})
+    label = f"split_wg pages{page_size} dv{dv} slots{slots} one={one}{' finish' if finish else ''}"
+    t0 = time.perf_counter()
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                              options={"num_warps": 4, "enable_fp_fusion": False, "launch_pdl": True})
+    ptx = compiled.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+
+    def num(pattern: str, default: int | None = None) -> int:
+        m = re.search(pattern, log)
+        if m is None:
+            if default is not None:
+                return default
+            raise RuntimeError(f"ptxas -v: no match for {pattern!r} in:\n{log}")
+        return int(m.group(1))
+
+    # (ptxas prints no spill line for a kernel without a stack frame)
+    return Resources(label=label, kernel="rlk_attn_split_wg", registers=num(r"Used (\d+) registers"),
+                     spill_store_bytes=num(r"(\d+) bytes spill stores", 0),
+                     spill_load_bytes=num(r"(\d+) bytes spill loads", 0),
+                     cp_async=len(re.findall(r"cp\.async\.c[ag]\.", ptx)), ptx_lines=ptx.count("\n"),
+                     seconds=round(time.perf_counter() - t0, 2),
+                     tma_copies=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                     shared_bytes=int(compiled.metadata.shared))
+
+
 def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: int = 128, group: int = 4) -> Iterator[Variant]:
     """The shipped forward launches for 16-bit inputs (Qwen3-8B: D = 128, G = 4, no window)."""
     import torch
@@ -221,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON file for the rows")
     ap.add_argument("--kernels", default="decode,prefill,combine", help="comma-separated subset of decode,prefill,combine")
+    ap.add_argument("--split-wg", action="store_true",
+                    help="also the Gluon paged decode split kernel (hopper.rlk_attn_split_wg; needs Triton 3.6)")
     ap.add_argument("--no-divisibility", action="store_true",
                     help="compile without the divisibility a real launch specialises (negative control)")
     args = ap.parse_args(argv)
@@ -236,6 +296,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("attention_resources_sm90: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
         return 2
     rows = []
+    if args.split_wg:
+        from rl_engine.backends.shared.triton.attention import hopper
+        from rl_engine.backends.shared.triton.attention import kernels as K
+
+        if not K._has_gluon_hopper():
+            print(f"attention_resources_sm90: --split-wg needs Triton 3.6's Gluon Hopper API, found triton "
+                  f"{triton.__version__}", file=sys.stderr)
+            return 2
+        for ps in K.WG_DECODE_PAGE_SIZES:
+            for dv in (128, 64):
+                for one, finish in ((True, False), (False, False), (True, True)):
+                    r = compile_split_wg_sm90(ps, dv, hopper.SPLIT_SLOTS, one, finish)
+                    rows.append(asdict(r))
+                    print(f"{r.label:48s} regs {r.registers:3d}  spill {r.spill_store_bytes:4d} B  "
+                          f"smem {r.shared_bytes // 1024:3d} KiB  TMA copies {r.tma_copies:3d}  {r.seconds:5.1f} s",
+                          flush=True)
     todo = list(variants(kinds))
     for i, v in enumerate(todo, 1):
         r = compile_sm90(v, divisibility=not args.no_divisibility)

@@ -89,6 +89,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="1x512,1x4096,1x32768", help="BxCTX,... (contexts multiples of 16)")
     ap.add_argument("--configs", default="", help="config keys, comma-separated (both caches)")
+    ap.add_argument("--no-wg", action="store_true", help="also the paged steps with kernels.wg_decode(False) (the "
+                    "splits on the Triton kernel instead of hopper.rlk_attn_split_wg), checked raw-bit against the shipped")
+    ap.add_argument("--wg-slots", default="", help="ring slots of hopper.rlk_attn_split_wg to time the paged steps "
+                    "with (hopper.split_configured; every step size: kernels.wg_decode_band), comma-separated; a "
+                    "suffix caps the value slices: 3v1 one slice, 3v4 up to four")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--profile", default="", help="implementations (names as printed) to run under the torch "
@@ -117,6 +122,41 @@ def main(argv=None) -> int:
             if control:
                 failures.append(f"{B}x{ctx} {cache_name}: negative control (a perturbed key) left the output unchanged")
             impls[f"{cache_name}.shipped"] = step
+            if cache_name == "paged16" and args.no_wg:
+                # the same step with the splits on the Triton kernel (kernels.wg_decode(False))
+                def plain(step=step):
+                    with K.wg_decode(False):
+                        return step()
+
+                equal = bool(torch.equal(_bits(plain()), _bits(want)))
+                if not equal:
+                    failures.append(f"{B}x{ctx} {cache_name}: wg_decode(False) bits differ from the shipped step")
+                impls[f"{cache_name}.no_wg"] = plain
+                rows.append({"case": f"{B}x{ctx}", "cache": cache_name, "config": "no_wg", "bits_equal": equal})
+            for spec in (x for x in args.wg_slots.split(",") if x and cache_name == "paged16"):
+                # the step's splits on the warpgroup kernel whatever its size (kernels.wg_decode_band)
+                # with ``slots`` ring slots; ``3v1``: one value slice (auto_value_slices(False)),
+                # ``3v4``: up to four (MAX_PAGED_V_SLICES)
+                slots, vmax = (int(x) for x in (spec.split("v") + ["0"])[:2])
+
+                def ring(step=step, slots=slots, vmax=vmax):
+                    from rl_engine.backends.shared.triton.attention import hopper
+
+                    saved = K.MAX_PAGED_V_SLICES
+                    K.MAX_PAGED_V_SLICES = vmax or saved
+                    try:
+                        with hopper.split_configured(slots), K.auto_value_slices(vmax != 1), \
+                                K.wg_decode_band(0, float("inf")):
+                            return step()
+                    finally:
+                        K.MAX_PAGED_V_SLICES = saved
+
+                equal = bool(torch.equal(_bits(ring()), _bits(want)))
+                if not equal:
+                    failures.append(f"{B}x{ctx} {cache_name}: wg_s{spec}: bits differ from the shipped step")
+                impls[f"{cache_name}.wg_s{spec}"] = ring
+                rows.append({"case": f"{B}x{ctx}", "cache": cache_name, "config": f"wg_s{spec}",
+                             "bits_equal": equal})
             for cfg in configs:
                 got = step(cfg)
                 equal = bool(torch.equal(_bits(got), _bits(want)))

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import types
 from itertools import accumulate, product
 
 import pytest
@@ -1744,12 +1745,14 @@ def _assert_pdl_race_caught(waits, skips, out_of, want, label):
     between the two launches outlasts the slow table kernel, so the attention kernel would start
     after it whatever the wait). A race: the copy without the wait reads the table before the slow
     kernel writes it unless the GPU runs the two kernels apart (other test processes share it), so
-    it must be caught at least once in 5 tries; the copy that waits is right every time."""
+    it must be caught at least once in 20 tries (the loop stops at the first catch; a GPU shared with
+    15 other test processes let five pass uncaught once, session 22 run 5); the copy that waits is
+    right every time."""
     kept = [waits(), skips()]  # outputs stay alive: a freed one's memory could come back holding the right rows
     torch.cuda.synchronize()
     for fn, caught in ((waits, False), (skips, True)):
         results = []
-        for _ in range(5 if caught else 2):
+        for _ in range(20 if caught else 2):
             # the output memory the caching allocator hands out next holds NaN, not an earlier result
             poison = torch.full_like(want, float("nan"))
             del poison
@@ -1772,7 +1775,7 @@ def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch):
     splits (split kernel + combine) — eager and replayed from a CUDA graph. Negative control: with
     a tile-table kernel made slow (and its table pre-filled with -1), the attention kernels stay
     right while they wait and are caught when a planted copy skips the wait (a race, so within
-    five tries: session 10 run 1 saw one try in which the GPU ran the two kernels apart)."""
+    twenty tries: session 10 run 1 saw one try in which the GPU ran the two kernels apart)."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     dev = torch.device("cuda")
@@ -1885,7 +1888,7 @@ def test_programmatic_dependent_launch_of_the_warpgroup_forward(monkeypatch):
     Its page rows are ``cu_seqlens[:-1]`` as given (int32 here, int64 too): no cast kernel.
     Negative control: with the table kernel made slow (its table pre-filled with -1), the kernel
     that waits stays right and a planted copy of the warpgroup module without the wait is caught
-    (a race: at least once in five tries)."""
+    (a race: at least once in twenty tries)."""
     import sys
 
     from rl_engine.backends.shared.triton.attention import hopper
@@ -2110,11 +2113,23 @@ def test_profiler_kernel_names_carry_the_prefix():
 
 @gpu
 def test_warpgroup_profiler_kernel_names_carry_the_prefix():
-    """The Hopper warpgroup forward (``hopper.rlk_attn_fwd_wg``) is the train path's forward for
-    16-bit ``D = 128`` on sm90: listed, prefixed, and seen by the profiler."""
+    """The Hopper warpgroup kernels are listed, prefixed, and seen by the profiler: the forward
+    (``hopper.rlk_attn_fwd_wg``, the train path's forward for 16-bit ``D = 128`` on sm90) and the
+    paged decode split kernel (``hopper.rlk_attn_split_wg``, a decode step over 16-key pages past
+    one KV split; ``wg_decode_band`` widened so that this small step takes it)."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
     q, k, v, cu = (t.cuda() for t in make_qkv([300, 1200], 2, 4, 128, "bfloat16", seed=2))
-    check_profiler_names(f"{MODULE}.hopper", lambda: varlen_attention(q, k, v, cu), {"rlk_attn_fwd_wg"},
-                         "attention_wg")
+
+    def call():
+        varlen_attention(q, k, v, cu)
+        cache = PagedKVCache(200, 16, 2, 128, dtype=torch.bfloat16, device="cuda", max_seqs=2)
+        cached_attention(q, k, v, cache, [0, 1], cu)  # prefill
+        one = torch.tensor([0, 1, 2], device="cuda")
+        with K.wg_decode_band(0, float("inf")):
+            cached_attention(q[:2], k[:2], v[:2], cache, [0, 1], one)  # decode: 2 KV splits at 1200 keys
+
+    check_profiler_names(f"{MODULE}.hopper", call, {"rlk_attn_fwd_wg", "rlk_attn_split_wg"}, "attention_wg")
 
 
 WG_CASES = {
@@ -2182,6 +2197,171 @@ def test_warpgroup_forward_gives_the_triton_kernels_bits(case, configs):
     seq_rows[row:int(cu[2]) if len(lens) > 1 else q.shape[0]] = True
     changed = (moved.view(torch.int16) != got[0].view(torch.int16)).any(dim=2).any(dim=1)
     assert not (changed & ~seq_rows).any(), "a perturbed key moved rows of another sequence or earlier rows"
+
+
+WGD_CASES = {
+    # name: (lens, kv heads, G, dtype, page size, query tokens per sequence in the step)
+    "pages16_g4_ragged": ([2085, 300, 1, 1024, 1087, 4097, 64, 63, 1025], 2, 4, "bfloat16", 16, 1),
+    "pages32_fp16_g1": ([77, 1500, 2049, 3000], 4, 1, "float16", 32, 1),
+    "pages16_g16": ([1300, 40, 2048], 1, 16, "bfloat16", 16, 1),
+    "pages16_g8_qwen": ([4096, 2000], 8, 4, "bfloat16", 16, 1),
+    "chunk3_g2": ([1500, 2100, 700, 3], 2, 2, "bfloat16", 16, 3),
+    "chunk2_pages32_g8": ([2500, 1100, 66], 2, 8, "float16", 32, 2),
+    # one KV split (table width <= 1024 keys): the programs finish their rows, no combine
+    "one_split_g4": ([1000, 63, 1, 64, 65, 511], 2, 4, "bfloat16", 16, 1),
+    "one_split_chunk4_g2": ([700, 300, 4], 2, 2, "float16", 32, 4),
+}
+
+
+@gpu
+@pytest.mark.parametrize("case", sorted(WGD_CASES))
+def test_warpgroup_paged_decode_gives_the_triton_kernels_bits(case, monkeypatch):
+    """``hopper.rlk_attn_split_wg`` (the splits of a paged decode step as a warpgroup kernel, each
+    block's pages arriving as TMA copies into one shared-memory block) against the Triton split
+    kernel (``wg_decode(False)``) and against the varlen rows of the same tokens (the prefill <->
+    decode contract), raw bits: ragged lengths at block, page and split edges (1 .. 4097 keys, up
+    to 5 KV splits; steps of one split, whose programs finish their rows without the combine),
+    GQA groups 1-16, bf16 and fp16, 16- and 32-key pages in shuffled order, steps of one token a
+    sequence (no tile table) and of 2-4 tokens a sequence (tile table, masked blocks past the
+    unmasked run); the shipped ring depth and value slicing, and 2 / 4 / 6
+    ring slots with 1 / 4 / 2 value slices. The cache's unused rows and the page table's unused
+    entries hold NaN (a page of NaN), so any read past a sequence's written rows shows.
+    Negative control: one key of the first sequence's unmasked run perturbed moves that
+    sequence's rows and no other."""
+    from rl_engine.backends.shared.triton.attention import hopper
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    lens, hkv, g, dtype, ps, n = WGD_CASES[case]
+    dt = getattr(torch, dtype)
+    d = 128
+    q, k, v, cu = (t.cuda() for t in make_qkv(lens, hkv, g, d, dtype, seed=len(case) + ps))
+    scale = d**-0.5
+    ref, _, _ = K.varlen_forward(q, k, v, cu, scale, None)
+    gen = torch.Generator().manual_seed(ps + n)
+    npages = [-(-x // ps) for x in lens]
+    P = max(npages) + 1
+    total = sum(npages) + 1  # the last page: NaN, where every unused table entry points
+    order = torch.randperm(total - 1, generator=gen).tolist()
+    kc = torch.full((total * ps, hkv, d), float("nan"), dtype=dt, device="cuda")
+    vc = torch.full_like(kc, float("nan"))
+    table = torch.full((len(lens), P), (total - 1) * ps, dtype=torch.int64)
+    at = 0
+    for i, x in enumerate(lens):
+        for j in range(npages[i]):
+            page = order[at]
+            at += 1
+            table[i, j] = page * ps
+            lo, hi = j * ps, min(x, (j + 1) * ps)
+            kc[page * ps : page * ps + hi - lo] = k[cu[i] + lo : cu[i] + hi]
+            vc[page * ps : page * ps + hi - lo] = v[cu[i] + lo : cu[i] + hi]
+    table = table.cuda()
+    rows = torch.cat([torch.arange(int(cu[i + 1]) - min(n, x), int(cu[i + 1])) for i, x in enumerate(lens)]).cuda()
+    q_seq = torch.cat([torch.full((min(n, x),), i) for i, x in enumerate(lens)]).cuda()
+    q_pos = torch.cat([torch.arange(x - min(n, x), x) for x in lens]).cuda()
+    flags = []
+    attend = K.attend
+    monkeypatch.setattr(K, "attend", lambda *a, **kw: flags.append(kw["wg_split"]) or attend(*a, **kw))
+
+    def step(kk=kc):
+        return K.cached_forward(q[rows].contiguous(), kk, vc, table, ps, q_seq, q_pos, scale, None, path="decode",
+                                decode_only=n == 1)
+
+    assert K.wg_decode_eligible(q, kc, vc, ps, True, None)
+    monkeypatch.setattr(K, "WG_DECODE_BAND", (0.0, float("inf")))  # every launch size (the rule: a band)
+    got = step()
+    assert flags[-1] is True
+    with K.wg_decode(False):
+        plain = step()
+    assert flags[-1] is False
+    assert bit_diff(got, plain), (case, bit_diff(got, plain))
+    assert bit_diff(got, ref[rows]), (case, bit_diff(got, ref[rows]))
+    # other ring depths, one value slice and four (the automatic rule gives one or two here)
+    rule = K.value_slices
+    for slots, slices in ((2, 1), (4, 4), (6, 2)):
+        monkeypatch.setattr(K, "value_slices", lambda *a, n=slices, **kw: n)  # (few pairs: the rule is asked)
+        with hopper.split_configured(slots):
+            other = step()
+        assert flags[-1] is True and bit_diff(other, got), (case, slots, slices, bit_diff(other, got))
+    monkeypatch.setattr(K, "value_slices", rule)
+    assert torch.isfinite(got.float()).all()
+    k2 = kc.clone()
+    k2[table[0, 0] + 5, 0, 3] += 0.5  # position 5 of sequence 0, kv head 0: every query of it sees it
+    moved = step(k2)
+    first = int((q_seq == 0).sum())
+    assert not bit_diff(moved[:first], got[:first]) and bit_diff(moved[first:], got[first:])
+
+
+@gpu
+def test_warpgroup_paged_decode_takes_the_band_of_half_to_two_programs_per_sm(monkeypatch):
+    """On the device, the shipped selection runs a paged step's splits on the warpgroup kernel
+    exactly inside ``WG_DECODE_BAND``: Qwen3-8B heads (8 kv heads, G = 4), 16-token pages, 4096
+    keys: batch 4 (128 programs, two value slices: 256) takes it on a 132-SM H200, batch 1 (32,
+    sliced 64) and 16 (512) do not; each step's rows raw-bit equal the Triton split kernel's
+    (``wg_decode(False)``). Negative control: a perturbed visible key moves the rows."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator().manual_seed(22)
+    hkv, g, d, ps, ctx = 8, 4, 128, 16, 4096
+    flags = []
+    attend = K.attend
+    monkeypatch.setattr(K, "attend", lambda *a, **kw: flags.append(kw["wg_split"]) or attend(*a, **kw))
+    for batch in (1, 4, 16):
+        kc = torch.randn((batch * ctx, hkv, d), generator=gen).to(torch.bfloat16).cuda()
+        vc = torch.randn((batch * ctx, hkv, d), generator=gen).to(torch.bfloat16).cuda()
+        q = torch.randn((batch, hkv * g, d), generator=gen).to(torch.bfloat16).cuda()
+        table = (torch.randperm(batch * ctx // ps, generator=gen).view(batch, ctx // ps) * ps).cuda()
+        q_seq, q_pos = torch.arange(batch).cuda(), torch.full((batch,), ctx - 1).cuda()
+
+        def step(kk, q=q, vc=vc, table=table, q_seq=q_seq, q_pos=q_pos):
+            return K.cached_forward(q, kk, vc, table, ps, q_seq, q_pos, d**-0.5, None, decode_only=True)
+
+        got = step(kc)
+        programs = batch * hkv * K.num_splits(ctx)
+        slices = K.value_slices(programs, d, q.device, small_pages=True)
+        assert flags[-1] is K.wg_decode_programs(programs * slices, q.device)
+        assert flags[-1] is (sm / 2 <= programs * slices <= 2 * sm)
+        if sm == 132:  # the H200
+            assert flags[-1] is (batch == 4), (batch, programs, slices)
+        with K.wg_decode(False):
+            assert bit_diff(step(kc), got), batch
+        k2 = kc.clone()
+        k2[table[0, 3] + 1, 2] += 0.5
+        assert not bit_diff(step(k2)[:1], got[:1])
+
+
+@interp
+def test_interpreter_warpgroup_decode_rule_is_pure(monkeypatch):
+    """``wg_decode_eligible`` is a pure rule: CPU tensors, a contiguous cache, a window, 64-key or
+    8-key pages, fp32 and other head dims, and the switch off all give False without touching a
+    device; ``wg_decode`` restores the switch; ``wg_decode_programs`` takes launches of half a
+    program to two programs per SM (``wg_decode_band`` widens it and restores it); ``attend`` refuses
+    ``wg_split`` on a step the kernel does not take (naming the argument)."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    q, k, v, _ = make_qkv([70], 2, 2, 128, "bfloat16")
+    assert not K.wg_decode_eligible(q, k, v, 16, True, None)  # CPU tensors
+    q32, k32, v32, _ = make_qkv([70], 2, 2, 128, "float32")
+    assert not K.wg_decode_eligible(q32, k32, v32, 16, True, None)
+    with K.wg_decode(False):
+        assert K.WG_DECODE is False
+    assert K.WG_DECODE is True
+    cuda_like = types.SimpleNamespace(dtype=torch.bfloat16, shape=q.shape, device=torch.device("cuda", 0))
+    for args in ((16, False, None), (16, True, 300), (64, True, None), (8, True, None)):
+        assert not K.wg_decode_eligible(cuda_like, k, v, *args), args
+    # the launch-size band: half a program to two programs per SM (a 132-SM device)
+    monkeypatch.setattr(K, "_sm_count_of", lambda index: 132)
+    cuda0 = torch.device("cuda", 0)
+    assert [K.wg_decode_programs(n, cuda0) for n in (64, 65, 66, 132, 256, 264, 265, 2048)] == [
+        False, False, True, True, True, True, False, False]
+    assert not K.wg_decode_programs(256, torch.device("cpu"))
+    with K.wg_decode_band(0, float("inf")):
+        assert K.wg_decode_programs(1, cuda0) and K.wg_decode_programs(10**6, cuda0)
+    assert K.WG_DECODE_BAND == (0.5, 2.0)
+    counts = torch.tensor([70])
+    with pytest.raises(ValueError, match="wg_split"):
+        K.attend(q, k, v, torch.zeros((1, 1), dtype=torch.int64), 70, counts, counts * 0, counts * 0, 70, 0.1, None,
+                 path="decode", wg_split=True)
 
 
 @interp

@@ -1,4 +1,5 @@
-"""The train path's forward as a Hopper warpgroup kernel (Gluon): ``rlk_attn_fwd_wg``.
+"""Hopper warpgroup kernels (Gluon): the train path's forward ``rlk_attn_fwd_wg`` and the paged
+decode split kernel ``rlk_attn_split_wg`` (after the forward's notes below).
 
 The same computation as ``kernels.rlk_attn_fwd`` on the train path's packed rows with TMA copies
 (``kernels.tma_eligible``: 16-bit rows, one value slice, no pages), written with explicit
@@ -27,6 +28,18 @@ identities there), so each block takes the masked step exactly when some valid r
 does not see all of it. The GPU tests compare every row, lse and fp32 row raw-bit with the Triton
 kernel (``test_attention_triton.py``, ``hopper``).
 
+The paged decode split kernel (``rlk_attn_split_wg``, ``kernels.wg_decode_eligible`` and
+``kernels.wg_decode_programs``) is ``kernels.rlk_attn_fwd_split`` over a cache of 16- or 32-key
+pages with this kernel's step: a 64-key block spans four (two) pages, and each page arrives as
+one TMA copy into its 16-row (32-row) slice of the block's shared-memory ring slot, all under
+the block's one barrier. Triton 3.6 cannot express this (its descriptor loads copy one box into
+a block of their own, and its many-row ``gather`` is ``tile::gather4``, sm_100+), so the Triton
+kernel gathers such blocks by pointer loads. The decode tile's at most 16 valid rows sit in a
+64-row ``wgmma`` tile (the smallest); the masked blocks past a split's unmasked run take pointer
+loads clamped to the tile's last position, stored into an idle ring slot. A step of one KV
+split finishes its rows in the kernel. The GPU tests compare every row raw-bit with the Triton
+kernels (``test_attention_triton.py``, ``warpgroup_paged_decode``).
+
 Import this module only to launch (``kernels.attend``): it imports ``triton.experimental.gluon``
 (Triton 3.6's Hopper API), which ``import rl_engine`` never does.
 """
@@ -43,11 +56,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-KERNEL_NAMES = ("rlk_attn_fwd_wg",)
+KERNEL_NAMES = ("rlk_attn_fwd_wg", "rlk_attn_split_wg")
 #: ``@gluon.jit`` device functions (inlined into the kernel, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_wg_gdc_wait", "rlk_attn_wg_exp2", "rlk_attn_wg_rowsum", "rlk_attn_wg_merge",
                     "rlk_attn_wg_softmax", "rlk_attn_wg_scratch", "rlk_attn_wg_rows_io", "rlk_attn_wg_pv",
-                    "rlk_attn_wg_walk", "rlk_attn_wg_load")
+                    "rlk_attn_wg_walk", "rlk_attn_wg_load", "rlk_attn_wgd_gdc_launch",
+                    "rlk_attn_wgd_entries", "rlk_attn_wgd_copy", "rlk_attn_wgd_first", "rlk_attn_wgd_walk",
+                    "rlk_attn_wgd_masked")
 
 #: key-block rows (``kernels.KV_BLOCK``) and the tile's query rows (one warpgroup, 16 rows a warp;
 #: 128-row tiles of two warpgroups were measured slower: session 13 run 3)
@@ -431,6 +446,283 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
             gl.store(lse_ptr + tok_io * HQ + head_io, lse, mask=valid_io)
 
 
+@gluon.jit
+def rlk_attn_wgd_gdc_launch(PDL: gl.constexpr):
+    """``kernels.rlk_attn_gdc_launch`` in Gluon: ``griddepcontrol.launch_dependents`` (the combine
+    may launch; it waits on the device for this kernel's end)."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def rlk_attn_wgd_entries(pr_row, b, PPB: gl.constexpr):
+    """The page-table entries (int32 storage rows of each page's first key) of block ``b``'s
+    ``PPB`` pages: a tuple of four scalars (the unused ones 0)."""
+    base = pr_row + b * PPB
+    e0 = gl.load(base).to(gl.int32)
+    e1 = e0 * 0
+    e2 = e0 * 0
+    e3 = e0 * 0
+    if PPB >= 2:
+        e1 = gl.load(base + 1).to(gl.int32)
+    if PPB >= 4:
+        e2 = gl.load(base + 2).to(gl.int32)
+        e3 = gl.load(base + 3).to(gl.int32)
+    return (e0, e1, e2, e3)
+
+
+@gluon.jit
+def rlk_attn_wgd_copy(desc, smem, bars, e, col, j, nb, ST: gl.constexpr, PS: gl.constexpr, PPB: gl.constexpr):
+    """Issue the TMA copies of block ``j``'s ``PPB`` pages (``PS`` rows each, storage rows ``e``)
+    into the ``PS``-row slices of its ring slot ``j % ST``, one barrier for the block; if
+    ``j < nb``."""
+    pred = j < nb
+    slot = j % ST
+    bar = bars.index(slot)
+    buf = smem.index(slot)
+    mbarrier.expect(bar, desc.block_type.nbytes * PPB, pred=pred)
+    for i in gl.static_range(PPB):
+        tma.async_copy_global_to_shared(desc, [e[i], col], bar, buf.slice(i * PS, PS), pred=pred)
+
+
+@gluon.jit
+def rlk_attn_wgd_first(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, pr_row, b0, nu, col, vcol,
+                       ST: gl.constexpr, PS: gl.constexpr, PPB: gl.constexpr):
+    """The copies of the unmasked run's first ``ST`` blocks (``b0 ..``, ``nu >= 1`` blocks): their
+    page-table entries loaded together, then the copies issued (before the tile's ``Q`` rows are
+    loaded, so that the latencies overlap)."""
+    es = ()
+    for i in gl.static_range(ST):
+        es = es + (rlk_attn_wgd_entries(pr_row, b0 + gl.minimum(i, nu - 1), PPB), )
+    for i in gl.static_range(ST):
+        rlk_attn_wgd_copy(k_desc, k_smem, k_bars, es[i], col, i, nu, ST, PS, PPB)
+        rlk_attn_wgd_copy(v_desc, v_smem, v_bars, es[i], vcol, i, nu, ST, PS, PPB)
+
+
+@gluon.jit
+def rlk_attn_wgd_walk(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, pr_row, col, vcol, b0, nu, pos, kpos0,
+                      qk_scale, BM: gl.constexpr, BN: gl.constexpr, DV: gl.constexpr, ST: gl.constexpr,
+                      PS: gl.constexpr, PPB: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                      p_layout: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr):
+    """The unmasked run ``b0 .. b0 + nu - 1`` (``nu >= 1``; its first ``ST`` blocks' copies issued,
+    ``rlk_attn_wgd_first``) of one KV split over a paged cache from ``(-inf, 0, +0)``:
+    ``rlk_attn_wg_walk``'s pipelined order, each block's keys and values arriving as ``PPB`` page
+    copies (values: columns ``vcol ..``, ``DV`` of them). A block's page-table entries are loaded
+    one iteration before its copies are issued (the loads' latency hides behind that iteration)."""
+    last = nu - 1
+    # entries of block ST (its key copy before the loop, its value copy in iteration 0) and of
+    # block ST + 1 (its key copy in iteration 0)
+    ek = rlk_attn_wgd_entries(pr_row, b0 + gl.minimum(ST, last), PPB)
+    en = rlk_attn_wgd_entries(pr_row, b0 + gl.minimum(ST + 1, last), PPB)
+    zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
+    mbarrier.wait(k_bars.index(0), phase=0)
+    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    rlk_attn_wgd_copy(k_desc, k_smem, k_bars, ek, col, ST, nu, ST, PS, PPB)
+    m, l, p, alpha = rlk_attn_wg_softmax(s, gl.full([BM], float("-inf"), gl.float32, row_s),
+                                         gl.zeros([BM], gl.float32, row_s), 0, 0, last, pos, pos * 0, kpos0,
+                                         qk_scale, BM, BN, row_s)
+    acc = gl.zeros([BM, DV], gl.float32, o_layout)
+    for j in range(0, last):
+        jn = j + 1
+        # block jn + ST + 1's entries: its key copy is next iteration's
+        ef = rlk_attn_wgd_entries(pr_row, b0 + gl.minimum(jn + ST + 1, last), PPB)
+        mbarrier.wait(k_bars.index(jn % ST), phase=(jn // ST) & 1)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(jn % ST).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        acc_tok = rlk_attn_wg_pv(p, alpha, acc, v_smem, v_bars, j, ST, p_layout, row_o)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        # block jn's key slot is free: it takes block jn + ST
+        rlk_attn_wgd_copy(k_desc, k_smem, k_bars, en, col, jn + ST, nu, ST, PS, PPB)
+        m, l, p, alpha = rlk_attn_wg_softmax(s, m, l, jn, 0, last, pos, pos * 0, kpos0, qk_scale, BM, BN, row_s)
+        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+        # block j's value slot is free: it takes block j + ST
+        rlk_attn_wgd_copy(v_desc, v_smem, v_bars, ek, vcol, j + ST, nu, ST, PS, PPB)
+        ek = en
+        en = ef
+    acc = warpgroup_mma_wait(0, deps=(rlk_attn_wg_pv(p, alpha, acc, v_smem, v_bars, last, ST, p_layout, row_o), ))
+    return m, l, acc
+
+
+@gluon.jit
+def rlk_attn_wgd_masked(q_smem, k_buf, v_buf, k_ptr, v_ptr, pr_row, b, cap, kvh, v0, sk_row, sk_head, sv_row, sv_head,
+                        m, l, acc, pos, kpos0, qk_scale, BM: gl.constexpr, BN: gl.constexpr, HEAD_D: gl.constexpr,
+                        DV: gl.constexpr, PS: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
+                        row_s: gl.constexpr, row_o: gl.constexpr, ld_layout: gl.constexpr):
+    """Block ``b`` past the unmasked run (some row does not see all of it): its rows by pointer
+    loads, positions clamped to ``cap`` (``kernels.rlk_attn_load``: every row read is a written
+    one), through shared memory (``k_buf``, ``v_buf``: ring slots the walk left idle), then the
+    masked step (``rlk_attn_wg_softmax``). Values: columns ``v0 .. v0 + DV - 1``."""
+    kp = gl.minimum(b * 64 + gl.arange(0, BN, layout=gl.SliceLayout(1, ld_layout)), cap)
+    rows = gl.load(pr_row + kp // PS).to(gl.int64) + (kp % PS).to(gl.int64)
+    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ld_layout))
+    offs_v = v0 + gl.arange(0, DV, layout=gl.SliceLayout(0, ld_layout))
+    kt = gl.load(k_ptr + gl.expand_dims(rows * sk_row + kvh * sk_head, 1) + gl.expand_dims(offs_d, 0))
+    vt = gl.load(v_ptr + gl.expand_dims(rows * sv_row + kvh * sv_head, 1) + gl.expand_dims(offs_v, 0))
+    k_buf.store(kt)
+    v_buf.store(vt)
+    fence_async_shared()
+    gl.thread_barrier()
+    zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
+    s_tok = warpgroup_mma(q_smem, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    m, l, p, alpha = rlk_attn_wg_softmax(s, m, l, b, 0, b - 1, pos, pos * 0, kpos0, qk_scale, BM, BN, row_s)
+    pv = gl.convert_layout(p.to(v_buf.dtype), p_layout)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(pv, v_buf, acc, is_async=True), ))
+    # the buffers are written again by the next masked block only after every warp's products
+    gl.thread_barrier()
+    return m, l, acc
+
+
+@gluon.jit
+def rlk_attn_split_wg(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_ptr, pr_ptr,
+                      pr_stride, qk_scale, sk_row, sk_head, sv_row, sv_head, NS, HQ, HKV, PS: gl.constexpr,
+                      G: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr, WS_M: gl.constexpr, ONE: gl.constexpr,
+                      ST: gl.constexpr, PDL: gl.constexpr, SB: gl.constexpr, ORDER: gl.constexpr,
+                      FINISH: gl.constexpr):
+    """``kernels.rlk_attn_fwd_split`` over a paged cache of ``PS``-key pages (``PS`` divides 64, at
+    most four pages a block), no window, as a Hopper warpgroup kernel: grid (tiles, kv heads,
+    splits · ``HEAD_D / DV``) in the axis order ``ORDER`` (``kernels.split_grid_order``); program
+    ``(t, h, j·VS + vs)`` walks split ``j`` of decode tile ``t`` (at most ``WS_M`` rows, in a 64-row
+    ``wgmma`` tile) for value columns ``vs·DV ..`` (value slices, ``AttnConfig.v_slices``) and
+    stores its ``(m, l, acc)`` where ``rlk_attn_combine`` reads them (``WS_M``-row workspace
+    slots; the ``vs = 0`` program stores ``m``, ``l``, which every slice computes alike).
+    ``FINISH`` (a step of one KV split, ``NS = 1``): the program finishes its rows instead, ``out =
+    acc · (1 / l)`` in the output dtype (``kernels.rlk_attn_finish``; merging the one split into
+    the initial state, as ``rlk_attn_fwd`` and the combine do, is an exact identity), so no
+    workspace and no combine launch.
+
+    A block of the unmasked run arrives as ``64 / PS`` TMA copies, one per page, into the
+    ``PS``-row slices of one shared-memory block (``rlk_attn_wgd_walk``); the Triton kernel
+    gathers such blocks by pointer loads, since Triton's descriptor loads take one box a block
+    (and its ``gather`` form is ``tile::gather4``, sm_100+). The masked blocks after the run take
+    pointer loads clamped to the tile's last position (``rlk_attn_wgd_masked``). The order of
+    operations is ``rlk_attn_split``'s (unmasked run, then masked blocks, from ``(-inf, 0, +0)``)
+    with the step of ``rlk_attn_fwd_wg``, so the same bits (GPU tests)."""
+    rlk_attn_wg_gdc_wait(PDL)
+    rlk_attn_wgd_gdc_launch(PDL)
+    BM: gl.constexpr = 64
+    BN: gl.constexpr = 64
+    PPB: gl.constexpr = 64 // PS
+    VS: gl.constexpr = HEAD_D // DV
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
+    col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
+    dtype: gl.constexpr = k_desc.dtype
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_D], dtype)
+
+    if ORDER == 1:  # kv heads fastest: (kv heads, tiles, splits)
+        t = gl.program_id(1)
+        kvh = gl.program_id(0).to(gl.int64)
+        js = gl.program_id(2)
+    elif ORDER == 2:  # splits fastest: (splits, tiles, kv heads)
+        t = gl.program_id(1)
+        kvh = gl.program_id(2).to(gl.int64)
+        js = gl.program_id(0)
+    else:  # tiles fastest: (tiles, kv heads, splits)
+        t = gl.program_id(0)
+        kvh = gl.program_id(1).to(gl.int64)
+        js = gl.program_id(2)
+    j = js // VS
+    vs = js % VS
+    t64 = t.to(gl.int64)
+    if ONE:  # kernels.rlk_attn_rows(ONE=True): sequence t's one token, the table row formed here
+        seq = t64
+        u0 = t64 * G
+        u1 = u0 + G
+        pbase = t64 - gl.load(tab_ptr + t64)
+    else:
+        seq = gl.load(tab_ptr + t64 * 4)
+        u0 = gl.load(tab_ptr + t64 * 4 + 1)
+        u1 = gl.load(tab_ptr + t64 * 4 + 2)
+        pbase = gl.load(tab_ptr + t64 * 4 + 3)
+    tok0 = u0 // G
+    # positions do not decrease along the rows: the first valid row holds the least, the last the
+    # greatest (kernels.rlk_attn_rows' minimum and maximum, without reductions)
+    p_lo = (tok0 - pbase).to(gl.int32)
+    cap = ((u1 - 1) // G - pbase).to(gl.int32)
+    last = gl.where(u1 > u0, cap // 64, -1)
+    if (last >= 0) & (j <= last // SB):
+        b0 = j * SB
+        b1 = gl.minimum(last, b0 + SB - 1)
+        f1 = (p_lo + 1) // 64 - 1  # the blocks every valid row sees entirely: 0 .. f1
+        nu = gl.maximum(gl.minimum(b1, f1) - b0 + 1, 0)
+        pr_row = pr_ptr + seq * pr_stride
+        col = (kvh * HEAD_D).to(gl.int32)
+        v0 = (vs * DV).to(gl.int32)
+
+        k_smem = gl.allocate_shared_memory(dtype, [ST, BN, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [ST, BN, DV], v_desc.layout)
+        k_bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(ST):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        fence_async_shared()
+        # the first blocks' copies are issued before the tile's Q rows are loaded
+        if nu > 0:
+            rlk_attn_wgd_first(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, pr_row, b0, nu, col, col + v0, ST, PS,
+                               PPB)
+
+        valid_io, tok_io, head_io, q_off = rlk_attn_wg_rows_io(u0, u1, tok0, kvh, 0, G, HQ, HEAD_D, BM, row_io)
+        offs_d = gl.arange(0, HEAD_D, layout=col_io)
+        q = gl.load(q_ptr + gl.expand_dims(q_off, 1) + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(valid_io, 1),
+                    other=0.0)
+        q_smem = gl.allocate_shared_memory(dtype, [BM, HEAD_D], q_smem_layout, q)
+        fence_async_shared()
+
+        rel_s = (u0 - tok0 * G).to(gl.int32) + gl.arange(0, BM, layout=row_s)
+        valid_s = gl.arange(0, BM, layout=row_s).to(gl.int64) < u1 - u0
+        pos = gl.where(valid_s, tok0 + rel_s // G - pbase, 0).to(gl.int32)
+        kpos0 = gl.arange(0, BN, layout=col_s)
+        if nu > 0:
+            m, l, acc = rlk_attn_wgd_walk(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, pr_row, col,
+                                          col + v0, b0, nu, pos, kpos0, qk_scale, BM, BN, DV, ST, PS, PPB, s_layout,
+                                          o_layout, p_layout, row_s, row_o)
+        else:
+            m = gl.full([BM], float("-inf"), gl.float32, row_s)
+            l = gl.zeros([BM], gl.float32, row_s)
+            acc = gl.zeros([BM, DV], gl.float32, o_layout)
+        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        for b in range(b0 + nu, b1 + 1):
+            m, l, acc = rlk_attn_wgd_masked(q_smem, k_smem.index(0), v_smem.index(0), k_ptr, v_ptr, pr_row, b, cap,
+                                            kvh, v0, sk_row, sk_head, sv_row, sv_head, m, l, acc, pos, kpos0,
+                                            qk_scale, BM, BN, HEAD_D, DV, PS, s_layout, p_layout, row_s, row_o,
+                                            ld_layout)
+        for i in gl.static_range(ST):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        r_o = gl.arange(0, BM, layout=row_o)
+        valid_o = r_o.to(gl.int64) < u1 - u0
+        c_o = v0 + gl.arange(0, DV, layout=col_o)
+        if FINISH:
+            # kernels.rlk_attn_finish: the output rows of this value slice (the tile's valid rows)
+            r = gl.div_rn(gl.full([BM], 1.0, gl.float32, row_o), gl.convert_layout(l, row_o))
+            o = (acc * gl.expand_dims(r, 1)).to(out_ptr.dtype.element_ty)
+            rel_o = (u0 - tok0 * G).to(gl.int32) + r_o
+            tq_o = rel_o // G
+            q_off_o = ((tok0 + tq_o) * HQ + kvh * G + (rel_o - tq_o * G)) * HEAD_D
+            gl.store(out_ptr + gl.expand_dims(q_off_o, 1) + gl.expand_dims(c_o, 0), o, mask=gl.expand_dims(valid_o, 1))
+        else:
+            # the split's state into the workspace (the tile's valid rows only: rows < WS_M)
+            slot0 = ((t64 * HKV + kvh) * NS + j) * WS_M
+            r_s = gl.arange(0, BM, layout=row_s)
+            state = valid_s & (gl.full([BM], 0, gl.int32, row_s) + vs == 0)  # one slice stores the state
+            gl.store(ws_m_ptr + slot0 + r_s, m, mask=state)
+            gl.store(ws_l_ptr + slot0 + r_s, l, mask=state)
+            gl.store(ws_a_ptr + (slot0 + gl.expand_dims(r_o, 1)) * HEAD_D + gl.expand_dims(c_o, 0), acc,
+                     mask=gl.expand_dims(valid_o, 1))
+
+
 def descriptors(k: torch.Tensor, v: torch.Tensor):
     """TMA descriptors of the ``[T, Hkv·D]`` views of keys and values: ``[64, D]`` boxes."""
     n, hkv, d = k.shape
@@ -462,5 +754,67 @@ def launch(q, k, v, out, out32, lse, scr, tab, page_rows, G, window, qk_scale, *
     )
 
 
-__all__ = ["BLOCK_M", "CONFIGS", "DEVICE_FUNCTIONS", "KERNEL_NAMES", "configured", "descriptors", "launch",
-           "rlk_attn_fwd_wg"]
+#: TMA ring slots of the paged decode split kernel (``rlk_attn_split_wg``): key and value blocks,
+#: 16 KiB each at ``D = 128``, 16-bit. H200, session 22 run 2 (16-token pages, batch 1-64 at 4096
+#: and 32768 keys): 2 slots fastest at every size (batch 1 x 32768 keys 43.1 µs against 45.3 / 50.1
+#: / 52.3 with 3 / 4 / 6; batch 4 x 4096 23.8 against 25.0 / 25.0 / 37.3); every depth gives the
+#: same bits (GPU test).
+SPLIT_SLOTS = 2
+
+
+@contextlib.contextmanager
+def split_configured(slots: int) -> Iterator[None]:
+    """Every ``rlk_attn_split_wg`` launch inside the block with ``slots`` ring slots;
+    ``SPLIT_SLOTS`` restored in ``finally``. For tests and the probe tool: the same bits."""
+    global SPLIT_SLOTS
+    saved = SPLIT_SLOTS
+    SPLIT_SLOTS = int(slots)
+    try:
+        yield
+    finally:
+        SPLIT_SLOTS = saved
+
+
+def page_descriptors(k: torch.Tensor, v: torch.Tensor, page_size: int, dv: int):
+    """TMA descriptors of the ``[rows, Hkv·D]`` views of paged keys and values: ``[page_size, D]``
+    key and ``[page_size, dv]`` value boxes (one page of one head, a value slice), in the layouts
+    of the kernel's 64-row ring slots."""
+    n, hkv, d = k.shape
+    dt = gl.bfloat16 if k.dtype == torch.bfloat16 else gl.float16
+    return (TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [page_size, d],
+                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dt)),
+            TensorDescriptor(v, [n, hkv * d], [v.stride(0), 1], [page_size, dv],
+                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, dv], dt)))
+
+
+def launch_split(q, k, v, out, ws, tab, page_rows, page_size, G, qk_scale, splits, v_slices, *, tile_rows, one, order,
+                 pdl):
+    """Launch ``rlk_attn_split_wg`` with ``SPLIT_SLOTS`` ring slots over decode tiles ``tab``
+    (``tile_rows`` rows each, the table's ``BLOCK_M``; ``one``: ``tab`` is ``q_pos`` of a
+    one-token-per-sequence step) and the paged cache ``k``, ``v`` (``[rows, Hkv, D]``,
+    ``page_size``-key pages listed in ``page_rows``), ``v_slices`` programs a split; grid axis
+    order ``order`` (``kernels.split_grid_order``). ``ws``: the workspace ``(ws_m, ws_l, ws_a)``
+    (``[tiles, Hkv, splits, tile_rows]``, ``[..., D]``) that ``kernels.rlk_attn_combine`` folds, or
+    ``None`` for a step of one split (``splits == 1``), whose programs write ``out`` themselves."""
+    from rl_engine.backends.shared.triton.attention.kernels import SPLIT_BLOCKS
+
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    finish = ws is None
+    if finish != (splits == 1):
+        raise ValueError(f"ws: expected a workspace exactly when splits > 1, got splits={splits}, ws={ws is not None}")
+    nt = tab.shape[0]
+    ws_m, ws_l, ws_a = (out, out, out) if finish else ws
+    k_desc, v_desc = page_descriptors(k, v, page_size, D // v_slices)
+    sp = splits * v_slices
+    grid = ((nt, Hkv, sp), (Hkv, nt, sp), (sp, nt, Hkv))[order]
+    rlk_attn_split_wg[grid](
+        q, k_desc, v_desc, k, v, out, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), qk_scale, k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), splits, Hq, Hkv, PS=int(page_size), G=G, HEAD_D=D, DV=D // v_slices,
+        WS_M=int(tile_rows), ONE=bool(one), ST=SPLIT_SLOTS, PDL=bool(pdl), SB=SPLIT_BLOCKS, ORDER=order,
+        FINISH=finish, num_warps=4, enable_fp_fusion=False, launch_pdl=bool(pdl),
+    )
+
+
+__all__ = ["BLOCK_M", "CONFIGS", "DEVICE_FUNCTIONS", "KERNEL_NAMES", "SPLIT_SLOTS", "configured", "descriptors",
+           "launch", "launch_split", "page_descriptors", "rlk_attn_fwd_wg", "rlk_attn_split_wg", "split_configured"]

@@ -89,6 +89,13 @@ __all__ = [
     "WG_FORWARD",
     "wg_forward",
     "wg_eligible",
+    "WG_DECODE",
+    "WG_DECODE_PAGE_SIZES",
+    "wg_decode",
+    "wg_decode_eligible",
+    "WG_DECODE_BAND",
+    "wg_decode_band",
+    "wg_decode_programs",
     "LOG2E",
     "score_scale",
     "cached_forward",
@@ -1751,7 +1758,8 @@ def _varlen_rows(cu_seqlens: torch.Tensor):
 
 def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base, max_positions, scale, window, *,
            path: str, config: AttnConfig | None = None, want_lse: bool = False, want_f32: bool = False,
-           tab: torch.Tensor | None = None, one: bool = False, tma: bool = False, cache_tma: bool = False):
+           tab: torch.Tensor | None = None, one: bool = False, tma: bool = False, cache_tma: bool = False,
+           wg_split: bool = False):
     """The forward for every query row (all entry points end here).
 
     Args:
@@ -1777,6 +1785,11 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
             TMA copies, the masked blocks by pointer loads clamped to the tile's last position
             (``decode_tma_eligible``: a contiguous cache, whose rows past a sequence's end may be
             stale); either kernel, any value slicing. The same bits.
+        wg_split: the splits of a decode step run the Hopper warpgroup kernel
+            (``hopper.rlk_attn_split_wg``, ``wg_decode_eligible``: a paged cache of 16- or 32-key
+            pages, each block's pages by TMA copies; the output only) instead of
+            ``rlk_attn_fwd_split`` (the same workspace and combine) or, at one KV split, of the
+            prefill kernel (its programs finish their rows); the same bits.
 
     Returns ``(out [T, Hq, D] in q.dtype, lse [T, Hq] fp32 | None, out_f32 | None)``.
     """
@@ -1792,6 +1805,12 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     paged = page_rows.shape[1] > 1
     if cache_tma and (paged or tma):
         raise ValueError(f"cache_tma: expected a contiguous cache and tma=False, got paged={paged}, tma={tma}")
+    if wg_split and not (paged and window is None and int(page_size) in WG_DECODE_PAGE_SIZES and D == 128
+                         and q.element_size() == 2 and path == "decode" and not want_lse and not want_f32):
+        raise ValueError(f"wg_split: expected a decode-path call for the output only over a paged cache of "
+                         f"{WG_DECODE_PAGE_SIZES} pages, no window and 16-bit rows of D = 128, got path={path!r}, "
+                         f"want_lse={want_lse}, want_f32={want_f32}, paged={paged}, page_size={page_size}, "
+                         f"window={window}, D={D}, dtype={q.dtype}")
     # a compile-time constant of the forward kernels: 1 (unused) for a contiguous cache, so that
     # contiguous caches of any length share one compilation
     psz = int(page_size) if paged else 1
@@ -1839,7 +1858,13 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     kernel = "prefill" if path == "prefill" or ns == 1 else "decode"
     pdl = use_pdl(q.device)  # each kernel waits on the device for the tile table / workspace
     with device_guard(q):
-        if kernel == "prefill":
+        if wg_split and ns == 1:  # the warpgroup kernel's programs finish their rows: no combine
+            from rl_engine.backends.shared.triton.attention import hopper
+
+            hopper.launch_split(q, k_rows, v_rows, out, None, tab, page_rows, page_size, G, score_scale(scale), ns, vsl,
+                                tile_rows=cfg.block_m, one=one, order=split_grid_order(nt, Hkv, vsl, q.device),
+                                pdl=pdl)
+        elif kernel == "prefill":
             # a tile spans several KV splits only if some query position is >= 1024: then an fp32
             # scratch tile per program holds the merged accumulator between splits
             # (tiles x kv heads x BLOCK_M x D fp32, about the size of an fp32 output, freed on return)
@@ -1864,14 +1889,21 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
             ws_l = torch.empty_like(ws_m)
             ws_a = torch.empty((nt, Hkv, ns, cfg.block_m, D), dtype=torch.float32, device=q.device)
             k_desc, v_desc = _kv_descriptors(k_rows, v_rows, D // vsl, quad) if cache_tma else (k_rows, v_rows)
-            order = split_grid_order(nt, Hkv, ns * vsl, q.device)
-            grid = ((nt, Hkv, ns * vsl), (Hkv, nt, ns * vsl), (ns * vsl, nt, Hkv))[order]
-            rlk_attn_fwd_split[grid](
-                q, k_rows, v_rows, k_desc, v_desc, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), psz, G, w,
-                score_scale(scale), *kv_strides, ns, **common, DV=D // vsl, PAGED=paged, IEEE=ieee, SPLIT=runs, ONE=one,
-                PDL=pdl, SB=SPLIT_BLOCKS, U=cfg.unroll, TMA=cache_tma, ORDER=order, num_warps=cfg.num_warps,
-                num_stages=stages, enable_fp_fusion=False, launch_pdl=pdl,
-            )
+            if wg_split:
+                from rl_engine.backends.shared.triton.attention import hopper
+
+                hopper.launch_split(q, k_rows, v_rows, out, (ws_m, ws_l, ws_a), tab, page_rows, page_size, G,
+                                    score_scale(scale), ns, vsl, tile_rows=cfg.block_m, one=one,
+                                    order=split_grid_order(nt, Hkv, ns * vsl, q.device), pdl=pdl)
+            else:
+                order = split_grid_order(nt, Hkv, ns * vsl, q.device)
+                grid = ((nt, Hkv, ns * vsl), (Hkv, nt, ns * vsl), (ns * vsl, nt, Hkv))[order]
+                rlk_attn_fwd_split[grid](
+                    q, k_rows, v_rows, k_desc, v_desc, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), psz, G, w,
+                    score_scale(scale), *kv_strides, ns, **common, DV=D // vsl, PAGED=paged, IEEE=ieee, SPLIT=runs, ONE=one,
+                    PDL=pdl, SB=SPLIT_BLOCKS, U=cfg.unroll, TMA=cache_tma, ORDER=order, num_warps=cfg.num_warps,
+                    num_stages=stages, enable_fp_fusion=False, launch_pdl=pdl,
+                )
             dc = min(D, COMBINE_COLUMNS)
             rlk_attn_combine[(nt, Hkv, D // dc)](
                 out, out32 if out32 is not None else dummy, lse if lse is not None else dummy, ws_m, ws_l, ws_a,
@@ -2001,6 +2033,70 @@ def wg_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: AttnC
     if not tma_eligible(q, k, v, select_prefill(q.dtype, q.shape[2])) or not _has_gluon_hopper():
         return False
     return True
+
+
+#: Whether paged decode steps run their splits on the Hopper warpgroup kernel
+#: (``hopper.rlk_attn_split_wg``) where ``wg_decode_eligible`` and ``wg_decode_programs`` allow;
+#: ``wg_decode(False)`` turns it off for a block of code.
+WG_DECODE = True
+#: The page sizes ``hopper.rlk_attn_split_wg`` copies (a 64-key block is ``64 / page_size`` page
+#: copies, at most four).
+WG_DECODE_PAGE_SIZES = (16, 32)
+
+
+def wg_decode(on: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Set ``WG_DECODE`` inside the block (restored in ``finally``). The bits are the same either way."""
+    return _scoped("WG_DECODE", bool(on))
+
+
+#: The paged decode launches whose splits take ``hopper.rlk_attn_split_wg``: from ``lo`` to ``hi``
+#: programs per SM (value slices counted; ``wg_decode_programs``).
+WG_DECODE_BAND = (0.5, 2.0)
+
+
+def wg_decode_band(lo: float, hi: float) -> contextlib.AbstractContextManager[None]:
+    """Set ``WG_DECODE_BAND`` to ``(lo, hi)`` programs per SM inside the block (restored in
+    ``finally``; tests and the probe tool widen it to every launch). The same bits either way."""
+    return _scoped("WG_DECODE_BAND", (float(lo), float(hi)))
+
+
+def wg_decode_programs(programs: int, device: torch.device) -> bool:
+    """Whether a paged decode launch of ``programs`` (tile, kv head, split, value slice) programs
+    runs its splits on the warpgroup kernel (``WG_DECODE_BAND``: half a program to two programs
+    per SM). The kernel keeps a block's pages in flight by TMA copies where the Triton kernel
+    gathers them by pointer loads; that pays while an SM holds at most two programs. H200,
+    session 22 (runs 2-4, ``tools/benchmarking/attention_decode_gpu.py``, 16-token pages, 2 ring
+    slots, against the Triton kernels, µs): batch 4 x 4096 keys (256 programs with 2 value
+    slices) 29.6 -> 23.1 (0.77 -> 0.99 of SDPA), batch 8 x 4096 (256) 40.7 -> 37.7, batch 1 x
+    16384 (256) 30.0 -> 23.4, batch 1 x 32768 (256) 44.1 -> 40.8 (0.86 -> 0.93), batch 32 x 512
+    (256, one split) 22.8 -> 19.6, batch 8 x 512 (128) 9.5 -> 7.9, batch 16 x 512 (256) 13.9 ->
+    13.6, batch 2 x 4096 (128) equal. Below the band the 64-row ``wgmma`` step's longer chain per
+    block costs: batch 1 x 4096 keys (64 programs) 14.2 -> 15.3. Above it, where the Triton
+    kernel's smaller tiles keep three programs an SM, within 3 % either way: batch 16 x 4096
+    (512) 69.0 -> 70.4, batch 2 x 32768 (512) 72.2 -> 74.6, batch 4 x 32768 (1024) 138.0 ->
+    139.6, batch 32 x 4096 (1024) 135.3 -> 132.5, batch 64 x 4096 (2048) 260.1 -> 255.6, batch
+    64 x 512 and 64 x 32768 equal. False off CUDA."""
+    if device.type != "cuda":
+        return False
+    sm = _sm_count_of(_index(device))
+    lo, hi = WG_DECODE_BAND
+    return lo * sm <= programs <= hi * sm
+
+
+def wg_decode_eligible(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, page_size: int, paged: bool,
+                       window: int | None) -> bool:
+    """Whether a decode step's splits run ``hopper.rlk_attn_split_wg`` (``attend(wg_split=True)``):
+    ``WG_DECODE`` on, a paged cache of ``WG_DECODE_PAGE_SIZES`` pages, no window, 16-bit inputs
+    with ``D = 128``, an sm90 device with Triton 3.6's Gluon Hopper API, and storage rows a TMA
+    copy can read (``_copyable_rows``) with row indices below ``2^31`` (the copies' coordinates).
+    Otherwise ``rlk_attn_fwd_split``, with the same bits (GPU tests)."""
+    if not WG_DECODE or not paged or window is not None or int(page_size) not in WG_DECODE_PAGE_SIZES:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != 128 or k_rows.shape[0] >= 1 << 31:
+        return False
+    if q.device.type != "cuda" or _capability_of(_index(q.device))[0] != 9 or torch.version.hip is not None:
+        return False
+    return _copyable_rows(k_rows, v_rows) and _has_gluon_hopper()
 
 
 def _wg_forward(q, k, v, cu_seqlens, scale, window, bound: int, for_backward: bool):
@@ -2154,9 +2250,15 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         tab = rollout_tiles(q_seq, q_pos, B, G, cfg.block_m) if T and B else None
     # TMA copies for the unmasked run of every decode step over a contiguous cache
     cache_tma = path == "decode" and decode_tma_eligible(k_rows, v_rows, P > 1, q.device)
+    # the splits of a paged step on the warpgroup kernel (its own tile: ``cfg`` sizes the table
+    # and the combine)
+    wg_split = (path == "decode" and config is None
+                and wg_decode_eligible(q, k_rows, v_rows, page_size, P > 1, window)
+                and wg_decode_programs(programs * cfg.v_slices, q.device))
     nseq = torch.empty(B, dtype=torch.int64, device=q.device)  # only its length is read (table built)
     out, _, _ = attend(q, k_rows, v_rows, page_rows.contiguous(), page_size, nseq, nseq, nseq,
-                       max_positions, scale, window, path=path, config=cfg, tab=tab, one=one, cache_tma=cache_tma)
+                       max_positions, scale, window, path=path, config=cfg, tab=tab, one=one, cache_tma=cache_tma,
+                       wg_split=wg_split)
     return out
 
 
