@@ -109,7 +109,6 @@ def compile_sm90(variant: Variant, dtype: str = "bf16", divisibility: bool = Tru
     """Compile ``variant`` for sm_90 and read its resources from ``ptxas -v``."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     from rl_engine.backends.shared.triton.attention import kernels as K
@@ -123,6 +122,15 @@ def compile_sm90(variant: Variant, dtype: str = "bf16", divisibility: bool = Tru
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                               options={"num_warps": variant.num_warps, "num_stages": variant.num_stages,
                                        "enable_fp_fusion": False, "launch_pdl": bool(variant.constexprs.get("PDL"))})
+    return _assembled(compiled, variant.label, variant.kernel, t0)
+
+
+def _assembled(compiled, label: str, kernel: str, t0: float, no_frame_is_zero: bool = False) -> Resources:
+    """``compiled``'s PTX assembled by Triton's bundled ``ptxas -v`` for sm_90a: its resources
+    (``t0``: when the compile started). ``no_frame_is_zero``: a kernel without a stack frame gets
+    no spill line from ptxas (the Gluon kernel), read as 0 bytes."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
@@ -132,14 +140,17 @@ def compile_sm90(variant: Variant, dtype: str = "bf16", divisibility: bool = Tru
                              capture_output=True, text=True, check=True)
     log = run.stderr
 
-    def num(pattern: str) -> int:
+    def num(pattern: str, spill: bool = False) -> int:
         m = re.search(pattern, log)
         if m is None:
+            if spill and no_frame_is_zero:
+                return 0
             raise RuntimeError(f"ptxas -v: no match for {pattern!r} in:\n{log}")
         return int(m.group(1))
 
-    return Resources(label=variant.label, kernel=variant.kernel, registers=num(r"Used (\d+) registers"),
-                     spill_store_bytes=num(r"(\d+) bytes spill stores"), spill_load_bytes=num(r"(\d+) bytes spill loads"),
+    return Resources(label=label, kernel=kernel, registers=num(r"Used (\d+) registers"),
+                     spill_store_bytes=num(r"(\d+) bytes spill stores", True),
+                     spill_load_bytes=num(r"(\d+) bytes spill loads", True),
                      cp_async=len(re.findall(r"cp\.async\.c[ag]\.", ptx)), ptx_lines=ptx.count("\n"),
                      seconds=round(time.perf_counter() - t0, 2), tma_copies=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
                      shared_bytes=int(compiled.metadata.shared))
@@ -152,7 +163,6 @@ def compile_split_wg_sm90(page_size: int, dv: int, slots: int, one: bool, finish
     (``kernels._has_gluon_hopper``)."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -177,30 +187,7 @@ def compile_split_wg_sm90(page_size: int, dv: int, slots: int, one: bool, finish
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                               options={"num_warps": 4, "enable_fp_fusion": False, "launch_pdl": True})
-    ptx = compiled.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True, check=True).stderr
-
-    def num(pattern: str, default: int | None = None) -> int:
-        m = re.search(pattern, log)
-        if m is None:
-            if default is not None:
-                return default
-            raise RuntimeError(f"ptxas -v: no match for {pattern!r} in:\n{log}")
-        return int(m.group(1))
-
-    # (ptxas prints no spill line for a kernel without a stack frame)
-    return Resources(label=label, kernel="rlk_attn_split_wg", registers=num(r"Used (\d+) registers"),
-                     spill_store_bytes=num(r"(\d+) bytes spill stores", 0),
-                     spill_load_bytes=num(r"(\d+) bytes spill loads", 0),
-                     cp_async=len(re.findall(r"cp\.async\.c[ag]\.", ptx)), ptx_lines=ptx.count("\n"),
-                     seconds=round(time.perf_counter() - t0, 2),
-                     tma_copies=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-                     shared_bytes=int(compiled.metadata.shared))
+    return _assembled(compiled, label, "rlk_attn_split_wg", t0, no_frame_is_zero=True)
 
 
 def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: int = 128, group: int = 4) -> Iterator[Variant]:
