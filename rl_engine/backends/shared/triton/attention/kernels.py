@@ -2019,6 +2019,14 @@ def _has_gluon_hopper() -> bool:
     return all(hasattr(hopper, n) for n in names) and hasattr(hopper.tma, "async_copy_global_to_shared")
 
 
+def _wg_query(q: torch.Tensor) -> bool:
+    """The conditions both Hopper warpgroup kernels put on the query: 16-bit with ``D = 128`` on an
+    sm90 CUDA device (``wgmma`` is Hopper's; sm100 has none)."""
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != 128:
+        return False
+    return q.device.type == "cuda" and _capability_of(_index(q.device))[0] == 9 and torch.version.hip is None
+
+
 def wg_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: AttnConfig | None) -> bool:
     """Whether ``varlen_forward`` runs the Hopper warpgroup kernel (``hopper.rlk_attn_fwd_wg``):
     ``WG_FORWARD`` on, no forced ``config`` (tests that force one compare the Triton kernel's
@@ -2026,9 +2034,7 @@ def wg_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: AttnC
     none), Triton 3.6's Gluon Hopper API, and the TMA copies' conditions (``tma_eligible``: the
     copies read rows past a tile's queries unclamped). Otherwise the Triton kernel, with the same
     bits (GPU tests)."""
-    if not WG_FORWARD or config is not None or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != 128:
-        return False
-    if q.device.type != "cuda" or _capability_of(_index(q.device))[0] != 9 or torch.version.hip is not None:
+    if not WG_FORWARD or config is not None or not _wg_query(q):
         return False
     if not tma_eligible(q, k, v, select_prefill(q.dtype, q.shape[2])) or not _has_gluon_hopper():
         return False
@@ -2092,9 +2098,7 @@ def wg_decode_eligible(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tens
     Otherwise ``rlk_attn_fwd_split``, with the same bits (GPU tests)."""
     if not WG_DECODE or not paged or window is not None or int(page_size) not in WG_DECODE_PAGE_SIZES:
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != 128 or k_rows.shape[0] >= 1 << 31:
-        return False
-    if q.device.type != "cuda" or _capability_of(_index(q.device))[0] != 9 or torch.version.hip is not None:
+    if not _wg_query(q) or k_rows.shape[0] >= 1 << 31:
         return False
     return _copyable_rows(k_rows, v_rows) and _has_gluon_hopper()
 
