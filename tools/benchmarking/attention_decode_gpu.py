@@ -89,11 +89,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="1x512,1x4096,1x32768", help="BxCTX,... (contexts multiples of 16)")
     ap.add_argument("--configs", default="", help="config keys, comma-separated (both caches)")
-    ap.add_argument("--no-wg", action="store_true", help="also the paged steps with kernels.wg_decode(False) (the "
-                    "splits on the Triton kernel instead of hopper.rlk_attn_split_wg), checked raw-bit against the shipped")
+    ap.add_argument("--no-wg", action="store_true", help="also the steps with kernels.wg_decode(False) and "
+                    "wgt_decode(False) (the splits on the Triton kernels instead of the Hopper ones; the reference bits)")
     ap.add_argument("--wg-slots", default="", help="ring slots of hopper.rlk_attn_split_wg to time the paged steps "
                     "with (hopper.split_configured; every step size: kernels.wg_decode_band), comma-separated; a "
                     "suffix caps the value slices: 3v1 one slice, 3v4 up to four")
+    ap.add_argument("--wgt", default="", help="the steps' splits on the transposed kernel (hopper.rlk_attn_split_wgt, "
+                    "forced at every size with kernels.wgt_decode_band, both caches): ring slots and value slices, "
+                    "comma-separated: 2v2 = 2 slots, 2 value slices")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--profile", default="", help="implementations (names as printed) to run under the torch "
@@ -114,7 +117,10 @@ def main(argv=None) -> int:
                 return K.cached_forward(q, kk, vv, pr, psz, q_seq, q_pos, D**-0.5, None, config=cfg,
                                         path="decode" if cfg is not None else None, decode_only=True)
 
-            want = step()
+            with K.wg_decode(False), K.wgt_decode(False):
+                want = step()  # the Triton kernels: every other variant is checked against these bits
+            if not torch.equal(_bits(step()), _bits(want)):
+                failures.append(f"{B}x{ctx} {cache_name}: the shipped step's bits differ from the Triton kernels'")
             k2 = kk.clone()
             k2[pr[0, 0] + 3, 0, 5] += 1.0  # position 3 of sequence 0 (page 0 on either cache), kv head 0
             moved = K.cached_forward(q, k2, vv, pr, psz, q_seq, q_pos, D**-0.5, None, decode_only=True)
@@ -122,15 +128,15 @@ def main(argv=None) -> int:
             if control:
                 failures.append(f"{B}x{ctx} {cache_name}: negative control (a perturbed key) left the output unchanged")
             impls[f"{cache_name}.shipped"] = step
-            if cache_name == "paged16" and args.no_wg:
-                # the same step with the splits on the Triton kernel (kernels.wg_decode(False))
+            if args.no_wg:
+                # the same step with the splits on the Triton kernel
                 def plain(step=step):
-                    with K.wg_decode(False):
+                    with K.wg_decode(False), K.wgt_decode(False):
                         return step()
 
                 equal = bool(torch.equal(_bits(plain()), _bits(want)))
                 if not equal:
-                    failures.append(f"{B}x{ctx} {cache_name}: wg_decode(False) bits differ from the shipped step")
+                    failures.append(f"{B}x{ctx} {cache_name}: the Triton kernels' bits differ between calls")
                 impls[f"{cache_name}.no_wg"] = plain
                 rows.append({"case": f"{B}x{ctx}", "cache": cache_name, "config": "no_wg", "bits_equal": equal})
             for spec in (x for x in args.wg_slots.split(",") if x and cache_name == "paged16"):
@@ -156,6 +162,22 @@ def main(argv=None) -> int:
                     failures.append(f"{B}x{ctx} {cache_name}: wg_s{spec}: bits differ from the shipped step")
                 impls[f"{cache_name}.wg_s{spec}"] = ring
                 rows.append({"case": f"{B}x{ctx}", "cache": cache_name, "config": f"wg_s{spec}",
+                             "bits_equal": equal})
+            for spec in (x for x in args.wgt.split(",") if x):
+                slots, vsl = (int(x) for x in spec.split("v"))
+
+                def transposed(step=step, slots=slots, vsl=vsl):
+                    from rl_engine.backends.shared.triton.attention import hopper
+
+                    with hopper.split_t_configured(slots), K.wgt_value_slices(vsl), K.wg_decode(False), \
+                            K.wgt_decode_band(0, float("inf")):
+                        return step()
+
+                equal = bool(torch.equal(_bits(transposed()), _bits(want)))
+                if not equal:
+                    failures.append(f"{B}x{ctx} {cache_name}: wgt_s{spec}: bits differ from the shipped step")
+                impls[f"{cache_name}.wgt_s{spec}"] = transposed
+                rows.append({"case": f"{B}x{ctx}", "cache": cache_name, "config": f"wgt_s{spec}",
                              "bits_equal": equal})
             for cfg in configs:
                 got = step(cfg)

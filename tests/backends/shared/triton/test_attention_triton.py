@@ -2114,9 +2114,10 @@ def test_profiler_kernel_names_carry_the_prefix():
 @gpu
 def test_warpgroup_profiler_kernel_names_carry_the_prefix():
     """The Hopper warpgroup kernels are listed, prefixed, and seen by the profiler: the forward
-    (``hopper.rlk_attn_fwd_wg``, the train path's forward for 16-bit ``D = 128`` on sm90) and the
+    (``hopper.rlk_attn_fwd_wg``, the train path's forward for 16-bit ``D = 128`` on sm90), the
     paged decode split kernel (``hopper.rlk_attn_split_wg``, a decode step over 16-key pages past
-    one KV split; ``wg_decode_band`` widened so that this small step takes it)."""
+    one KV split; ``wg_decode_band`` widened so that this small step takes it) and the transposed
+    decode split kernel (``hopper.rlk_attn_split_wgt``, the next step with ``wg_decode`` off)."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     q, k, v, cu = (t.cuda() for t in make_qkv([300, 1200], 2, 4, 128, "bfloat16", seed=2))
@@ -2128,8 +2129,11 @@ def test_warpgroup_profiler_kernel_names_carry_the_prefix():
         one = torch.tensor([0, 1, 2], device="cuda")
         with K.wg_decode_band(0, float("inf")):
             cached_attention(q[:2], k[:2], v[:2], cache, [0, 1], one)  # decode: 2 KV splits at 1200 keys
+        with K.wg_decode(False), K.wgt_decode_band(0, float("inf")):
+            cached_attention(q[:2], k[:2], v[:2], cache, [0, 1], one)  # the next token, on the transposed kernel
 
-    check_profiler_names(f"{MODULE}.hopper", call, {"rlk_attn_fwd_wg", "rlk_attn_split_wg"}, "attention_wg")
+    check_profiler_names(f"{MODULE}.hopper", call, {"rlk_attn_fwd_wg", "rlk_attn_split_wg", "rlk_attn_split_wgt"},
+                         "attention_wg")
 
 
 WG_CASES = {
@@ -2270,7 +2274,7 @@ def test_warpgroup_paged_decode_gives_the_triton_kernels_bits(case, monkeypatch)
     monkeypatch.setattr(K, "WG_DECODE_BAND", (0.0, float("inf")))  # every launch size (the rule: a band)
     got = step()
     assert flags[-1] is True
-    with K.wg_decode(False):
+    with K.wg_decode(False), K.wgt_decode(False):
         plain = step()
     assert flags[-1] is False
     assert bit_diff(got, plain), (case, bit_diff(got, plain))
@@ -2287,6 +2291,114 @@ def test_warpgroup_paged_decode_gives_the_triton_kernels_bits(case, monkeypatch)
     k2 = kc.clone()
     k2[table[0, 0] + 5, 0, 3] += 0.5  # position 5 of sequence 0, kv head 0: every query of it sees it
     moved = step(k2)
+    first = int((q_seq == 0).sum())
+    assert not bit_diff(moved[:first], got[:first]) and bit_diff(moved[first:], got[first:])
+
+
+WGT_CASES = {
+    # name: (lens, kv heads, G, dtype, page size (None: a contiguous cache), query tokens per sequence)
+    "contiguous_g4_ragged": ([2085, 300, 1, 1024, 1087, 4097, 64, 63, 1025], 2, 4, "bfloat16", None, 1),
+    "contiguous_qwen_4096": ([4096], 8, 4, "bfloat16", None, 1),
+    "contiguous_g16": ([1300, 40, 2048], 1, 16, "bfloat16", None, 1),
+    "contiguous_chunk3_g2_fp16": ([1500, 2100, 700, 3], 2, 2, "float16", None, 3),
+    "pages16_g4_ragged": ([2085, 300, 1, 1024, 1087, 4097, 64, 63, 1025], 2, 4, "bfloat16", 16, 1),
+    "pages32_fp16_g1": ([77, 1500, 2049, 3000], 4, 1, "float16", 32, 1),
+    "pages16_chunk2_g8": ([2500, 1100, 66], 2, 8, "bfloat16", 16, 2),
+    # one KV split (table width <= 1024 keys): the programs finish their rows, no combine
+    "one_split_contiguous_g4": ([1000, 63, 1, 64, 65, 511], 2, 4, "bfloat16", None, 1),
+    "one_split_pages32_chunk4_g2": ([700, 300, 4], 2, 2, "float16", 32, 4),
+}
+
+
+def _decode_caches(k, v, cu, lens, ps, seed):
+    """Key / value storage rows of sequences ``lens`` (rows ``cu``) and the step's ``page_rows``:
+    ``ps``-key pages in shuffled order (unused table entries point at a page of NaN), or, with
+    ``ps=None``, one contiguous run per sequence followed by 70 rows of NaN (stale slots: a read
+    past a sequence's written rows shows)."""
+    hkv, d = k.shape[1], k.shape[2]
+    if ps is None:
+        starts, at = [], 0
+        for x in lens:
+            starts.append(at)
+            at += x + 70
+        kc = torch.full((at, hkv, d), float("nan"), dtype=k.dtype, device=k.device)
+        vc = torch.full_like(kc, float("nan"))
+        for i, x in enumerate(lens):
+            kc[starts[i] : starts[i] + x] = k[cu[i] : cu[i] + x]
+            vc[starts[i] : starts[i] + x] = v[cu[i] : cu[i] + x]
+        return kc, vc, torch.tensor(starts, dtype=torch.int64, device=k.device)[:, None].contiguous()
+    gen = torch.Generator().manual_seed(seed)
+    npages = [-(-x // ps) for x in lens]
+    total = sum(npages) + 1  # the last page: NaN, where every unused table entry points
+    order = torch.randperm(total - 1, generator=gen).tolist()
+    kc = torch.full((total * ps, hkv, d), float("nan"), dtype=k.dtype, device=k.device)
+    vc = torch.full_like(kc, float("nan"))
+    table = torch.full((len(lens), max(npages) + 1), (total - 1) * ps, dtype=torch.int64)
+    at = 0
+    for i, x in enumerate(lens):
+        for j in range(npages[i]):
+            page = order[at]
+            at += 1
+            table[i, j] = page * ps
+            lo, hi = j * ps, min(x, (j + 1) * ps)
+            kc[page * ps : page * ps + hi - lo] = k[cu[i] + lo : cu[i] + hi]
+            vc[page * ps : page * ps + hi - lo] = v[cu[i] + lo : cu[i] + hi]
+    return kc, vc, table.to(k.device)
+
+
+@gpu
+@pytest.mark.parametrize("case", sorted(WGT_CASES))
+def test_transposed_decode_gives_the_triton_kernels_bits(case, monkeypatch):
+    """``hopper.rlk_attn_split_wgt`` (a decode step's splits with the products transposed: scores
+    ``k·qᵀ`` with the tile's query rows as the ``wgmma``'s ``N = 8`` or ``16``, ``accᵀ = Vᵀ·Pᵀ +
+    accᵀ·α``) against the Triton kernels (``wg_decode(False)``, ``wgt_decode(False)``) and against
+    the varlen rows of the same tokens (the prefill <-> decode contract), raw bits: contiguous
+    caches (64-row block copies; 70 stale NaN rows after each sequence) and 16- / 32-key pages in
+    shuffled order (NaN in every unused page and table entry), ragged lengths at block, page and
+    split edges (1 .. 4097 keys, up to 5 KV splits; steps of one split, whose programs finish
+    their rows), GQA groups 1-16, bf16 and fp16, steps of one token a sequence (no tile table)
+    and of 2-4 tokens (tile table, masked blocks); the shipped ring depth and value slices and 3 /
+    4 ring slots with 1 / 2 value slices. Negative control: one key of the first sequence's
+    unmasked run perturbed moves that sequence's rows and no other."""
+    from rl_engine.backends.shared.triton.attention import hopper
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    lens, hkv, g, dtype, ps, n = WGT_CASES[case]
+    d = 128
+    q, k, v, cu = (t.cuda() for t in make_qkv(lens, hkv, g, d, dtype, seed=len(case) + (ps or 0)))
+    scale = d**-0.5
+    ref, _, _ = K.varlen_forward(q, k, v, cu, scale, None)
+    kc, vc, page_rows = _decode_caches(k, v, cu, lens, ps, seed=n + (ps or 0))
+    size = ps or max(lens)  # a contiguous cache: its capacity
+    rows = torch.cat([torch.arange(int(cu[i + 1]) - min(n, x), int(cu[i + 1])) for i, x in enumerate(lens)]).cuda()
+    q_seq = torch.cat([torch.full((min(n, x),), i) for i, x in enumerate(lens)]).cuda()
+    q_pos = torch.cat([torch.arange(x - min(n, x), x) for x in lens]).cuda()
+    flags = []
+    attend = K.attend
+    monkeypatch.setattr(K, "attend", lambda *a, **kw: flags.append(kw["wgt_split"]) or attend(*a, **kw))
+
+    def step(kk=kc):
+        return K.cached_forward(q[rows].contiguous(), kk, vc, page_rows, size, q_seq, q_pos, scale, None,
+                                path="decode", decode_only=n == 1)
+
+    assert K.wgt_decode_eligible(q, kc, vc, size, ps is not None, None, n == 1, 16)
+    monkeypatch.setattr(K, "WGT_DECODE_BAND", (0.0, float("inf")))  # every launch size (the rule: a band)
+    with K.wg_decode(False):
+        got = step()
+        assert flags[-1] is True
+        with K.wgt_decode(False):
+            plain = step()
+        assert flags[-1] is False
+        assert bit_diff(got, plain), (case, bit_diff(got, plain))
+        assert bit_diff(got, ref[rows]), (case, bit_diff(got, ref[rows]))
+        for slots, slices in ((3, 1), (4, 2)):
+            with hopper.split_t_configured(slots), K.wgt_value_slices(slices):
+                other = step()
+            assert flags[-1] is True and bit_diff(other, got), (case, slots, slices, bit_diff(other, got))
+        assert torch.isfinite(got.float()).all()
+        k2 = kc.clone()
+        k2[page_rows[0, 0] + 5, 0, 3] += 0.5  # position 5 of sequence 0, kv head 0: every query of it sees it
+        moved = step(k2)
     first = int((q_seq == 0).sum())
     assert not bit_diff(moved[:first], got[:first]) and bit_diff(moved[first:], got[first:])
 
@@ -2323,7 +2435,7 @@ def test_warpgroup_paged_decode_takes_the_band_of_half_to_two_programs_per_sm(mo
         assert flags[-1] is (sm / 2 <= programs * slices <= 2 * sm)
         if sm == 132:  # the H200
             assert flags[-1] is (batch == 4), (batch, programs, slices)
-        with K.wg_decode(False):
+        with K.wg_decode(False), K.wgt_decode(False):
             assert bit_diff(step(kc), got), batch
         k2 = kc.clone()
         k2[table[0, 3] + 1, 2] += 0.5
@@ -2362,6 +2474,42 @@ def test_interpreter_warpgroup_decode_rule_is_pure(monkeypatch):
     with pytest.raises(ValueError, match="wg_split"):
         K.attend(q, k, v, torch.zeros((1, 1), dtype=torch.int64), 70, counts, counts * 0, counts * 0, 70, 0.1, None,
                  path="decode", wg_split=True)
+
+
+@interp
+def test_interpreter_transposed_decode_rule_is_pure(monkeypatch):
+    """``wgt_decode_eligible`` is a pure rule: CPU tensors, fp32, other head dims, a window, 64-key
+    or 8-key pages, tiles of more than 16 rows and the switch off all give False without touching a
+    device; ``wgt_decode``, ``wgt_decode_band`` and ``wgt_value_slices`` restore their switches (the
+    last refuses slices of fewer than 64 columns); ``wgt_tile_rows`` sizes the tile's ``N``;
+    ``attend`` refuses ``wgt_split`` on a step the kernel does not take (naming the argument)."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    q, k, v, _ = make_qkv([70], 2, 2, 128, "bfloat16")
+    assert not K.wgt_decode_eligible(q, k, v, 16, True, None, True, 16)  # CPU tensors
+    q32, k32, v32, _ = make_qkv([70], 2, 2, 128, "float32")
+    assert not K.wgt_decode_eligible(q32, k32, v32, 16, True, None, True, 16)
+    cuda_like = types.SimpleNamespace(dtype=torch.bfloat16, shape=q.shape, device=torch.device("cuda", 0))
+    for args in ((16, True, 300, True, 16), (64, True, None, True, 16), (8, True, None, True, 16),
+                 (70, False, None, False, 32)):
+        assert not K.wgt_decode_eligible(cuda_like, k, v, *args), args
+    with K.wgt_decode(False), K.wgt_decode_band(1, 2), K.wgt_value_slices(1):
+        assert (K.WGT_DECODE, K.WGT_DECODE_BAND, K.WGT_V_SLICES) == (False, (1.0, 2.0), 1)
+    assert (K.WGT_DECODE, K.WGT_DECODE_BAND, K.WGT_V_SLICES) == (True, (0.0, 0.5), 2)
+    with pytest.raises(ValueError, match="v_slices"):
+        K.wgt_value_slices(4)
+    monkeypatch.setattr(K, "_sm_count_of", lambda index: 132)
+    cuda0 = torch.device("cuda", 0)
+    assert [K.wgt_decode_programs(n, cuda0) for n in (1, 64, 66, 67, 132)] == [True, True, True, False, False]
+    assert not K.wgt_decode_programs(8, torch.device("cpu"))
+    assert [K.wgt_tile_rows(True, g, 16) for g in (1, 4, 8, 16)] == [8, 8, 8, 16]
+    assert K.wgt_tile_rows(False, 4, 16) == 16
+    with pytest.raises(ValueError, match="tile_rows"):
+        K.wgt_tile_rows(False, 4, 32)
+    counts = torch.tensor([70])
+    with pytest.raises(ValueError, match="wgt_split"):
+        K.attend(q, k, v, torch.zeros((1, 1), dtype=torch.int64), 70, counts, counts * 0, counts * 0, 70, 0.1, 300,
+                 path="decode", wgt_split=True)
 
 
 @interp

@@ -56,13 +56,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-KERNEL_NAMES = ("rlk_attn_fwd_wg", "rlk_attn_split_wg")
+KERNEL_NAMES = ("rlk_attn_fwd_wg", "rlk_attn_split_wg", "rlk_attn_split_wgt")
 #: ``@gluon.jit`` device functions (inlined into the kernel, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_wg_gdc_wait", "rlk_attn_wg_exp2", "rlk_attn_wg_rowsum", "rlk_attn_wg_merge",
                     "rlk_attn_wg_softmax", "rlk_attn_wg_scratch", "rlk_attn_wg_rows_io", "rlk_attn_wg_pv",
                     "rlk_attn_wg_walk", "rlk_attn_wg_load", "rlk_attn_wgd_gdc_launch",
                     "rlk_attn_wgd_entries", "rlk_attn_wgd_copy", "rlk_attn_wgd_first", "rlk_attn_wgd_walk",
-                    "rlk_attn_wgd_masked")
+                    "rlk_attn_wgd_masked", "rlk_attn_wgt_softmax", "rlk_attn_wgt_stage", "rlk_attn_wgt_pv",
+                    "rlk_attn_wgt_entries", "rlk_attn_wgt_walk", "rlk_attn_wgt_masked")
 
 #: key-block rows (``kernels.KV_BLOCK``) and the tile's query rows (one warpgroup, 16 rows a warp;
 #: 128-row tiles of two warpgroups were measured slower: session 13 run 3)
@@ -723,6 +724,315 @@ def rlk_attn_split_wg(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, ws
                      mask=gl.expand_dims(valid_o, 1))
 
 
+def _wgt_exchange_layouts(nq: int):
+    """The layouts in which ``rlk_attn_split_wgt`` reads back what its four warps exchange through
+    shared memory: per-warp partials ``[4, NQ]`` (``x``) and transposed probabilities
+    ``[4, 16, NQ]`` (``f``: warp, key in the warp's 16, query row), the warp axis in registers and
+    the other axes spread over the lanes as in the ``wgmma`` accumulator (thread ``t`` holds rows
+    ``t // 4`` and ``t // 4 + 8``, columns ``2·(t % 4) + {0, 1} + 8·i``), replicated over the
+    warps. So each thread gets every warp's value at its own position, and what it reduces lands
+    in the accumulator's column layout without another exchange."""
+    col_regs = [[1]] + ([[8]] if nq == 16 else [])
+    x = gl.DistributedLinearLayout(reg_bases=[[0, c[0]] for c in col_regs] + [[1, 0], [2, 0]],
+                                   lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]], warp_bases=[[0, 0], [0, 0]],
+                                   block_bases=[], shape=[4, nq])
+    f = gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 8, 0]] + ([[0, 0, 8]] if nq == 16 else [])
+                                   + [[1, 0, 0], [2, 0, 0]],
+                                   lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+                                   warp_bases=[[0, 0, 0], [0, 0, 0]], block_bases=[], shape=[4, 16, nq])
+    return x, f
+
+
+@gluon.jit
+def rlk_attn_wgt_softmax(s, m, b, pos, kpos0, qk_scale, x_smem, MASKED: gl.constexpr, NQ: gl.constexpr,
+                         col_s: gl.constexpr, x_layout: gl.constexpr):
+    """Block ``b``'s running maximum and probabilities from its transposed scores ``s = k·qᵀ``
+    (``[64, NQ]``: keys × query rows; ``rlk_attn_wg_softmax`` without the row sum): returns
+    ``(m', P, α)``, ``P`` transposed. ``MASKED``: some valid row does not see the whole block (keys
+    past its position masked, the ``-inf`` guard). The maximum over a block's keys (exact in any
+    order) is each warp's over its 16 keys, then the four exchanged through ``x_smem``."""
+    if MASKED:
+        kpos = b * 64 + kpos0
+        vis = gl.expand_dims(kpos, 1) <= gl.expand_dims(pos, 0)
+        s = gl.where(vis, s, float("-inf"))
+    x_smem.store(gl.max(gl.reshape(s, [4, 16, NQ]), axis=1))
+    gl.thread_barrier()
+    mn = gl.maximum(m, gl.convert_layout(gl.max(x_smem.load(x_layout), axis=0), col_s) * qk_scale + 0.0)
+    if MASKED:
+        shift = gl.where(mn == float("-inf"), 0.0, mn)
+    else:
+        shift = mn
+    alpha = rlk_attn_wg_exp2(m - shift)
+    p = rlk_attn_wg_exp2(gl.fma(s, qk_scale, -gl.expand_dims(shift, 0)))
+    return mn, p, alpha
+
+
+@gluon.jit
+def rlk_attn_wgt_stage(p, l, alpha, p_buf, f_smem, NQ: gl.constexpr, col_s: gl.constexpr, f_layout: gl.constexpr):
+    """Stage transposed ``P`` (``[64, NQ]``) and return ``l' = fma(l, α, Σ P)``: ``P`` rounded to the
+    value dtype into ``p_buf`` (``[NQ, 64]``, the ``P·V`` product's ``B`` operand, visible to the
+    tensor cores once every warp has written) and in fp32 into ``f_smem``; each thread reads back
+    every warp's probabilities at its own position and folds them by ``kernels.rlk_attn_rowsum``'s
+    pairs: keys ``j`` and ``j + 32`` (warps ``w``, ``w + 2``), ``j`` and ``j + 16`` (warps ``w``,
+    ``w + 1``), then ``j + 8`` (the thread's other row), ``j + 4``, ``j + 2``, ``j + 1`` (lanes).
+    Every step is one IEEE add per element, so the row sums of the untransposed tile."""
+    p_buf.store(gl.permute(p.to(p_buf.dtype), (1, 0)))
+    f_smem.store(gl.reshape(p, [4, 16, NQ]))
+    fence_async_shared()
+    gl.thread_barrier()
+    x = gl.sum(gl.reshape(f_smem.load(f_layout), [2, 2, 16, NQ]), axis=0)
+    x = gl.sum(x, axis=0)
+    for i in gl.static_range(4):
+        x = gl.sum(gl.reshape(x, [2, 16 >> (i + 1), NQ]), axis=0)
+    return gl.fma(l, alpha, gl.convert_layout(gl.reshape(x, [NQ]), col_s))
+
+
+@gluon.jit
+def rlk_attn_wgt_pv(p_buf, alpha, acc, v_smem, v_bars, j, ST: gl.constexpr, col_o: gl.constexpr):
+    """Issue block ``j``'s transposed ``P·V`` (asynchronous; returns its token): ``accᵀ·α`` (the
+    product's accumulator input, ``α`` per query row = per column), then ``Vᵀ·Pᵀ`` once the value
+    block has arrived (``Vᵀ``: the value slot read transposed, ``Pᵀ``: ``p_buf``)."""
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, col_o), 0)
+    mbarrier.wait(v_bars.index(j % ST), phase=(j // ST) & 1)
+    return warpgroup_mma(v_smem.index(j % ST).permute((1, 0)), p_buf.permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def rlk_attn_wgt_entries(pr_row, kbase, b, PPB: gl.constexpr, PAGED: gl.constexpr):
+    """Block ``b``'s copy rows: its pages' page-table entries (``rlk_attn_wgd_entries``) or, over a
+    contiguous cache, the block's first storage row ``kbase + 64·b`` (one 64-row copy)."""
+    if PAGED:
+        e = rlk_attn_wgd_entries(pr_row, b, PPB)
+    else:
+        e0 = (kbase + b * 64).to(gl.int32)
+        e = (e0, e0 * 0, e0 * 0, e0 * 0)
+    return e
+
+
+@gluon.jit
+def rlk_attn_wgt_walk(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_bars, k_desc, v_desc, pr_row, kbase,
+                      col, vcol, b0, nu, pos, kpos0, qk_scale, BN: gl.constexpr, NQ: gl.constexpr, DV: gl.constexpr,
+                      ST: gl.constexpr, PS: gl.constexpr, PPB: gl.constexpr, PAGED: gl.constexpr,
+                      s_layout: gl.constexpr, o_layout: gl.constexpr, col_s: gl.constexpr, col_o: gl.constexpr,
+                      x_layout: gl.constexpr, f_layout: gl.constexpr):
+    """``rlk_attn_wgd_walk`` with transposed products: the unmasked run ``b0 .. b0 + nu - 1``
+    (``nu >= 1``, its first ``ST`` blocks' copies issued) from ``(-inf, 0, +0)``. Block ``j + 1``'s
+    scores ``k·qᵀ`` are issued before block ``j``'s ``P·V``; block ``j + 1``'s softmax runs while
+    that product runs; ``P`` alternates between two shared-memory buffers."""
+    last = nu - 1
+    ek = rlk_attn_wgt_entries(pr_row, kbase, b0 + gl.minimum(ST, last), PPB, PAGED)
+    en = rlk_attn_wgt_entries(pr_row, kbase, b0 + gl.minimum(ST + 1, last), PPB, PAGED)
+    zero_s = gl.zeros([BN, NQ], gl.float32, s_layout)
+    qt = q_smem.permute((1, 0))
+    mbarrier.wait(k_bars.index(0), phase=0)
+    s_tok = warpgroup_mma(k_smem.index(0), qt, zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    rlk_attn_wgd_copy(k_desc, k_smem, k_bars, ek, col, ST, nu, ST, PS, PPB)
+    m, p, alpha = rlk_attn_wgt_softmax(s, gl.full([NQ], float("-inf"), gl.float32, col_s), b0, pos, kpos0, qk_scale,
+                                       x_smem, False, NQ, col_s, x_layout)
+    l = rlk_attn_wgt_stage(p, gl.zeros([NQ], gl.float32, col_s), alpha, p_bufs.index(0), f_smem, NQ, col_s, f_layout)
+    acc = gl.zeros([DV, NQ], gl.float32, o_layout)
+    for j in range(0, last):
+        jn = j + 1
+        ef = rlk_attn_wgt_entries(pr_row, kbase, b0 + gl.minimum(jn + ST + 1, last), PPB, PAGED)
+        mbarrier.wait(k_bars.index(jn % ST), phase=(jn // ST) & 1)
+        s_tok = warpgroup_mma(k_smem.index(jn % ST), qt, zero_s, use_acc=False, is_async=True)
+        acc_tok = rlk_attn_wgt_pv(p_bufs.index(j % 2), alpha, acc, v_smem, v_bars, j, ST, col_o)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        # block jn's key slot is free: it takes block jn + ST
+        rlk_attn_wgd_copy(k_desc, k_smem, k_bars, en, col, jn + ST, nu, ST, PS, PPB)
+        m, p, alpha = rlk_attn_wgt_softmax(s, m, b0 + jn, pos, kpos0, qk_scale, x_smem, False, NQ, col_s, x_layout)
+        l = rlk_attn_wgt_stage(p, l, alpha, p_bufs.index(jn % 2), f_smem, NQ, col_s, f_layout)
+        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+        # block j's value slot is free: it takes block j + ST
+        rlk_attn_wgd_copy(v_desc, v_smem, v_bars, ek, vcol, j + ST, nu, ST, PS, PPB)
+        ek = en
+        en = ef
+    acc = warpgroup_mma_wait(0, deps=(rlk_attn_wgt_pv(p_bufs.index(last % 2), alpha, acc, v_smem, v_bars, last, ST,
+                                                      col_o), ))
+    return m, l, acc
+
+
+@gluon.jit
+def rlk_attn_wgt_masked(q_smem, k_buf, v_buf, p_buf, x_smem, f_smem, k_ptr, v_ptr, pr_row, kbase, b, cap, kvh, v0,
+                        sk_row, sk_head, sv_row, sv_head, m, l, acc, pos, kpos0, qk_scale, BN: gl.constexpr,
+                        NQ: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr, PS: gl.constexpr,
+                        PAGED: gl.constexpr, s_layout: gl.constexpr, col_s: gl.constexpr, col_o: gl.constexpr,
+                        ld_layout: gl.constexpr, x_layout: gl.constexpr, f_layout: gl.constexpr):
+    """``rlk_attn_wgd_masked`` with transposed products (either cache): block ``b``'s rows by
+    pointer loads clamped to ``cap`` into idle ring slots, then the masked step."""
+    kp = gl.minimum(b * 64 + gl.arange(0, BN, layout=gl.SliceLayout(1, ld_layout)), cap)
+    if PAGED:
+        rows = gl.load(pr_row + kp // PS).to(gl.int64) + (kp % PS).to(gl.int64)
+    else:
+        rows = kbase + kp.to(gl.int64)
+    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ld_layout))
+    offs_v = v0 + gl.arange(0, DV, layout=gl.SliceLayout(0, ld_layout))
+    kt = gl.load(k_ptr + gl.expand_dims(rows * sk_row + kvh * sk_head, 1) + gl.expand_dims(offs_d, 0))
+    vt = gl.load(v_ptr + gl.expand_dims(rows * sv_row + kvh * sv_head, 1) + gl.expand_dims(offs_v, 0))
+    k_buf.store(kt)
+    v_buf.store(vt)
+    fence_async_shared()
+    gl.thread_barrier()
+    zero_s = gl.zeros([BN, NQ], gl.float32, s_layout)
+    s_tok = warpgroup_mma(k_buf, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    m, p, alpha = rlk_attn_wgt_softmax(s, m, b, pos, kpos0, qk_scale, x_smem, True, NQ, col_s, x_layout)
+    l = rlk_attn_wgt_stage(p, l, alpha, p_buf, f_smem, NQ, col_s, f_layout)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, col_o), 0)
+    acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(v_buf.permute((1, 0)), p_buf.permute((1, 0)), acc,
+                                                    is_async=True), ))
+    # the buffers are written again by the next masked block only after every warp's products
+    gl.thread_barrier()
+    return m, l, acc
+
+
+@gluon.jit
+def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, tab_ptr, pr_ptr,
+                       pr_stride, qk_scale, sk_row, sk_head, sv_row, sv_head, NS, HQ, HKV, PS: gl.constexpr,
+                       PAGED: gl.constexpr, G: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr,
+                       NQ: gl.constexpr, WS_M: gl.constexpr, ONE: gl.constexpr, ST: gl.constexpr, PDL: gl.constexpr,
+                       SB: gl.constexpr, ORDER: gl.constexpr, FINISH: gl.constexpr, X_LAYOUT: gl.constexpr,
+                       F_LAYOUT: gl.constexpr):
+    """``rlk_attn_split_wg`` with the products transposed, for decode tiles of at most ``NQ``
+    (8 or 16) query rows over a contiguous (``PAGED=False``: each block one 64-row copy) or paged
+    cache: the scores are ``k·qᵀ`` (``[64 keys, NQ]``, a ``wgmma`` of ``N = NQ``) and the
+    accumulator ``accᵀ = Vᵀ·Pᵀ + accᵀ·α`` (``[DV, NQ]``; ``Pᵀ`` through shared memory), where the
+    untransposed kernel fills a 64-row ``wgmma`` tile with the tile's few rows. Each output
+    element is the same sum of the same products in the same 16-term steps, the running maxima,
+    exponentials and the fixed pairwise row sums are ``rlk_attn_split``'s, so the same bits (GPU
+    tests). Grid, workspace, value slices and ``FINISH``: ``rlk_attn_split_wg``'s."""
+    rlk_attn_wg_gdc_wait(PDL)
+    rlk_attn_wgd_gdc_launch(PDL)
+    BN: gl.constexpr = 64
+    PPB: gl.constexpr = 64 // PS
+    VS: gl.constexpr = HEAD_D // DV
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [NQ // 4, 128 // NQ], [4, 1], [1, 0])
+    row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
+    col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
+    dtype: gl.constexpr = k_desc.dtype
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, HEAD_D], dtype)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, BN], dtype)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+
+    if ORDER == 1:  # kv heads fastest: (kv heads, tiles, splits)
+        t = gl.program_id(1)
+        kvh = gl.program_id(0).to(gl.int64)
+        js = gl.program_id(2)
+    elif ORDER == 2:  # splits fastest: (splits, tiles, kv heads)
+        t = gl.program_id(1)
+        kvh = gl.program_id(2).to(gl.int64)
+        js = gl.program_id(0)
+    else:  # tiles fastest: (tiles, kv heads, splits)
+        t = gl.program_id(0)
+        kvh = gl.program_id(1).to(gl.int64)
+        js = gl.program_id(2)
+    j = js // VS
+    vs = js % VS
+    t64 = t.to(gl.int64)
+    if ONE:
+        seq = t64
+        u0 = t64 * G
+        u1 = u0 + G
+        pbase = t64 - gl.load(tab_ptr + t64)
+    else:
+        seq = gl.load(tab_ptr + t64 * 4)
+        u0 = gl.load(tab_ptr + t64 * 4 + 1)
+        u1 = gl.load(tab_ptr + t64 * 4 + 2)
+        pbase = gl.load(tab_ptr + t64 * 4 + 3)
+    tok0 = u0 // G
+    p_lo = (tok0 - pbase).to(gl.int32)
+    cap = ((u1 - 1) // G - pbase).to(gl.int32)
+    last = gl.where(u1 > u0, cap // 64, -1)
+    if (last >= 0) & (j <= last // SB):
+        b0 = j * SB
+        b1 = gl.minimum(last, b0 + SB - 1)
+        f1 = (p_lo + 1) // 64 - 1  # the blocks every valid row sees entirely: 0 .. f1
+        nu = gl.maximum(gl.minimum(b1, f1) - b0 + 1, 0)
+        pr_row = pr_ptr + seq * pr_stride
+        if PAGED:
+            kbase = seq * 0
+        else:
+            kbase = gl.load(pr_row).to(gl.int64)
+        col = (kvh * HEAD_D).to(gl.int32)
+        v0 = (vs * DV).to(gl.int32)
+
+        k_smem = gl.allocate_shared_memory(dtype, [ST, BN, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [ST, BN, DV], v_desc.layout)
+        p_bufs = gl.allocate_shared_memory(dtype, [2, NQ, BN], p_smem_layout)
+        x_smem = gl.allocate_shared_memory(gl.float32, [4, NQ], flat)
+        f_smem = gl.allocate_shared_memory(gl.float32, [4, 16, NQ], flat3)
+        k_bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(ST):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        fence_async_shared()
+        # the first blocks' copies are issued before the tile's Q rows are loaded
+        if nu > 0:
+            es = ()
+            for i in gl.static_range(ST):
+                es = es + (rlk_attn_wgt_entries(pr_row, kbase, b0 + gl.minimum(i, nu - 1), PPB, PAGED), )
+            for i in gl.static_range(ST):
+                rlk_attn_wgd_copy(k_desc, k_smem, k_bars, es[i], col, i, nu, ST, PS, PPB)
+                rlk_attn_wgd_copy(v_desc, v_smem, v_bars, es[i], col + v0, i, nu, ST, PS, PPB)
+
+        valid_io, tok_io, head_io, q_off = rlk_attn_wg_rows_io(u0, u1, tok0, kvh, 0, G, HQ, HEAD_D, NQ, row_io)
+        offs_d = gl.arange(0, HEAD_D, layout=col_io)
+        q = gl.load(q_ptr + gl.expand_dims(q_off, 1) + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(valid_io, 1),
+                    other=0.0)
+        q_smem = gl.allocate_shared_memory(dtype, [NQ, HEAD_D], q_smem_layout, q)
+        fence_async_shared()
+
+        r_c = gl.arange(0, NQ, layout=col_s)
+        rel_c = (u0 - tok0 * G).to(gl.int32) + r_c
+        valid_c = r_c.to(gl.int64) < u1 - u0
+        pos = gl.where(valid_c, tok0 + rel_c // G - pbase, 0).to(gl.int32)
+        kpos0 = gl.arange(0, BN, layout=row_s)
+        if nu > 0:
+            m, l, acc = rlk_attn_wgt_walk(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_bars, k_desc, v_desc,
+                                          pr_row, kbase, col, col + v0, b0, nu, pos, kpos0, qk_scale, BN, NQ, DV, ST,
+                                          PS, PPB, PAGED, s_layout, o_layout, col_s, col_o, X_LAYOUT, F_LAYOUT)
+        else:
+            m = gl.full([NQ], float("-inf"), gl.float32, col_s)
+            l = gl.zeros([NQ], gl.float32, col_s)
+            acc = gl.zeros([DV, NQ], gl.float32, o_layout)
+        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        for b in range(b0 + nu, b1 + 1):
+            m, l, acc = rlk_attn_wgt_masked(q_smem, k_smem.index(0), v_smem.index(0), p_bufs.index(0), x_smem, f_smem,
+                                            k_ptr, v_ptr, pr_row, kbase, b, cap, kvh, v0, sk_row, sk_head, sv_row,
+                                            sv_head, m, l, acc, pos, kpos0, qk_scale, BN, NQ, HEAD_D, DV, PS, PAGED,
+                                            s_layout, col_s, col_o, ld_layout, X_LAYOUT, F_LAYOUT)
+        for i in gl.static_range(ST):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        r_o = gl.arange(0, NQ, layout=col_o)
+        valid_o = r_o.to(gl.int64) < u1 - u0
+        c_o = v0 + gl.arange(0, DV, layout=row_o)
+        if FINISH:
+            r = gl.div_rn(gl.full([NQ], 1.0, gl.float32, col_o), gl.convert_layout(l, col_o))
+            o = (acc * gl.expand_dims(r, 0)).to(out_ptr.dtype.element_ty)
+            rel_o = (u0 - tok0 * G).to(gl.int32) + r_o
+            tq_o = rel_o // G
+            q_off_o = ((tok0 + tq_o) * HQ + kvh * G + (rel_o - tq_o * G)) * HEAD_D
+            gl.store(out_ptr + gl.expand_dims(q_off_o, 0) + gl.expand_dims(c_o, 1), o, mask=gl.expand_dims(valid_o, 0))
+        else:
+            slot0 = ((t64 * HKV + kvh) * NS + j) * WS_M
+            state = valid_c & (gl.full([NQ], 0, gl.int32, col_s) + vs == 0)  # one slice stores the state
+            gl.store(ws_m_ptr + slot0 + r_c, m, mask=state)
+            gl.store(ws_l_ptr + slot0 + r_c, l, mask=state)
+            gl.store(ws_a_ptr + (slot0 + gl.expand_dims(r_o, 0)) * HEAD_D + gl.expand_dims(c_o, 1), acc,
+                     mask=gl.expand_dims(valid_o, 0))
+
+
 def descriptors(k: torch.Tensor, v: torch.Tensor):
     """TMA descriptors of the ``[T, Hkv·D]`` views of keys and values: ``[64, D]`` boxes."""
     n, hkv, d = k.shape
@@ -816,5 +1126,53 @@ def launch_split(q, k, v, out, ws, tab, page_rows, page_size, G, qk_scale, split
     )
 
 
-__all__ = ["BLOCK_M", "CONFIGS", "DEVICE_FUNCTIONS", "KERNEL_NAMES", "SPLIT_SLOTS", "configured", "descriptors",
-           "launch", "launch_split", "page_descriptors", "rlk_attn_fwd_wg", "rlk_attn_split_wg", "split_configured"]
+#: TMA ring slots of the transposed decode split kernel (``rlk_attn_split_wgt``): key and value
+#: blocks (16 KiB each at ``D = 128``, 16-bit; 8 KiB for 64 value columns).
+SPLIT_T_SLOTS = 2
+
+
+@contextlib.contextmanager
+def split_t_configured(slots: int) -> Iterator[None]:
+    """Every ``rlk_attn_split_wgt`` launch inside the block with ``slots`` ring slots;
+    ``SPLIT_T_SLOTS`` restored in ``finally``. For tests and the probe tool: the same bits."""
+    global SPLIT_T_SLOTS
+    saved = SPLIT_T_SLOTS
+    SPLIT_T_SLOTS = int(slots)
+    try:
+        yield
+    finally:
+        SPLIT_T_SLOTS = saved
+
+
+def launch_split_t(q, k, v, out, ws, tab, page_rows, page_size, G, qk_scale, splits, v_slices, *, paged, tile_rows, one,
+                   order, pdl):
+    """Launch ``rlk_attn_split_wgt`` with ``SPLIT_T_SLOTS`` ring slots: ``launch_split``'s arguments
+    over a paged (``paged``: ``page_size``-key pages listed in ``page_rows``) or contiguous cache
+    (``page_rows[:, 0]``: each sequence's first storage row; 64-row block copies)."""
+    from rl_engine.backends.shared.triton.attention.kernels import SPLIT_BLOCKS, wgt_tile_rows
+
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    finish = ws is None
+    if finish != (splits == 1):
+        raise ValueError(f"ws: expected a workspace exactly when splits > 1, got splits={splits}, ws={ws is not None}")
+    nq = wgt_tile_rows(one, G, tile_rows)
+    nt = tab.shape[0]
+    ws_m, ws_l, ws_a = (out, out, out) if finish else ws
+    ps = int(page_size) if paged else BLOCK_N
+    k_desc, v_desc = page_descriptors(k, v, ps, D // v_slices)
+    x_layout, f_layout = _wgt_exchange_layouts(nq)
+    sp = splits * v_slices
+    grid = ((nt, Hkv, sp), (Hkv, nt, sp), (sp, nt, Hkv))[order]
+    rlk_attn_split_wgt[grid](
+        q, k_desc, v_desc, k, v, out, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), qk_scale, k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), splits, Hq, Hkv, PS=ps, PAGED=bool(paged), G=G, HEAD_D=D,
+        DV=D // v_slices, NQ=nq, WS_M=int(tile_rows), ONE=bool(one), ST=SPLIT_T_SLOTS, PDL=bool(pdl), SB=SPLIT_BLOCKS,
+        ORDER=order, FINISH=finish, X_LAYOUT=x_layout, F_LAYOUT=f_layout, num_warps=4, enable_fp_fusion=False,
+        launch_pdl=bool(pdl),
+    )
+
+
+__all__ = ["BLOCK_M", "CONFIGS", "DEVICE_FUNCTIONS", "KERNEL_NAMES", "SPLIT_SLOTS", "SPLIT_T_SLOTS", "configured",
+           "descriptors", "launch", "launch_split", "launch_split_t", "page_descriptors", "rlk_attn_fwd_wg",
+           "rlk_attn_split_wg", "rlk_attn_split_wgt", "split_configured", "split_t_configured"]

@@ -96,6 +96,15 @@ __all__ = [
     "WG_DECODE_BAND",
     "wg_decode_band",
     "wg_decode_programs",
+    "WGT_DECODE",
+    "WGT_DECODE_BAND",
+    "WGT_V_SLICES",
+    "wgt_decode",
+    "wgt_decode_band",
+    "wgt_decode_eligible",
+    "wgt_decode_programs",
+    "wgt_value_slices",
+    "wgt_tile_rows",
     "LOG2E",
     "score_scale",
     "cached_forward",
@@ -1759,7 +1768,7 @@ def _varlen_rows(cu_seqlens: torch.Tensor):
 def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base, max_positions, scale, window, *,
            path: str, config: AttnConfig | None = None, want_lse: bool = False, want_f32: bool = False,
            tab: torch.Tensor | None = None, one: bool = False, tma: bool = False, cache_tma: bool = False,
-           wg_split: bool = False):
+           wg_split: bool = False, wgt_split: bool = False):
     """The forward for every query row (all entry points end here).
 
     Args:
@@ -1790,6 +1799,10 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
             pages, each block's pages by TMA copies; the output only) instead of
             ``rlk_attn_fwd_split`` (the same workspace and combine) or, at one KV split, of the
             prefill kernel (its programs finish their rows); the same bits.
+        wgt_split: the splits of a decode step run the transposed Hopper kernel
+            (``hopper.rlk_attn_split_wgt``, ``wgt_decode_eligible``: a contiguous cache or 16- / 32-key
+            pages, decode tiles of at most 16 rows; the output only), as ``wg_split`` does; the
+            same bits.
 
     Returns ``(out [T, Hq, D] in q.dtype, lse [T, Hq] fp32 | None, out_f32 | None)``.
     """
@@ -1816,6 +1829,16 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     psz = int(page_size) if paged else 1
     cfg = config or (select_decode(q.dtype, D, page_size if paged else None) if path == "decode"
                      else select_prefill(q.dtype, D, page_size if paged else None))
+    if wgt_split and not (window is None and (not paged or int(page_size) in WG_DECODE_PAGE_SIZES) and D == 128
+                          and q.element_size() == 2 and path == "decode" and not want_lse and not want_f32
+                          and not wg_split and not cache_tma and _copyable_rows(k_rows, v_rows)
+                          and (one or cfg.block_m <= 16) and D // cfg.v_slices >= 64):
+        raise ValueError(f"wgt_split: expected a decode-path call for the output only over a contiguous cache or "
+                         f"{WG_DECODE_PAGE_SIZES} pages, no window, 16-bit rows of D = 128 a TMA copy can read, "
+                         f"tiles of at most 16 rows and neither wg_split nor cache_tma, got path={path!r}, "
+                         f"want_lse={want_lse}, want_f32={want_f32}, paged={paged}, page_size={page_size}, "
+                         f"window={window}, D={D}, dtype={q.dtype}, wg_split={wg_split}, cache_tma={cache_tma}, "
+                         f"one={one}, block_m={cfg.block_m}, v_slices={cfg.v_slices} (at most 2: 64-column slices)")
     if one and (tab is None or tab.shape != (B,) or G > cfg.block_m):
         raise ValueError(f"one: expected tab = q_pos of shape [{B}] and G = {G} <= BLOCK_M = {cfg.block_m}")
     if tab is None:
@@ -1864,6 +1887,12 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
             hopper.launch_split(q, k_rows, v_rows, out, None, tab, page_rows, page_size, G, score_scale(scale), ns, vsl,
                                 tile_rows=cfg.block_m, one=one, order=split_grid_order(nt, Hkv, vsl, q.device),
                                 pdl=pdl)
+        elif wgt_split and ns == 1:
+            from rl_engine.backends.shared.triton.attention import hopper
+
+            hopper.launch_split_t(q, k_rows, v_rows, out, None, tab, page_rows, page_size, G, score_scale(scale), ns,
+                                  vsl, paged=paged, tile_rows=cfg.block_m, one=one,
+                                  order=split_grid_order(nt, Hkv, vsl, q.device), pdl=pdl)
         elif kernel == "prefill":
             # a tile spans several KV splits only if some query position is >= 1024: then an fp32
             # scratch tile per program holds the merged accumulator between splits
@@ -1895,6 +1924,12 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
                 hopper.launch_split(q, k_rows, v_rows, out, (ws_m, ws_l, ws_a), tab, page_rows, page_size, G,
                                     score_scale(scale), ns, vsl, tile_rows=cfg.block_m, one=one,
                                     order=split_grid_order(nt, Hkv, ns * vsl, q.device), pdl=pdl)
+            elif wgt_split:
+                from rl_engine.backends.shared.triton.attention import hopper
+
+                hopper.launch_split_t(q, k_rows, v_rows, out, (ws_m, ws_l, ws_a), tab, page_rows, page_size, G,
+                                      score_scale(scale), ns, vsl, paged=paged, tile_rows=cfg.block_m, one=one,
+                                      order=split_grid_order(nt, Hkv, ns * vsl, q.device), pdl=pdl)
             else:
                 order = split_grid_order(nt, Hkv, ns * vsl, q.device)
                 grid = ((nt, Hkv, ns * vsl), (Hkv, nt, ns * vsl), (ns * vsl, nt, Hkv))[order]
@@ -2103,6 +2138,72 @@ def wg_decode_eligible(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tens
     return _copyable_rows(k_rows, v_rows) and _has_gluon_hopper()
 
 
+#: Whether decode steps run their splits on the transposed Hopper kernel
+#: (``hopper.rlk_attn_split_wgt``) where ``wgt_decode_eligible`` and ``wgt_decode_programs`` allow;
+#: ``wgt_decode(False)`` turns it off for a block of code.
+WGT_DECODE = True
+#: The decode launches whose splits take ``hopper.rlk_attn_split_wgt``: from ``lo`` to ``hi``
+#: programs per SM (value slices counted; ``wgt_decode_programs``).
+WGT_DECODE_BAND = (0.0, 0.5)
+#: Value slices of ``rlk_attn_split_wgt`` launches (1 or 2; its ``Vᵀ·Pᵀ`` product needs 64-row slices).
+WGT_V_SLICES = 2
+
+
+def wgt_decode(on: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Set ``WGT_DECODE`` inside the block (restored in ``finally``). The bits are the same either way."""
+    return _scoped("WGT_DECODE", bool(on))
+
+
+def wgt_decode_band(lo: float, hi: float) -> contextlib.AbstractContextManager[None]:
+    """Set ``WGT_DECODE_BAND`` to ``(lo, hi)`` programs per SM inside the block (restored in
+    ``finally``). The same bits either way."""
+    return _scoped("WGT_DECODE_BAND", (float(lo), float(hi)))
+
+
+def wgt_value_slices(v_slices: int) -> contextlib.AbstractContextManager[None]:
+    """Set ``WGT_V_SLICES`` (1 or 2) inside the block (restored in ``finally``). The same bits either way."""
+    if v_slices not in (1, 2):
+        raise ValueError(f"v_slices: expected 1 or 2 (64-column value slices at least), got {v_slices}")
+    return _scoped("WGT_V_SLICES", int(v_slices))
+
+
+def wgt_decode_programs(programs: int, device: torch.device) -> bool:
+    """Whether a decode launch of ``programs`` (tile, kv head, split, value slice) programs runs its
+    splits on ``hopper.rlk_attn_split_wgt`` (``WGT_DECODE_BAND``). False off CUDA."""
+    if device.type != "cuda":
+        return False
+    sm = _sm_count_of(_index(device))
+    lo, hi = WGT_DECODE_BAND
+    return lo * sm <= programs <= hi * sm
+
+
+def wgt_tile_rows(one: bool, group: int, tile_rows: int) -> int:
+    """The query rows (``NQ``, the products' ``N``) of ``hopper.rlk_attn_split_wgt``'s tile: 8 for a
+    one-token step (``one``) of at most 8 query heads a kv head, else 16 (a decode tile of at most
+    16 rows: ``group`` rows with ``one``, else ``tile_rows``)."""
+    rows = group if one else tile_rows
+    if rows > 16:
+        raise ValueError(f"tile_rows: expected decode tiles of at most 16 query rows, got {rows} "
+                         f"(one={one}, group={group}, tile_rows={tile_rows})")
+    return 8 if rows <= 8 else 16
+
+
+def wgt_decode_eligible(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, page_size: int, paged: bool,
+                        window: int | None, one: bool, tile_rows: int) -> bool:
+    """Whether a decode step's splits may run ``hopper.rlk_attn_split_wgt``
+    (``attend(wgt_split=True)``): ``WGT_DECODE`` on, a contiguous cache or one of
+    ``WG_DECODE_PAGE_SIZES`` pages, no window, 16-bit inputs with ``D = 128`` on sm90 with Triton
+    3.6's Gluon Hopper API (``_wg_query``), storage rows a TMA copy can read with row indices below
+    ``2^31``, and decode tiles of at most 16 query rows (``one``: one token a sequence, ``G`` rows;
+    else ``tile_rows``). Otherwise the other kernels, with the same bits (GPU tests)."""
+    if not WGT_DECODE or window is not None or (paged and int(page_size) not in WG_DECODE_PAGE_SIZES):
+        return False
+    rows = q.shape[1] // k_rows.shape[1] if one else tile_rows
+    if rows > 16 or not _wg_query(q) or k_rows.shape[0] >= 1 << 31:
+        return False
+    return _copyable_rows(k_rows, v_rows) and _has_gluon_hopper()
+
+
 def _wg_forward(q, k, v, cu_seqlens, scale, window, bound: int, for_backward: bool):
     """``varlen_forward`` by ``hopper.rlk_attn_fwd_wg`` (64-row tiles of the same tile table)."""
     from rl_engine.backends.shared.triton.attention import hopper
@@ -2259,10 +2360,17 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     wg_split = (path == "decode" and config is None
                 and wg_decode_eligible(q, k_rows, v_rows, page_size, P > 1, window)
                 and wg_decode_programs(programs * cfg.v_slices, q.device))
+    # else the splits of a step of few programs on the transposed kernel (its own value slices)
+    wgt_split = (path == "decode" and config is None and not wg_split
+                 and wgt_decode_eligible(q, k_rows, v_rows, page_size, P > 1, window, one, cfg.block_m)
+                 and wgt_decode_programs(programs * WGT_V_SLICES, q.device))
+    if wgt_split:
+        cfg = replace(cfg, v_slices=WGT_V_SLICES)
+        cache_tma = False
     nseq = torch.empty(B, dtype=torch.int64, device=q.device)  # only its length is read (table built)
     out, _, _ = attend(q, k_rows, v_rows, page_rows.contiguous(), page_size, nseq, nseq, nseq,
                        max_positions, scale, window, path=path, config=cfg, tab=tab, one=one, cache_tma=cache_tma,
-                       wg_split=wg_split)
+                       wg_split=wg_split, wgt_split=wgt_split)
     return out
 
 
