@@ -30,8 +30,10 @@ ending ``.no_dtma`` run the contiguous step with every block by pointer loads
 ending ``.no_wg`` (prefill and train) run the train path's forward with the Triton kernel
 (``kernels.wg_forward(False)``), beside the default's Hopper warpgroup kernel
 (``hopper.rlk_attn_fwd_wg``, sm90 with Triton 3.6); decode rows ending ``.paged16.no_wg`` run the
-paged step on the Triton kernels (``kernels.wg_decode(False)``), beside the default's warpgroup
-split kernel (``hopper.rlk_attn_split_wg``) where ``kernels.wg_decode_programs`` takes the step.
+paged step on the Triton kernels (``kernels.wg_decode(False)`` and ``wgt_decode(False)``), beside
+the default's Hopper split kernels where their bands take the step; rows ending ``.no_wgt`` run
+either step without the transposed split kernel (``hopper.rlk_attn_split_wgt``,
+``kernels.wgt_decode_programs``).
 
 Rows ending ``~sb<n>`` (``--split-blocks``) run the shipped call with the KV split set to ``n``
 64-key blocks instead of the contract's 16 (an experiment: fewer blocks per split give a decode
@@ -135,6 +137,16 @@ def _candidates(kind: str, all_configs: bool):
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     return K.CANDIDATE_CONFIGS[kind] if all_configs else ()
+
+
+@contextlib.contextmanager
+def _triton_decode():
+    """A decode step's splits on the Triton kernels: both Hopper decode kernels off
+    (``kernels.wg_decode(False)``, ``kernels.wgt_decode(False)``)."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    with K.wg_decode(False), K.wgt_decode(False):
+        yield
 
 
 def _within(fn: Callable[[], object], mode: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], object]:
@@ -253,7 +265,11 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
     impls[f"{OURS}.paged16.no_pdl"] = _within(impls[f"{OURS}.paged16"], K.launch_plainly)
     # the paged step with its splits on the Triton kernels (kernels.wg_decode(False)), beside the
     # default's warpgroup kernel where kernels.wg_decode_programs takes the step
-    impls[f"{OURS}.paged16.no_wg"] = _within(impls[f"{OURS}.paged16"], lambda: K.wg_decode(False))
+    impls[f"{OURS}.paged16.no_wg"] = _within(impls[f"{OURS}.paged16"], _triton_decode)
+    # either step with its splits off the transposed kernel (kernels.wgt_decode(False)): the
+    # Triton kernels or, over pages, the warpgroup kernel where its band takes the step
+    impls[f"{OURS}.no_wgt"] = _within(impls[OURS], lambda: K.wgt_decode(False))
+    impls[f"{OURS}.paged16.no_wgt"] = _within(impls[f"{OURS}.paged16"], lambda: K.wgt_decode(False))
     # the split kernel's grid in another order (kernels.split_grid), side by side
     for order in ("tiles", "heads", "splits"):
         for name in (OURS, f"{OURS}.paged16"):

@@ -18,6 +18,7 @@ benchmark of record is ``benchmarks/operators/bench_attention_gpu.py``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -96,7 +97,8 @@ def main(argv=None) -> int:
                     "suffix caps the value slices: 3v1 one slice, 3v4 up to four")
     ap.add_argument("--wgt", default="", help="the steps' splits on the transposed kernel (hopper.rlk_attn_split_wgt, "
                     "forced at every size with kernels.wgt_decode_band, both caches): ring slots and value slices, "
-                    "comma-separated: 2v2 = 2 slots, 2 value slices")
+                    "comma-separated: 2v2 = 2 slots, 2 value slices (four blocks a step by the rule); 2v2q1 = "
+                    "four blocks a step with 1 four-block slot; 2v2q0 = one block a step")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--profile", default="", help="implementations (names as printed) to run under the torch "
@@ -164,13 +166,19 @@ def main(argv=None) -> int:
                 rows.append({"case": f"{B}x{ctx}", "cache": cache_name, "config": f"wg_s{spec}",
                              "bits_equal": equal})
             for spec in (x for x in args.wgt.split(",") if x):
-                slots, vsl = (int(x) for x in spec.split("v"))
+                m = re.match(r"(\d+)v(\d+)(?:q(\d+))?$", spec)
+                if not m:
+                    raise SystemExit(f"--wgt: {spec!r} is not like 2v2, 2v2q2 or 2v2q0")
+                slots, vsl = int(m.group(1)), int(m.group(2))
+                qslots = None if m.group(3) is None else int(m.group(3))
 
-                def transposed(step=step, slots=slots, vsl=vsl):
+                def transposed(step=step, slots=slots, vsl=vsl, qslots=qslots):
                     from rl_engine.backends.shared.triton.attention import hopper
 
-                    with hopper.split_t_configured(slots), K.wgt_value_slices(vsl), K.wg_decode(False), \
-                            K.wgt_decode_band(0, float("inf")):
+                    quad = (K.wgt_quad_band(float("inf") if qslots else 0.0) if qslots is not None
+                            else contextlib.nullcontext())
+                    with hopper.split_t_configured(slots, qslots or None), K.wgt_value_slices(vsl), \
+                            K.wg_decode(False), K.wgt_decode_band(0, float("inf")), quad:
                         return step()
 
                 equal = bool(torch.equal(_bits(transposed()), _bits(want)))

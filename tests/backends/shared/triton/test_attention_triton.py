@@ -2127,7 +2127,7 @@ def test_warpgroup_profiler_kernel_names_carry_the_prefix():
         cache = PagedKVCache(200, 16, 2, 128, dtype=torch.bfloat16, device="cuda", max_seqs=2)
         cached_attention(q, k, v, cache, [0, 1], cu)  # prefill
         one = torch.tensor([0, 1, 2], device="cuda")
-        with K.wg_decode_band(0, float("inf")):
+        with K.wg_decode_band(0, float("inf")), K.wgt_decode(False):
             cached_attention(q[:2], k[:2], v[:2], cache, [0, 1], one)  # decode: 2 KV splits at 1200 keys
         with K.wg_decode(False), K.wgt_decode_band(0, float("inf")):
             cached_attention(q[:2], k[:2], v[:2], cache, [0, 1], one)  # the next token, on the transposed kernel
@@ -2357,8 +2357,9 @@ def test_transposed_decode_gives_the_triton_kernels_bits(case, monkeypatch):
     shuffled order (NaN in every unused page and table entry), ragged lengths at block, page and
     split edges (1 .. 4097 keys, up to 5 KV splits; steps of one split, whose programs finish
     their rows), GQA groups 1-16, bf16 and fp16, steps of one token a sequence (no tile table)
-    and of 2-4 tokens (tile table, masked blocks); the shipped ring depth and value slices and 3 /
-    4 ring slots with 1 / 2 value slices. Negative control: one key of the first sequence's
+    and of 2-4 tokens (tile table, masked blocks); the shipped ring depth and value slices, one
+    block a step at 3 / 4 ring slots with 1 / 2 value slices, and four blocks a step
+    (``wgt_quad_band``) at 2 / 1 four-block slots. Negative control: one key of the first sequence's
     unmasked run perturbed moves that sequence's rows and no other."""
     from rl_engine.backends.shared.triton.attention import hopper
     from rl_engine.backends.shared.triton.attention import kernels as K
@@ -2382,7 +2383,7 @@ def test_transposed_decode_gives_the_triton_kernels_bits(case, monkeypatch):
                                 path="decode", decode_only=n == 1)
 
     assert K.wgt_decode_eligible(q, kc, vc, size, ps is not None, None, n == 1, 16)
-    monkeypatch.setattr(K, "WGT_DECODE_BAND", (0.0, float("inf")))  # every launch size (the rule: a band)
+    monkeypatch.setattr(K, "WGT_DECODE_BAND", {False: (0.0, float("inf")), True: (0.0, float("inf"))})  # every size
     with K.wg_decode(False):
         got = step()
         assert flags[-1] is True
@@ -2391,10 +2392,11 @@ def test_transposed_decode_gives_the_triton_kernels_bits(case, monkeypatch):
         assert flags[-1] is False
         assert bit_diff(got, plain), (case, bit_diff(got, plain))
         assert bit_diff(got, ref[rows]), (case, bit_diff(got, ref[rows]))
-        for slots, slices in ((3, 1), (4, 2)):
-            with hopper.split_t_configured(slots), K.wgt_value_slices(slices):
+        # one block a step at 3 / 4 ring slots, 1 / 2 value slices; four blocks a step at 2 / 1 slots
+        for slots, slices, quad in ((3, 1, 0), (4, 2, 0), (2, 2, float("inf")), (1, 2, float("inf"))):
+            with hopper.split_t_configured(slots, slots), K.wgt_value_slices(slices), K.wgt_quad_band(quad):
                 other = step()
-            assert flags[-1] is True and bit_diff(other, got), (case, slots, slices, bit_diff(other, got))
+            assert flags[-1] is True and bit_diff(other, got), (case, slots, slices, quad, bit_diff(other, got))
         assert torch.isfinite(got.float()).all()
         k2 = kc.clone()
         k2[page_rows[0, 0] + 5, 0, 3] += 0.5  # position 5 of sequence 0, kv head 0: every query of it sees it
@@ -2418,6 +2420,7 @@ def test_warpgroup_paged_decode_takes_the_band_of_half_to_two_programs_per_sm(mo
     flags = []
     attend = K.attend
     monkeypatch.setattr(K, "attend", lambda *a, **kw: flags.append(kw["wg_split"]) or attend(*a, **kw))
+    monkeypatch.setattr(K, "WGT_DECODE", False)  # the transposed kernel's band takes precedence
     for batch in (1, 4, 16):
         kc = torch.randn((batch * ctx, hkv, d), generator=gen).to(torch.bfloat16).cuda()
         vc = torch.randn((batch * ctx, hkv, d), generator=gen).to(torch.bfloat16).cuda()
@@ -2439,6 +2442,51 @@ def test_warpgroup_paged_decode_takes_the_band_of_half_to_two_programs_per_sm(mo
             assert bit_diff(step(kc), got), batch
         k2 = kc.clone()
         k2[table[0, 3] + 1, 2] += 0.5
+        assert not bit_diff(step(k2)[:1], got[:1])
+
+
+@gpu
+def test_transposed_decode_takes_its_band(monkeypatch):
+    """On the device, the shipped selection runs a decode step's splits on the transposed kernel
+    exactly inside ``WGT_DECODE_BAND`` (two value slices counted), four blocks a step exactly where
+    ``wgt_quad_blocks`` says: Qwen3-8B heads (8 kv heads, G = 4), 4096 keys; on a 132-SM H200 a
+    contiguous cache at batch 1 (64 programs: four blocks a step) and 16 (1024: neither), 16-key
+    pages at batch 1 (64: below the paged band) and 4 (256). Each step's rows raw-bit equal the
+    Triton kernels' (``wg_decode(False)``, ``wgt_decode(False)``). Negative control: a perturbed
+    visible key moves the rows."""
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator().manual_seed(23)
+    hkv, g, d, ps, ctx = 8, 4, 128, 16, 4096
+    flags = []
+    attend = K.attend
+    monkeypatch.setattr(K, "attend",
+                        lambda *a, **kw: flags.append((kw["wgt_split"], kw["wgt_quad"])) or attend(*a, **kw))
+    for paged, batch in ((False, 1), (False, 16), (True, 1), (True, 4)):
+        kc = torch.randn((batch * ctx, hkv, d), generator=gen).to(torch.bfloat16).cuda()
+        vc = torch.randn((batch * ctx, hkv, d), generator=gen).to(torch.bfloat16).cuda()
+        q = torch.randn((batch, hkv * g, d), generator=gen).to(torch.bfloat16).cuda()
+        if paged:
+            table, size = (torch.randperm(batch * ctx // ps, generator=gen).view(batch, ctx // ps) * ps).cuda(), ps
+        else:
+            table, size = (torch.arange(batch) * ctx)[:, None].cuda(), ctx
+        q_seq, q_pos = torch.arange(batch).cuda(), torch.full((batch,), ctx - 1).cuda()
+
+        def step(kk, q=q, vc=vc, table=table, size=size, q_seq=q_seq, q_pos=q_pos):
+            return K.cached_forward(q, kk, vc, table, size, q_seq, q_pos, d**-0.5, None, decode_only=True)
+
+        got = step(kc)
+        programs = batch * hkv * K.num_splits(ctx) * K.WGT_V_SLICES
+        assert flags[-1][0] is K.wgt_decode_programs(programs, paged, q.device), (paged, batch)
+        assert flags[-1][1] is (flags[-1][0] and K.wgt_quad_blocks(programs, paged, q.device)), (paged, batch)
+        if sm == 132:  # the H200
+            assert flags[-1] == {(False, 1): (True, True), (False, 16): (False, False), (True, 1): (False, False),
+                                 (True, 4): (True, False)}[(paged, batch)], (paged, batch, flags[-1])
+        with K.wg_decode(False), K.wgt_decode(False):
+            assert bit_diff(step(kc), got), (paged, batch)
+        k2 = kc.clone()
+        k2[int(table[0, 0]) + 1, 2] += 0.5
         assert not bit_diff(step(k2)[:1], got[:1])
 
 
@@ -2480,8 +2528,9 @@ def test_interpreter_warpgroup_decode_rule_is_pure(monkeypatch):
 def test_interpreter_transposed_decode_rule_is_pure(monkeypatch):
     """``wgt_decode_eligible`` is a pure rule: CPU tensors, fp32, other head dims, a window, 64-key
     or 8-key pages, tiles of more than 16 rows and the switch off all give False without touching a
-    device; ``wgt_decode``, ``wgt_decode_band`` and ``wgt_value_slices`` restore their switches (the
-    last refuses slices of fewer than 64 columns); ``wgt_tile_rows`` sizes the tile's ``N``;
+    device; ``wgt_decode``, ``wgt_decode_band``, ``wgt_value_slices`` and ``wgt_quad_band`` restore
+    their switches (``wgt_value_slices`` refuses slices of fewer than 64 columns); the bands of
+    ``wgt_decode_programs`` and ``wgt_quad_blocks``; ``wgt_tile_rows`` sizes the tile's ``N``;
     ``attend`` refuses ``wgt_split`` on a step the kernel does not take (naming the argument)."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
@@ -2493,15 +2542,25 @@ def test_interpreter_transposed_decode_rule_is_pure(monkeypatch):
     for args in ((16, True, 300, True, 16), (64, True, None, True, 16), (8, True, None, True, 16),
                  (70, False, None, False, 32)):
         assert not K.wgt_decode_eligible(cuda_like, k, v, *args), args
-    with K.wgt_decode(False), K.wgt_decode_band(1, 2), K.wgt_value_slices(1):
-        assert (K.WGT_DECODE, K.WGT_DECODE_BAND, K.WGT_V_SLICES) == (False, (1.0, 2.0), 1)
-    assert (K.WGT_DECODE, K.WGT_DECODE_BAND, K.WGT_V_SLICES) == (True, (0.0, 0.5), 2)
+    shipped = (True, {False: (0.0, 4.0), True: (0.75, 4.0)}, 2, 1.0)
+    with K.wgt_decode(False), K.wgt_decode_band(1, 2), K.wgt_value_slices(1), K.wgt_quad_band(0):
+        assert (K.WGT_DECODE, K.WGT_DECODE_BAND, K.WGT_V_SLICES, K.WGT_QUAD_PROGRAMS) == (
+            False, {False: (1.0, 2.0), True: (1.0, 2.0)}, 1, 0.0)
+    assert (K.WGT_DECODE, K.WGT_DECODE_BAND, K.WGT_V_SLICES, K.WGT_QUAD_PROGRAMS) == shipped
     with pytest.raises(ValueError, match="v_slices"):
         K.wgt_value_slices(4)
+    # the bands on a 132-SM device: up to 4 programs an SM, over pages from 3/4 of one
     monkeypatch.setattr(K, "_sm_count_of", lambda index: 132)
     cuda0 = torch.device("cuda", 0)
-    assert [K.wgt_decode_programs(n, cuda0) for n in (1, 64, 66, 67, 132)] == [True, True, True, False, False]
-    assert not K.wgt_decode_programs(8, torch.device("cpu"))
+    sizes = (1, 64, 98, 99, 132, 528, 529)
+    assert [K.wgt_decode_programs(n, False, cuda0) for n in sizes] == [True] * 6 + [False]
+    assert [K.wgt_decode_programs(n, True, cuda0) for n in sizes] == [False, False, False, True, True, True, False]
+    assert not K.wgt_decode_programs(8, False, torch.device("cpu"))
+    # four blocks a step: a contiguous cache, two value slices, at most one program an SM
+    assert [K.wgt_quad_blocks(n, False, cuda0) for n in (1, 132, 133)] == [True, True, False]
+    assert not K.wgt_quad_blocks(64, True, cuda0) and not K.wgt_quad_blocks(64, False, torch.device("cpu"))
+    with K.wgt_value_slices(1):
+        assert not K.wgt_quad_blocks(64, False, cuda0)
     assert [K.wgt_tile_rows(True, g, 16) for g in (1, 4, 8, 16)] == [8, 8, 8, 16]
     assert K.wgt_tile_rows(False, 4, 16) == 16
     with pytest.raises(ValueError, match="tile_rows"):

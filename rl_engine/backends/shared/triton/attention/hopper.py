@@ -63,7 +63,9 @@ DEVICE_FUNCTIONS = ("rlk_attn_wg_gdc_wait", "rlk_attn_wg_exp2", "rlk_attn_wg_row
                     "rlk_attn_wg_walk", "rlk_attn_wg_load", "rlk_attn_wgd_gdc_launch",
                     "rlk_attn_wgd_entries", "rlk_attn_wgd_copy", "rlk_attn_wgd_first", "rlk_attn_wgd_walk",
                     "rlk_attn_wgd_masked", "rlk_attn_wgt_softmax", "rlk_attn_wgt_stage", "rlk_attn_wgt_pv",
-                    "rlk_attn_wgt_entries", "rlk_attn_wgt_walk", "rlk_attn_wgt_masked")
+                    "rlk_attn_wgt_entries", "rlk_attn_wgt_walk", "rlk_attn_wgt_masked", "rlk_attn_wgt_copy4",
+                    "rlk_attn_wgt_entries4", "rlk_attn_wgt_scores4", "rlk_attn_wgt_max4", "rlk_attn_wgt_fold",
+                    "rlk_attn_wgt_quad", "rlk_attn_wgt_quads")
 
 #: key-block rows (``kernels.KV_BLOCK``) and the tile's query rows (one warpgroup, 16 rows a warp;
 #: 128-row tiles of two warpgroups were measured slower: session 13 run 3)
@@ -854,6 +856,165 @@ def rlk_attn_wgt_walk(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_
 
 
 @gluon.jit
+def rlk_attn_wgt_copy4(desc, smem, bars, es, col, qi, nqd, QST: gl.constexpr, PS: gl.constexpr, PPB: gl.constexpr):
+    """Issue the TMA copies of four-block step ``qi``'s blocks (entries ``es``: four
+    ``rlk_attn_wgt_entries`` tuples) into ring slots ``4·(qi % QST) ..``, one barrier for the four
+    blocks; if ``qi < nqd``."""
+    pred = qi < nqd
+    slot = qi % QST
+    bar = bars.index(slot)
+    mbarrier.expect(bar, desc.block_type.nbytes * (4 * PPB), pred=pred)
+    for b in gl.static_range(4):
+        buf = smem.index(slot * 4 + b)
+        for i in gl.static_range(PPB):
+            tma.async_copy_global_to_shared(desc, [es[b][i], col], bar, buf.slice(i * PS, PS), pred=pred)
+
+
+@gluon.jit
+def rlk_attn_wgt_entries4(pr_row, kbase, b, PPB: gl.constexpr, PAGED: gl.constexpr):
+    """The copy rows of blocks ``b .. b + 3`` (``rlk_attn_wgt_entries``)."""
+    return (rlk_attn_wgt_entries(pr_row, kbase, b, PPB, PAGED), rlk_attn_wgt_entries(pr_row, kbase, b + 1, PPB, PAGED),
+            rlk_attn_wgt_entries(pr_row, kbase, b + 2, PPB, PAGED), rlk_attn_wgt_entries(pr_row, kbase, b + 3, PPB, PAGED))
+
+
+@gluon.jit
+def rlk_attn_wgt_scores4(k_smem, k_bars, qt, qi, QST: gl.constexpr, zero_s):
+    """Issue four-block step ``qi``'s four score products ``k·qᵀ`` (asynchronous) once its key
+    blocks have arrived; returns their tokens."""
+    slot = qi % QST
+    mbarrier.wait(k_bars.index(slot), phase=(qi // QST) & 1)
+    t0 = warpgroup_mma(k_smem.index(slot * 4), qt, zero_s, use_acc=False, is_async=True)
+    t1 = warpgroup_mma(k_smem.index(slot * 4 + 1), qt, zero_s, use_acc=False, is_async=True)
+    t2 = warpgroup_mma(k_smem.index(slot * 4 + 2), qt, zero_s, use_acc=False, is_async=True)
+    t3 = warpgroup_mma(k_smem.index(slot * 4 + 3), qt, zero_s, use_acc=False, is_async=True)
+    return t0, t1, t2, t3
+
+
+@gluon.jit
+def rlk_attn_wgt_max4(s0, s1, s2, s3, x_smem, NQ: gl.constexpr, col_s: gl.constexpr, x_layout: gl.constexpr):
+    """Each block's maximum score per query row (``[NQ]`` each, unscaled): every warp's over its 16
+    keys, the four warps' exchanged through ``x_smem`` (one barrier for the four blocks)."""
+    x_smem.slice(0, 4).store(gl.max(gl.reshape(s0, [4, 16, NQ]), axis=1))
+    x_smem.slice(4, 4).store(gl.max(gl.reshape(s1, [4, 16, NQ]), axis=1))
+    x_smem.slice(8, 4).store(gl.max(gl.reshape(s2, [4, 16, NQ]), axis=1))
+    x_smem.slice(12, 4).store(gl.max(gl.reshape(s3, [4, 16, NQ]), axis=1))
+    gl.thread_barrier()
+    x0 = gl.convert_layout(gl.max(x_smem.slice(0, 4).load(x_layout), axis=0), col_s)
+    x1 = gl.convert_layout(gl.max(x_smem.slice(4, 4).load(x_layout), axis=0), col_s)
+    x2 = gl.convert_layout(gl.max(x_smem.slice(8, 4).load(x_layout), axis=0), col_s)
+    x3 = gl.convert_layout(gl.max(x_smem.slice(12, 4).load(x_layout), axis=0), col_s)
+    return x0, x1, x2, x3
+
+
+@gluon.jit
+def rlk_attn_wgt_fold(f_buf, NQ: gl.constexpr, col_s: gl.constexpr, f_layout: gl.constexpr):
+    """``rlk_attn_wgt_stage``'s row sums of the probabilities staged in ``f_buf`` (``[4, 16, NQ]``)."""
+    x = gl.sum(gl.reshape(f_buf.load(f_layout), [2, 2, 16, NQ]), axis=0)
+    x = gl.sum(x, axis=0)
+    for i in gl.static_range(4):
+        x = gl.sum(gl.reshape(x, [2, 16 >> (i + 1), NQ]), axis=0)
+    return gl.convert_layout(gl.reshape(x, [NQ]), col_s)
+
+
+@gluon.jit
+def rlk_attn_wgt_quad(s0, s1, s2, s3, m, l, acc, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_bars, k_desc, v_desc,
+                      qt, ek, en, col, vcol, qi, nqd, qk_scale, zero_s, NQ: gl.constexpr, QST: gl.constexpr,
+                      PS: gl.constexpr, PPB: gl.constexpr, col_s: gl.constexpr, col_o: gl.constexpr,
+                      x_layout: gl.constexpr, f_layout: gl.constexpr, NEXT: gl.constexpr):
+    """Four-block step ``qi`` of the unmasked run (``kernels.rlk_attn_quad``'s values with the
+    transposed products): the blocks' maxima taken in order, ``mn_j = max(mn_{j−1}, x_j·c + 0)``,
+    ``α_j = 2^{mn_{j−1} − mn_j}``, ``P_j = 2^{fma(s_j, c, −mn_j)}``, ``l ← fma(l, α_j, Σ P_j)`` and
+    ``accᵀ ← Vᵀ_j·Pᵀ_j + accᵀ·α_j`` for ``j = 0 .. 3``: four ``rlk_attn_block`` steps. Its key slot
+    takes step ``qi + QST``'s keys (entries ``ek``) once its scores ``s0 .. s3`` are in; ``NEXT``:
+    step ``qi + 1``'s score products run during this step's ``P·V`` chain and are returned
+    (else the scores returned are this step's, unused)."""
+    rlk_attn_wgt_copy4(k_desc, k_smem, k_bars, ek, col, qi + QST, nqd, QST, PS, PPB)
+    x0, x1, x2, x3 = rlk_attn_wgt_max4(s0, s1, s2, s3, x_smem, NQ, col_s, x_layout)
+    mn0 = gl.maximum(m, x0 * qk_scale + 0.0)
+    mn1 = gl.maximum(mn0, x1 * qk_scale + 0.0)
+    mn2 = gl.maximum(mn1, x2 * qk_scale + 0.0)
+    mn3 = gl.maximum(mn2, x3 * qk_scale + 0.0)
+    a0 = rlk_attn_wg_exp2(m - mn0)
+    a1 = rlk_attn_wg_exp2(mn0 - mn1)
+    a2 = rlk_attn_wg_exp2(mn1 - mn2)
+    a3 = rlk_attn_wg_exp2(mn2 - mn3)
+    p0 = rlk_attn_wg_exp2(gl.fma(s0, qk_scale, -gl.expand_dims(mn0, 0)))
+    p1 = rlk_attn_wg_exp2(gl.fma(s1, qk_scale, -gl.expand_dims(mn1, 0)))
+    p2 = rlk_attn_wg_exp2(gl.fma(s2, qk_scale, -gl.expand_dims(mn2, 0)))
+    p3 = rlk_attn_wg_exp2(gl.fma(s3, qk_scale, -gl.expand_dims(mn3, 0)))
+    dt: gl.constexpr = p_bufs.dtype
+    p_bufs.index(0).store(gl.permute(p0.to(dt), (1, 0)))
+    p_bufs.index(1).store(gl.permute(p1.to(dt), (1, 0)))
+    p_bufs.index(2).store(gl.permute(p2.to(dt), (1, 0)))
+    p_bufs.index(3).store(gl.permute(p3.to(dt), (1, 0)))
+    f_smem.slice(0, 4).store(gl.reshape(p0, [4, 16, NQ]))
+    f_smem.slice(4, 4).store(gl.reshape(p1, [4, 16, NQ]))
+    f_smem.slice(8, 4).store(gl.reshape(p2, [4, 16, NQ]))
+    f_smem.slice(12, 4).store(gl.reshape(p3, [4, 16, NQ]))
+    fence_async_shared()
+    gl.thread_barrier()
+    if NEXT:
+        t0, t1, t2, t3 = rlk_attn_wgt_scores4(k_smem, k_bars, qt, qi + 1, QST, zero_s)
+    slot = qi % QST
+    mbarrier.wait(v_bars.index(slot), phase=(qi // QST) & 1)
+    acc = acc * gl.expand_dims(gl.convert_layout(a0, col_o), 0)
+    acc = warpgroup_mma(v_smem.index(slot * 4).permute((1, 0)), p_bufs.index(0).permute((1, 0)), acc, is_async=True)
+    l = gl.fma(l, a0, rlk_attn_wgt_fold(f_smem.slice(0, 4), NQ, col_s, f_layout))
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    acc = acc * gl.expand_dims(gl.convert_layout(a1, col_o), 0)
+    acc = warpgroup_mma(v_smem.index(slot * 4 + 1).permute((1, 0)), p_bufs.index(1).permute((1, 0)), acc,
+                        is_async=True)
+    l = gl.fma(l, a1, rlk_attn_wgt_fold(f_smem.slice(4, 4), NQ, col_s, f_layout))
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    acc = acc * gl.expand_dims(gl.convert_layout(a2, col_o), 0)
+    acc = warpgroup_mma(v_smem.index(slot * 4 + 2).permute((1, 0)), p_bufs.index(2).permute((1, 0)), acc,
+                        is_async=True)
+    l = gl.fma(l, a2, rlk_attn_wgt_fold(f_smem.slice(8, 4), NQ, col_s, f_layout))
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    acc = acc * gl.expand_dims(gl.convert_layout(a3, col_o), 0)
+    acc = warpgroup_mma(v_smem.index(slot * 4 + 3).permute((1, 0)), p_bufs.index(3).permute((1, 0)), acc,
+                        is_async=True)
+    l = gl.fma(l, a3, rlk_attn_wgt_fold(f_smem.slice(12, 4), NQ, col_s, f_layout))
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    # the value slot is free: it takes step qi + QST's values
+    rlk_attn_wgt_copy4(v_desc, v_smem, v_bars, ek, vcol, qi + QST, nqd, QST, PS, PPB)
+    if NEXT:
+        s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
+    return mn3, l, acc, s0, s1, s2, s3
+
+
+@gluon.jit
+def rlk_attn_wgt_quads(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_bars, k_desc, v_desc, pr_row, kbase,
+                       col, vcol, b0, nqd, qk_scale, NQ: gl.constexpr, DV: gl.constexpr, QST: gl.constexpr,
+                       PS: gl.constexpr, PPB: gl.constexpr, PAGED: gl.constexpr, s_layout: gl.constexpr,
+                       o_layout: gl.constexpr, col_s: gl.constexpr, col_o: gl.constexpr, x_layout: gl.constexpr,
+                       f_layout: gl.constexpr):
+    """The unmasked run's first ``4·nqd`` blocks from ``b0`` (``nqd >= 1``; the first ``QST`` steps'
+    copies issued) four a step (``rlk_attn_wgt_quad``) from ``(-inf, 0, +0)``. A step's page-table
+    entries are loaded a step before its copies are issued."""
+    zero_s = gl.zeros([64, NQ], gl.float32, s_layout)
+    qt = q_smem.permute((1, 0))
+    ek = rlk_attn_wgt_entries4(pr_row, kbase, b0 + 4 * gl.minimum(QST, nqd - 1), PPB, PAGED)
+    t0, t1, t2, t3 = rlk_attn_wgt_scores4(k_smem, k_bars, qt, 0, QST, zero_s)
+    s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
+    m = gl.full([NQ], float("-inf"), gl.float32, col_s)
+    l = gl.zeros([NQ], gl.float32, col_s)
+    acc = gl.zeros([DV, NQ], gl.float32, o_layout)
+    for qi in range(0, nqd - 1):
+        en = rlk_attn_wgt_entries4(pr_row, kbase, b0 + 4 * gl.minimum(qi + QST + 1, nqd - 1), PPB, PAGED)
+        m, l, acc, s0, s1, s2, s3 = rlk_attn_wgt_quad(s0, s1, s2, s3, m, l, acc, k_smem, v_smem, p_bufs, x_smem, f_smem,
+                                                      k_bars, v_bars, k_desc, v_desc, qt, ek, en, col, vcol, qi, nqd,
+                                                      qk_scale, zero_s, NQ, QST, PS, PPB, col_s, col_o, x_layout,
+                                                      f_layout, True)
+        ek = en
+    m, l, acc, s0, s1, s2, s3 = rlk_attn_wgt_quad(s0, s1, s2, s3, m, l, acc, k_smem, v_smem, p_bufs, x_smem, f_smem,
+                                                  k_bars, v_bars, k_desc, v_desc, qt, ek, ek, col, vcol, nqd - 1, nqd,
+                                                  qk_scale, zero_s, NQ, QST, PS, PPB, col_s, col_o, x_layout, f_layout,
+                                                  False)
+    return m, l, acc
+
+
+@gluon.jit
 def rlk_attn_wgt_masked(q_smem, k_buf, v_buf, p_buf, x_smem, f_smem, k_ptr, v_ptr, pr_row, kbase, b, cap, kvh, v0,
                         sk_row, sk_head, sv_row, sv_head, m, l, acc, pos, kpos0, qk_scale, BN: gl.constexpr,
                         NQ: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr, PS: gl.constexpr,
@@ -893,7 +1054,7 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
                        PAGED: gl.constexpr, G: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr,
                        NQ: gl.constexpr, WS_M: gl.constexpr, ONE: gl.constexpr, ST: gl.constexpr, PDL: gl.constexpr,
                        SB: gl.constexpr, ORDER: gl.constexpr, FINISH: gl.constexpr, X_LAYOUT: gl.constexpr,
-                       F_LAYOUT: gl.constexpr):
+                       F_LAYOUT: gl.constexpr, QUAD: gl.constexpr):
     """``rlk_attn_split_wg`` with the products transposed, for decode tiles of at most ``NQ``
     (8 or 16) query rows over a contiguous (``PAGED=False``: each block one 64-row copy) or paged
     cache: the scores are ``k·qᵀ`` (``[64 keys, NQ]``, a ``wgmma`` of ``N = NQ``) and the
@@ -964,19 +1125,36 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
         col = (kvh * HEAD_D).to(gl.int32)
         v0 = (vs * DV).to(gl.int32)
 
-        k_smem = gl.allocate_shared_memory(dtype, [ST, BN, HEAD_D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [ST, BN, DV], v_desc.layout)
-        p_bufs = gl.allocate_shared_memory(dtype, [2, NQ, BN], p_smem_layout)
-        x_smem = gl.allocate_shared_memory(gl.float32, [4, NQ], flat)
-        f_smem = gl.allocate_shared_memory(gl.float32, [4, 16, NQ], flat3)
+        # QUAD: ST ring slots of four blocks each; else of one block
+        SLOTS: gl.constexpr = 4 * ST if QUAD else ST
+        k_smem = gl.allocate_shared_memory(dtype, [SLOTS, BN, HEAD_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [SLOTS, BN, DV], v_desc.layout)
+        p_bufs = gl.allocate_shared_memory(dtype, [4 if QUAD else 2, NQ, BN], p_smem_layout)
+        # per-block exchange buffers, block i's at rows 4·i ..: warp maxima [4, NQ], probabilities [4, 16, NQ]
+        x_smem = gl.allocate_shared_memory(gl.float32, [16, NQ], flat)
+        f_smem = gl.allocate_shared_memory(gl.float32, [16 if QUAD else 4, 16, NQ], flat3)
         k_bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
         v_bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(ST):
             mbarrier.init(k_bars.index(i), count=1)
             mbarrier.init(v_bars.index(i), count=1)
         fence_async_shared()
+        if QUAD:
+            nqd = nu // 4  # four-block steps; the blocks left over join the masked run
+            nw = 4 * nqd
+        else:
+            nqd = 0
+            nw = nu
         # the first blocks' copies are issued before the tile's Q rows are loaded
-        if nu > 0:
+        if QUAD:
+            if nqd > 0:
+                es = ()
+                for i in gl.static_range(ST):
+                    es = es + (rlk_attn_wgt_entries4(pr_row, kbase, b0 + 4 * gl.minimum(i, nqd - 1), PPB, PAGED), )
+                for i in gl.static_range(ST):
+                    rlk_attn_wgt_copy4(k_desc, k_smem, k_bars, es[i], col, i, nqd, ST, PS, PPB)
+                    rlk_attn_wgt_copy4(v_desc, v_smem, v_bars, es[i], col + v0, i, nqd, ST, PS, PPB)
+        elif nu > 0:
             es = ()
             for i in gl.static_range(ST):
                 es = es + (rlk_attn_wgt_entries(pr_row, kbase, b0 + gl.minimum(i, nu - 1), PPB, PAGED), )
@@ -996,17 +1174,23 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
         valid_c = r_c.to(gl.int64) < u1 - u0
         pos = gl.where(valid_c, tok0 + rel_c // G - pbase, 0).to(gl.int32)
         kpos0 = gl.arange(0, BN, layout=row_s)
-        if nu > 0:
-            m, l, acc = rlk_attn_wgt_walk(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_bars, k_desc, v_desc,
-                                          pr_row, kbase, col, col + v0, b0, nu, pos, kpos0, qk_scale, BN, NQ, DV, ST,
-                                          PS, PPB, PAGED, s_layout, o_layout, col_s, col_o, X_LAYOUT, F_LAYOUT)
+        if QUAD and nqd > 0:
+            m, l, acc = rlk_attn_wgt_quads(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_bars, k_desc,
+                                           v_desc, pr_row, kbase, col, col + v0, b0, nqd, qk_scale, NQ, DV, ST, PS, PPB,
+                                           PAGED, s_layout, o_layout, col_s, col_o, X_LAYOUT, F_LAYOUT)
+        elif not QUAD and nu > 0:
+            m, l, acc = rlk_attn_wgt_walk(q_smem, k_smem, v_smem, p_bufs, x_smem.slice(0, 4), f_smem.slice(0, 4), k_bars,
+                                          v_bars, k_desc, v_desc, pr_row, kbase, col, col + v0, b0, nu, pos, kpos0,
+                                          qk_scale, BN, NQ, DV, ST, PS, PPB, PAGED, s_layout, o_layout, col_s, col_o,
+                                          X_LAYOUT, F_LAYOUT)
         else:
             m = gl.full([NQ], float("-inf"), gl.float32, col_s)
             l = gl.zeros([NQ], gl.float32, col_s)
             acc = gl.zeros([DV, NQ], gl.float32, o_layout)
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        for b in range(b0 + nu, b1 + 1):
-            m, l, acc = rlk_attn_wgt_masked(q_smem, k_smem.index(0), v_smem.index(0), p_bufs.index(0), x_smem, f_smem,
+        for b in range(b0 + nw, b1 + 1):
+            m, l, acc = rlk_attn_wgt_masked(q_smem, k_smem.index(0), v_smem.index(0), p_bufs.index(0), x_smem.slice(0, 4),
+                                            f_smem.slice(0, 4),
                                             k_ptr, v_ptr, pr_row, kbase, b, cap, kvh, v0, sk_row, sk_head, sv_row,
                                             sv_head, m, l, acc, pos, kpos0, qk_scale, BN, NQ, HEAD_D, DV, PS, PAGED,
                                             s_layout, col_s, col_o, ld_layout, X_LAYOUT, F_LAYOUT)
@@ -1127,27 +1311,33 @@ def launch_split(q, k, v, out, ws, tab, page_rows, page_size, G, qk_scale, split
 
 
 #: TMA ring slots of the transposed decode split kernel (``rlk_attn_split_wgt``): key and value
-#: blocks (16 KiB each at ``D = 128``, 16-bit; 8 KiB for 64 value columns).
+#: blocks (16 KiB each at ``D = 128``, 16-bit; 8 KiB for 64 value columns); with four blocks a step,
+#: slots of four blocks (``SPLIT_T_QUAD_SLOTS``; 2: 211 KiB at 64 value columns).
 SPLIT_T_SLOTS = 2
+SPLIT_T_QUAD_SLOTS = 2
 
 
 @contextlib.contextmanager
-def split_t_configured(slots: int) -> Iterator[None]:
-    """Every ``rlk_attn_split_wgt`` launch inside the block with ``slots`` ring slots;
-    ``SPLIT_T_SLOTS`` restored in ``finally``. For tests and the probe tool: the same bits."""
-    global SPLIT_T_SLOTS
-    saved = SPLIT_T_SLOTS
+def split_t_configured(slots: int, quad_slots: int | None = None) -> Iterator[None]:
+    """Every ``rlk_attn_split_wgt`` launch inside the block with ``slots`` ring slots (and
+    ``quad_slots`` four-block slots, if given); restored in ``finally``. For tests and the probe
+    tool: the same bits."""
+    global SPLIT_T_SLOTS, SPLIT_T_QUAD_SLOTS
+    saved = SPLIT_T_SLOTS, SPLIT_T_QUAD_SLOTS
     SPLIT_T_SLOTS = int(slots)
+    if quad_slots is not None:
+        SPLIT_T_QUAD_SLOTS = int(quad_slots)
     try:
         yield
     finally:
-        SPLIT_T_SLOTS = saved
+        SPLIT_T_SLOTS, SPLIT_T_QUAD_SLOTS = saved
 
 
 def launch_split_t(q, k, v, out, ws, tab, page_rows, page_size, G, qk_scale, splits, v_slices, *, paged, tile_rows, one,
-                   order, pdl):
-    """Launch ``rlk_attn_split_wgt`` with ``SPLIT_T_SLOTS`` ring slots: ``launch_split``'s arguments
-    over a paged (``paged``: ``page_size``-key pages listed in ``page_rows``) or contiguous cache
+                   order, pdl, quad=False):
+    """Launch ``rlk_attn_split_wgt`` with ``SPLIT_T_SLOTS`` ring slots (of four blocks each with
+    ``quad``: the unmasked run four blocks a step): ``launch_split``'s arguments over a paged
+    (``paged``: ``page_size``-key pages listed in ``page_rows``) or contiguous cache
     (``page_rows[:, 0]``: each sequence's first storage row; 64-row block copies)."""
     from rl_engine.backends.shared.triton.attention.kernels import SPLIT_BLOCKS, wgt_tile_rows
 
@@ -1167,8 +1357,10 @@ def launch_split_t(q, k, v, out, ws, tab, page_rows, page_size, G, qk_scale, spl
     rlk_attn_split_wgt[grid](
         q, k_desc, v_desc, k, v, out, ws_m, ws_l, ws_a, tab, page_rows, page_rows.stride(0), qk_scale, k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), splits, Hq, Hkv, PS=ps, PAGED=bool(paged), G=G, HEAD_D=D,
-        DV=D // v_slices, NQ=nq, WS_M=int(tile_rows), ONE=bool(one), ST=SPLIT_T_SLOTS, PDL=bool(pdl), SB=SPLIT_BLOCKS,
-        ORDER=order, FINISH=finish, X_LAYOUT=x_layout, F_LAYOUT=f_layout, num_warps=4, enable_fp_fusion=False,
+        DV=D // v_slices, NQ=nq, WS_M=int(tile_rows), ONE=bool(one), ST=SPLIT_T_QUAD_SLOTS if quad else SPLIT_T_SLOTS,
+        PDL=bool(pdl), SB=SPLIT_BLOCKS,
+        ORDER=order, FINISH=finish, X_LAYOUT=x_layout, F_LAYOUT=f_layout, QUAD=bool(quad), num_warps=4,
+        enable_fp_fusion=False,
         launch_pdl=bool(pdl),
     )
 

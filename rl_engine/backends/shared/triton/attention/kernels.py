@@ -105,6 +105,9 @@ __all__ = [
     "wgt_decode_programs",
     "wgt_value_slices",
     "wgt_tile_rows",
+    "WGT_QUAD_PROGRAMS",
+    "wgt_quad_blocks",
+    "wgt_quad_band",
     "LOG2E",
     "score_scale",
     "cached_forward",
@@ -1768,7 +1771,7 @@ def _varlen_rows(cu_seqlens: torch.Tensor):
 def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base, max_positions, scale, window, *,
            path: str, config: AttnConfig | None = None, want_lse: bool = False, want_f32: bool = False,
            tab: torch.Tensor | None = None, one: bool = False, tma: bool = False, cache_tma: bool = False,
-           wg_split: bool = False, wgt_split: bool = False):
+           wg_split: bool = False, wgt_split: bool = False, wgt_quad: bool = False):
     """The forward for every query row (all entry points end here).
 
     Args:
@@ -1802,7 +1805,7 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
         wgt_split: the splits of a decode step run the transposed Hopper kernel
             (``hopper.rlk_attn_split_wgt``, ``wgt_decode_eligible``: a contiguous cache or 16- / 32-key
             pages, decode tiles of at most 16 rows; the output only), as ``wg_split`` does; the
-            same bits.
+            same bits. ``wgt_quad``: its unmasked runs four blocks a step (``wgt_quad_blocks``).
 
     Returns ``(out [T, Hq, D] in q.dtype, lse [T, Hq] fp32 | None, out_f32 | None)``.
     """
@@ -1832,13 +1835,15 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     if wgt_split and not (window is None and (not paged or int(page_size) in WG_DECODE_PAGE_SIZES) and D == 128
                           and q.element_size() == 2 and path == "decode" and not want_lse and not want_f32
                           and not wg_split and not cache_tma and _copyable_rows(k_rows, v_rows)
-                          and (one or cfg.block_m <= 16) and D // cfg.v_slices >= 64):
+                          and (one or cfg.block_m <= 16) and D // cfg.v_slices >= 64) or (wgt_quad and not (
+                              wgt_split and D // cfg.v_slices == 64)):
         raise ValueError(f"wgt_split: expected a decode-path call for the output only over a contiguous cache or "
                          f"{WG_DECODE_PAGE_SIZES} pages, no window, 16-bit rows of D = 128 a TMA copy can read, "
                          f"tiles of at most 16 rows and neither wg_split nor cache_tma, got path={path!r}, "
                          f"want_lse={want_lse}, want_f32={want_f32}, paged={paged}, page_size={page_size}, "
                          f"window={window}, D={D}, dtype={q.dtype}, wg_split={wg_split}, cache_tma={cache_tma}, "
-                         f"one={one}, block_m={cfg.block_m}, v_slices={cfg.v_slices} (at most 2: 64-column slices)")
+                         f"one={one}, block_m={cfg.block_m}, v_slices={cfg.v_slices} (at most 2: 64-column "
+                         f"slices; wgt_quad: exactly 2), wgt_quad={wgt_quad}")
     if one and (tab is None or tab.shape != (B,) or G > cfg.block_m):
         raise ValueError(f"one: expected tab = q_pos of shape [{B}] and G = {G} <= BLOCK_M = {cfg.block_m}")
     if tab is None:
@@ -1892,7 +1897,7 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
 
             hopper.launch_split_t(q, k_rows, v_rows, out, None, tab, page_rows, page_size, G, score_scale(scale), ns,
                                   vsl, paged=paged, tile_rows=cfg.block_m, one=one,
-                                  order=split_grid_order(nt, Hkv, vsl, q.device), pdl=pdl)
+                                  order=split_grid_order(nt, Hkv, vsl, q.device), pdl=pdl, quad=wgt_quad)
         elif kernel == "prefill":
             # a tile spans several KV splits only if some query position is >= 1024: then an fp32
             # scratch tile per program holds the merged accumulator between splits
@@ -1929,7 +1934,7 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
 
                 hopper.launch_split_t(q, k_rows, v_rows, out, (ws_m, ws_l, ws_a), tab, page_rows, page_size, G,
                                       score_scale(scale), ns, vsl, paged=paged, tile_rows=cfg.block_m, one=one,
-                                      order=split_grid_order(nt, Hkv, ns * vsl, q.device), pdl=pdl)
+                                      order=split_grid_order(nt, Hkv, ns * vsl, q.device), pdl=pdl, quad=wgt_quad)
             else:
                 order = split_grid_order(nt, Hkv, ns * vsl, q.device)
                 grid = ((nt, Hkv, ns * vsl), (Hkv, nt, ns * vsl), (ns * vsl, nt, Hkv))[order]
@@ -2143,10 +2148,13 @@ def wg_decode_eligible(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tens
 #: ``wgt_decode(False)`` turns it off for a block of code.
 WGT_DECODE = True
 #: The decode launches whose splits take ``hopper.rlk_attn_split_wgt``: from ``lo`` to ``hi``
-#: programs per SM (value slices counted; ``wgt_decode_programs``).
-WGT_DECODE_BAND = (0.0, 0.5)
+#: programs per SM (value slices counted; ``wgt_decode_programs``), by whether the cache is paged.
+WGT_DECODE_BAND = {False: (0.0, 4.0), True: (0.75, 4.0)}
 #: Value slices of ``rlk_attn_split_wgt`` launches (1 or 2; its ``Vᵀ·Pᵀ`` product needs 64-row slices).
 WGT_V_SLICES = 2
+#: ``rlk_attn_split_wgt`` launches of at most this many programs per SM (value slices counted) walk
+#: their unmasked runs four blocks a step (``wgt_quad_blocks``; 64 value columns: two slices).
+WGT_QUAD_PROGRAMS = 1.0
 
 
 def wgt_decode(on: bool = True) -> contextlib.AbstractContextManager[None]:
@@ -2155,9 +2163,10 @@ def wgt_decode(on: bool = True) -> contextlib.AbstractContextManager[None]:
 
 
 def wgt_decode_band(lo: float, hi: float) -> contextlib.AbstractContextManager[None]:
-    """Set ``WGT_DECODE_BAND`` to ``(lo, hi)`` programs per SM inside the block (restored in
-    ``finally``). The same bits either way."""
-    return _scoped("WGT_DECODE_BAND", (float(lo), float(hi)))
+    """Set ``WGT_DECODE_BAND`` to ``(lo, hi)`` programs per SM for both caches inside the block
+    (restored in ``finally``; tests and the probe tool widen it to every launch). The same bits
+    either way."""
+    return _scoped("WGT_DECODE_BAND", {False: (float(lo), float(hi)), True: (float(lo), float(hi))})
 
 
 def wgt_value_slices(v_slices: int) -> contextlib.AbstractContextManager[None]:
@@ -2167,13 +2176,43 @@ def wgt_value_slices(v_slices: int) -> contextlib.AbstractContextManager[None]:
     return _scoped("WGT_V_SLICES", int(v_slices))
 
 
-def wgt_decode_programs(programs: int, device: torch.device) -> bool:
+def wgt_quad_blocks(programs: int, paged: bool, device: torch.device) -> bool:
+    """Whether a ``rlk_attn_split_wgt`` launch of ``programs`` programs (value slices counted) walks
+    its unmasked runs four blocks a step (``attend(wgt_quad=True)``): a contiguous cache, two value
+    slices (``WGT_V_SLICES``) and at most ``WGT_QUAD_PROGRAMS`` programs per SM (its two four-block
+    ring slots take 211 KiB: one program an SM). H200, session 23 run 2
+    (``tools/benchmarking/attention_decode_gpu.py``, µs, one block a step -> four): contiguous batch
+    1 x 4096 keys (64 programs) 12.95 -> 12.10 (0.84 of SDPA; the Triton kernels 12.68), batch 2 x
+    4096 (128) 12.97 -> 12.62; past one program an SM it loses (batch 1 x 16384, 256 programs:
+    23.1 -> 28.3). Over 16-key pages each block is four page copies and it loses (batch 1 x 4096:
+    15.6 -> 16.6). False off CUDA."""
+    if device.type != "cuda" or paged or WGT_V_SLICES != 2:
+        return False
+    return programs <= WGT_QUAD_PROGRAMS * _sm_count_of(_index(device))
+
+
+def wgt_quad_band(programs_per_sm: float) -> contextlib.AbstractContextManager[None]:
+    """Set ``WGT_QUAD_PROGRAMS`` inside the block (restored in ``finally``; 0 turns four blocks a step
+    off, ``inf`` on for every launch). The same bits either way."""
+    return _scoped("WGT_QUAD_PROGRAMS", float(programs_per_sm))
+
+
+def wgt_decode_programs(programs: int, paged: bool, device: torch.device) -> bool:
     """Whether a decode launch of ``programs`` (tile, kv head, split, value slice) programs runs its
-    splits on ``hopper.rlk_attn_split_wgt`` (``WGT_DECODE_BAND``). False off CUDA."""
+    splits on ``hopper.rlk_attn_split_wgt`` (``WGT_DECODE_BAND[paged]``: up to four programs per SM;
+    over pages from three quarters of a program per SM). H200, session 23 runs 1-2
+    (``tools/benchmarking/attention_decode_gpu.py``, 2 value slices, against the shipped kernels of
+    session 22, µs): contiguous batch 1 x 512 keys 6.78 -> 6.55, 4 x 512 7.99 -> 7.22, 8 x 512
+    8.56 -> 7.14 (1.08 -> 1.30 of SDPA), 4 x 4096 23.5 -> 21.1, 1 x 16384 25.3 -> 23.1, 1 x 32768
+    40.1 -> 38.0 (0.95 -> 1.00), 1 x 4096 12.7 -> 12.1 (four blocks a step); 16-key pages (against
+    the Triton or the warpgroup kernel, whichever the step took) 8 x 512 8.82 -> 8.54, 4 x 4096
+    23.4 -> 22.6, 1 x 16384 25.5 -> 24.6, 1 x 32768 40.7 -> 40.5, 2 x 4096 equal; below the band
+    over pages the Triton kernel's four-block walk wins (batch 1 x 4096, 64 programs: 14.4 against
+    15.6). Past four programs an SM not measured. False off CUDA."""
     if device.type != "cuda":
         return False
     sm = _sm_count_of(_index(device))
-    lo, hi = WGT_DECODE_BAND
+    lo, hi = WGT_DECODE_BAND[bool(paged)]
     return lo * sm <= programs <= hi * sm
 
 
@@ -2357,20 +2396,23 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     cache_tma = path == "decode" and decode_tma_eligible(k_rows, v_rows, P > 1, q.device)
     # the splits of a paged step on the warpgroup kernel (its own tile: ``cfg`` sizes the table
     # and the combine)
-    wg_split = (path == "decode" and config is None
+    # the splits of a decode step on the transposed Hopper kernel (its own value slices) where its
+    # band takes the step, else, over pages, on the warpgroup kernel where its band does
+    wgt_split = (path == "decode" and config is None
+                 and wgt_decode_eligible(q, k_rows, v_rows, page_size, P > 1, window, one, cfg.block_m)
+                 and wgt_decode_programs(programs * WGT_V_SLICES, P > 1, q.device))
+    wg_split = (path == "decode" and config is None and not wgt_split
                 and wg_decode_eligible(q, k_rows, v_rows, page_size, P > 1, window)
                 and wg_decode_programs(programs * cfg.v_slices, q.device))
-    # else the splits of a step of few programs on the transposed kernel (its own value slices)
-    wgt_split = (path == "decode" and config is None and not wg_split
-                 and wgt_decode_eligible(q, k_rows, v_rows, page_size, P > 1, window, one, cfg.block_m)
-                 and wgt_decode_programs(programs * WGT_V_SLICES, q.device))
+    wgt_quad = False
     if wgt_split:
         cfg = replace(cfg, v_slices=WGT_V_SLICES)
         cache_tma = False
+        wgt_quad = wgt_quad_blocks(programs * WGT_V_SLICES, P > 1, q.device)
     nseq = torch.empty(B, dtype=torch.int64, device=q.device)  # only its length is read (table built)
     out, _, _ = attend(q, k_rows, v_rows, page_rows.contiguous(), page_size, nseq, nseq, nseq,
                        max_positions, scale, window, path=path, config=cfg, tab=tab, one=one, cache_tma=cache_tma,
-                       wg_split=wg_split, wgt_split=wgt_split)
+                       wg_split=wg_split, wgt_split=wgt_split, wgt_quad=wgt_quad)
     return out
 
 
