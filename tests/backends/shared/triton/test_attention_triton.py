@@ -1714,6 +1714,7 @@ def test_decode_tma_loads_give_the_same_rows(dtype, d, g, window, monkeypatch):
                                 q_pos[3 - n :], scale, window, path="decode", config=cfg, decode_only=True)
 
     assert K.decode_tma_eligible(kc, vc, False, q.device)
+    monkeypatch.setattr(K, "WGT_DECODE", False)  # the Triton kernels' copies (the transposed kernel's band)
     cfgs = [None] + [c for c in K.shipped_forward_configs(dt, d) if c.block_m == 16]
     for cfg in cfgs:
         with K.decode_tma_loads(False):
@@ -2272,6 +2273,7 @@ def test_warpgroup_paged_decode_gives_the_triton_kernels_bits(case, monkeypatch)
 
     assert K.wg_decode_eligible(q, kc, vc, ps, True, None)
     monkeypatch.setattr(K, "WG_DECODE_BAND", (0.0, float("inf")))  # every launch size (the rule: a band)
+    monkeypatch.setattr(K, "WGT_DECODE", False)  # the transposed kernel's band takes precedence
     got = step()
     assert flags[-1] is True
     with K.wg_decode(False), K.wgt_decode(False):
