@@ -74,6 +74,9 @@ class Resources:
     #: conversions); an H200 SM has 228 KiB, of which each resident program takes this plus 1 KiB
     #: the system reserves, so this decides how many programs share an SM
     shared_bytes: int = 0
+    #: the Gluon decode kernels: CTA barriers in the unmasked run's loop (one trip: one or four
+    #: blocks; ``_loop_barriers``), -1 where not counted
+    barriers_per_step: int = -1
 
     @property
     def pipelined(self) -> bool:
@@ -161,6 +164,33 @@ def compile_split_wg_sm90(page_size: int, dv: int, slots: int, one: bool, finish
     """Compile the Gluon paged decode split kernel (``hopper.rlk_attn_split_wg``, bf16, D = 128)
     for sm_90a and read its resources from ``ptxas -v``. Needs Triton 3.6's Gluon Hopper API
     (``kernels._has_gluon_hopper``)."""
+    label = f"split_wg pages{page_size} dv{dv} slots{slots} one={one}{' finish' if finish else ''}"
+    return _compile_decode_gluon("rlk_attn_split_wg", label, page_size, dv, {"PS": page_size, "G": group, "ONE": one,
+                                                                             "ST": slots, "FINISH": finish})
+
+
+def compile_split_wgt_sm90(page_size: int | None, dv: int, slots: int, one: bool, finish: bool = False,
+                           quad: bool = False, rows: int = 8, group: int = 4) -> Resources:
+    """Compile the transposed decode split kernel (``hopper.rlk_attn_split_wgt``, bf16, D = 128)
+    for sm_90a: a contiguous cache (``page_size=None``: 64-row block copies) or ``page_size``-key
+    pages, ``rows`` query rows (``NQ``), one or four blocks a step (``quad``, ``slots`` four-block
+    slots). ``barriers_per_step`` counts the CTA barriers (``bar.sync``) in the unmasked run's loop
+    of one (four) blocks. Needs Triton 3.6's Gluon Hopper API."""
+    from rl_engine.backends.shared.triton.attention import hopper
+
+    x_layout, f_layout = hopper._wgt_exchange_layouts(rows)
+    ps = 64 if page_size is None else page_size
+    label = (f"split_wgt {'contiguous' if page_size is None else f'pages{page_size}'} dv{dv} nq{rows} "
+             f"{'quad ' if quad else ''}slots{slots} one={one}{' finish' if finish else ''}")
+    return _compile_decode_gluon("rlk_attn_split_wgt", label, ps, dv, {
+        "PS": ps, "PAGED": page_size is not None, "G": group, "NQ": rows, "ONE": one, "ST": slots, "FINISH": finish,
+        "X_LAYOUT": x_layout, "F_LAYOUT": f_layout, "QUAD": quad})
+
+
+def _compile_decode_gluon(kernel: str, label: str, box_rows: int, dv: int, const: dict) -> Resources:
+    """One of the Gluon decode split kernels compiled for sm_90a (``box_rows``-row TMA boxes of the
+    keys and ``dv`` value columns; ``const``: its compile-time constants besides the shared ones),
+    with the CTA barriers of its first loop that issues ``wgmma`` (the unmasked run's walk)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -169,25 +199,39 @@ def compile_split_wg_sm90(page_size: int, dv: int, slots: int, one: bool, finish
     from rl_engine.backends.shared.triton.attention import hopper
     from rl_engine.backends.shared.triton.attention import kernels as K
 
-    fn = hopper.rlk_attn_split_wg
+    fn = getattr(hopper, kernel)
     d = 128
 
     def desc(cols: int) -> str:
-        return f"tensordesc<bf16[{page_size},{cols}],{gl.NVMMASharedLayout.get_default_for([64, cols], gl.bfloat16)!r}>"
+        return f"tensordesc<bf16[{box_rows},{cols}],{gl.NVMMASharedLayout.get_default_for([64, cols], gl.bfloat16)!r}>"
 
     sig = {"q_ptr": "*bf16", "k_desc": desc(d), "v_desc": desc(dv), "k_ptr": "*bf16", "v_ptr": "*bf16",
            "out_ptr": "*bf16", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_a_ptr": "*fp32", "tab_ptr": "*i64", "pr_ptr": "*i64",
            **{n: _SCALARS[n] for n in ("pr_stride", "qk_scale", "sk_row", "sk_head", "sv_row", "sv_head", "NS", "HQ",
                                        "HKV")}}
-    const = {"PS": page_size, "G": group, "HEAD_D": d, "DV": dv, "WS_M": 16, "ONE": one, "ST": slots, "PDL": True,
-             "SB": K.SPLIT_BLOCKS, "ORDER": 2, "FINISH": finish}
+    const = {"HEAD_D": d, "DV": dv, "WS_M": 16, "PDL": True, "SB": K.SPLIT_BLOCKS, "ORDER": 2, **const}
     sig.update({n: "constexpr" for n in const})
-    label = f"split_wg pages{page_size} dv{dv} slots{slots} one={one}{' finish' if finish else ''}"
     t0 = time.perf_counter()
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                               options={"num_warps": 4, "enable_fp_fusion": False, "launch_pdl": True})
-    return _assembled(compiled, label, "rlk_attn_split_wg", t0, no_frame_is_zero=True)
+    r = _assembled(compiled, label, kernel, t0, no_frame_is_zero=True)
+    r.barriers_per_step = _loop_barriers(compiled.asm["ptx"])
+    return r
+
+
+def _loop_barriers(ptx: str) -> int:
+    """``bar.sync`` instructions in the first PTX loop (a backward branch's body) that issues a
+    ``wgmma``; -1 if none."""
+    lines = ptx.split("\n")
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$L__BB\d+_\d+):", line.strip()))}
+    for i, line in enumerate(lines):
+        m = re.search(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = "\n".join(lines[labels[m.group(1)]:i])
+            if "wgmma.mma_async" in body:
+                return body.count("bar.sync")
+    return -1
 
 
 def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: int = 128, group: int = 4) -> Iterator[Variant]:
@@ -268,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kernels", default="decode,prefill,combine", help="comma-separated subset of decode,prefill,combine")
     ap.add_argument("--split-wg", action="store_true",
                     help="also the Gluon paged decode split kernel (hopper.rlk_attn_split_wg; needs Triton 3.6)")
+    ap.add_argument("--split-wgt", action="store_true",
+                    help="also the transposed decode split kernel (hopper.rlk_attn_split_wgt; needs Triton 3.6)")
     ap.add_argument("--no-divisibility", action="store_true",
                     help="compile without the divisibility a real launch specialises (negative control)")
     args = ap.parse_args(argv)
@@ -283,22 +329,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("attention_resources_sm90: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
         return 2
     rows = []
-    if args.split_wg:
+    if args.split_wg or args.split_wgt:
         from rl_engine.backends.shared.triton.attention import hopper
         from rl_engine.backends.shared.triton.attention import kernels as K
 
         if not K._has_gluon_hopper():
-            print(f"attention_resources_sm90: --split-wg needs Triton 3.6's Gluon Hopper API, found triton "
-                  f"{triton.__version__}", file=sys.stderr)
+            print(f"attention_resources_sm90: --split-wg / --split-wgt need Triton 3.6's Gluon Hopper API, found "
+                  f"triton {triton.__version__}", file=sys.stderr)
             return 2
-        for ps in K.WG_DECODE_PAGE_SIZES:
-            for dv in (128, 64):
-                for one, finish in ((True, False), (False, False), (True, True)):
-                    r = compile_split_wg_sm90(ps, dv, hopper.SPLIT_SLOTS, one, finish)
-                    rows.append(asdict(r))
-                    print(f"{r.label:48s} regs {r.registers:3d}  spill {r.spill_store_bytes:4d} B  "
-                          f"smem {r.shared_bytes // 1024:3d} KiB  TMA copies {r.tma_copies:3d}  {r.seconds:5.1f} s",
-                          flush=True)
+        gluon_rows = []
+        if args.split_wg:
+            gluon_rows += [(compile_split_wg_sm90, (ps, dv, hopper.SPLIT_SLOTS, one, finish))
+                           for ps in K.WG_DECODE_PAGE_SIZES for dv in (128, 64)
+                           for one, finish in ((True, False), (False, False), (True, True))]
+        if args.split_wgt:
+            # one block a step at the shipped value slices (64 columns) and one slice; four blocks a
+            # step (64 columns, two four-block slots), contiguous caches and pages
+            for ps in (None, *K.WG_DECODE_PAGE_SIZES):
+                for nq in (8, 16):
+                    for one, finish in ((True, False), (False, False), (True, True)):
+                        gluon_rows += [(compile_split_wgt_sm90, (ps, dv, hopper.SPLIT_T_SLOTS, one, finish, False, nq))
+                                       for dv in (64, 128)]
+                        gluon_rows.append((compile_split_wgt_sm90,
+                                           (ps, 64, hopper.SPLIT_T_QUAD_SLOTS, one, finish, True, nq)))
+        for compile_fn, fn_args in gluon_rows:
+            r = compile_fn(*fn_args)
+            rows.append(asdict(r))
+            print(f"{r.label:60s} regs {r.registers:3d}  spill {r.spill_store_bytes:4d} B  "
+                  f"smem {r.shared_bytes // 1024:3d} KiB  TMA copies {r.tma_copies:3d}  "
+                  f"barriers/step {r.barriers_per_step:3d}  {r.seconds:5.1f} s", flush=True)
     todo = list(variants(kinds))
     for i, v in enumerate(todo, 1):
         r = compile_sm90(v, divisibility=not args.no_divisibility)

@@ -2237,32 +2237,12 @@ def test_warpgroup_paged_decode_gives_the_triton_kernels_bits(case, monkeypatch)
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     lens, hkv, g, dtype, ps, n = WGD_CASES[case]
-    dt = getattr(torch, dtype)
     d = 128
     q, k, v, cu = (t.cuda() for t in make_qkv(lens, hkv, g, d, dtype, seed=len(case) + ps))
     scale = d**-0.5
     ref, _, _ = K.varlen_forward(q, k, v, cu, scale, None)
-    gen = torch.Generator().manual_seed(ps + n)
-    npages = [-(-x // ps) for x in lens]
-    P = max(npages) + 1
-    total = sum(npages) + 1  # the last page: NaN, where every unused table entry points
-    order = torch.randperm(total - 1, generator=gen).tolist()
-    kc = torch.full((total * ps, hkv, d), float("nan"), dtype=dt, device="cuda")
-    vc = torch.full_like(kc, float("nan"))
-    table = torch.full((len(lens), P), (total - 1) * ps, dtype=torch.int64)
-    at = 0
-    for i, x in enumerate(lens):
-        for j in range(npages[i]):
-            page = order[at]
-            at += 1
-            table[i, j] = page * ps
-            lo, hi = j * ps, min(x, (j + 1) * ps)
-            kc[page * ps : page * ps + hi - lo] = k[cu[i] + lo : cu[i] + hi]
-            vc[page * ps : page * ps + hi - lo] = v[cu[i] + lo : cu[i] + hi]
-    table = table.cuda()
-    rows = torch.cat([torch.arange(int(cu[i + 1]) - min(n, x), int(cu[i + 1])) for i, x in enumerate(lens)]).cuda()
-    q_seq = torch.cat([torch.full((min(n, x),), i) for i, x in enumerate(lens)]).cuda()
-    q_pos = torch.cat([torch.arange(x - min(n, x), x) for x in lens]).cuda()
+    kc, vc, table = _decode_caches(k, v, cu, lens, ps, seed=ps + n)
+    rows, q_seq, q_pos = _decode_rows(lens, cu, n)
     flags = []
     attend = K.attend
     monkeypatch.setattr(K, "attend", lambda *a, **kw: flags.append(kw["wg_split"]) or attend(*a, **kw))
@@ -2348,6 +2328,15 @@ def _decode_caches(k, v, cu, lens, ps, seed):
     return kc, vc, table.to(k.device)
 
 
+def _decode_rows(lens, cu, n):
+    """A decode step of each sequence's last ``min(n, len)`` tokens: their packed rows (into the
+    varlen tensors of ``cu``), sequence indices and positions, on the GPU."""
+    rows = torch.cat([torch.arange(int(cu[i + 1]) - min(n, x), int(cu[i + 1])) for i, x in enumerate(lens)]).cuda()
+    q_seq = torch.cat([torch.full((min(n, x),), i) for i, x in enumerate(lens)]).cuda()
+    q_pos = torch.cat([torch.arange(x - min(n, x), x) for x in lens]).cuda()
+    return rows, q_seq, q_pos
+
+
 @gpu
 @pytest.mark.parametrize("case", sorted(WGT_CASES))
 def test_transposed_decode_gives_the_triton_kernels_bits(case, monkeypatch):
@@ -2373,9 +2362,7 @@ def test_transposed_decode_gives_the_triton_kernels_bits(case, monkeypatch):
     ref, _, _ = K.varlen_forward(q, k, v, cu, scale, None)
     kc, vc, page_rows = _decode_caches(k, v, cu, lens, ps, seed=n + (ps or 0))
     size = ps or max(lens)  # a contiguous cache: its capacity
-    rows = torch.cat([torch.arange(int(cu[i + 1]) - min(n, x), int(cu[i + 1])) for i, x in enumerate(lens)]).cuda()
-    q_seq = torch.cat([torch.full((min(n, x),), i) for i, x in enumerate(lens)]).cuda()
-    q_pos = torch.cat([torch.arange(x - min(n, x), x) for x in lens]).cuda()
+    rows, q_seq, q_pos = _decode_rows(lens, cu, n)
     flags = []
     attend = K.attend
     monkeypatch.setattr(K, "attend", lambda *a, **kw: flags.append(kw["wgt_split"]) or attend(*a, **kw))

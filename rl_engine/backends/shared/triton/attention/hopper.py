@@ -62,9 +62,10 @@ DEVICE_FUNCTIONS = ("rlk_attn_wg_gdc_wait", "rlk_attn_wg_exp2", "rlk_attn_wg_row
                     "rlk_attn_wg_softmax", "rlk_attn_wg_scratch", "rlk_attn_wg_rows_io", "rlk_attn_wg_pv",
                     "rlk_attn_wg_walk", "rlk_attn_wg_load", "rlk_attn_wgd_gdc_launch",
                     "rlk_attn_wgd_entries", "rlk_attn_wgd_copy", "rlk_attn_wgd_first", "rlk_attn_wgd_walk",
-                    "rlk_attn_wgd_masked", "rlk_attn_wgt_softmax", "rlk_attn_wgt_stage", "rlk_attn_wgt_pv",
-                    "rlk_attn_wgt_entries", "rlk_attn_wgt_walk", "rlk_attn_wgt_masked", "rlk_attn_wgt_copy4",
-                    "rlk_attn_wgt_entries4", "rlk_attn_wgt_scores4", "rlk_attn_wgt_max4", "rlk_attn_wgt_fold",
+                    "rlk_attn_wgd_masked", "rlk_attn_wgd_program", "rlk_attn_wgd_store", "rlk_attn_wgd_gather",
+                    "rlk_attn_wgt_softmax", "rlk_attn_wgt_stage", "rlk_attn_wgt_pv", "rlk_attn_wgt_entries",
+                    "rlk_attn_wgt_walk", "rlk_attn_wgt_masked", "rlk_attn_wgt_copy4", "rlk_attn_wgt_entries4",
+                    "rlk_attn_wgt_scores4", "rlk_attn_wgt_max4", "rlk_attn_wgt_fold", "rlk_attn_wgt_pv_fold",
                     "rlk_attn_wgt_quad", "rlk_attn_wgt_quads")
 
 #: key-block rows (``kernels.KV_BLOCK``) and the tile's query rows (one warpgroup, 16 rows a warp;
@@ -548,16 +549,18 @@ def rlk_attn_wgd_walk(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, pr
 
 
 @gluon.jit
-def rlk_attn_wgd_masked(q_smem, k_buf, v_buf, k_ptr, v_ptr, pr_row, b, cap, kvh, v0, sk_row, sk_head, sv_row, sv_head,
-                        m, l, acc, pos, kpos0, qk_scale, BM: gl.constexpr, BN: gl.constexpr, HEAD_D: gl.constexpr,
-                        DV: gl.constexpr, PS: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
-                        row_s: gl.constexpr, row_o: gl.constexpr, ld_layout: gl.constexpr):
-    """Block ``b`` past the unmasked run (some row does not see all of it): its rows by pointer
-    loads, positions clamped to ``cap`` (``kernels.rlk_attn_load``: every row read is a written
-    one), through shared memory (``k_buf``, ``v_buf``: ring slots the walk left idle), then the
-    masked step (``rlk_attn_wg_softmax``). Values: columns ``v0 .. v0 + DV - 1``."""
+def rlk_attn_wgd_gather(k_buf, v_buf, k_ptr, v_ptr, pr_row, kbase, b, cap, kvh, v0, sk_row, sk_head, sv_row, sv_head,
+                        BN: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr, PS: gl.constexpr, PAGED: gl.constexpr,
+                        ld_layout: gl.constexpr):
+    """Block ``b``'s key rows and value columns ``v0 .. v0 + DV - 1`` by pointer loads, positions
+    clamped to ``cap`` (``kernels.rlk_attn_load``: every row read is a written one), through the
+    page table (``PAGED``) or from ``kbase``, into ``k_buf`` and ``v_buf``, visible to the tensor
+    cores once every warp has written."""
     kp = gl.minimum(b * 64 + gl.arange(0, BN, layout=gl.SliceLayout(1, ld_layout)), cap)
-    rows = gl.load(pr_row + kp // PS).to(gl.int64) + (kp % PS).to(gl.int64)
+    if PAGED:
+        rows = gl.load(pr_row + kp // PS).to(gl.int64) + (kp % PS).to(gl.int64)
+    else:
+        rows = kbase + kp.to(gl.int64)
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ld_layout))
     offs_v = v0 + gl.arange(0, DV, layout=gl.SliceLayout(0, ld_layout))
     kt = gl.load(k_ptr + gl.expand_dims(rows * sk_row + kvh * sk_head, 1) + gl.expand_dims(offs_d, 0))
@@ -566,6 +569,19 @@ def rlk_attn_wgd_masked(q_smem, k_buf, v_buf, k_ptr, v_ptr, pr_row, b, cap, kvh,
     v_buf.store(vt)
     fence_async_shared()
     gl.thread_barrier()
+
+
+@gluon.jit
+def rlk_attn_wgd_masked(q_smem, k_buf, v_buf, k_ptr, v_ptr, pr_row, b, cap, kvh, v0, sk_row, sk_head, sv_row, sv_head,
+                        m, l, acc, pos, kpos0, qk_scale, BM: gl.constexpr, BN: gl.constexpr, HEAD_D: gl.constexpr,
+                        DV: gl.constexpr, PS: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
+                        row_s: gl.constexpr, row_o: gl.constexpr, ld_layout: gl.constexpr):
+    """Block ``b`` past the unmasked run (some row does not see all of it): its rows by pointer
+    loads, positions clamped to ``cap`` (``kernels.rlk_attn_load``: every row read is a written
+    one), through shared memory (``k_buf``, ``v_buf``: ring slots the walk left idle), then the
+    masked step (``rlk_attn_wg_softmax``). Values: columns ``v0 .. v0 + DV - 1``."""
+    rlk_attn_wgd_gather(k_buf, v_buf, k_ptr, v_ptr, pr_row, pr_row, b, cap, kvh, v0, sk_row, sk_head, sv_row, sv_head,
+                        BN, HEAD_D, DV, PS, True, ld_layout)
     zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
     s_tok = warpgroup_mma(q_smem, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
@@ -576,6 +592,73 @@ def rlk_attn_wgd_masked(q_smem, k_buf, v_buf, k_ptr, v_ptr, pr_row, b, cap, kvh,
     # the buffers are written again by the next masked block only after every warp's products
     gl.thread_barrier()
     return m, l, acc
+
+
+@gluon.jit
+def rlk_attn_wgd_program(tab_ptr, G: gl.constexpr, VS: gl.constexpr, ONE: gl.constexpr, ORDER: gl.constexpr):
+    """A decode split kernel's program: ``(t64, kvh, j, vs, seq, u0, u1, pbase, tok0, p_lo, cap,
+    last)`` — its tile, kv head, KV split and value slice from the grid axes in the order
+    ``ORDER`` (``kernels.split_grid_order``), the tile's table row (``ONE``: formed from ``q_pos``
+    as ``kernels.rlk_attn_rows(ONE=True)`` does), its first token, the least and greatest
+    positions of its valid rows (positions do not decrease along the rows: the first valid row
+    holds the least, the last the greatest, ``kernels.rlk_attn_rows``' minimum and maximum without
+    reductions) and its last key block (-1 for an empty tile)."""
+    if ORDER == 1:  # kv heads fastest: (kv heads, tiles, splits)
+        t = gl.program_id(1)
+        kvh = gl.program_id(0).to(gl.int64)
+        js = gl.program_id(2)
+    elif ORDER == 2:  # splits fastest: (splits, tiles, kv heads)
+        t = gl.program_id(1)
+        kvh = gl.program_id(2).to(gl.int64)
+        js = gl.program_id(0)
+    else:  # tiles fastest: (tiles, kv heads, splits)
+        t = gl.program_id(0)
+        kvh = gl.program_id(1).to(gl.int64)
+        js = gl.program_id(2)
+    t64 = t.to(gl.int64)
+    if ONE:
+        seq = t64
+        u0 = t64 * G
+        u1 = u0 + G
+        pbase = t64 - gl.load(tab_ptr + t64)
+    else:
+        seq = gl.load(tab_ptr + t64 * 4)
+        u0 = gl.load(tab_ptr + t64 * 4 + 1)
+        u1 = gl.load(tab_ptr + t64 * 4 + 2)
+        pbase = gl.load(tab_ptr + t64 * 4 + 3)
+    tok0 = u0 // G
+    p_lo = (tok0 - pbase).to(gl.int32)
+    cap = ((u1 - 1) // G - pbase).to(gl.int32)
+    last = gl.where(u1 > u0, cap // 64, -1)
+    return t64, kvh, js // VS, js % VS, seq, u0, u1, pbase, tok0, p_lo, cap, last
+
+
+@gluon.jit
+def rlk_attn_wgd_store(acc, m, l, valid_s, r_s, r_o, c_o, out_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, t64, kvh, j, vs, u0,
+                       u1, tok0, NS, HQ, HKV, G: gl.constexpr, HEAD_D: gl.constexpr, WS_M: gl.constexpr,
+                       FINISH: gl.constexpr, RA: gl.constexpr, r_layout: gl.constexpr):
+    """A decode split program's end: the tile's valid rows of ``acc`` (query rows along axis ``RA``,
+    index vector ``r_o``; value columns ``c_o``). ``FINISH`` (a step of one KV split): the output
+    rows of this value slice, ``out = acc · (1 / l)`` in the output dtype (``kernels.rlk_attn_finish``;
+    merging the one split into the initial state is an exact identity); else the split's
+    ``(m, l, acc)`` into the workspace slots that ``rlk_attn_combine`` folds (``m``, ``l`` at rows
+    ``r_s``, stored by the first value slice only, which every slice computes alike)."""
+    valid_o = r_o.to(gl.int64) < u1 - u0
+    if FINISH:
+        r = gl.div_rn(gl.full(r_o.shape, 1.0, gl.float32, r_layout), gl.convert_layout(l, r_layout))
+        o = (acc * gl.expand_dims(r, 1 - RA)).to(out_ptr.dtype.element_ty)
+        rel_o = (u0 - tok0 * G).to(gl.int32) + r_o
+        tq_o = rel_o // G
+        q_off_o = ((tok0 + tq_o) * HQ + kvh * G + (rel_o - tq_o * G)) * HEAD_D
+        gl.store(out_ptr + gl.expand_dims(q_off_o, 1 - RA) + gl.expand_dims(c_o, RA), o,
+                 mask=gl.expand_dims(valid_o, 1 - RA))
+    else:
+        slot0 = ((t64 * HKV + kvh) * NS + j) * WS_M
+        state = valid_s & (r_s * 0 + vs == 0)  # one slice stores the state
+        gl.store(ws_m_ptr + slot0 + r_s, m, mask=state)
+        gl.store(ws_l_ptr + slot0 + r_s, l, mask=state)
+        gl.store(ws_a_ptr + (slot0 + gl.expand_dims(r_o, 1 - RA)) * HEAD_D + gl.expand_dims(c_o, RA), acc,
+                 mask=gl.expand_dims(valid_o, 1 - RA))
 
 
 @gluon.jit
@@ -622,37 +705,7 @@ def rlk_attn_split_wg(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, ws
     dtype: gl.constexpr = k_desc.dtype
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_D], dtype)
 
-    if ORDER == 1:  # kv heads fastest: (kv heads, tiles, splits)
-        t = gl.program_id(1)
-        kvh = gl.program_id(0).to(gl.int64)
-        js = gl.program_id(2)
-    elif ORDER == 2:  # splits fastest: (splits, tiles, kv heads)
-        t = gl.program_id(1)
-        kvh = gl.program_id(2).to(gl.int64)
-        js = gl.program_id(0)
-    else:  # tiles fastest: (tiles, kv heads, splits)
-        t = gl.program_id(0)
-        kvh = gl.program_id(1).to(gl.int64)
-        js = gl.program_id(2)
-    j = js // VS
-    vs = js % VS
-    t64 = t.to(gl.int64)
-    if ONE:  # kernels.rlk_attn_rows(ONE=True): sequence t's one token, the table row formed here
-        seq = t64
-        u0 = t64 * G
-        u1 = u0 + G
-        pbase = t64 - gl.load(tab_ptr + t64)
-    else:
-        seq = gl.load(tab_ptr + t64 * 4)
-        u0 = gl.load(tab_ptr + t64 * 4 + 1)
-        u1 = gl.load(tab_ptr + t64 * 4 + 2)
-        pbase = gl.load(tab_ptr + t64 * 4 + 3)
-    tok0 = u0 // G
-    # positions do not decrease along the rows: the first valid row holds the least, the last the
-    # greatest (kernels.rlk_attn_rows' minimum and maximum, without reductions)
-    p_lo = (tok0 - pbase).to(gl.int32)
-    cap = ((u1 - 1) // G - pbase).to(gl.int32)
-    last = gl.where(u1 > u0, cap // 64, -1)
+    t64, kvh, j, vs, seq, u0, u1, pbase, tok0, p_lo, cap, last = rlk_attn_wgd_program(tab_ptr, G, VS, ONE, ORDER)
     if (last >= 0) & (j <= last // SB):
         b0 = j * SB
         b1 = gl.minimum(last, b0 + SB - 1)
@@ -704,26 +757,9 @@ def rlk_attn_split_wg(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, ws
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
 
-        r_o = gl.arange(0, BM, layout=row_o)
-        valid_o = r_o.to(gl.int64) < u1 - u0
-        c_o = v0 + gl.arange(0, DV, layout=col_o)
-        if FINISH:
-            # kernels.rlk_attn_finish: the output rows of this value slice (the tile's valid rows)
-            r = gl.div_rn(gl.full([BM], 1.0, gl.float32, row_o), gl.convert_layout(l, row_o))
-            o = (acc * gl.expand_dims(r, 1)).to(out_ptr.dtype.element_ty)
-            rel_o = (u0 - tok0 * G).to(gl.int32) + r_o
-            tq_o = rel_o // G
-            q_off_o = ((tok0 + tq_o) * HQ + kvh * G + (rel_o - tq_o * G)) * HEAD_D
-            gl.store(out_ptr + gl.expand_dims(q_off_o, 1) + gl.expand_dims(c_o, 0), o, mask=gl.expand_dims(valid_o, 1))
-        else:
-            # the split's state into the workspace (the tile's valid rows only: rows < WS_M)
-            slot0 = ((t64 * HKV + kvh) * NS + j) * WS_M
-            r_s = gl.arange(0, BM, layout=row_s)
-            state = valid_s & (gl.full([BM], 0, gl.int32, row_s) + vs == 0)  # one slice stores the state
-            gl.store(ws_m_ptr + slot0 + r_s, m, mask=state)
-            gl.store(ws_l_ptr + slot0 + r_s, l, mask=state)
-            gl.store(ws_a_ptr + (slot0 + gl.expand_dims(r_o, 1)) * HEAD_D + gl.expand_dims(c_o, 0), acc,
-                     mask=gl.expand_dims(valid_o, 1))
+        rlk_attn_wgd_store(acc, m, l, valid_s, gl.arange(0, BM, layout=row_s), gl.arange(0, BM, layout=row_o),
+                           v0 + gl.arange(0, DV, layout=col_o), out_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, t64, kvh, j, vs,
+                           u0, u1, tok0, NS, HQ, HKV, G, HEAD_D, WS_M, FINISH, 0, row_o)
 
 
 def _wgt_exchange_layouts(nq: int):
@@ -873,8 +909,10 @@ def rlk_attn_wgt_copy4(desc, smem, bars, es, col, qi, nqd, QST: gl.constexpr, PS
 @gluon.jit
 def rlk_attn_wgt_entries4(pr_row, kbase, b, PPB: gl.constexpr, PAGED: gl.constexpr):
     """The copy rows of blocks ``b .. b + 3`` (``rlk_attn_wgt_entries``)."""
-    return (rlk_attn_wgt_entries(pr_row, kbase, b, PPB, PAGED), rlk_attn_wgt_entries(pr_row, kbase, b + 1, PPB, PAGED),
-            rlk_attn_wgt_entries(pr_row, kbase, b + 2, PPB, PAGED), rlk_attn_wgt_entries(pr_row, kbase, b + 3, PPB, PAGED))
+    return (rlk_attn_wgt_entries(pr_row, kbase, b, PPB, PAGED),
+            rlk_attn_wgt_entries(pr_row, kbase, b + 1, PPB, PAGED),
+            rlk_attn_wgt_entries(pr_row, kbase, b + 2, PPB, PAGED),
+            rlk_attn_wgt_entries(pr_row, kbase, b + 3, PPB, PAGED))
 
 
 @gluon.jit
@@ -914,6 +952,18 @@ def rlk_attn_wgt_fold(f_buf, NQ: gl.constexpr, col_s: gl.constexpr, f_layout: gl
     for i in gl.static_range(4):
         x = gl.sum(gl.reshape(x, [2, 16 >> (i + 1), NQ]), axis=0)
     return gl.convert_layout(gl.reshape(x, [NQ]), col_s)
+
+
+@gluon.jit
+def rlk_attn_wgt_pv_fold(acc, l, alpha, v_buf, p_buf, f_buf, NQ: gl.constexpr, col_s: gl.constexpr,
+                         col_o: gl.constexpr, f_layout: gl.constexpr):
+    """One block of a four-block step's chain: ``accᵀ ← Vᵀ·Pᵀ + accᵀ·α`` (the block's staged ``Pᵀ``
+    and value slot), and, while that product runs, ``l ← fma(l, α, Σ P)`` from the staged fp32
+    probabilities (``rlk_attn_wgt_fold``)."""
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, col_o), 0)
+    acc = warpgroup_mma(v_buf.permute((1, 0)), p_buf.permute((1, 0)), acc, is_async=True)
+    l = gl.fma(l, alpha, rlk_attn_wgt_fold(f_buf, NQ, col_s, f_layout))
+    return warpgroup_mma_wait(0, deps=(acc, )), l
 
 
 @gluon.jit
@@ -957,25 +1007,14 @@ def rlk_attn_wgt_quad(s0, s1, s2, s3, m, l, acc, k_smem, v_smem, p_bufs, x_smem,
         t0, t1, t2, t3 = rlk_attn_wgt_scores4(k_smem, k_bars, qt, qi + 1, QST, zero_s)
     slot = qi % QST
     mbarrier.wait(v_bars.index(slot), phase=(qi // QST) & 1)
-    acc = acc * gl.expand_dims(gl.convert_layout(a0, col_o), 0)
-    acc = warpgroup_mma(v_smem.index(slot * 4).permute((1, 0)), p_bufs.index(0).permute((1, 0)), acc, is_async=True)
-    l = gl.fma(l, a0, rlk_attn_wgt_fold(f_smem.slice(0, 4), NQ, col_s, f_layout))
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    acc = acc * gl.expand_dims(gl.convert_layout(a1, col_o), 0)
-    acc = warpgroup_mma(v_smem.index(slot * 4 + 1).permute((1, 0)), p_bufs.index(1).permute((1, 0)), acc,
-                        is_async=True)
-    l = gl.fma(l, a1, rlk_attn_wgt_fold(f_smem.slice(4, 4), NQ, col_s, f_layout))
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    acc = acc * gl.expand_dims(gl.convert_layout(a2, col_o), 0)
-    acc = warpgroup_mma(v_smem.index(slot * 4 + 2).permute((1, 0)), p_bufs.index(2).permute((1, 0)), acc,
-                        is_async=True)
-    l = gl.fma(l, a2, rlk_attn_wgt_fold(f_smem.slice(8, 4), NQ, col_s, f_layout))
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    acc = acc * gl.expand_dims(gl.convert_layout(a3, col_o), 0)
-    acc = warpgroup_mma(v_smem.index(slot * 4 + 3).permute((1, 0)), p_bufs.index(3).permute((1, 0)), acc,
-                        is_async=True)
-    l = gl.fma(l, a3, rlk_attn_wgt_fold(f_smem.slice(12, 4), NQ, col_s, f_layout))
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    acc, l = rlk_attn_wgt_pv_fold(acc, l, a0, v_smem.index(slot * 4), p_bufs.index(0), f_smem.slice(0, 4), NQ,
+                                  col_s, col_o, f_layout)
+    acc, l = rlk_attn_wgt_pv_fold(acc, l, a1, v_smem.index(slot * 4 + 1), p_bufs.index(1), f_smem.slice(4, 4), NQ,
+                                  col_s, col_o, f_layout)
+    acc, l = rlk_attn_wgt_pv_fold(acc, l, a2, v_smem.index(slot * 4 + 2), p_bufs.index(2), f_smem.slice(8, 4), NQ,
+                                  col_s, col_o, f_layout)
+    acc, l = rlk_attn_wgt_pv_fold(acc, l, a3, v_smem.index(slot * 4 + 3), p_bufs.index(3), f_smem.slice(12, 4), NQ,
+                                  col_s, col_o, f_layout)
     # the value slot is free: it takes step qi + QST's values
     rlk_attn_wgt_copy4(v_desc, v_smem, v_bars, ek, vcol, qi + QST, nqd, QST, PS, PPB)
     if NEXT:
@@ -1022,19 +1061,8 @@ def rlk_attn_wgt_masked(q_smem, k_buf, v_buf, p_buf, x_smem, f_smem, k_ptr, v_pt
                         ld_layout: gl.constexpr, x_layout: gl.constexpr, f_layout: gl.constexpr):
     """``rlk_attn_wgd_masked`` with transposed products (either cache): block ``b``'s rows by
     pointer loads clamped to ``cap`` into idle ring slots, then the masked step."""
-    kp = gl.minimum(b * 64 + gl.arange(0, BN, layout=gl.SliceLayout(1, ld_layout)), cap)
-    if PAGED:
-        rows = gl.load(pr_row + kp // PS).to(gl.int64) + (kp % PS).to(gl.int64)
-    else:
-        rows = kbase + kp.to(gl.int64)
-    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ld_layout))
-    offs_v = v0 + gl.arange(0, DV, layout=gl.SliceLayout(0, ld_layout))
-    kt = gl.load(k_ptr + gl.expand_dims(rows * sk_row + kvh * sk_head, 1) + gl.expand_dims(offs_d, 0))
-    vt = gl.load(v_ptr + gl.expand_dims(rows * sv_row + kvh * sv_head, 1) + gl.expand_dims(offs_v, 0))
-    k_buf.store(kt)
-    v_buf.store(vt)
-    fence_async_shared()
-    gl.thread_barrier()
+    rlk_attn_wgd_gather(k_buf, v_buf, k_ptr, v_ptr, pr_row, kbase, b, cap, kvh, v0, sk_row, sk_head, sv_row, sv_head,
+                        BN, HEAD_D, DV, PS, PAGED, ld_layout)
     zero_s = gl.zeros([BN, NQ], gl.float32, s_layout)
     s_tok = warpgroup_mma(k_buf, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
@@ -1083,35 +1111,7 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
 
-    if ORDER == 1:  # kv heads fastest: (kv heads, tiles, splits)
-        t = gl.program_id(1)
-        kvh = gl.program_id(0).to(gl.int64)
-        js = gl.program_id(2)
-    elif ORDER == 2:  # splits fastest: (splits, tiles, kv heads)
-        t = gl.program_id(1)
-        kvh = gl.program_id(2).to(gl.int64)
-        js = gl.program_id(0)
-    else:  # tiles fastest: (tiles, kv heads, splits)
-        t = gl.program_id(0)
-        kvh = gl.program_id(1).to(gl.int64)
-        js = gl.program_id(2)
-    j = js // VS
-    vs = js % VS
-    t64 = t.to(gl.int64)
-    if ONE:
-        seq = t64
-        u0 = t64 * G
-        u1 = u0 + G
-        pbase = t64 - gl.load(tab_ptr + t64)
-    else:
-        seq = gl.load(tab_ptr + t64 * 4)
-        u0 = gl.load(tab_ptr + t64 * 4 + 1)
-        u1 = gl.load(tab_ptr + t64 * 4 + 2)
-        pbase = gl.load(tab_ptr + t64 * 4 + 3)
-    tok0 = u0 // G
-    p_lo = (tok0 - pbase).to(gl.int32)
-    cap = ((u1 - 1) // G - pbase).to(gl.int32)
-    last = gl.where(u1 > u0, cap // 64, -1)
+    t64, kvh, j, vs, seq, u0, u1, pbase, tok0, p_lo, cap, last = rlk_attn_wgd_program(tab_ptr, G, VS, ONE, ORDER)
     if (last >= 0) & (j <= last // SB):
         b0 = j * SB
         b1 = gl.minimum(last, b0 + SB - 1)
@@ -1179,18 +1179,18 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
                                            v_desc, pr_row, kbase, col, col + v0, b0, nqd, qk_scale, NQ, DV, ST, PS, PPB,
                                            PAGED, s_layout, o_layout, col_s, col_o, X_LAYOUT, F_LAYOUT)
         elif not QUAD and nu > 0:
-            m, l, acc = rlk_attn_wgt_walk(q_smem, k_smem, v_smem, p_bufs, x_smem.slice(0, 4), f_smem.slice(0, 4), k_bars,
-                                          v_bars, k_desc, v_desc, pr_row, kbase, col, col + v0, b0, nu, pos, kpos0,
-                                          qk_scale, BN, NQ, DV, ST, PS, PPB, PAGED, s_layout, o_layout, col_s, col_o,
-                                          X_LAYOUT, F_LAYOUT)
+            m, l, acc = rlk_attn_wgt_walk(q_smem, k_smem, v_smem, p_bufs, x_smem.slice(0, 4), f_smem.slice(0, 4),
+                                          k_bars, v_bars, k_desc, v_desc, pr_row, kbase, col, col + v0, b0, nu, pos,
+                                          kpos0, qk_scale, BN, NQ, DV, ST, PS, PPB, PAGED, s_layout, o_layout, col_s,
+                                          col_o, X_LAYOUT, F_LAYOUT)
         else:
             m = gl.full([NQ], float("-inf"), gl.float32, col_s)
             l = gl.zeros([NQ], gl.float32, col_s)
             acc = gl.zeros([DV, NQ], gl.float32, o_layout)
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         for b in range(b0 + nw, b1 + 1):
-            m, l, acc = rlk_attn_wgt_masked(q_smem, k_smem.index(0), v_smem.index(0), p_bufs.index(0), x_smem.slice(0, 4),
-                                            f_smem.slice(0, 4),
+            m, l, acc = rlk_attn_wgt_masked(q_smem, k_smem.index(0), v_smem.index(0), p_bufs.index(0),
+                                            x_smem.slice(0, 4), f_smem.slice(0, 4),
                                             k_ptr, v_ptr, pr_row, kbase, b, cap, kvh, v0, sk_row, sk_head, sv_row,
                                             sv_head, m, l, acc, pos, kpos0, qk_scale, BN, NQ, HEAD_D, DV, PS, PAGED,
                                             s_layout, col_s, col_o, ld_layout, X_LAYOUT, F_LAYOUT)
@@ -1198,23 +1198,9 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
 
-        r_o = gl.arange(0, NQ, layout=col_o)
-        valid_o = r_o.to(gl.int64) < u1 - u0
-        c_o = v0 + gl.arange(0, DV, layout=row_o)
-        if FINISH:
-            r = gl.div_rn(gl.full([NQ], 1.0, gl.float32, col_o), gl.convert_layout(l, col_o))
-            o = (acc * gl.expand_dims(r, 0)).to(out_ptr.dtype.element_ty)
-            rel_o = (u0 - tok0 * G).to(gl.int32) + r_o
-            tq_o = rel_o // G
-            q_off_o = ((tok0 + tq_o) * HQ + kvh * G + (rel_o - tq_o * G)) * HEAD_D
-            gl.store(out_ptr + gl.expand_dims(q_off_o, 0) + gl.expand_dims(c_o, 1), o, mask=gl.expand_dims(valid_o, 0))
-        else:
-            slot0 = ((t64 * HKV + kvh) * NS + j) * WS_M
-            state = valid_c & (gl.full([NQ], 0, gl.int32, col_s) + vs == 0)  # one slice stores the state
-            gl.store(ws_m_ptr + slot0 + r_c, m, mask=state)
-            gl.store(ws_l_ptr + slot0 + r_c, l, mask=state)
-            gl.store(ws_a_ptr + (slot0 + gl.expand_dims(r_o, 0)) * HEAD_D + gl.expand_dims(c_o, 1), acc,
-                     mask=gl.expand_dims(valid_o, 0))
+        rlk_attn_wgd_store(acc, m, l, valid_c, r_c, gl.arange(0, NQ, layout=col_o), v0 + gl.arange(0, DV, layout=row_o),
+                           out_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, t64, kvh, j, vs, u0, u1, tok0, NS, HQ, HKV, G, HEAD_D,
+                           WS_M, FINISH, 1, col_o)
 
 
 def descriptors(k: torch.Tensor, v: torch.Tensor):
