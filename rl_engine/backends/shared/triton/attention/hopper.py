@@ -59,7 +59,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 KERNEL_NAMES = ("rlk_attn_fwd_wg", "rlk_attn_split_wg", "rlk_attn_split_wgt")
 #: ``@gluon.jit`` device functions (inlined into the kernel, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_wg_gdc_wait", "rlk_attn_wg_exp2", "rlk_attn_wg_rowsum", "rlk_attn_wg_merge",
-                    "rlk_attn_wg_softmax", "rlk_attn_wg_scratch", "rlk_attn_wg_rows_io", "rlk_attn_wg_pv",
+                    "rlk_attn_wg_softmax", "rlk_attn_wg_scratch", "rlk_attn_wg_rows_io", "rlk_attn_wg_q_tile",
+                    "rlk_attn_wg_pv",
                     "rlk_attn_wg_walk", "rlk_attn_wg_load", "rlk_attn_wgd_gdc_launch",
                     "rlk_attn_wgd_entries", "rlk_attn_wgd_copy", "rlk_attn_wgd_first", "rlk_attn_wgd_walk",
                     "rlk_attn_wgd_masked", "rlk_attn_wgd_program", "rlk_attn_wgd_store", "rlk_attn_wgd_gather",
@@ -197,6 +198,22 @@ def rlk_attn_wg_rows_io(u0, u1, tok0, kvh, zero, G: gl.constexpr, HQ, HEAD_D: gl
 
 
 @gluon.jit
+def rlk_attn_wg_q_tile(q_ptr, u0, u1, tok0, kvh, G: gl.constexpr, HQ, HEAD_D: gl.constexpr, BM: gl.constexpr,
+                       io_layout: gl.constexpr, q_smem_layout: gl.constexpr):
+    """The tile's ``Q`` rows (``BM`` rows ``(token, g)`` from unit ``u0``, zeros past ``u1``) loaded
+    through ``io_layout`` into shared memory (``q_smem_layout``, the products' operand), visible to
+    the tensor cores; returns it and the head-dim offsets in ``io_layout``'s column slice."""
+    valid_io, tok_io, head_io, q_off = rlk_attn_wg_rows_io(u0, u1, tok0, kvh, 0, G, HQ, HEAD_D, BM,
+                                                           gl.SliceLayout(1, io_layout))
+    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, io_layout))
+    q = gl.load(q_ptr + gl.expand_dims(q_off, 1) + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(valid_io, 1),
+                other=0.0)
+    q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [BM, HEAD_D], q_smem_layout, q)
+    fence_async_shared()
+    return q_smem, offs_d
+
+
+@gluon.jit
 def rlk_attn_wg_pv(p, alpha, acc, v_smem, v_bars, j, V_ST: gl.constexpr, p_layout: gl.constexpr,
                    row_o: gl.constexpr):
     """Issue block ``j``'s ``P·V`` (asynchronous; returns its token): ``P`` rounded to the value
@@ -312,7 +329,6 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
-    col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
     dtype: gl.constexpr = k_desc.dtype
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_D], dtype)
 
@@ -366,12 +382,7 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
             rlk_attn_wg_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, kbase, col, first, i, nb, K_ST, V_ST,
                              False)
 
-        valid_io, tok_io, head_io, q_off = rlk_attn_wg_rows_io(u0, u1, tok0, kvh, 0, G, HQ, HEAD_D, BM, row_io)
-        offs_d = gl.arange(0, HEAD_D, layout=col_io)
-        q = gl.load(q_ptr + gl.expand_dims(q_off, 1) + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(valid_io, 1),
-                    other=0.0)
-        q_smem = gl.allocate_shared_memory(dtype, [BM, HEAD_D], q_smem_layout, q)
-        fence_async_shared()
+        q_smem, offs_d = rlk_attn_wg_q_tile(q_ptr, u0, u1, tok0, kvh, G, HQ, HEAD_D, BM, io_layout, q_smem_layout)
 
         # the tile's rows in the score rows' layout: positions and window starts, for the masks
         rel_s = (u0 - tok0 * G).to(gl.int32) + gl.arange(0, BM, layout=row_s)
@@ -700,8 +711,6 @@ def rlk_attn_split_wg(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, ws
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
-    col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
     dtype: gl.constexpr = k_desc.dtype
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HEAD_D], dtype)
 
@@ -728,12 +737,7 @@ def rlk_attn_split_wg(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, ws
             rlk_attn_wgd_first(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, pr_row, b0, nu, col, col + v0, ST, PS,
                                PPB)
 
-        valid_io, tok_io, head_io, q_off = rlk_attn_wg_rows_io(u0, u1, tok0, kvh, 0, G, HQ, HEAD_D, BM, row_io)
-        offs_d = gl.arange(0, HEAD_D, layout=col_io)
-        q = gl.load(q_ptr + gl.expand_dims(q_off, 1) + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(valid_io, 1),
-                    other=0.0)
-        q_smem = gl.allocate_shared_memory(dtype, [BM, HEAD_D], q_smem_layout, q)
-        fence_async_shared()
+        q_smem, offs_d = rlk_attn_wg_q_tile(q_ptr, u0, u1, tok0, kvh, G, HQ, HEAD_D, BM, io_layout, q_smem_layout)
 
         rel_s = (u0 - tok0 * G).to(gl.int32) + gl.arange(0, BM, layout=row_s)
         valid_s = gl.arange(0, BM, layout=row_s).to(gl.int64) < u1 - u0
@@ -1103,8 +1107,6 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [NQ // 4, 128 // NQ], [4, 1], [1, 0])
-    row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
-    col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
     dtype: gl.constexpr = k_desc.dtype
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, HEAD_D], dtype)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, BN], dtype)
@@ -1162,12 +1164,7 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
                 rlk_attn_wgd_copy(k_desc, k_smem, k_bars, es[i], col, i, nu, ST, PS, PPB)
                 rlk_attn_wgd_copy(v_desc, v_smem, v_bars, es[i], col + v0, i, nu, ST, PS, PPB)
 
-        valid_io, tok_io, head_io, q_off = rlk_attn_wg_rows_io(u0, u1, tok0, kvh, 0, G, HQ, HEAD_D, NQ, row_io)
-        offs_d = gl.arange(0, HEAD_D, layout=col_io)
-        q = gl.load(q_ptr + gl.expand_dims(q_off, 1) + gl.expand_dims(offs_d, 0), mask=gl.expand_dims(valid_io, 1),
-                    other=0.0)
-        q_smem = gl.allocate_shared_memory(dtype, [NQ, HEAD_D], q_smem_layout, q)
-        fence_async_shared()
+        q_smem, offs_d = rlk_attn_wg_q_tile(q_ptr, u0, u1, tok0, kvh, G, HQ, HEAD_D, NQ, io_layout, q_smem_layout)
 
         r_c = gl.arange(0, NQ, layout=col_s)
         rel_c = (u0 - tok0 * G).to(gl.int32) + r_c
