@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -77,6 +78,12 @@ class Resources:
     #: the Gluon decode kernels: CTA barriers in the unmasked run's loop (one trip: one or four
     #: blocks; ``_loop_barriers``), -1 where not counted
     barriers_per_step: int = -1
+    #: sha256 of the PTX instruction sequence with register numbers, debug lines and comments
+    #: removed (``ptx_digest``): equal digests at two commits mean a source change (a device function
+    #: factored out, a rename) compiled to the same instructions in the same order;
+    #: ``ptx_multiset_digest``: the same instructions in the same numbers, in any order
+    ptx_digest: str = ""
+    ptx_multiset_digest: str = ""
 
     @property
     def pipelined(self) -> bool:
@@ -151,12 +158,58 @@ def _assembled(compiled, label: str, kernel: str, t0: float, no_frame_is_zero: b
             raise RuntimeError(f"ptxas -v: no match for {pattern!r} in:\n{log}")
         return int(m.group(1))
 
-    return Resources(label=label, kernel=kernel, registers=num(r"Used (\d+) registers"),
+    return Resources(label=label, kernel=kernel, registers=num(r"Used (\d+) registers"), ptx_digest=ptx_digest(ptx),
+                     ptx_multiset_digest=ptx_digest(ptx, ordered=False),
                      spill_store_bytes=num(r"(\d+) bytes spill stores", True),
                      spill_load_bytes=num(r"(\d+) bytes spill loads", True),
                      cp_async=len(re.findall(r"cp\.async\.c[ag]\.", ptx)), ptx_lines=ptx.count("\n"),
                      seconds=round(time.perf_counter() - t0, 2), tma_copies=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
                      shared_bytes=int(compiled.metadata.shared))
+
+
+def ptx_digest(ptx: str, ordered: bool = True) -> str:
+    """sha256 of ``ptx``'s instructions in order (``ordered``; else sorted: the multiset): register
+    numbers (``%r12`` -> ``%r``), source locations, labels of the debug info, comments and the
+    debug sections' data removed."""
+    keep = []
+    for line in ptx.split("\n"):
+        t = line.split("//")[0].strip()
+        if not t or t.startswith((".loc", ".file", ".b8", ".b16", ".b32", ".b64", "$L__tmp", ".section", "{", "}")):
+            continue
+        keep.append(re.sub(r"%(r|rd|p|f|fd|rs|h|hh)\d+", r"%\1", t))
+    return hashlib.sha256("\n".join(keep if ordered else sorted(keep)).encode()).hexdigest()
+
+
+def compile_fwd_wg_sm90(multi: bool, window: bool, store: bool) -> Resources:
+    """Compile the train path's Gluon forward (``hopper.rlk_attn_fwd_wg``, bf16, D = 128, G = 4, 64-row
+    tiles) for sm_90a with ``hopper.CONFIGS[multi]``: KV splits merged (``multi``), a window, the
+    backward's fp32 output and lse stored (``store``). Needs Triton 3.6's Gluon Hopper API."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from rl_engine.backends.shared.triton.attention import hopper
+    from rl_engine.backends.shared.triton.attention import kernels as K
+
+    fn = hopper.rlk_attn_fwd_wg
+    d = 128
+    layout = gl.NVMMASharedLayout.get_default_for([hopper.BLOCK_N, d], gl.bfloat16)
+    desc = f"tensordesc<bf16[{hopper.BLOCK_N},{d}],{layout!r}>"
+    sig = {"q_ptr": "*bf16", "k_desc": desc, "v_desc": desc, "out_ptr": "*bf16", "out32_ptr": "*fp32",
+           "lse_ptr": "*fp32", "scr_ptr": "*fp32", "tab_ptr": "*i64", "pr_ptr": "*i64", "pr_stride": "i64",
+           "W": "i32", "qk_scale": "fp32", "HQ": "i32", "HKV": "i32"}
+    k_st, v_st, regs = hopper.CONFIGS[multi]
+    const = {"G": 4, "HEAD_D": d, "HAS_WINDOW": window, "STORE_F32": store, "STORE_LSE": store, "MULTI": multi,
+             "SB": K.SPLIT_BLOCKS, "K_ST": k_st, "V_ST": v_st, "BLOCK_ROWS": hopper.BLOCK_M, "PDL": True}
+    sig.update({n: "constexpr" for n in const})
+    label = f"fwd_wg multi={multi} window={window} store={store}"
+    t0 = time.perf_counter()
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                              options={"num_warps": hopper.BLOCK_M // 16, "enable_fp_fusion": False, "launch_pdl": True,
+                                       **({} if regs is None else {"maxnreg": int(regs)})})
+    return _assembled(compiled, label, "rlk_attn_fwd_wg", t0, no_frame_is_zero=True)
 
 
 def compile_split_wg_sm90(page_size: int, dv: int, slots: int, one: bool, finish: bool = False,
@@ -314,6 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="also the Gluon paged decode split kernel (hopper.rlk_attn_split_wg; needs Triton 3.6)")
     ap.add_argument("--split-wgt", action="store_true",
                     help="also the transposed decode split kernel (hopper.rlk_attn_split_wgt; needs Triton 3.6)")
+    ap.add_argument("--fwd-wg", action="store_true",
+                    help="also the train path's Gluon forward (hopper.rlk_attn_fwd_wg; needs Triton 3.6)")
     ap.add_argument("--no-divisibility", action="store_true",
                     help="compile without the divisibility a real launch specialises (negative control)")
     args = ap.parse_args(argv)
@@ -329,15 +384,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("attention_resources_sm90: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
         return 2
     rows = []
-    if args.split_wg or args.split_wgt:
+    if args.split_wg or args.split_wgt or args.fwd_wg:
         from rl_engine.backends.shared.triton.attention import hopper
         from rl_engine.backends.shared.triton.attention import kernels as K
 
         if not K._has_gluon_hopper():
-            print(f"attention_resources_sm90: --split-wg / --split-wgt need Triton 3.6's Gluon Hopper API, found "
-                  f"triton {triton.__version__}", file=sys.stderr)
+            print(f"attention_resources_sm90: --split-wg / --split-wgt / --fwd-wg need Triton 3.6's Gluon Hopper API, "
+                  f"found triton {triton.__version__}", file=sys.stderr)
             return 2
         gluon_rows = []
+        if args.fwd_wg:
+            gluon_rows += [(compile_fwd_wg_sm90, (multi, window, store)) for multi in (False, True)
+                           for window in (False, True) for store in (False, True)]
         if args.split_wg:
             gluon_rows += [(compile_split_wg_sm90, (ps, dv, hopper.SPLIT_SLOTS, one, finish))
                            for ps in K.WG_DECODE_PAGE_SIZES for dv in (128, 64)
