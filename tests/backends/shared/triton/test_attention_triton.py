@@ -2270,11 +2270,7 @@ def test_warpgroup_paged_decode_gives_the_triton_kernels_bits(case, monkeypatch)
         assert flags[-1] is True and bit_diff(other, got), (case, slots, slices, bit_diff(other, got))
     monkeypatch.setattr(K, "value_slices", rule)
     assert torch.isfinite(got.float()).all()
-    k2 = kc.clone()
-    k2[table[0, 0] + 5, 0, 3] += 0.5  # position 5 of sequence 0, kv head 0: every query of it sees it
-    moved = step(k2)
-    first = int((q_seq == 0).sum())
-    assert not bit_diff(moved[:first], got[:first]) and bit_diff(moved[first:], got[first:])
+    _assert_a_key_moves_its_sequence(step, kc, int(table[0, 0]), q_seq, got)
 
 
 WGT_CASES = {
@@ -2326,6 +2322,17 @@ def _decode_caches(k, v, cu, lens, ps, seed):
             kc[page * ps : page * ps + hi - lo] = k[cu[i] + lo : cu[i] + hi]
             vc[page * ps : page * ps + hi - lo] = v[cu[i] + lo : cu[i] + hi]
     return kc, vc, table.to(k.device)
+
+
+def _assert_a_key_moves_its_sequence(step, kc, row0, q_seq, got):
+    """The negative control of the decode bits tests: position 5 of sequence 0 (storage row
+    ``row0 + 5``, kv head 0), which every query of it sees, perturbed, ``step(kc)`` moves that
+    sequence's rows of ``got`` and no other."""
+    k2 = kc.clone()
+    k2[row0 + 5, 0, 3] += 0.5
+    moved = step(k2)
+    first = int((q_seq == 0).sum())
+    assert not bit_diff(moved[:first], got[:first]) and bit_diff(moved[first:], got[first:])
 
 
 def _decode_rows(lens, cu, n):
@@ -2387,11 +2394,7 @@ def test_transposed_decode_gives_the_triton_kernels_bits(case, monkeypatch):
                 other = step()
             assert flags[-1] is True and bit_diff(other, got), (case, slots, slices, quad, bit_diff(other, got))
         assert torch.isfinite(got.float()).all()
-        k2 = kc.clone()
-        k2[page_rows[0, 0] + 5, 0, 3] += 0.5  # position 5 of sequence 0, kv head 0: every query of it sees it
-        moved = step(k2)
-    first = int((q_seq == 0).sum())
-    assert not bit_diff(moved[:first], got[:first]) and bit_diff(moved[first:], got[first:])
+        _assert_a_key_moves_its_sequence(step, kc, int(page_rows[0, 0]), q_seq, got)
 
 
 @gpu

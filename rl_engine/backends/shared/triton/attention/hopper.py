@@ -60,14 +60,13 @@ KERNEL_NAMES = ("rlk_attn_fwd_wg", "rlk_attn_split_wg", "rlk_attn_split_wgt")
 #: ``@gluon.jit`` device functions (inlined into the kernel, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_wg_gdc_wait", "rlk_attn_wg_exp2", "rlk_attn_wg_rowsum", "rlk_attn_wg_merge",
                     "rlk_attn_wg_softmax", "rlk_attn_wg_scratch", "rlk_attn_wg_rows_io", "rlk_attn_wg_q_tile",
-                    "rlk_attn_wg_pv",
-                    "rlk_attn_wg_walk", "rlk_attn_wg_load", "rlk_attn_wgd_gdc_launch",
+                    "rlk_attn_wg_pv", "rlk_attn_wg_walk", "rlk_attn_wg_load", "rlk_attn_wgd_gdc_launch",
                     "rlk_attn_wgd_entries", "rlk_attn_wgd_copy", "rlk_attn_wgd_first", "rlk_attn_wgd_walk",
-                    "rlk_attn_wgd_masked", "rlk_attn_wgd_program", "rlk_attn_wgd_store", "rlk_attn_wgd_gather",
-                    "rlk_attn_wgt_softmax", "rlk_attn_wgt_stage", "rlk_attn_wgt_pv", "rlk_attn_wgt_entries",
-                    "rlk_attn_wgt_walk", "rlk_attn_wgt_masked", "rlk_attn_wgt_copy4", "rlk_attn_wgt_entries4",
-                    "rlk_attn_wgt_scores4", "rlk_attn_wgt_max4", "rlk_attn_wgt_fold", "rlk_attn_wgt_pv_fold",
-                    "rlk_attn_wgt_quad", "rlk_attn_wgt_quads")
+                    "rlk_attn_wgd_masked", "rlk_attn_wgd_program", "rlk_attn_wgd_blocks", "rlk_attn_wgd_store",
+                    "rlk_attn_wgd_gather", "rlk_attn_wgt_softmax", "rlk_attn_wgt_stage", "rlk_attn_wgt_pv",
+                    "rlk_attn_wgt_entries", "rlk_attn_wgt_walk", "rlk_attn_wgt_masked", "rlk_attn_wgt_copy4",
+                    "rlk_attn_wgt_entries4", "rlk_attn_wgt_scores4", "rlk_attn_wgt_max4", "rlk_attn_wgt_fold",
+                    "rlk_attn_wgt_pv_fold", "rlk_attn_wgt_quad", "rlk_attn_wgt_quads")
 
 #: key-block rows (``kernels.KV_BLOCK``) and the tile's query rows (one warpgroup, 16 rows a warp;
 #: 128-row tiles of two warpgroups were measured slower: session 13 run 3)
@@ -645,6 +644,17 @@ def rlk_attn_wgd_program(tab_ptr, G: gl.constexpr, VS: gl.constexpr, ONE: gl.con
 
 
 @gluon.jit
+def rlk_attn_wgd_blocks(j, last, p_lo, SB: gl.constexpr):
+    """KV split ``j``'s blocks ``b0 .. b1`` (``SB`` a split, the tile's last block ``last``) and the
+    length ``nu`` of its unmasked run: the blocks from ``b0`` that every valid row sees entirely
+    (through ``(p_lo + 1) // 64 - 1``, ``p_lo`` the least position of the tile's valid rows)."""
+    b0 = j * SB
+    b1 = gl.minimum(last, b0 + SB - 1)
+    f1 = (p_lo + 1) // 64 - 1
+    return b0, b1, gl.maximum(gl.minimum(b1, f1) - b0 + 1, 0)
+
+
+@gluon.jit
 def rlk_attn_wgd_store(acc, m, l, valid_s, r_s, r_o, c_o, out_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, t64, kvh, j, vs, u0,
                        u1, tok0, NS, HQ, HKV, G: gl.constexpr, HEAD_D: gl.constexpr, WS_M: gl.constexpr,
                        FINISH: gl.constexpr, RA: gl.constexpr, r_layout: gl.constexpr):
@@ -716,10 +726,7 @@ def rlk_attn_split_wg(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, ws
 
     t64, kvh, j, vs, seq, u0, u1, pbase, tok0, p_lo, cap, last = rlk_attn_wgd_program(tab_ptr, G, VS, ONE, ORDER)
     if (last >= 0) & (j <= last // SB):
-        b0 = j * SB
-        b1 = gl.minimum(last, b0 + SB - 1)
-        f1 = (p_lo + 1) // 64 - 1  # the blocks every valid row sees entirely: 0 .. f1
-        nu = gl.maximum(gl.minimum(b1, f1) - b0 + 1, 0)
+        b0, b1, nu = rlk_attn_wgd_blocks(j, last, p_lo, SB)
         pr_row = pr_ptr + seq * pr_stride
         col = (kvh * HEAD_D).to(gl.int32)
         v0 = (vs * DV).to(gl.int32)
@@ -1115,10 +1122,7 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
 
     t64, kvh, j, vs, seq, u0, u1, pbase, tok0, p_lo, cap, last = rlk_attn_wgd_program(tab_ptr, G, VS, ONE, ORDER)
     if (last >= 0) & (j <= last // SB):
-        b0 = j * SB
-        b1 = gl.minimum(last, b0 + SB - 1)
-        f1 = (p_lo + 1) // 64 - 1  # the blocks every valid row sees entirely: 0 .. f1
-        nu = gl.maximum(gl.minimum(b1, f1) - b0 + 1, 0)
+        b0, b1, nu = rlk_attn_wgd_blocks(j, last, p_lo, SB)
         pr_row = pr_ptr + seq * pr_stride
         if PAGED:
             kbase = seq * 0
