@@ -1101,7 +1101,12 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
     untransposed kernel fills a 64-row ``wgmma`` tile with the tile's few rows. Each output
     element is the same sum of the same products in the same 16-term steps, the running maxima,
     exponentials and the fixed pairwise row sums are ``rlk_attn_split``'s, so the same bits (GPU
-    tests). Grid, workspace, value slices and ``FINISH``: ``rlk_attn_split_wg``'s."""
+    tests). Grid, workspace, value slices and ``FINISH``: ``rlk_attn_split_wg``'s.
+
+    ``ST`` ring slots of one block each (``rlk_attn_wgt_walk``) or, with ``QUAD``, of four blocks
+    (the unmasked run four blocks a step, ``rlk_attn_wgt_quads``; the blocks left over join the
+    masked run, whose step on blocks every row sees entirely gives the same bits). ``X_LAYOUT``,
+    ``F_LAYOUT``: the exchange read-back layouts of ``_wgt_exchange_layouts(NQ)``."""
     rlk_attn_wg_gdc_wait(PDL)
     rlk_attn_wgd_gdc_launch(PDL)
     BN: gl.constexpr = 64

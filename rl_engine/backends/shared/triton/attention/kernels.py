@@ -2394,10 +2394,9 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         tab = rollout_tiles(q_seq, q_pos, B, G, cfg.block_m) if T and B else None
     # TMA copies for the unmasked run of every decode step over a contiguous cache
     cache_tma = path == "decode" and decode_tma_eligible(k_rows, v_rows, P > 1, q.device)
-    # the splits of a paged step on the warpgroup kernel (its own tile: ``cfg`` sizes the table
-    # and the combine)
     # the splits of a decode step on the transposed Hopper kernel (its own value slices) where its
-    # band takes the step, else, over pages, on the warpgroup kernel where its band does
+    # band takes the step, else, over pages, on the warpgroup kernel where its band does (each its
+    # own tile: ``cfg`` sizes the table and the combine)
     wgt_split = (path == "decode" and config is None
                  and wgt_decode_eligible(q, k_rows, v_rows, page_size, P > 1, window, one, cfg.block_m)
                  and wgt_decode_programs(programs * WGT_V_SLICES, P > 1, q.device))
