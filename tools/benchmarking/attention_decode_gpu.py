@@ -2,10 +2,12 @@
 
 For each case (batch ``B`` × context ``ctx``, one query token per sequence, Qwen3-8B heads: 32
 query / 8 kv heads, D = 128, bf16) over a contiguous cache and over 16-token pages in shuffled
-order, it runs ``kernels.cached_forward(decode_only=True)`` with the shipped selection and with
+order, it runs ``kernels.cached_forward(decode_only=True)`` with the shipped selection, with
 every ``--configs`` key (``AttnConfig.key`` spelling: ``m16_w4_s3_v4_u4`` = 16-row tile, 4 warps,
-3 stages, 4 value slices, 4 blocks a step), checks each output raw-bit against the shipped one
-(integer views; negative control: a perturbed visible key must move the shipped output), then
+3 stages, 4 value slices, 4 blocks a step) and with the Hopper split kernels forced
+(``--wg-slots``, ``--wgt``), checks each output raw-bit against the Triton kernels' (both Hopper
+decode kernels off; integer views; negative control: a perturbed visible key must move the
+output), then
 times them all with SDPA (``F.scaled_dot_product_attention(..., enable_gqa=True)``) in CUDA
 graphs replayed round-robin (``cuda_graphs_interleaved_ms``). A tool for choosing the decode
 tables and rules (``FEW_DECODE_CONFIGS``, ``value_slices``, ``pair_blocks``, ``quad_blocks``); the
@@ -130,17 +132,22 @@ def main(argv=None) -> int:
             if control:
                 failures.append(f"{B}x{ctx} {cache_name}: negative control (a perturbed key) left the output unchanged")
             impls[f"{cache_name}.shipped"] = step
+
+            def register(name, config, fn, case=f"{B}x{ctx}", cache_name=cache_name, want=want):
+                """Time ``fn`` as ``name`` after checking its rows raw-bit against the Triton kernels'."""
+                equal = bool(torch.equal(_bits(fn()), _bits(want)))
+                if not equal:
+                    failures.append(f"{case} {cache_name}: {config}: bits differ from the Triton kernels'")
+                impls[name] = fn
+                rows.append({"case": case, "cache": cache_name, "config": config, "bits_equal": equal})
+
             if args.no_wg:
                 # the same step with the splits on the Triton kernel
                 def plain(step=step):
                     with K.wg_decode(False), K.wgt_decode(False):
                         return step()
 
-                equal = bool(torch.equal(_bits(plain()), _bits(want)))
-                if not equal:
-                    failures.append(f"{B}x{ctx} {cache_name}: the Triton kernels' bits differ between calls")
-                impls[f"{cache_name}.no_wg"] = plain
-                rows.append({"case": f"{B}x{ctx}", "cache": cache_name, "config": "no_wg", "bits_equal": equal})
+                register(f"{cache_name}.no_wg", "no_wg", plain)
             for spec in (x for x in args.wg_slots.split(",") if x and cache_name == "paged16"):
                 # the step's splits on the warpgroup kernel whatever its size (kernels.wg_decode_band)
                 # with ``slots`` ring slots; ``3v1``: one value slice (auto_value_slices(False)),
@@ -159,12 +166,7 @@ def main(argv=None) -> int:
                     finally:
                         K.MAX_PAGED_V_SLICES = saved
 
-                equal = bool(torch.equal(_bits(ring()), _bits(want)))
-                if not equal:
-                    failures.append(f"{B}x{ctx} {cache_name}: wg_s{spec}: bits differ from the shipped step")
-                impls[f"{cache_name}.wg_s{spec}"] = ring
-                rows.append({"case": f"{B}x{ctx}", "cache": cache_name, "config": f"wg_s{spec}",
-                             "bits_equal": equal})
+                register(f"{cache_name}.wg_s{spec}", f"wg_s{spec}", ring)
             for spec in (x for x in args.wgt.split(",") if x):
                 m = re.match(r"(\d+)v(\d+)(?:q(\d+))?$", spec)
                 if not m:
@@ -181,19 +183,9 @@ def main(argv=None) -> int:
                             K.wg_decode(False), K.wgt_decode_band(0, float("inf")), quad:
                         return step()
 
-                equal = bool(torch.equal(_bits(transposed()), _bits(want)))
-                if not equal:
-                    failures.append(f"{B}x{ctx} {cache_name}: wgt_s{spec}: bits differ from the shipped step")
-                impls[f"{cache_name}.wgt_s{spec}"] = transposed
-                rows.append({"case": f"{B}x{ctx}", "cache": cache_name, "config": f"wgt_s{spec}",
-                             "bits_equal": equal})
+                register(f"{cache_name}.wgt_s{spec}", f"wgt_s{spec}", transposed)
             for cfg in configs:
-                got = step(cfg)
-                equal = bool(torch.equal(_bits(got), _bits(want)))
-                if not equal:
-                    failures.append(f"{B}x{ctx} {cache_name} {cfg.key}: bits differ from the shipped step")
-                impls[f"{cache_name}@{cfg.key}"] = lambda c=cfg, f=step: f(c)
-                rows.append({"case": f"{B}x{ctx}", "cache": cache_name, "config": cfg.key, "bits_equal": equal})
+                register(f"{cache_name}@{cfg.key}", cfg.key, lambda c=cfg, f=step: f(c))
             print(f"{B}x{ctx} {cache_name}: {len(configs)} configs checked, control moved={not control}", flush=True)
         samples = cuda_graphs_interleaved_ms(impls, calls=args.calls, repeats=args.repeats, warmup=2)
         base = summarize(samples["torch.sdpa"]).median

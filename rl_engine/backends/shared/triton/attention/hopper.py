@@ -60,13 +60,14 @@ KERNEL_NAMES = ("rlk_attn_fwd_wg", "rlk_attn_split_wg", "rlk_attn_split_wgt")
 #: ``@gluon.jit`` device functions (inlined into the kernel, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_wg_gdc_wait", "rlk_attn_wg_exp2", "rlk_attn_wg_rowsum", "rlk_attn_wg_merge",
                     "rlk_attn_wg_softmax", "rlk_attn_wg_scratch", "rlk_attn_wg_rows_io", "rlk_attn_wg_q_tile",
-                    "rlk_attn_wg_pv", "rlk_attn_wg_walk", "rlk_attn_wg_load", "rlk_attn_wgd_gdc_launch",
-                    "rlk_attn_wgd_entries", "rlk_attn_wgd_copy", "rlk_attn_wgd_first", "rlk_attn_wgd_walk",
-                    "rlk_attn_wgd_masked", "rlk_attn_wgd_program", "rlk_attn_wgd_blocks", "rlk_attn_wgd_store",
-                    "rlk_attn_wgd_gather", "rlk_attn_wgt_softmax", "rlk_attn_wgt_stage", "rlk_attn_wgt_pv",
-                    "rlk_attn_wgt_entries", "rlk_attn_wgt_walk", "rlk_attn_wgt_masked", "rlk_attn_wgt_copy4",
-                    "rlk_attn_wgt_entries4", "rlk_attn_wgt_scores4", "rlk_attn_wgt_max4", "rlk_attn_wgt_fold",
-                    "rlk_attn_wgt_pv_fold", "rlk_attn_wgt_quad", "rlk_attn_wgt_quads")
+                    "rlk_attn_wg_ring", "rlk_attn_wg_ring_end", "rlk_attn_wg_pv", "rlk_attn_wg_walk",
+                    "rlk_attn_wg_load", "rlk_attn_wgd_gdc_launch", "rlk_attn_wgd_entries", "rlk_attn_wgd_copy",
+                    "rlk_attn_wgd_first", "rlk_attn_wgd_walk", "rlk_attn_wgd_masked", "rlk_attn_wgd_program",
+                    "rlk_attn_wgd_blocks", "rlk_attn_wgd_store", "rlk_attn_wgd_gather", "rlk_attn_wgt_softmax",
+                    "rlk_attn_wgt_stage", "rlk_attn_wgt_pv", "rlk_attn_wgt_entries", "rlk_attn_wgt_walk",
+                    "rlk_attn_wgt_masked", "rlk_attn_wgt_copy4", "rlk_attn_wgt_entries4", "rlk_attn_wgt_scores4",
+                    "rlk_attn_wgt_max4", "rlk_attn_wgt_fold", "rlk_attn_wgt_pv_fold", "rlk_attn_wgt_quad",
+                    "rlk_attn_wgt_quads")
 
 #: key-block rows (``kernels.KV_BLOCK``) and the tile's query rows (one warpgroup, 16 rows a warp;
 #: 128-row tiles of two warpgroups were measured slower: session 13 run 3)
@@ -210,6 +211,44 @@ def rlk_attn_wg_q_tile(q_ptr, u0, u1, tok0, kvh, G: gl.constexpr, HQ, HEAD_D: gl
     q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [BM, HEAD_D], q_smem_layout, q)
     fence_async_shared()
     return q_smem, offs_d
+
+
+@gluon.jit
+def rlk_attn_wg_ring(k_desc, v_desc, K_ST: gl.constexpr, V_ST: gl.constexpr, BN: gl.constexpr, KD: gl.constexpr,
+                     VD: gl.constexpr, BLOCKS: gl.constexpr = 1):
+    """A program's TMA ring: ``K_ST`` key and ``V_ST`` value slots of ``BLOCKS`` ``BN``-row blocks
+    each (``KD`` key and ``VD`` value columns, in the layouts of the copies ``k_desc``, ``v_desc``)
+    and one barrier a slot, initialised and visible to the copies. Returns ``(k_smem, v_smem,
+    k_bars, v_bars)``; the slots index blocks (slot ``s``'s at ``BLOCKS·s ..``)."""
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [K_ST * BLOCKS, BN, KD], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_ST * BLOCKS, BN, VD], v_desc.layout)
+    k_bars = gl.allocate_shared_memory(gl.int64, [K_ST, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [V_ST, 1], mbarrier.MBarrierLayout())
+    if K_ST == V_ST:  # slot by slot (the decode kernels' order; the barriers the compiler inserts follow it)
+        for i in gl.static_range(K_ST):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+    else:
+        for i in gl.static_range(K_ST):
+            mbarrier.init(k_bars.index(i), count=1)
+        for i in gl.static_range(V_ST):
+            mbarrier.init(v_bars.index(i), count=1)
+    fence_async_shared()
+    return k_smem, v_smem, k_bars, v_bars
+
+
+@gluon.jit
+def rlk_attn_wg_ring_end(k_bars, v_bars, K_ST: gl.constexpr, V_ST: gl.constexpr):
+    """The ring's barriers invalidated once its last copies have been waited on."""
+    if K_ST == V_ST:
+        for i in gl.static_range(K_ST):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+    else:
+        for i in gl.static_range(K_ST):
+            mbarrier.invalidate(k_bars.index(i))
+        for i in gl.static_range(V_ST):
+            mbarrier.invalidate(v_bars.index(i))
 
 
 @gluon.jit
@@ -363,15 +402,7 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
 
         # the first key and value copies are issued before the tile's Q rows are loaded, so that
         # both latencies overlap (a short sequence's tile is mostly its first copies' wait)
-        k_smem = gl.allocate_shared_memory(dtype, [K_ST, BN, HEAD_D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [V_ST, BN, HEAD_D], v_desc.layout)
-        k_bars = gl.allocate_shared_memory(gl.int64, [K_ST, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [V_ST, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(K_ST):
-            mbarrier.init(k_bars.index(i), count=1)
-        for i in gl.static_range(V_ST):
-            mbarrier.init(v_bars.index(i), count=1)
-        fence_async_shared()
+        k_smem, v_smem, k_bars, v_bars = rlk_attn_wg_ring(k_desc, v_desc, K_ST, V_ST, BN, HEAD_D, HEAD_D)
         col = (kvh * HEAD_D).to(gl.int32)
         nb = last - first + 1
         for i in gl.static_range(K_ST):
@@ -434,10 +465,7 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
                                        s_layout, o_layout, p_layout, row_s, row_o)
             M = gl.convert_layout(m, row_o)
             L = gl.convert_layout(l, row_o)
-        for i in gl.static_range(K_ST):
-            mbarrier.invalidate(k_bars.index(i))
-        for i in gl.static_range(V_ST):
-            mbarrier.invalidate(v_bars.index(i))
+        rlk_attn_wg_ring_end(k_bars, v_bars, K_ST, V_ST)
 
         # kernels.rlk_attn_finish (stored through a blocked layout: storing from the accumulator's
         # registers measured slower, 263 -> 301 us at 32 x 512, session 13 run 6)
@@ -731,14 +759,7 @@ def rlk_attn_split_wg(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, ws
         col = (kvh * HEAD_D).to(gl.int32)
         v0 = (vs * DV).to(gl.int32)
 
-        k_smem = gl.allocate_shared_memory(dtype, [ST, BN, HEAD_D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [ST, BN, DV], v_desc.layout)
-        k_bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(ST):
-            mbarrier.init(k_bars.index(i), count=1)
-            mbarrier.init(v_bars.index(i), count=1)
-        fence_async_shared()
+        k_smem, v_smem, k_bars, v_bars = rlk_attn_wg_ring(k_desc, v_desc, ST, ST, BN, HEAD_D, DV)
         # the first blocks' copies are issued before the tile's Q rows are loaded
         if nu > 0:
             rlk_attn_wgd_first(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, pr_row, b0, nu, col, col + v0, ST, PS,
@@ -764,9 +785,7 @@ def rlk_attn_split_wg(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, ws
                                             kvh, v0, sk_row, sk_head, sv_row, sv_head, m, l, acc, pos, kpos0,
                                             qk_scale, BM, BN, HEAD_D, DV, PS, s_layout, p_layout, row_s, row_o,
                                             ld_layout)
-        for i in gl.static_range(ST):
-            mbarrier.invalidate(k_bars.index(i))
-            mbarrier.invalidate(v_bars.index(i))
+        rlk_attn_wg_ring_end(k_bars, v_bars, ST, ST)
 
         rlk_attn_wgd_store(acc, m, l, valid_s, gl.arange(0, BM, layout=row_s), gl.arange(0, BM, layout=row_o),
                            v0 + gl.arange(0, DV, layout=col_o), out_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, t64, kvh, j, vs,
@@ -1138,18 +1157,12 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
 
         # QUAD: ST ring slots of four blocks each; else of one block
         SLOTS: gl.constexpr = 4 * ST if QUAD else ST
-        k_smem = gl.allocate_shared_memory(dtype, [SLOTS, BN, HEAD_D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [SLOTS, BN, DV], v_desc.layout)
+        # the key / value ring: SLOTS blocks each, ST barriers (a four-block slot's copies share one)
+        k_smem, v_smem, k_bars, v_bars = rlk_attn_wg_ring(k_desc, v_desc, ST, ST, BN, HEAD_D, DV, SLOTS // ST)
         p_bufs = gl.allocate_shared_memory(dtype, [4 if QUAD else 2, NQ, BN], p_smem_layout)
         # per-block exchange buffers, block i's at rows 4·i ..: warp maxima [4, NQ], probabilities [4, 16, NQ]
         x_smem = gl.allocate_shared_memory(gl.float32, [16, NQ], flat)
         f_smem = gl.allocate_shared_memory(gl.float32, [16 if QUAD else 4, 16, NQ], flat3)
-        k_bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(ST):
-            mbarrier.init(k_bars.index(i), count=1)
-            mbarrier.init(v_bars.index(i), count=1)
-        fence_async_shared()
         if QUAD:
             nqd = nu // 4  # four-block steps; the blocks left over join the masked run
             nw = 4 * nqd
@@ -1200,9 +1213,7 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
                                             k_ptr, v_ptr, pr_row, kbase, b, cap, kvh, v0, sk_row, sk_head, sv_row,
                                             sv_head, m, l, acc, pos, kpos0, qk_scale, BN, NQ, HEAD_D, DV, PS, PAGED,
                                             s_layout, col_s, col_o, ld_layout, X_LAYOUT, F_LAYOUT)
-        for i in gl.static_range(ST):
-            mbarrier.invalidate(k_bars.index(i))
-            mbarrier.invalidate(v_bars.index(i))
+        rlk_attn_wg_ring_end(k_bars, v_bars, ST, ST)
 
         rlk_attn_wgd_store(acc, m, l, valid_c, r_c, gl.arange(0, NQ, layout=col_o), v0 + gl.arange(0, DV, layout=row_o),
                            out_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, t64, kvh, j, vs, u0, u1, tok0, NS, HQ, HKV, G, HEAD_D,
