@@ -235,7 +235,7 @@ def compile_split_wgt_sm90(page_size: int | None, dv: int, slots: int, one: bool
     ps = 64 if page_size is None else page_size
     label = (f"split_wgt {'contiguous' if page_size is None else f'pages{page_size}'} dv{dv} nq{rows} "
              f"{'quad ' if quad else ''}slots{slots} one={one}{' finish' if finish else ''}")
-    return _compile_decode_gluon("rlk_attn_split_wgt", label, ps, dv, {
+    return _compile_decode_gluon("rlk_attn_split_wgt", label, 256 if quad and page_size is None else ps, dv, {
         "PS": ps, "PAGED": page_size is not None, "G": group, "NQ": rows, "ONE": one, "ST": slots, "FINISH": finish,
         "X_LAYOUT": x_layout, "F_LAYOUT": f_layout, "QUAD": quad})
 

@@ -65,9 +65,9 @@ DEVICE_FUNCTIONS = ("rlk_attn_wg_gdc_wait", "rlk_attn_wg_exp2", "rlk_attn_wg_row
                     "rlk_attn_wgd_first", "rlk_attn_wgd_walk", "rlk_attn_wgd_masked", "rlk_attn_wgd_program",
                     "rlk_attn_wgd_blocks", "rlk_attn_wgd_store", "rlk_attn_wgd_gather", "rlk_attn_wgt_softmax",
                     "rlk_attn_wgt_stage", "rlk_attn_wgt_pv", "rlk_attn_wgt_entries", "rlk_attn_wgt_walk",
-                    "rlk_attn_wgt_masked", "rlk_attn_wgt_copy4", "rlk_attn_wgt_entries4", "rlk_attn_wgt_scores4",
-                    "rlk_attn_wgt_max4", "rlk_attn_wgt_fold", "rlk_attn_wgt_pv_fold", "rlk_attn_wgt_quad",
-                    "rlk_attn_wgt_quads")
+                    "rlk_attn_wgt_masked", "rlk_attn_wgt_block", "rlk_attn_wgt_copy4", "rlk_attn_wgt_entries4",
+                    "rlk_attn_wgt_scores4", "rlk_attn_wgt_max4", "rlk_attn_wgt_fold", "rlk_attn_wgt_pv_fold",
+                    "rlk_attn_wgt_quad", "rlk_attn_wgt_quads")
 
 #: key-block rows (``kernels.KV_BLOCK``) and the tile's query rows (one warpgroup, 16 rows a warp;
 #: 128-row tiles of two warpgroups were measured slower: session 13 run 3)
@@ -922,18 +922,40 @@ def rlk_attn_wgt_walk(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_
 
 
 @gluon.jit
-def rlk_attn_wgt_copy4(desc, smem, bars, es, col, qi, nqd, QST: gl.constexpr, PS: gl.constexpr, PPB: gl.constexpr):
+def rlk_attn_wgt_block(smem, slot, b: gl.constexpr, BIG: gl.constexpr):
+    """Block ``b`` of four-block ring slot ``slot``: a 64-row slice of the slot's 256-row tile
+    (``BIG``: a contiguous cache, the four blocks one copy) or its own 64-row slot."""
+    if BIG:
+        buf = smem.index(slot).slice(64 * b, 64)
+    else:
+        buf = smem.index(slot * 4 + b)
+    return buf
+
+
+@gluon.jit
+def rlk_attn_wgt_copy4(desc, smem, bars, es, col, qi, nqd, QST: gl.constexpr, PS: gl.constexpr, PPB: gl.constexpr,
+                       BIG: gl.constexpr):
     """Issue the TMA copies of four-block step ``qi``'s blocks (entries ``es``: four
-    ``rlk_attn_wgt_entries`` tuples) into ring slots ``4·(qi % QST) ..``, one barrier for the four
-    blocks; if ``qi < nqd``."""
+    ``rlk_attn_wgt_entries`` tuples) into ring slot ``qi % QST``, one barrier for the four blocks;
+    if ``qi < nqd``. ``BIG`` (a contiguous cache): the four blocks are consecutive rows, so one
+    256-row copy (box ``[256, cols]``) into the slot's 256-row tile, 8 copy instructions in the
+    kernel instead of 32 and 15 CTA barriers a step instead of 21 (offline sm_90a, session 23), and
+    a batch-1 × 4096 step 10.3–10.7 µs instead of 12.0–12.1 (H200, session 24 run 1). A block is a
+    64-row slice of the tile (``rlk_attn_wgt_block``), a whole number of swizzle periods, so its
+    ``wgmma`` reads the same elements: the same bits (GPU tests). Else (pages) every block's
+    ``PPB`` page copies into its own 64-row slot."""
     pred = qi < nqd
     slot = qi % QST
     bar = bars.index(slot)
-    mbarrier.expect(bar, desc.block_type.nbytes * (4 * PPB), pred=pred)
-    for b in gl.static_range(4):
-        buf = smem.index(slot * 4 + b)
-        for i in gl.static_range(PPB):
-            tma.async_copy_global_to_shared(desc, [es[b][i], col], bar, buf.slice(i * PS, PS), pred=pred)
+    if BIG:  # the four contiguous blocks: one 256-row copy
+        mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(desc, [es[0][0], col], bar, smem.index(slot), pred=pred)
+    else:
+        mbarrier.expect(bar, desc.block_type.nbytes * (4 * PPB), pred=pred)
+        for b in gl.static_range(4):
+            buf = smem.index(slot * 4 + b)
+            for i in gl.static_range(PPB):
+                tma.async_copy_global_to_shared(desc, [es[b][i], col], bar, buf.slice(i * PS, PS), pred=pred)
 
 
 @gluon.jit
@@ -946,15 +968,15 @@ def rlk_attn_wgt_entries4(pr_row, kbase, b, PPB: gl.constexpr, PAGED: gl.constex
 
 
 @gluon.jit
-def rlk_attn_wgt_scores4(k_smem, k_bars, qt, qi, QST: gl.constexpr, zero_s):
+def rlk_attn_wgt_scores4(k_smem, k_bars, qt, qi, QST: gl.constexpr, zero_s, BIG: gl.constexpr):
     """Issue four-block step ``qi``'s four score products ``k·qᵀ`` (asynchronous) once its key
     blocks have arrived; returns their tokens."""
     slot = qi % QST
     mbarrier.wait(k_bars.index(slot), phase=(qi // QST) & 1)
-    t0 = warpgroup_mma(k_smem.index(slot * 4), qt, zero_s, use_acc=False, is_async=True)
-    t1 = warpgroup_mma(k_smem.index(slot * 4 + 1), qt, zero_s, use_acc=False, is_async=True)
-    t2 = warpgroup_mma(k_smem.index(slot * 4 + 2), qt, zero_s, use_acc=False, is_async=True)
-    t3 = warpgroup_mma(k_smem.index(slot * 4 + 3), qt, zero_s, use_acc=False, is_async=True)
+    t0 = warpgroup_mma(rlk_attn_wgt_block(k_smem, slot, 0, BIG), qt, zero_s, use_acc=False, is_async=True)
+    t1 = warpgroup_mma(rlk_attn_wgt_block(k_smem, slot, 1, BIG), qt, zero_s, use_acc=False, is_async=True)
+    t2 = warpgroup_mma(rlk_attn_wgt_block(k_smem, slot, 2, BIG), qt, zero_s, use_acc=False, is_async=True)
+    t3 = warpgroup_mma(rlk_attn_wgt_block(k_smem, slot, 3, BIG), qt, zero_s, use_acc=False, is_async=True)
     return t0, t1, t2, t3
 
 
@@ -1000,7 +1022,7 @@ def rlk_attn_wgt_pv_fold(acc, l, alpha, v_buf, p_buf, f_buf, NQ: gl.constexpr, c
 def rlk_attn_wgt_quad(s0, s1, s2, s3, m, l, acc, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_bars, k_desc, v_desc,
                       qt, ek, en, col, vcol, qi, nqd, qk_scale, zero_s, NQ: gl.constexpr, QST: gl.constexpr,
                       PS: gl.constexpr, PPB: gl.constexpr, col_s: gl.constexpr, col_o: gl.constexpr,
-                      x_layout: gl.constexpr, f_layout: gl.constexpr, NEXT: gl.constexpr):
+                      x_layout: gl.constexpr, f_layout: gl.constexpr, NEXT: gl.constexpr, BIG: gl.constexpr):
     """Four-block step ``qi`` of the unmasked run (``kernels.rlk_attn_quad``'s values with the
     transposed products): the blocks' maxima taken in order, ``mn_j = max(mn_{j−1}, x_j·c + 0)``,
     ``α_j = 2^{mn_{j−1} − mn_j}``, ``P_j = 2^{fma(s_j, c, −mn_j)}``, ``l ← fma(l, α_j, Σ P_j)`` and
@@ -1008,7 +1030,7 @@ def rlk_attn_wgt_quad(s0, s1, s2, s3, m, l, acc, k_smem, v_smem, p_bufs, x_smem,
     takes step ``qi + QST``'s keys (entries ``ek``) once its scores ``s0 .. s3`` are in; ``NEXT``:
     step ``qi + 1``'s score products run during this step's ``P·V`` chain and are returned
     (else the scores returned are this step's, unused)."""
-    rlk_attn_wgt_copy4(k_desc, k_smem, k_bars, ek, col, qi + QST, nqd, QST, PS, PPB)
+    rlk_attn_wgt_copy4(k_desc, k_smem, k_bars, ek, col, qi + QST, nqd, QST, PS, PPB, BIG)
     x0, x1, x2, x3 = rlk_attn_wgt_max4(s0, s1, s2, s3, x_smem, NQ, col_s, x_layout)
     mn0 = gl.maximum(m, x0 * qk_scale + 0.0)
     mn1 = gl.maximum(mn0, x1 * qk_scale + 0.0)
@@ -1034,19 +1056,19 @@ def rlk_attn_wgt_quad(s0, s1, s2, s3, m, l, acc, k_smem, v_smem, p_bufs, x_smem,
     fence_async_shared()
     gl.thread_barrier()
     if NEXT:
-        t0, t1, t2, t3 = rlk_attn_wgt_scores4(k_smem, k_bars, qt, qi + 1, QST, zero_s)
+        t0, t1, t2, t3 = rlk_attn_wgt_scores4(k_smem, k_bars, qt, qi + 1, QST, zero_s, BIG)
     slot = qi % QST
     mbarrier.wait(v_bars.index(slot), phase=(qi // QST) & 1)
-    acc, l = rlk_attn_wgt_pv_fold(acc, l, a0, v_smem.index(slot * 4), p_bufs.index(0), f_smem.slice(0, 4), NQ,
-                                  col_s, col_o, f_layout)
-    acc, l = rlk_attn_wgt_pv_fold(acc, l, a1, v_smem.index(slot * 4 + 1), p_bufs.index(1), f_smem.slice(4, 4), NQ,
-                                  col_s, col_o, f_layout)
-    acc, l = rlk_attn_wgt_pv_fold(acc, l, a2, v_smem.index(slot * 4 + 2), p_bufs.index(2), f_smem.slice(8, 4), NQ,
-                                  col_s, col_o, f_layout)
-    acc, l = rlk_attn_wgt_pv_fold(acc, l, a3, v_smem.index(slot * 4 + 3), p_bufs.index(3), f_smem.slice(12, 4), NQ,
-                                  col_s, col_o, f_layout)
+    acc, l = rlk_attn_wgt_pv_fold(acc, l, a0, rlk_attn_wgt_block(v_smem, slot, 0, BIG), p_bufs.index(0),
+                                  f_smem.slice(0, 4), NQ, col_s, col_o, f_layout)
+    acc, l = rlk_attn_wgt_pv_fold(acc, l, a1, rlk_attn_wgt_block(v_smem, slot, 1, BIG), p_bufs.index(1),
+                                  f_smem.slice(4, 4), NQ, col_s, col_o, f_layout)
+    acc, l = rlk_attn_wgt_pv_fold(acc, l, a2, rlk_attn_wgt_block(v_smem, slot, 2, BIG), p_bufs.index(2),
+                                  f_smem.slice(8, 4), NQ, col_s, col_o, f_layout)
+    acc, l = rlk_attn_wgt_pv_fold(acc, l, a3, rlk_attn_wgt_block(v_smem, slot, 3, BIG), p_bufs.index(3),
+                                  f_smem.slice(12, 4), NQ, col_s, col_o, f_layout)
     # the value slot is free: it takes step qi + QST's values
-    rlk_attn_wgt_copy4(v_desc, v_smem, v_bars, ek, vcol, qi + QST, nqd, QST, PS, PPB)
+    rlk_attn_wgt_copy4(v_desc, v_smem, v_bars, ek, vcol, qi + QST, nqd, QST, PS, PPB, BIG)
     if NEXT:
         s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
     return mn3, l, acc, s0, s1, s2, s3
@@ -1057,14 +1079,14 @@ def rlk_attn_wgt_quads(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v
                        col, vcol, b0, nqd, qk_scale, NQ: gl.constexpr, DV: gl.constexpr, QST: gl.constexpr,
                        PS: gl.constexpr, PPB: gl.constexpr, PAGED: gl.constexpr, s_layout: gl.constexpr,
                        o_layout: gl.constexpr, col_s: gl.constexpr, col_o: gl.constexpr, x_layout: gl.constexpr,
-                       f_layout: gl.constexpr):
+                       f_layout: gl.constexpr, BIG: gl.constexpr):
     """The unmasked run's first ``4·nqd`` blocks from ``b0`` (``nqd >= 1``; the first ``QST`` steps'
     copies issued) four a step (``rlk_attn_wgt_quad``) from ``(-inf, 0, +0)``. A step's page-table
     entries are loaded a step before its copies are issued."""
     zero_s = gl.zeros([64, NQ], gl.float32, s_layout)
     qt = q_smem.permute((1, 0))
     ek = rlk_attn_wgt_entries4(pr_row, kbase, b0 + 4 * gl.minimum(QST, nqd - 1), PPB, PAGED)
-    t0, t1, t2, t3 = rlk_attn_wgt_scores4(k_smem, k_bars, qt, 0, QST, zero_s)
+    t0, t1, t2, t3 = rlk_attn_wgt_scores4(k_smem, k_bars, qt, 0, QST, zero_s, BIG)
     s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
     m = gl.full([NQ], float("-inf"), gl.float32, col_s)
     l = gl.zeros([NQ], gl.float32, col_s)
@@ -1074,12 +1096,12 @@ def rlk_attn_wgt_quads(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v
         m, l, acc, s0, s1, s2, s3 = rlk_attn_wgt_quad(s0, s1, s2, s3, m, l, acc, k_smem, v_smem, p_bufs, x_smem, f_smem,
                                                       k_bars, v_bars, k_desc, v_desc, qt, ek, en, col, vcol, qi, nqd,
                                                       qk_scale, zero_s, NQ, QST, PS, PPB, col_s, col_o, x_layout,
-                                                      f_layout, True)
+                                                      f_layout, True, BIG)
         ek = en
     m, l, acc, s0, s1, s2, s3 = rlk_attn_wgt_quad(s0, s1, s2, s3, m, l, acc, k_smem, v_smem, p_bufs, x_smem, f_smem,
                                                   k_bars, v_bars, k_desc, v_desc, qt, ek, ek, col, vcol, nqd - 1, nqd,
                                                   qk_scale, zero_s, NQ, QST, PS, PPB, col_s, col_o, x_layout, f_layout,
-                                                  False)
+                                                  False, BIG)
     return m, l, acc
 
 
@@ -1123,9 +1145,10 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
     tests). Grid, workspace, value slices and ``FINISH``: ``rlk_attn_split_wg``'s.
 
     ``ST`` ring slots of one block each (``rlk_attn_wgt_walk``) or, with ``QUAD``, of four blocks
-    (the unmasked run four blocks a step, ``rlk_attn_wgt_quads``; the blocks left over join the
-    masked run, whose step on blocks every row sees entirely gives the same bits). ``X_LAYOUT``,
-    ``F_LAYOUT``: the exchange read-back layouts of ``_wgt_exchange_layouts(NQ)``."""
+    (the unmasked run four blocks a step, ``rlk_attn_wgt_quads``; over a contiguous cache a slot is
+    one 256-row tile filled by one copy, ``k_desc`` / ``v_desc`` then having 256-row boxes; the
+    blocks left over join the masked run, whose step on blocks every row sees entirely gives the same
+    bits). ``X_LAYOUT``, ``F_LAYOUT``: the exchange read-back layouts of ``_wgt_exchange_layouts(NQ)``."""
     rlk_attn_wg_gdc_wait(PDL)
     rlk_attn_wgd_gdc_launch(PDL)
     BN: gl.constexpr = 64
@@ -1145,20 +1168,26 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
     flat3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
 
     t64, kvh, j, vs, seq, u0, u1, pbase, tok0, p_lo, cap, last = rlk_attn_wgd_program(tab_ptr, G, VS, ONE, ORDER)
+    pr_row = pr_ptr + seq * pr_stride
+    # a contiguous cache's base row is loaded beside the table row (every program's ``seq`` is a
+    # batch sequence), not after it: the first copies wait on one load round trip, not two
+    if PAGED:
+        kbase = seq * 0
+    else:
+        kbase = gl.load(pr_row).to(gl.int64)
     if (last >= 0) & (j <= last // SB):
         b0, b1, nu = rlk_attn_wgd_blocks(j, last, p_lo, SB)
-        pr_row = pr_ptr + seq * pr_stride
-        if PAGED:
-            kbase = seq * 0
-        else:
-            kbase = gl.load(pr_row).to(gl.int64)
         col = (kvh * HEAD_D).to(gl.int32)
         v0 = (vs * DV).to(gl.int32)
 
         # QUAD: ST ring slots of four blocks each; else of one block
         SLOTS: gl.constexpr = 4 * ST if QUAD else ST
-        # the key / value ring: SLOTS blocks each, ST barriers (a four-block slot's copies share one)
-        k_smem, v_smem, k_bars, v_bars = rlk_attn_wg_ring(k_desc, v_desc, ST, ST, BN, HEAD_D, DV, SLOTS // ST)
+        BIG: gl.constexpr = QUAD and not PAGED  # four contiguous blocks: one 256-row copy, one 256-row slot
+        # the key / value ring: ST slots (SLOTS blocks in all; a four-block slot's copies share a barrier)
+        if BIG:
+            k_smem, v_smem, k_bars, v_bars = rlk_attn_wg_ring(k_desc, v_desc, ST, ST, 4 * BN, HEAD_D, DV)
+        else:
+            k_smem, v_smem, k_bars, v_bars = rlk_attn_wg_ring(k_desc, v_desc, ST, ST, BN, HEAD_D, DV, SLOTS // ST)
         p_bufs = gl.allocate_shared_memory(dtype, [4 if QUAD else 2, NQ, BN], p_smem_layout)
         # per-block exchange buffers, block i's at rows 4·i ..: warp maxima [4, NQ], probabilities [4, 16, NQ]
         x_smem = gl.allocate_shared_memory(gl.float32, [16, NQ], flat)
@@ -1176,8 +1205,8 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
                 for i in gl.static_range(ST):
                     es = es + (rlk_attn_wgt_entries4(pr_row, kbase, b0 + 4 * gl.minimum(i, nqd - 1), PPB, PAGED), )
                 for i in gl.static_range(ST):
-                    rlk_attn_wgt_copy4(k_desc, k_smem, k_bars, es[i], col, i, nqd, ST, PS, PPB)
-                    rlk_attn_wgt_copy4(v_desc, v_smem, v_bars, es[i], col + v0, i, nqd, ST, PS, PPB)
+                    rlk_attn_wgt_copy4(k_desc, k_smem, k_bars, es[i], col, i, nqd, ST, PS, PPB, BIG)
+                    rlk_attn_wgt_copy4(v_desc, v_smem, v_bars, es[i], col + v0, i, nqd, ST, PS, PPB, BIG)
         elif nu > 0:
             es = ()
             for i in gl.static_range(ST):
@@ -1196,7 +1225,7 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
         if QUAD and nqd > 0:
             m, l, acc = rlk_attn_wgt_quads(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_bars, k_desc,
                                            v_desc, pr_row, kbase, col, col + v0, b0, nqd, qk_scale, NQ, DV, ST, PS, PPB,
-                                           PAGED, s_layout, o_layout, col_s, col_o, X_LAYOUT, F_LAYOUT)
+                                           PAGED, s_layout, o_layout, col_s, col_o, X_LAYOUT, F_LAYOUT, BIG)
         elif not QUAD and nu > 0:
             m, l, acc = rlk_attn_wgt_walk(q_smem, k_smem, v_smem, p_bufs, x_smem.slice(0, 4), f_smem.slice(0, 4),
                                           k_bars, v_bars, k_desc, v_desc, pr_row, kbase, col, col + v0, b0, nu, pos,
@@ -1208,7 +1237,8 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
             acc = gl.zeros([DV, NQ], gl.float32, o_layout)
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         for b in range(b0 + nw, b1 + 1):
-            m, l, acc = rlk_attn_wgt_masked(q_smem, k_smem.index(0), v_smem.index(0), p_bufs.index(0),
+            m, l, acc = rlk_attn_wgt_masked(q_smem, rlk_attn_wgt_block(k_smem, 0, 0, BIG),
+                                            rlk_attn_wgt_block(v_smem, 0, 0, BIG), p_bufs.index(0),
                                             x_smem.slice(0, 4), f_smem.slice(0, 4),
                                             k_ptr, v_ptr, pr_row, kbase, b, cap, kvh, v0, sk_row, sk_head, sv_row,
                                             sv_head, m, l, acc, pos, kpos0, qk_scale, BN, NQ, HEAD_D, DV, PS, PAGED,
@@ -1353,7 +1383,8 @@ def launch_split_t(q, k, v, out, ws, tab, page_rows, page_size, G, qk_scale, spl
     nt = tab.shape[0]
     ws_m, ws_l, ws_a = (out, out, out) if finish else ws
     ps = int(page_size) if paged else BLOCK_N
-    k_desc, v_desc = page_descriptors(k, v, ps, D // v_slices)
+    # four contiguous blocks a step: one 256-row copy each of keys and values
+    k_desc, v_desc = page_descriptors(k, v, 4 * BLOCK_N if quad and not paged else ps, D // v_slices)
     x_layout, f_layout = _wgt_exchange_layouts(nq)
     sp = splits * v_slices
     grid = ((nt, Hkv, sp), (Hkv, nt, sp), (sp, nt, Hkv))[order]

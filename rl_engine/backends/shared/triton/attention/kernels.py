@@ -1192,6 +1192,7 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_pt
     vs = tl.program_id(2)
     seq, valid, tok, g, pos, wlo, lo, hi, first, last, cap = rlk_attn_rows(tab_ptr, t, G, W, HAS_WINDOW, BLOCK_M,
                                                                            ONE)
+    kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)  # beside the table row (see rlk_attn_fwd_split)
     if last >= 0:
         offs_d = tl.arange(0, HEAD_D)
         if DV == HEAD_D:  # one slice (every prefill and train launch): the code without slices
@@ -1203,7 +1204,6 @@ def rlk_attn_fwd(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_pt
         head = kvh * G + g
         q_off = (tok * HQ + head) * HEAD_D
         q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)
         s_first = first // SB
         s_last = last // SB
         M = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -1278,6 +1278,9 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, k_desc, v_desc, ws_m_ptr, ws_l_ptr, 
     vs = js % (HEAD_D // DV)
     seq, valid, tok, g, pos, wlo, lo, hi, first, last, cap = rlk_attn_rows(tab_ptr, t, G, W, HAS_WINDOW, BLOCK_M,
                                                                            ONE)
+    # the base row is loaded beside the table row, not after it (``seq`` is a batch sequence for
+    # every program, padding tiles included): the first key loads wait on one round trip, not two
+    kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)
     sp = first // SB + j
     if (last >= 0) & (sp <= last // SB):
         offs_d = tl.arange(0, HEAD_D)
@@ -1291,7 +1294,6 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, k_desc, v_desc, ws_m_ptr, ws_l_ptr, 
         q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         b0 = tl.maximum(first, sp * SB)
         b1 = tl.minimum(last, sp * SB + SB - 1)
-        kbase = rlk_attn_kv_base(pr_ptr, seq, pr_stride)
         # TMA: the unmasked run's blocks by TMA copies (rows every valid row sees: written cache
         # rows of this sequence); the masked edge blocks by pointer loads clamped to ``cap``
         m, l, a = rlk_attn_split(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_stride, page_size, cap, kvh,
@@ -1336,14 +1338,19 @@ def rlk_attn_combine(out_ptr, out32_ptr, lse_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, 
     split count rounded up to a power of two, at most 16) splits are loaded, then merged, per
     trip: a step of 4 splits merges 4 times, not 16 (session 19). Splits past the last read the
     initial state, an exact identity, so the group size does not change the bits. The merge
-    order is unchanged."""
-    rlk_attn_gdc_wait(PDL)
+    order is unchanged.
+
+    Under programmatic dependent launch the program reads its tile's table row before it waits
+    for the split kernel: the table (or ``q_pos``) was written before the split kernel passed its
+    own wait, which every split program did before this launch, so only the workspace loads wait
+    (one dependent load round trip off the step's tail)."""
     t = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     dc = tl.program_id(2)
     seq, valid, tok, g, pos, wlo, lo, hi, first, last, cap = rlk_attn_rows(tab_ptr, t, G, W, HAS_WINDOW, BLOCK_M,
                                                                            ONE)
     if last >= 0:
+        rlk_attn_gdc_wait(PDL)
         offs_d = dc * DC + tl.arange(0, DC)
         head = kvh * G + g
         n = last // SB - first // SB + 1
