@@ -38,9 +38,12 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", default=None, metavar="BxCTX",
                     help="a decode step of B sequences at CTX keys instead of the packed forward")
     ap.add_argument("--paged", action="store_true", help="with --decode: a cache of 16-token pages, shuffled")
+    ap.add_argument("--decode-kernel", choices=("shipped", "triton", "wgt", "wgt-quad"), default="shipped",
+                    help="with --decode: the shipped selection, the Triton split kernels (both Hopper decode kernels "
+                         "off), or the transposed Hopper kernel forced at any size, one block a step or four")
     args = ap.parse_args(argv)
-    if args.paged and args.decode is None:
-        ap.error("--paged needs --decode BxCTX")
+    if (args.paged or args.decode_kernel != "shipped") and args.decode is None:
+        ap.error("--paged and --decode-kernel need --decode BxCTX")
     try:
         B, S = (int(x) for x in (args.decode or args.shape).split("x"))
         hq, hkv = (int(x) for x in args.heads.split("x"))
@@ -58,7 +61,7 @@ def main(argv=None) -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     if args.decode is not None:
         fn = _decode_step(K, B, S, hq, hkv, args.impl, args.paged, g)
-        return _profile(fn)
+        return _profile(_with_decode_kernel(K, fn, args.decode_kernel))
     q, k, v = (torch.randn((B * S, h, 128), device="cuda", generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
     cu = torch.arange(0, (B + 1) * S, S, device="cuda", dtype=torch.int32)
     if args.impl == "sdpa":
@@ -97,6 +100,24 @@ def _decode_step(K, B: int, ctx: int, hq: int, hkv: int, impl: str, paged: bool,
         at = (rows[:, pos // ps] + pos % ps).reshape(-1)
         kk[at], vv[at] = kc, vc
     return lambda: K.cached_forward(q, kk, vv, rows, ps, q_seq, q_pos, 128**-0.5, None, decode_only=True)
+
+
+def _with_decode_kernel(K, fn, which: str):
+    """``fn`` run under the switches that pick ``which`` decode split kernel (scoped to each call)."""
+    import contextlib
+
+    def scoped():
+        with contextlib.ExitStack() as st:
+            if which == "triton":
+                st.enter_context(K.wg_decode(False))
+                st.enter_context(K.wgt_decode(False))
+            elif which in ("wgt", "wgt-quad"):
+                st.enter_context(K.wg_decode(False))
+                st.enter_context(K.wgt_decode_band(0, float("inf")))
+                st.enter_context(K.wgt_quad_band(float("inf") if which == "wgt-quad" else 0.0))
+            return fn()
+
+    return fn if which == "shipped" else scoped
 
 
 def _profile(fn) -> int:
