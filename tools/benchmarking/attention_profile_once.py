@@ -10,11 +10,15 @@ the Hopper warpgroup kernel where eligible), ``triton`` (``kernels.wg_forward(Fa
 ``CTX - 1``, ``kernels.cached_forward(decode_only=True)``, what ``bench_attention_gpu.py``'s
 decode rows time) over a contiguous cache (``--impl wg`` or ``triton``: the shipped selection)
 or, with ``--paged``, over 16-token pages in shuffled order; ``--impl sdpa``: SDPA's decode
-(``enable_gqa=True``).
+(``enable_gqa=True``). ``--decode-kernel`` picks the step's split kernel instead of the shipped
+selection: ``triton`` (both Hopper decode kernels off), ``wgt`` / ``wgt-quad`` (the transposed
+Hopper kernel at any size, one block a step / four where the cache allows), each call under the
+scoped switches of ``kernels``.
 
     ncu --clock-control none --nvtx --nvtx-include "rlk_profile/" --set full -o prof \\
         python tools/benchmarking/attention_profile_once.py --shape 4x4096 --impl wg
     ncu ... python tools/benchmarking/attention_profile_once.py --decode 64x4096 --paged
+    ncu ... python tools/benchmarking/attention_profile_once.py --decode 1x4096 --paged --decode-kernel wgt
 """
 
 from __future__ import annotations
@@ -42,8 +46,10 @@ def main(argv=None) -> int:
                     help="with --decode: the shipped selection, the Triton split kernels (both Hopper decode kernels "
                          "off), or the transposed Hopper kernel forced at any size, one block a step or four")
     args = ap.parse_args(argv)
-    if (args.paged or args.decode_kernel != "shipped") and args.decode is None:
-        ap.error("--paged and --decode-kernel need --decode BxCTX")
+    if args.paged and args.decode is None:
+        ap.error("--paged needs --decode BxCTX")
+    if args.decode_kernel != "shipped" and args.decode is None:
+        ap.error("--decode-kernel needs --decode BxCTX")
     try:
         B, S = (int(x) for x in (args.decode or args.shape).split("x"))
         hq, hkv = (int(x) for x in args.heads.split("x"))
