@@ -56,9 +56,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from rl_engine.backends.shared.triton.attention import kernels as _kernels  # its @triton.jit scalar helpers
+
 KERNEL_NAMES = ("rlk_attn_fwd_wg", "rlk_attn_split_wg", "rlk_attn_split_wgt")
 #: ``@gluon.jit`` device functions (inlined into the kernel, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_attn_wg_gdc_wait", "rlk_attn_wg_exp2", "rlk_attn_wg_rowsum", "rlk_attn_wg_merge",
+                    "rlk_attn_wg_state0",
                     "rlk_attn_wg_softmax", "rlk_attn_wg_scratch", "rlk_attn_wg_rows_io", "rlk_attn_wg_q_tile",
                     "rlk_attn_wg_ring", "rlk_attn_wg_ring_end", "rlk_attn_wg_pv", "rlk_attn_wg_walk",
                     "rlk_attn_wg_load", "rlk_attn_wgd_gdc_launch", "rlk_attn_wgd_entries", "rlk_attn_wgd_copy",
@@ -139,6 +142,17 @@ def rlk_attn_wg_merge(M, L, A, m, l, a):
     Ln = gl.fma(l, ec, L * ea)
     An = gl.fma(a, gl.expand_dims(ec, 1), A * gl.expand_dims(ea, 1))
     return Mn, Ln, An
+
+
+@gluon.jit
+def rlk_attn_wg_state0(N: gl.constexpr, R: gl.constexpr, C: gl.constexpr, vec_layout: gl.constexpr,
+                       acc_layout: gl.constexpr):
+    """The online softmax's initial state ``(m, l, acc) = (-inf, 0, +0)``: ``N`` query rows (layout
+    ``vec_layout``) and an ``[R, C]`` fp32 accumulator (``acc_layout``; ``[rows, DV]`` or, in the
+    transposed kernel, ``[DV, rows]``). Merging a split into it is an exact identity
+    (``kernels.rlk_attn_merge``)."""
+    return (gl.full([N], float("-inf"), gl.float32, vec_layout), gl.zeros([N], gl.float32, vec_layout),
+            gl.zeros([R, C], gl.float32, acc_layout))
 
 
 @gluon.jit
@@ -636,34 +650,14 @@ def rlk_attn_wgd_masked(q_smem, k_buf, v_buf, k_ptr, v_ptr, pr_row, b, cap, kvh,
 def rlk_attn_wgd_program(tab_ptr, G: gl.constexpr, VS: gl.constexpr, ONE: gl.constexpr, ORDER: gl.constexpr):
     """A decode split kernel's program: ``(t64, kvh, j, vs, seq, u0, u1, pbase, tok0, p_lo, cap,
     last)`` — its tile, kv head, KV split and value slice from the grid axes in the order
-    ``ORDER`` (``kernels.split_grid_order``), the tile's table row (``ONE``: formed from ``q_pos``
-    as ``kernels.rlk_attn_rows(ONE=True)`` does), its first token, the least and greatest
+    ``ORDER`` (``kernels.rlk_attn_split_ids``), the tile's table row (``kernels.rlk_attn_table_row``;
+    ``ONE``: formed from ``q_pos``), its first token, the least and greatest
     positions of its valid rows (positions do not decrease along the rows: the first valid row
     holds the least, the last the greatest, ``kernels.rlk_attn_rows``' minimum and maximum without
     reductions) and its last key block (-1 for an empty tile)."""
-    if ORDER == 1:  # kv heads fastest: (kv heads, tiles, splits)
-        t = gl.program_id(1)
-        kvh = gl.program_id(0).to(gl.int64)
-        js = gl.program_id(2)
-    elif ORDER == 2:  # splits fastest: (splits, tiles, kv heads)
-        t = gl.program_id(1)
-        kvh = gl.program_id(2).to(gl.int64)
-        js = gl.program_id(0)
-    else:  # tiles fastest: (tiles, kv heads, splits)
-        t = gl.program_id(0)
-        kvh = gl.program_id(1).to(gl.int64)
-        js = gl.program_id(2)
+    t, kvh, js = _kernels.rlk_attn_split_ids(ORDER)
     t64 = t.to(gl.int64)
-    if ONE:
-        seq = t64
-        u0 = t64 * G
-        u1 = u0 + G
-        pbase = t64 - gl.load(tab_ptr + t64)
-    else:
-        seq = gl.load(tab_ptr + t64 * 4)
-        u0 = gl.load(tab_ptr + t64 * 4 + 1)
-        u1 = gl.load(tab_ptr + t64 * 4 + 2)
-        pbase = gl.load(tab_ptr + t64 * 4 + 3)
+    seq, u0, u1, pbase = _kernels.rlk_attn_table_row(tab_ptr, t64, G, ONE)
     tok0 = u0 // G
     p_lo = (tok0 - pbase).to(gl.int32)
     cap = ((u1 - 1) // G - pbase).to(gl.int32)
@@ -776,9 +770,7 @@ def rlk_attn_split_wg(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, ws
                                           col + v0, b0, nu, pos, kpos0, qk_scale, BM, BN, DV, ST, PS, PPB, s_layout,
                                           o_layout, p_layout, row_s, row_o)
         else:
-            m = gl.full([BM], float("-inf"), gl.float32, row_s)
-            l = gl.zeros([BM], gl.float32, row_s)
-            acc = gl.zeros([BM, DV], gl.float32, o_layout)
+            m, l, acc = rlk_attn_wg_state0(BM, BM, DV, row_s, o_layout)
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         for b in range(b0 + nu, b1 + 1):
             m, l, acc = rlk_attn_wgd_masked(q_smem, k_smem.index(0), v_smem.index(0), k_ptr, v_ptr, pr_row, b, cap,
@@ -1088,9 +1080,7 @@ def rlk_attn_wgt_quads(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v
     ek = rlk_attn_wgt_entries4(pr_row, kbase, b0 + 4 * gl.minimum(QST, nqd - 1), PPB, PAGED)
     t0, t1, t2, t3 = rlk_attn_wgt_scores4(k_smem, k_bars, qt, 0, QST, zero_s, BIG)
     s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
-    m = gl.full([NQ], float("-inf"), gl.float32, col_s)
-    l = gl.zeros([NQ], gl.float32, col_s)
-    acc = gl.zeros([DV, NQ], gl.float32, o_layout)
+    m, l, acc = rlk_attn_wg_state0(NQ, DV, NQ, col_s, o_layout)
     for qi in range(0, nqd - 1):
         en = rlk_attn_wgt_entries4(pr_row, kbase, b0 + 4 * gl.minimum(qi + QST + 1, nqd - 1), PPB, PAGED)
         m, l, acc, s0, s1, s2, s3 = rlk_attn_wgt_quad(s0, s1, s2, s3, m, l, acc, k_smem, v_smem, p_bufs, x_smem, f_smem,
@@ -1232,9 +1222,7 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
                                           kpos0, qk_scale, BN, NQ, DV, ST, PS, PPB, PAGED, s_layout, o_layout, col_s,
                                           col_o, X_LAYOUT, F_LAYOUT)
         else:
-            m = gl.full([NQ], float("-inf"), gl.float32, col_s)
-            l = gl.zeros([NQ], gl.float32, col_s)
-            acc = gl.zeros([DV, NQ], gl.float32, o_layout)
+            m, l, acc = rlk_attn_wg_state0(NQ, DV, NQ, col_s, o_layout)
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         for b in range(b0 + nw, b1 + 1):
             m, l, acc = rlk_attn_wgt_masked(q_smem, rlk_attn_wgt_block(k_smem, 0, 0, BIG),

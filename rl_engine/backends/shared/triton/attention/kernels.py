@@ -128,8 +128,8 @@ __all__ = [
 KERNEL_NAMES = ("rlk_attn_fwd", "rlk_attn_fwd_split", "rlk_attn_combine", "rlk_attn_bwd_delta", "rlk_attn_bwd_dq",
                 "rlk_attn_bwd_dkdv", "rlk_attn_tiles", "rlk_attn_varlen_tiles")
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
-DEVICE_FUNCTIONS = ("rlk_attn_exp2", "rlk_attn_gdc_wait", "rlk_attn_gdc_launch", "rlk_attn_rowsum", "rlk_attn_rows",
-                    "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_pages", "rlk_attn_load_rows",
+DEVICE_FUNCTIONS = ("rlk_attn_exp2", "rlk_attn_gdc_wait", "rlk_attn_gdc_launch", "rlk_attn_rowsum",
+                    "rlk_attn_split_ids", "rlk_attn_table_row", "rlk_attn_rows", "rlk_attn_kv_rows", "rlk_attn_kv_base", "rlk_attn_pages", "rlk_attn_load_rows",
                     "rlk_attn_load_paged", "rlk_attn_load", "rlk_attn_scores", "rlk_attn_step",
                     "rlk_attn_block", "rlk_attn_pair", "rlk_attn_pair_step", "rlk_attn_rowsum3", "rlk_attn_quarters",
                     "rlk_attn_vblock", "rlk_attn_quad", "rlk_attn_unmasked", "rlk_attn_split", "rlk_attn_merge",
@@ -646,6 +646,47 @@ def rlk_attn_rowsum(x, BLOCK_M: tl.constexpr, N: tl.constexpr, LOG2N: tl.constex
 
 
 @triton.jit
+def rlk_attn_split_ids(ORDER: tl.constexpr):
+    """A decode split program's ``(tile, kv head (int64), split · value slices + slice)`` from the
+    grid axes in the order ``ORDER`` (``split_grid_order``; which of them the hardware schedules
+    fastest): 0 ``(tiles, kv heads, splits)``, 1 ``(kv heads, tiles, splits)``, 2 ``(splits, tiles,
+    kv heads)``. Shared by ``rlk_attn_fwd_split`` and the Gluon split kernels
+    (``hopper.rlk_attn_wgd_program``: a Gluon kernel inlines this function as it is)."""
+    if ORDER == 1:  # kv heads fastest
+        t = tl.program_id(1)
+        kvh = tl.program_id(0).to(tl.int64)
+        js = tl.program_id(2)
+    elif ORDER == 2:  # splits fastest
+        t = tl.program_id(1)
+        kvh = tl.program_id(2).to(tl.int64)
+        js = tl.program_id(0)
+    else:  # tiles fastest
+        t = tl.program_id(0)
+        kvh = tl.program_id(1).to(tl.int64)
+        js = tl.program_id(2)
+    return t, kvh, js
+
+
+@triton.jit
+def rlk_attn_table_row(tab_ptr, t64, G: tl.constexpr, ONE: tl.constexpr):
+    """Tile ``t64``'s table row ``(seq, unit0, unit1, pos_base)`` (int64 scalars; ``rlk_attn_rows``):
+    read from the tile table, or, for ``ONE`` (``tab_ptr`` is ``q_pos``, tile ``t`` is sequence
+    ``t``'s one token), formed as ``[t, t·G, t·G + G, t - q_pos[t]]``. Shared with the Gluon split
+    kernels (``hopper.rlk_attn_wgd_program``)."""
+    if ONE:
+        seq = t64
+        u0 = t64 * G
+        u1 = u0 + G
+        pbase = t64 - tl.load(tab_ptr + t64)
+    else:
+        seq = tl.load(tab_ptr + t64 * 4)
+        u0 = tl.load(tab_ptr + t64 * 4 + 1)
+        u1 = tl.load(tab_ptr + t64 * 4 + 2)
+        pbase = tl.load(tab_ptr + t64 * 4 + 3)
+    return seq, u0, u1, pbase
+
+
+@triton.jit
 def rlk_attn_rows(tab_ptr, t, G: tl.constexpr, W, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                   ONE: tl.constexpr):
     """Rows of query tile ``t``: ``(seq, valid, tok, g, pos, wlo, lo, hi, first, last, cap)``.
@@ -663,17 +704,7 @@ def rlk_attn_rows(tab_ptr, t, G: tl.constexpr, W, HAS_WINDOW: tl.constexpr, BLOC
     (one scalar int64 division per program): a runtime int64 ``unit // G`` per row compiled to
     the 64-bit division subroutine, ~1/3 of the extra instructions per program of the shipped
     kernel against the ablation probe (H200, session 5). Same integers."""
-    t64 = t.to(tl.int64)
-    if ONE:
-        seq = t64
-        u0 = t64 * G
-        u1 = u0 + G
-        pbase = t64 - tl.load(tab_ptr + t64)
-    else:
-        seq = tl.load(tab_ptr + t64 * 4)
-        u0 = tl.load(tab_ptr + t64 * 4 + 1)
-        u1 = tl.load(tab_ptr + t64 * 4 + 2)
-        pbase = tl.load(tab_ptr + t64 * 4 + 3)
+    seq, u0, u1, pbase = rlk_attn_table_row(tab_ptr, t.to(tl.int64), G, ONE)
     tok0 = u0 // G
     rel = (u0 - tok0 * G).to(tl.int32) + tl.arange(0, BLOCK_M)  # unit - G·tok0, in [0, G + BLOCK_M)
     valid = tl.arange(0, BLOCK_M).to(tl.int64) < u1 - u0
@@ -1262,18 +1293,7 @@ def rlk_attn_fwd_split(q_ptr, k_ptr, v_ptr, k_desc, v_desc, ws_m_ptr, ws_l_ptr, 
     the ``[rows, Hkv·D]`` views); the masked blocks by pointer loads. The same bits."""
     rlk_attn_gdc_wait(PDL)
     rlk_attn_gdc_launch(PDL)  # the combine may launch (it waits for this kernel's end)
-    if ORDER == 1:  # kv heads fastest: (kv heads, tiles, splits)
-        t = tl.program_id(1)
-        kvh = tl.program_id(0).to(tl.int64)
-        js = tl.program_id(2)
-    elif ORDER == 2:  # splits fastest: (splits, tiles, kv heads)
-        t = tl.program_id(1)
-        kvh = tl.program_id(2).to(tl.int64)
-        js = tl.program_id(0)
-    else:  # tiles fastest: (tiles, kv heads, splits)
-        t = tl.program_id(0)
-        kvh = tl.program_id(1).to(tl.int64)
-        js = tl.program_id(2)
+    t, kvh, js = rlk_attn_split_ids(ORDER)
     j = js // (HEAD_D // DV)
     vs = js % (HEAD_D // DV)
     seq, valid, tok, g, pos, wlo, lo, hi, first, last, cap = rlk_attn_rows(tab_ptr, t, G, W, HAS_WINDOW, BLOCK_M,
