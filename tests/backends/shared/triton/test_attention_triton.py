@@ -2357,7 +2357,8 @@ def test_transposed_decode_gives_the_triton_kernels_bits(case, monkeypatch):
     their rows), GQA groups 1-16, bf16 and fp16, steps of one token a sequence (no tile table)
     and of 2-4 tokens (tile table, masked blocks); the shipped ring depth and value slices, one
     block a step at 3 / 4 ring slots with 1 / 2 value slices, and four blocks a step
-    (``wgt_quad_band``) at 2 / 1 four-block slots. Negative control: one key of the first sequence's
+    (``wgt_quad_band``) at 2 / 1 four-block slots (over a contiguous cache one 256-row copy a slot,
+    over pages a loader partition's page copies). Negative control: one key of the first sequence's
     unmasked run perturbed moves that sequence's rows and no other."""
     from rl_engine.backends.shared.triton.attention import hopper
     from rl_engine.backends.shared.triton.attention import kernels as K
@@ -2443,7 +2444,8 @@ def test_transposed_decode_takes_its_band(monkeypatch):
     exactly inside ``WGT_DECODE_BAND`` (two value slices counted), four blocks a step exactly where
     ``wgt_quad_blocks`` says: Qwen3-8B heads (8 kv heads, G = 4), 4096 keys; on a 132-SM H200 a
     contiguous cache at batch 1 (64 programs: four blocks a step) and 16 (1024: neither), 16-key
-    pages at batch 1 (64: below the paged band) and 4 (256). Each step's rows raw-bit equal the
+    pages at batch 1 (64: four blocks a step, the loader partition's copies) and 4 (256: one block
+    a step). Each step's rows raw-bit equal the
     Triton kernels' (``wg_decode(False)``, ``wgt_decode(False)``). Negative control: a perturbed
     visible key moves the rows."""
     from rl_engine.backends.shared.triton.attention import kernels as K
@@ -2473,7 +2475,7 @@ def test_transposed_decode_takes_its_band(monkeypatch):
         assert flags[-1][0] is K.wgt_decode_programs(programs, paged, q.device), (paged, batch)
         assert flags[-1][1] is (flags[-1][0] and K.wgt_quad_blocks(programs, paged, q.device)), (paged, batch)
         if sm == 132:  # the H200
-            assert flags[-1] == {(False, 1): (True, True), (False, 16): (False, False), (True, 1): (False, False),
+            assert flags[-1] == {(False, 1): (True, True), (False, 16): (False, False), (True, 1): (True, True),
                                  (True, 4): (True, False)}[(paged, batch)], (paged, batch, flags[-1])
         with K.wg_decode(False), K.wgt_decode(False):
             assert bit_diff(step(kc), got), (paged, batch)
@@ -2534,25 +2536,26 @@ def test_interpreter_transposed_decode_rule_is_pure(monkeypatch):
     for args in ((16, True, 300, True, 16), (64, True, None, True, 16), (8, True, None, True, 16),
                  (70, False, None, False, 32)):
         assert not K.wgt_decode_eligible(cuda_like, k, v, *args), args
-    shipped = (True, {False: (0.0, 4.0), True: (0.75, 4.0)}, 2, 1.0)
+    shipped = (True, {False: (0.0, 4.0), True: (0.0, 4.0)}, 2, 1.0)
     with K.wgt_decode(False), K.wgt_decode_band(1, 2), K.wgt_value_slices(1), K.wgt_quad_band(0):
         assert (K.WGT_DECODE, K.WGT_DECODE_BAND, K.WGT_V_SLICES, K.WGT_QUAD_PROGRAMS) == (
             False, {False: (1.0, 2.0), True: (1.0, 2.0)}, 1, 0.0)
     assert (K.WGT_DECODE, K.WGT_DECODE_BAND, K.WGT_V_SLICES, K.WGT_QUAD_PROGRAMS) == shipped
     with pytest.raises(ValueError, match="v_slices"):
         K.wgt_value_slices(4)
-    # the bands on a 132-SM device: up to 4 programs an SM, over pages from 3/4 of one
+    # the bands on a 132-SM device: up to 4 programs an SM, either cache
     monkeypatch.setattr(K, "_sm_count_of", lambda index: 132)
     cuda0 = torch.device("cuda", 0)
     sizes = (1, 64, 98, 99, 132, 528, 529)
-    assert [K.wgt_decode_programs(n, False, cuda0) for n in sizes] == [True] * 6 + [False]
-    assert [K.wgt_decode_programs(n, True, cuda0) for n in sizes] == [False, False, False, True, True, True, False]
+    for paged in (False, True):
+        assert [K.wgt_decode_programs(n, paged, cuda0) for n in sizes] == [True] * 6 + [False], paged
     assert not K.wgt_decode_programs(8, False, torch.device("cpu"))
-    # four blocks a step: a contiguous cache, two value slices, at most one program an SM
-    assert [K.wgt_quad_blocks(n, False, cuda0) for n in (1, 132, 133)] == [True, True, False]
-    assert not K.wgt_quad_blocks(64, True, cuda0) and not K.wgt_quad_blocks(64, False, torch.device("cpu"))
+    # four blocks a step: two value slices, at most one program an SM, either cache
+    for paged in (False, True):
+        assert [K.wgt_quad_blocks(n, paged, cuda0) for n in (1, 132, 133)] == [True, True, False], paged
+    assert not K.wgt_quad_blocks(64, False, torch.device("cpu"))
     with K.wgt_value_slices(1):
-        assert not K.wgt_quad_blocks(64, False, cuda0)
+        assert not K.wgt_quad_blocks(64, False, cuda0) and not K.wgt_quad_blocks(64, True, cuda0)
     assert [K.wgt_tile_rows(True, g, 16) for g in (1, 4, 8, 16)] == [8, 8, 8, 16]
     assert K.wgt_tile_rows(False, 4, 16) == 16
     with pytest.raises(ValueError, match="tile_rows"):

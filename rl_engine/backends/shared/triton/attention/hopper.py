@@ -70,7 +70,7 @@ DEVICE_FUNCTIONS = ("rlk_attn_wg_gdc_wait", "rlk_attn_wg_exp2", "rlk_attn_wg_row
                     "rlk_attn_wgt_stage", "rlk_attn_wgt_pv", "rlk_attn_wgt_entries", "rlk_attn_wgt_walk",
                     "rlk_attn_wgt_masked", "rlk_attn_wgt_block", "rlk_attn_wgt_copy4", "rlk_attn_wgt_entries4",
                     "rlk_attn_wgt_scores4", "rlk_attn_wgt_max4", "rlk_attn_wgt_fold", "rlk_attn_wgt_pv_fold",
-                    "rlk_attn_wgt_quad", "rlk_attn_wgt_quads")
+                    "rlk_attn_wgt_quad", "rlk_attn_wgt_quads", "rlk_attn_wgt_quads_ws", "rlk_attn_wgt_loader")
 
 #: key-block rows (``kernels.KV_BLOCK``) and the tile's query rows (one warpgroup, 16 rows a warp;
 #: 128-row tiles of two warpgroups were measured slower: session 13 run 3)
@@ -1014,16 +1014,23 @@ def rlk_attn_wgt_pv_fold(acc, l, alpha, v_buf, p_buf, f_buf, NQ: gl.constexpr, c
 def rlk_attn_wgt_quad(s0, s1, s2, s3, m, l, acc, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_bars, k_desc, v_desc,
                       qt, ek, en, col, vcol, qi, nqd, qk_scale, zero_s, NQ: gl.constexpr, QST: gl.constexpr,
                       PS: gl.constexpr, PPB: gl.constexpr, col_s: gl.constexpr, col_o: gl.constexpr,
-                      x_layout: gl.constexpr, f_layout: gl.constexpr, NEXT: gl.constexpr, BIG: gl.constexpr):
+                      x_layout: gl.constexpr, f_layout: gl.constexpr, NEXT: gl.constexpr, BIG: gl.constexpr,
+                      LOADER: gl.constexpr, k_free, v_free):
     """Four-block step ``qi`` of the unmasked run (``kernels.rlk_attn_quad``'s values with the
     transposed products): the blocks' maxima taken in order, ``mn_j = max(mn_{j−1}, x_j·c + 0)``,
     ``α_j = 2^{mn_{j−1} − mn_j}``, ``P_j = 2^{fma(s_j, c, −mn_j)}``, ``l ← fma(l, α_j, Σ P_j)`` and
     ``accᵀ ← Vᵀ_j·Pᵀ_j + accᵀ·α_j`` for ``j = 0 .. 3``: four ``rlk_attn_block`` steps. Its key slot
     takes step ``qi + QST``'s keys (entries ``ek``) once its scores ``s0 .. s3`` are in; ``NEXT``:
     step ``qi + 1``'s score products run during this step's ``P·V`` chain and are returned
-    (else the scores returned are this step's, unused)."""
-    rlk_attn_wgt_copy4(k_desc, k_smem, k_bars, ek, col, qi + QST, nqd, QST, PS, PPB, BIG)
+    (else the scores returned are this step's, unused). ``LOADER``: the copies are the loader
+    partition's (``rlk_attn_wgt_loader``); this step tells it when its key slot (every warp past
+    the maxima's barrier, so past its score products) and its value slot (a barrier after the
+    ``P·V`` chain) are free (``k_free``, ``v_free``: one arrival each)."""
+    if not LOADER:
+        rlk_attn_wgt_copy4(k_desc, k_smem, k_bars, ek, col, qi + QST, nqd, QST, PS, PPB, BIG)
     x0, x1, x2, x3 = rlk_attn_wgt_max4(s0, s1, s2, s3, x_smem, NQ, col_s, x_layout)
+    if LOADER:
+        mbarrier.arrive(k_free.index(qi % QST))
     mn0 = gl.maximum(m, x0 * qk_scale + 0.0)
     mn1 = gl.maximum(mn0, x1 * qk_scale + 0.0)
     mn2 = gl.maximum(mn1, x2 * qk_scale + 0.0)
@@ -1060,7 +1067,11 @@ def rlk_attn_wgt_quad(s0, s1, s2, s3, m, l, acc, k_smem, v_smem, p_bufs, x_smem,
     acc, l = rlk_attn_wgt_pv_fold(acc, l, a3, rlk_attn_wgt_block(v_smem, slot, 3, BIG), p_bufs.index(3),
                                   f_smem.slice(12, 4), NQ, col_s, col_o, f_layout)
     # the value slot is free: it takes step qi + QST's values
-    rlk_attn_wgt_copy4(v_desc, v_smem, v_bars, ek, vcol, qi + QST, nqd, QST, PS, PPB, BIG)
+    if LOADER:
+        gl.thread_barrier()
+        mbarrier.arrive(v_free.index(slot))
+    else:
+        rlk_attn_wgt_copy4(v_desc, v_smem, v_bars, ek, vcol, qi + QST, nqd, QST, PS, PPB, BIG)
     if NEXT:
         s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
     return mn3, l, acc, s0, s1, s2, s3
@@ -1071,28 +1082,70 @@ def rlk_attn_wgt_quads(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v
                        col, vcol, b0, nqd, qk_scale, NQ: gl.constexpr, DV: gl.constexpr, QST: gl.constexpr,
                        PS: gl.constexpr, PPB: gl.constexpr, PAGED: gl.constexpr, s_layout: gl.constexpr,
                        o_layout: gl.constexpr, col_s: gl.constexpr, col_o: gl.constexpr, x_layout: gl.constexpr,
-                       f_layout: gl.constexpr, BIG: gl.constexpr):
+                       f_layout: gl.constexpr, BIG: gl.constexpr, LOADER: gl.constexpr = False, k_free=None,
+                       v_free=None):
     """The unmasked run's first ``4·nqd`` blocks from ``b0`` (``nqd >= 1``; the first ``QST`` steps'
-    copies issued) four a step (``rlk_attn_wgt_quad``) from ``(-inf, 0, +0)``. A step's page-table
-    entries are loaded a step before its copies are issued."""
+    copies issued, or every copy the loader partition's with ``LOADER``) four a step
+    (``rlk_attn_wgt_quad``) from ``(-inf, 0, +0)``. A step's page-table entries are loaded a step
+    before its copies are issued."""
     zero_s = gl.zeros([64, NQ], gl.float32, s_layout)
     qt = q_smem.permute((1, 0))
-    ek = rlk_attn_wgt_entries4(pr_row, kbase, b0 + 4 * gl.minimum(QST, nqd - 1), PPB, PAGED)
+    if LOADER:
+        ek = (col, col, col, col)
+        ek = (ek, ek, ek, ek)
+    else:
+        ek = rlk_attn_wgt_entries4(pr_row, kbase, b0 + 4 * gl.minimum(QST, nqd - 1), PPB, PAGED)
     t0, t1, t2, t3 = rlk_attn_wgt_scores4(k_smem, k_bars, qt, 0, QST, zero_s, BIG)
     s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
     m, l, acc = rlk_attn_wg_state0(NQ, DV, NQ, col_s, o_layout)
     for qi in range(0, nqd - 1):
-        en = rlk_attn_wgt_entries4(pr_row, kbase, b0 + 4 * gl.minimum(qi + QST + 1, nqd - 1), PPB, PAGED)
+        if LOADER:
+            en = ek
+        else:
+            en = rlk_attn_wgt_entries4(pr_row, kbase, b0 + 4 * gl.minimum(qi + QST + 1, nqd - 1), PPB, PAGED)
         m, l, acc, s0, s1, s2, s3 = rlk_attn_wgt_quad(s0, s1, s2, s3, m, l, acc, k_smem, v_smem, p_bufs, x_smem, f_smem,
                                                       k_bars, v_bars, k_desc, v_desc, qt, ek, en, col, vcol, qi, nqd,
                                                       qk_scale, zero_s, NQ, QST, PS, PPB, col_s, col_o, x_layout,
-                                                      f_layout, True, BIG)
+                                                      f_layout, True, BIG, LOADER, k_free, v_free)
         ek = en
     m, l, acc, s0, s1, s2, s3 = rlk_attn_wgt_quad(s0, s1, s2, s3, m, l, acc, k_smem, v_smem, p_bufs, x_smem, f_smem,
                                                   k_bars, v_bars, k_desc, v_desc, qt, ek, ek, col, vcol, nqd - 1, nqd,
                                                   qk_scale, zero_s, NQ, QST, PS, PPB, col_s, col_o, x_layout, f_layout,
-                                                  False, BIG)
+                                                  False, BIG, LOADER, k_free, v_free)
     return m, l, acc
+
+
+@gluon.jit
+def rlk_attn_wgt_quads_ws(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_bars, k_free, v_free, nqd, qk_scale,
+                          NQ: gl.constexpr, DV: gl.constexpr, QST: gl.constexpr, PS: gl.constexpr, PPB: gl.constexpr,
+                          s_layout: gl.constexpr,
+                          o_layout: gl.constexpr, col_s: gl.constexpr, col_o: gl.constexpr, x_layout: gl.constexpr,
+                          f_layout: gl.constexpr):
+    """The default partition of a paged four-block walk with a loader partition: ``rlk_attn_wgt_quads``
+    without copies; returns ``(m, l, acc)``."""
+    m, l, acc = rlk_attn_wgt_quads(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_bars, None, None, None,
+                                   None, 0, 0, 0, nqd, qk_scale, NQ, DV, QST, PS, PPB, True, s_layout, o_layout, col_s,
+                                   col_o, x_layout, f_layout, False, True, k_free, v_free)
+    return (m, l, acc)
+
+
+@gluon.jit
+def rlk_attn_wgt_loader(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_free, v_free, pr_row, b0, col, vcol, nqd,
+                        QST: gl.constexpr, PS: gl.constexpr, PPB: gl.constexpr):
+    """The loader partition (one warp) of a paged four-block walk: step ``qi``'s page-table entries,
+    then, once the consumer has freed the ring slot (``k_free`` / ``v_free`` from step ``qi − QST``),
+    its ``4·PPB`` key and value page copies, one barrier each (``rlk_attn_wgt_copy4``). The copies,
+    their rows and their barriers are the single-partition kernel's; only the warps that issue
+    them differ, so the consumer reads the same tiles."""
+    for qi in range(0, nqd):
+        slot = qi % QST
+        es = rlk_attn_wgt_entries4(pr_row, 0, b0 + 4 * qi, PPB, True)
+        if qi >= QST:
+            mbarrier.wait(k_free.index(slot), phase=((qi // QST) + 1) & 1)
+        rlk_attn_wgt_copy4(k_desc, k_smem, k_bars, es, col, qi, nqd, QST, PS, PPB, False)
+        if qi >= QST:
+            mbarrier.wait(v_free.index(slot), phase=((qi // QST) + 1) & 1)
+        rlk_attn_wgt_copy4(v_desc, v_smem, v_bars, es, vcol, qi, nqd, QST, PS, PPB, False)
 
 
 @gluon.jit
@@ -1136,7 +1189,9 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
 
     ``ST`` ring slots of one block each (``rlk_attn_wgt_walk``) or, with ``QUAD``, of four blocks
     (the unmasked run four blocks a step, ``rlk_attn_wgt_quads``; over a contiguous cache a slot is
-    one 256-row tile filled by one copy, ``k_desc`` / ``v_desc`` then having 256-row boxes; the
+    one 256-row tile filled by one copy, ``k_desc`` / ``v_desc`` then having 256-row boxes; over
+    pages the page copies are issued by a one-warp loader partition, ``rlk_attn_wgt_loader``, under
+    ``gl.warp_specialize``, while the four compute warps run ``rlk_attn_wgt_quads_ws``; the
     blocks left over join the masked run, whose step on blocks every row sees entirely gives the same
     bits). ``X_LAYOUT``, ``F_LAYOUT``: the exchange read-back layouts of ``_wgt_exchange_layouts(NQ)``."""
     rlk_attn_wg_gdc_wait(PDL)
@@ -1173,6 +1228,8 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
         # QUAD: ST ring slots of four blocks each; else of one block
         SLOTS: gl.constexpr = 4 * ST if QUAD else ST
         BIG: gl.constexpr = QUAD and not PAGED  # four contiguous blocks: one 256-row copy, one 256-row slot
+        # four paged blocks a step: their 4·PPB page copies issued by a loader partition (one warp)
+        LOADER: gl.constexpr = QUAD and PAGED
         # the key / value ring: ST slots (SLOTS blocks in all; a four-block slot's copies share a barrier)
         if BIG:
             k_smem, v_smem, k_bars, v_bars = rlk_attn_wg_ring(k_desc, v_desc, ST, ST, 4 * BN, HEAD_D, DV)
@@ -1188,9 +1245,16 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
         else:
             nqd = 0
             nw = nu
+        if LOADER:  # the consumer's "slot free" signals to the loader, one arrival a phase
+            k_free = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
+            v_free = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(ST):
+                mbarrier.init(k_free.index(i), count=1)
+                mbarrier.init(v_free.index(i), count=1)
+            fence_async_shared()
         # the first blocks' copies are issued before the tile's Q rows are loaded
         if QUAD:
-            if nqd > 0:
+            if (nqd > 0) and (not LOADER):
                 es = ()
                 for i in gl.static_range(ST):
                     es = es + (rlk_attn_wgt_entries4(pr_row, kbase, b0 + 4 * gl.minimum(i, nqd - 1), PPB, PAGED), )
@@ -1212,7 +1276,15 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
         valid_c = r_c.to(gl.int64) < u1 - u0
         pos = gl.where(valid_c, tok0 + rel_c // G - pbase, 0).to(gl.int32)
         kpos0 = gl.arange(0, BN, layout=row_s)
-        if QUAD and nqd > 0:
+        if LOADER and nqd > 0:
+            m, l, acc = gl.warp_specialize([
+                (rlk_attn_wgt_quads_ws, (q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_bars, k_free, v_free,
+                                         nqd, qk_scale, NQ, DV, ST, PS, PPB, s_layout, o_layout, col_s, col_o, X_LAYOUT,
+                                         F_LAYOUT)),
+                (rlk_attn_wgt_loader, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_free, v_free, pr_row, b0, col,
+                                       col + v0, nqd, ST, PS, PPB)),
+            ], [1], [48])
+        elif QUAD and nqd > 0:
             m, l, acc = rlk_attn_wgt_quads(q_smem, k_smem, v_smem, p_bufs, x_smem, f_smem, k_bars, v_bars, k_desc,
                                            v_desc, pr_row, kbase, col, col + v0, b0, nqd, qk_scale, NQ, DV, ST, PS, PPB,
                                            PAGED, s_layout, o_layout, col_s, col_o, X_LAYOUT, F_LAYOUT, BIG)
@@ -1232,6 +1304,8 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
                                             sv_head, m, l, acc, pos, kpos0, qk_scale, BN, NQ, HEAD_D, DV, PS, PAGED,
                                             s_layout, col_s, col_o, ld_layout, X_LAYOUT, F_LAYOUT)
         rlk_attn_wg_ring_end(k_bars, v_bars, ST, ST)
+        if LOADER:
+            rlk_attn_wg_ring_end(k_free, v_free, ST, ST)
 
         rlk_attn_wgd_store(acc, m, l, valid_c, r_c, gl.arange(0, NQ, layout=col_o), v0 + gl.arange(0, DV, layout=row_o),
                            out_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, t64, kvh, j, vs, u0, u1, tok0, NS, HQ, HKV, G, HEAD_D,

@@ -2176,7 +2176,7 @@ def wg_decode_eligible(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tens
 WGT_DECODE = True
 #: The decode launches whose splits take ``hopper.rlk_attn_split_wgt``: from ``lo`` to ``hi``
 #: programs per SM (value slices counted; ``wgt_decode_programs``), by whether the cache is paged.
-WGT_DECODE_BAND = {False: (0.0, 4.0), True: (0.75, 4.0)}
+WGT_DECODE_BAND = {False: (0.0, 4.0), True: (0.0, 4.0)}
 #: Value slices of ``rlk_attn_split_wgt`` launches (1 or 2; its ``Vᵀ·Pᵀ`` product needs 64-row slices).
 WGT_V_SLICES = 2
 #: ``rlk_attn_split_wgt`` launches of at most this many programs per SM (value slices counted) walk
@@ -2205,15 +2205,20 @@ def wgt_value_slices(v_slices: int) -> contextlib.AbstractContextManager[None]:
 
 def wgt_quad_blocks(programs: int, paged: bool, device: torch.device) -> bool:
     """Whether a ``rlk_attn_split_wgt`` launch of ``programs`` programs (value slices counted) walks
-    its unmasked runs four blocks a step (``attend(wgt_quad=True)``): a contiguous cache, two value
-    slices (``WGT_V_SLICES``) and at most ``WGT_QUAD_PROGRAMS`` programs per SM (its two four-block
-    ring slots take 211 KiB: one program an SM). H200, session 23 run 2
+    its unmasked runs four blocks a step (``attend(wgt_quad=True)``): two value slices
+    (``WGT_V_SLICES``) and at most ``WGT_QUAD_PROGRAMS`` programs per SM (its two four-block ring
+    slots take 207-221 KiB: one program an SM), either cache (over pages the copies are a loader
+    partition's, ``hopper.rlk_attn_wgt_loader``). H200, session 23 run 2
     (``tools/benchmarking/attention_decode_gpu.py``, µs, one block a step -> four): contiguous batch
     1 x 4096 keys (64 programs) 12.95 -> 12.10 (0.84 of SDPA; the Triton kernels 12.68), batch 2 x
     4096 (128) 12.97 -> 12.62; past one program an SM it loses (batch 1 x 16384, 256 programs:
-    23.1 -> 28.3). Over 16-key pages each block is four page copies and it loses (batch 1 x 4096:
-    15.6 -> 16.6). False off CUDA."""
-    if device.type != "cuda" or paged or WGT_V_SLICES != 2:
+    23.1 -> 28.3). Over 16-key pages each block is four page copies: issued by the computing warps
+    it lost (batch 1 x 4096: 15.6 -> 16.6); by a one-warp loader partition (session 24 runs 7-8,
+    against the shipped steps of session 23's tree) it wins at every step of at most one program an
+    SM: 1 x 1024 keys 12.0 -> 9.7 µs, 1 x 2048 12.9 -> 11.0, 1 x 4096 14.5 -> 12.1 (0.71 -> 0.86 of
+    SDPA), 2 x 2048 13.8 -> 11.3, 4 x 512 8.2 -> 6.6, 4 x 1024 13.6 -> 9.7, 1 x 512 8.0 -> 7.1;
+    2 x 4096 and 8 x 512 equal. False off CUDA."""
+    if device.type != "cuda" or WGT_V_SLICES != 2:
         return False
     return programs <= WGT_QUAD_PROGRAMS * _sm_count_of(_index(device))
 
@@ -2226,16 +2231,18 @@ def wgt_quad_band(programs_per_sm: float) -> contextlib.AbstractContextManager[N
 
 def wgt_decode_programs(programs: int, paged: bool, device: torch.device) -> bool:
     """Whether a decode launch of ``programs`` (tile, kv head, split, value slice) programs runs its
-    splits on ``hopper.rlk_attn_split_wgt`` (``WGT_DECODE_BAND[paged]``: up to four programs per SM;
-    over pages from three quarters of a program per SM). H200, session 23 runs 1-2
+    splits on ``hopper.rlk_attn_split_wgt`` (``WGT_DECODE_BAND[paged]``: up to four programs per SM,
+    either cache). H200, session 23 runs 1-2
     (``tools/benchmarking/attention_decode_gpu.py``, 2 value slices, against the shipped kernels of
     session 22, µs): contiguous batch 1 x 512 keys 6.78 -> 6.55, 4 x 512 7.99 -> 7.22, 8 x 512
     8.56 -> 7.14 (1.08 -> 1.30 of SDPA), 4 x 4096 23.5 -> 21.1, 1 x 16384 25.3 -> 23.1, 1 x 32768
     40.1 -> 38.0 (0.95 -> 1.00), 1 x 4096 12.7 -> 12.1 (four blocks a step); 16-key pages (against
     the Triton or the warpgroup kernel, whichever the step took) 8 x 512 8.82 -> 8.54, 4 x 4096
-    23.4 -> 22.6, 1 x 16384 25.5 -> 24.6, 1 x 32768 40.7 -> 40.5, 2 x 4096 equal; below the band
-    over pages the Triton kernel's four-block walk wins (batch 1 x 4096, 64 programs: 14.4 against
-    15.6). Past four programs an SM not measured. False off CUDA."""
+    23.4 -> 22.6, 1 x 16384 25.5 -> 24.6, 1 x 32768 40.7 -> 40.5, 2 x 4096 equal. Below three
+    quarters of a program an SM over pages the Triton kernel's four-block walk beat its one block a
+    step (batch 1 x 4096, 64 programs: 14.4 against 15.6); since session 24 such launches walk four
+    blocks a step with a loader partition (``wgt_quad_blocks``), which beats both (run 7: 14.5 ->
+    12.1 µs). Past four programs an SM not measured. False off CUDA."""
     if device.type != "cuda":
         return False
     sm = _sm_count_of(_index(device))
