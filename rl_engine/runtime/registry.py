@@ -201,8 +201,43 @@ def reference_for(op: str) -> Callable[..., Any]:
     return _REFERENCES[op]
 
 
+#: ``select``'s answers: (op, platform, dtype, requires, features) -> (the op's implementation list
+#: they were computed from, implementation, rejections). Eligibility is pure in the request (static
+#: probes are per process, call checks read only the request), so an answer holds while the op's
+#: list is the same object: ``register`` and any replacement of ``_REGISTRY[op]`` make a new one.
+_SELECTED: dict[tuple, tuple[list[Implementation], Implementation | None, list[tuple[str, list[str]]]]] = {}
+
+
+def _select_key(request: Request) -> tuple | None:
+    """``request`` as a cache key, or ``None`` where a feature value is unhashable."""
+    try:
+        key = (request.op, request.platform, request.dtype, request.requires,
+               tuple(sorted(request.features.items())))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def select(request: Request) -> tuple[Implementation | None, list[tuple[str, list[str]]]]:
-    """The first eligible implementation for ``request`` and the rejections before it."""
+    """The first eligible implementation for ``request`` and the rejections before it.
+
+    Answers are cached per request (a dispatch costs a dictionary lookup after the first call of
+    each kind; eager decode steps call an operator per layer and token), and recomputed after
+    any change to the operator's registered implementations."""
+    _load(request.op)
+    key = _select_key(request)
+    if key is not None:
+        hit = _SELECTED.get(key)
+        if hit is not None and hit[0] is _REGISTRY.get(request.op):
+            return hit[1], [(i, list(r)) for i, r in hit[2]]
+    impl, rejections = _select(request)
+    if key is not None and request.op in _REGISTRY:
+        _SELECTED[key] = (_REGISTRY[request.op], impl, [(i, list(r)) for i, r in rejections])
+    return impl, rejections
+
+
+def _select(request: Request) -> tuple[Implementation | None, list[tuple[str, list[str]]]]:
     rejections: list[tuple[str, list[str]]] = []
     order = BACKEND_PACKAGES.get(request.platform.family, ())
     candidates = sorted(

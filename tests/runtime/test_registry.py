@@ -263,11 +263,47 @@ def test_eligibility_checks_are_pure(fake_op):
     first = select(req)
     second = select(req)
     assert first[0].impl_id == second[0].impl_id == "pure.checked" and first[1] == second[1] == []
-    assert seen == [req, req]
+    assert seen == [req]  # the second answer comes from select's cache
     assert (req.op, req.platform, req.dtype, req.requires, dict(req.features)) == snapshot
     assert registry._REGISTRY[TEST_OP] == before
     impl, rejections = select(replace(req, features={"K": 33}))
     assert impl is None and rejections == [("pure.checked", ["K not a multiple of 16"])]
+
+
+def test_select_caches_answers_until_the_registry_changes(fake_op):
+    """``select`` answers a repeated request from its cache; registering an implementation, or
+    replacing the operator's list, recomputes; an unhashable feature is never cached; callers get
+    copies of the rejections."""
+    seen: list[Request] = []
+
+    def call_check(req: Request) -> list[str]:
+        seen.append(req)
+        return ["K odd"] if req.features.get("K", 0) % 2 else []
+
+    register(make_impl("cache.z", priority=50))
+    register(make_impl("cache.a", priority=10, call_check=call_check))
+    req = _request(torch.float32, features={"K": 3})
+    impl, rejections = select(req)
+    assert impl.impl_id == "cache.z" and rejections == [("cache.a", ["K odd"])]
+    rejections[0][1].clear()  # a caller's copy: the cached answer keeps its rejections
+    impl2, rejections2 = select(req)
+    assert impl2 is impl and rejections2 == [("cache.a", ["K odd"])] and len(seen) == 1
+    # a new registration makes a new list: the next select recomputes and sees it
+    register(make_impl("cache.b", priority=20))
+    assert select(req)[0].impl_id == "cache.b" and len(seen) == 2
+    # so does a replaced list (a test's monkeypatch of the registry)
+    saved = registry._REGISTRY[TEST_OP]
+    registry._REGISTRY[TEST_OP] = []
+    try:
+        assert select(req) == (None, [])
+    finally:
+        registry._REGISTRY[TEST_OP] = saved
+    # unhashable feature values: computed every time
+    register(make_impl("cache.c", priority=0, call_check=call_check))
+    odd = _request(torch.float32, features={"K": 3, "shape": [3, 4]})
+    n = len(seen)
+    assert select(odd)[0].impl_id == "cache.b" and select(odd)[0].impl_id == "cache.b"
+    assert len(seen) == n + 4  # cache.c and cache.a checked on each of the two calls
 
 
 def test_shipped_eligibility_runs_no_tensor_operation():

@@ -19,7 +19,10 @@ then other decode-step operators at batch 1 (``rms_norm``, ``silu_and_mul``, att
 next to their torch counterparts. Each is the median of repeated loops after warm-up, with the GPU kept ahead by a
 CUDA sleep so the loop measures the host; calls that synchronise (the NaN scan, the attention
 op's ``cu_seqlens`` validation) run without the sleep and report host + device. A ``cProfile``
-of the custom-op loop gives the top functions. JSON rows to ``--out``.
+of each ``--profile`` case (default: the custom-op loop) gives the top functions by own and by
+cumulative time. JSON to ``--out``: ``rows`` (``case``, ``p50_us``, ``min_us``, ``host_only``, and
+the benchmark harness's ``implementation`` / ``config`` / ``median`` / ``unit``, so
+``tools/benchmarking/trees_ab_gpu.py`` tabulates them) and ``cprofile`` (case: text).
 
     python tools/benchmarking/host_overhead_gpu.py --out $OUT/host_overhead.json
 """
@@ -64,6 +67,25 @@ def per_call_us(fn, n: int = 400, reps: int = 7, syncs: bool = False) -> dict:
         ts.append((time.perf_counter() - t0) / n * 1e6)
         torch.cuda.synchronize()
     return {"p50_us": round(statistics.median(ts), 2), "min_us": round(min(ts), 2), "host_only": not syncs}
+
+
+def profile_text(fn, calls: int, top: int = 30) -> str:
+    """``cProfile`` of ``calls`` calls of ``fn`` (after 20 warm-up calls): the top functions by
+    own time, then by cumulative time."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    stats = pstats.Stats(prof, stream=s)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return s.getvalue()
 
 
 def other_ops() -> dict[str, tuple]:
@@ -148,6 +170,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--m", type=int, default=1)
+    ap.add_argument("--profile", nargs="*", default=["custom_op"], metavar="CASE",
+                    help="cases to cProfile after the timings (any case name above; default: custom_op)")
+    ap.add_argument("--profile-calls", type=int, default=300, help="calls per cProfile (after warm-up)")
     args = ap.parse_args()
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -190,25 +215,26 @@ def main() -> int:
     env = bench.environment()
     rows = []
     for name, fn in cases.items():
-        r = {**env, "bench": "host_overhead", "case": name, "M": args.m, "K": k, "N": n, "config": cfg.key,
+        r = {**env, "bench": "host_overhead", "case": name, "M": args.m, "K": k, "N": n, "tile": cfg.key,
              **per_call_us(fn, syncs=name == "public_nan")}
+        r.update(implementation=name, config={"M": args.m, "K": k, "N": n}, median=r["p50_us"], unit="us")
         rows.append(r)
         print(f"{name:12s} {r['p50_us']:8.2f} us/call (min {r['min_us']:.2f})", flush=True)
-    for name, (fn, syncs, calls) in other_ops().items():
+    others = other_ops()
+    for name, (fn, syncs, calls) in others.items():
         r = {**env, "bench": "host_overhead", "case": name, **per_call_us(fn, n=calls, syncs=syncs)}
+        r.update(implementation=name, config={}, median=r["p50_us"], unit="us")
         rows.append(r)
         print(f"{name:36s} {r['p50_us']:8.2f} us/call (min {r['min_us']:.2f}){'' if r['host_only'] else '  host + device (syncs)'}",
               flush=True)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(500):
-        torch.ops.rlk.linear_triton(x, w, None)
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-    print(s.getvalue()[:6000])
-    args.out.write_text(json.dumps({"rows": rows, "cprofile_custom_op": s.getvalue()[:20000]}, indent=1))
+    every = {**cases, **{name: fn for name, (fn, _, _) in others.items()}}
+    profiles = {}
+    for name in args.profile:
+        if name not in every:
+            raise SystemExit(f"--profile: no case {name!r}; cases: {', '.join(every)}")
+        profiles[name] = profile_text(every[name], args.profile_calls)
+        print(f"== cProfile {name} ({args.profile_calls} calls)\n{profiles[name][:6000]}", flush=True)
+    args.out.write_text(json.dumps({"rows": rows, "cprofile": profiles}, indent=1))
     return 0
 
 

@@ -2613,6 +2613,32 @@ def test_interpreter_hopper_configured_restores_its_tables():
     assert (dict(hopper.CONFIGS), hopper.BLOCK_M) == before
 
 
+@interp
+def test_interpreter_hopper_host_layouts_are_built_once():
+    """The Gluon launchers' host-side layouts (the transposed kernel's exchange layouts, the TMA
+    boxes' shared layouts) are built once per shape and reused: building them cost more host time
+    than a launch (session 25 run 3). Each cached value equals a freshly built one, so the
+    constexpr arguments — and the compiled kernels — are the same; another shape or dtype gets
+    its own value (a planted cache keyed on ``nq`` alone would hand ``16`` the ``8`` layouts)."""
+    import torch
+
+    from rl_engine.backends.shared.triton.attention import hopper
+
+    x8, f8 = hopper._wgt_exchange_layouts(8)
+    assert hopper._wgt_exchange_layouts(8)[0] is x8 and hopper._wgt_exchange_layouts(8)[1] is f8
+    fresh = hopper._wgt_exchange_layouts.__wrapped__(8)
+    assert fresh == (x8, f8) and fresh[0] is not x8
+    x16, f16 = hopper._wgt_exchange_layouts(16)
+    assert x16 != x8 and f16 != f8 and list(x16.shape) == [4, 16] and list(f16.shape) == [4, 16, 16]
+    a = hopper._smem_layout(64, 128, torch.bfloat16)
+    assert hopper._smem_layout(64, 128, torch.bfloat16) is a
+    assert a == hopper._smem_layout.__wrapped__(64, 128, torch.bfloat16)
+    for rows, cols, dt in ((64, 32, torch.bfloat16), (64, 128, torch.float16), (16, 128, torch.bfloat16)):
+        b = hopper._smem_layout(rows, cols, dt)
+        assert b is not a and b == hopper._smem_layout.__wrapped__(rows, cols, dt)
+    assert hopper._smem_layout(64, 32, torch.bfloat16).swizzle_byte_width < a.swizzle_byte_width
+
+
 @gpu
 def test_bounded_performance_vs_sdpa():
     """Prefill forward, bf16, Qwen3-8B heads (32 q / 8 kv, D = 128), 4 × 4096 tokens: within 4×

@@ -47,6 +47,7 @@ Import this module only to launch (``kernels.attend``): it imports ``triton.expe
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -784,6 +785,7 @@ def rlk_attn_split_wg(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, ws
                            u0, u1, tok0, NS, HQ, HKV, G, HEAD_D, WS_M, FINISH, 0, row_o)
 
 
+@functools.lru_cache(maxsize=None)
 def _wgt_exchange_layouts(nq: int):
     """The layouts in which ``rlk_attn_split_wgt`` reads back what its four warps exchange through
     shared memory: per-warp partials ``[4, NQ]`` (``x``) and transposed probabilities
@@ -791,7 +793,11 @@ def _wgt_exchange_layouts(nq: int):
     the other axes spread over the lanes as in the ``wgmma`` accumulator (thread ``t`` holds rows
     ``t // 4`` and ``t // 4 + 8``, columns ``2·(t % 4) + {0, 1} + 8·i``), replicated over the
     warps. So each thread gets every warp's value at its own position, and what it reduces lands
-    in the accumulator's column layout without another exchange."""
+    in the accumulator's column layout without another exchange.
+
+    Cached per ``nq``: building the two layouts costs more host time than the launch itself (the
+    layouts' ``__post_init__`` unwraps every basis), and the cached objects are the same
+    constexpr values, so the specialization key and the compiled kernel do not change."""
     col_regs = [[1]] + ([[8]] if nq == 16 else [])
     x = gl.DistributedLinearLayout(reg_bases=[[0, c[0]] for c in col_regs] + [[1, 0], [2, 0]],
                                    lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]], warp_bases=[[0, 0], [0, 0]],
@@ -1312,11 +1318,17 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
                            WS_M, FINISH, 1, col_o)
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
+    """``NVMMASharedLayout.get_default_for([rows, cols], ·)`` of a 16-bit ``dtype``, built once per
+    shape (host time on every launch otherwise; the same constexpr value either way)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def descriptors(k: torch.Tensor, v: torch.Tensor):
     """TMA descriptors of the ``[T, Hkv·D]`` views of keys and values: ``[64, D]`` boxes."""
     n, hkv, d = k.shape
-    dt = gl.bfloat16 if k.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dt)
+    layout = _smem_layout(BLOCK_N, d, k.dtype)
     return (TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [BLOCK_N, d], layout),
             TensorDescriptor(v, [n, hkv * d], [v.stride(0), 1], [BLOCK_N, d], layout))
 
@@ -1369,11 +1381,8 @@ def page_descriptors(k: torch.Tensor, v: torch.Tensor, page_size: int, dv: int):
     key and ``[page_size, dv]`` value boxes (one page of one head, a value slice), in the layouts
     of the kernel's 64-row ring slots."""
     n, hkv, d = k.shape
-    dt = gl.bfloat16 if k.dtype == torch.bfloat16 else gl.float16
-    return (TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [page_size, d],
-                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dt)),
-            TensorDescriptor(v, [n, hkv * d], [v.stride(0), 1], [page_size, dv],
-                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, dv], dt)))
+    return (TensorDescriptor(k, [n, hkv * d], [k.stride(0), 1], [page_size, d], _smem_layout(BLOCK_N, d, k.dtype)),
+            TensorDescriptor(v, [n, hkv * d], [v.stride(0), 1], [page_size, dv], _smem_layout(BLOCK_N, dv, k.dtype)))
 
 
 def launch_split(q, k, v, out, ws, tab, page_rows, page_size, G, qk_scale, splits, v_slices, *, tile_rows, one, order,
