@@ -69,6 +69,17 @@ def per_call_us(fn, n: int = 400, reps: int = 7, syncs: bool = False) -> dict:
     return {"p50_us": round(statistics.median(ts), 2), "min_us": round(min(ts), 2), "host_only": not syncs}
 
 
+#: every case's name, in the order timed (``--profile`` is checked against these before any device work)
+GEMM_CASES = ("cublas", "launch", "descriptors", "kernels", "custom_op", "public", "public_nan", "empty_like")
+OTHER_CASES = (
+    "rms_norm torch", "rms_norm public", "silu_and_mul torch", "silu_and_mul public", "decode attn sdpa (ctx 4096)",
+    "decode attn kernels.cached_forward", "decode attn public cached_attention", "decode attn public paged_attention",
+    "decode attn plan_paged_attention (once per step)", "decode attn paged_attention_step (per layer)",
+    "decode step x36 layers: cached_attention per layer",
+    "decode step x36 layers: plan_cached_attention + cached_attention_step",
+)
+
+
 def profile_text(fn, calls: int, top: int = 30) -> str:
     """``cProfile`` of ``calls`` calls of ``fn`` (after 20 warm-up calls): the top functions by
     own time, then by cumulative time."""
@@ -174,6 +185,14 @@ def main() -> int:
                     help="cases to cProfile after the timings (any case name above; default: custom_op)")
     ap.add_argument("--profile-calls", type=int, default=300, help="calls per cProfile (after warm-up)")
     args = ap.parse_args()
+    unknown = [c for c in args.profile if c not in GEMM_CASES + OTHER_CASES]
+    if unknown:
+        ap.error(f"--profile: no case {unknown[0]!r}; cases: {', '.join(GEMM_CASES + OTHER_CASES)}")
+    if args.profile_calls < 1:
+        ap.error(f"--profile-calls: expected a positive count, got {args.profile_calls}")
+    if not torch.cuda.is_available():
+        print("host_overhead_gpu: needs a CUDA device (it times eager launches); none is visible", file=sys.stderr)
+        return 1
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     import rl_engine.backends.shared.triton.gemm  # noqa: F401  (registers torch.ops.rlk.linear_triton)
@@ -228,10 +247,9 @@ def main() -> int:
         print(f"{name:36s} {r['p50_us']:8.2f} us/call (min {r['min_us']:.2f}){'' if r['host_only'] else '  host + device (syncs)'}",
               flush=True)
     every = {**cases, **{name: fn for name, (fn, _, _) in others.items()}}
+    assert tuple(every) == GEMM_CASES + OTHER_CASES, "GEMM_CASES / OTHER_CASES must list the cases timed"
     profiles = {}
     for name in args.profile:
-        if name not in every:
-            raise SystemExit(f"--profile: no case {name!r}; cases: {', '.join(every)}")
         profiles[name] = profile_text(every[name], args.profile_calls)
         print(f"== cProfile {name} ({args.profile_calls} calls)\n{profiles[name][:6000]}", flush=True)
     args.out.write_text(json.dumps({"rows": rows, "cprofile": profiles}, indent=1))
