@@ -206,6 +206,7 @@ def reference_for(op: str) -> Callable[..., Any]:
 #: probes are per process, call checks read only the request), so an answer holds while the op's
 #: list is the same object: ``register`` and any replacement of ``_REGISTRY[op]`` make a new one.
 _SELECTED: dict[tuple, tuple[list[Implementation], Implementation | None, list[tuple[str, list[str]]]]] = {}
+_SELECTED_MAX = 4096
 
 
 def _select_key(request: Request) -> tuple | None:
@@ -233,6 +234,8 @@ def select(request: Request) -> tuple[Implementation | None, list[tuple[str, lis
             return hit[1], [(i, list(r)) for i, r in hit[2]]
     impl, rejections = _select(request)
     if key is not None and request.op in _REGISTRY:
+        if len(_SELECTED) >= _SELECTED_MAX:  # features such as a step's token count vary: stay bounded
+            _SELECTED.clear()
         _SELECTED[key] = (_REGISTRY[request.op], impl, [(i, list(r)) for i, r in rejections])
     return impl, rejections
 

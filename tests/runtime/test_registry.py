@@ -270,7 +270,7 @@ def test_eligibility_checks_are_pure(fake_op):
     assert impl is None and rejections == [("pure.checked", ["K not a multiple of 16"])]
 
 
-def test_select_caches_answers_until_the_registry_changes(fake_op):
+def test_select_caches_answers_until_the_registry_changes(fake_op, monkeypatch):
     """``select`` answers a repeated request from its cache; registering an implementation, or
     replacing the operator's list, recomputes; an unhashable feature is never cached; callers get
     copies of the rejections."""
@@ -304,6 +304,11 @@ def test_select_caches_answers_until_the_registry_changes(fake_op):
     n = len(seen)
     assert select(odd)[0].impl_id == "cache.b" and select(odd)[0].impl_id == "cache.b"
     assert len(seen) == n + 4  # cache.c and cache.a checked on each of the two calls
+    # bounded: past _SELECTED_MAX answers the cache starts again, and answers stay right
+    monkeypatch.setattr(registry, "_SELECTED_MAX", 3)
+    for k in range(8):
+        assert select(_request(torch.float32, features={"K": 2 * k}))[0].impl_id == "cache.c"
+        assert len(registry._SELECTED) <= 3
 
 
 def test_shipped_eligibility_runs_no_tensor_operation():
