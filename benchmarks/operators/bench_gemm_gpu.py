@@ -17,6 +17,8 @@ temperature drift during the long large-M runs hits both alike. Each timing is r
 Usage::
 
     python benchmarks/operators/bench_gemm_gpu.py --out reports/gpu/bench_gemm_gpu.json
+    # + rows rlk.triton.tile_gemm.one_launch: ours without the tail split (configs.tail_split)
+    python benchmarks/operators/bench_gemm_gpu.py --out gemm.json --modes graph --one-launch
 """
 
 from __future__ import annotations
@@ -144,10 +146,17 @@ def _iters(m: int, k: int, n_out: int) -> tuple[int, int]:
     return 20, 9
 
 
-def implementations(public: bool = False) -> dict[str, Callable]:
+def implementations(public: bool = False, one_launch: bool = False) -> dict[str, Callable]:
+    """cuBLAS and ours; ``public``: also the public op (eager only); ``one_launch``: also ours with
+    a persistent launch's last wave kept in the one launch (``kernels.forward(tail=False)``, the
+    ablation of ``configs.tail_split``; same bits)."""
     from rl_engine.backends.shared.triton.gemm import linear_triton
 
     impls: dict[str, Callable] = {"cublas.F.linear": lambda x, w: F.linear(x, w), "rlk.triton.tile_gemm": lambda x, w: linear_triton(x, w, None)}
+    if one_launch:
+        from rl_engine.backends.shared.triton.gemm import kernels
+
+        impls["rlk.triton.tile_gemm.one_launch"] = lambda x, w: kernels.forward(x, w, None, tail=False)
     if public:
         from rl_engine.ops import gemm
         from rl_engine.utils.checks import nan_policy
@@ -160,10 +169,10 @@ def implementations(public: bool = False) -> dict[str, Callable]:
     return impls
 
 
-def run(shapes: Sequence[str], ms: Sequence[int], modes: Sequence[str], public: bool) -> list[dict]:
+def run(shapes: Sequence[str], ms: Sequence[int], modes: Sequence[str], public: bool, one_launch: bool = False) -> list[dict]:
     env = environment()
     rows: list[dict] = []
-    impls = implementations(public)
+    impls = implementations(public, one_launch)
     for name in shapes:
         k, n_out = SHAPES[name]
         for m in ms:
@@ -221,11 +230,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ms", nargs="*", type=int, default=list(MS))
     ap.add_argument("--modes", nargs="*", default=["graph", "eager"], choices=["graph", "eager"])
     ap.add_argument("--public", action="store_true", help="also time the public rl_engine.ops.gemm.linear (eager)")
+    ap.add_argument("--one-launch", action="store_true",
+                    help="also time ours without the tail split (rows rlk.triton.tile_gemm.one_launch)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemm_gpu: no CUDA device visible", file=sys.stderr)
         return 2
-    rows = run(args.shapes, args.ms, args.modes, args.public)
+    rows = run(args.shapes, args.ms, args.modes, args.public, args.one_launch)
     summary = summarize(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))

@@ -115,6 +115,35 @@ def test_static_and_arch_checks_are_pure_and_specific():
     assert any("dtype torch.float64 not in" in r for r in reasons)
 
 
+def test_tail_split_runs_a_half_full_last_wave_as_half_tiles():
+    """``configs.tail_split`` (pure, CPU): the full waves' tile count when the last wave is at most
+    half full, else None; ``tail_config`` halves the tile's width. Qwen3-8B on 132 SMs: 3072
+    tiles of 128 x 256 (qkv M = 16384, gate_up M = 4096) split at 23 waves; 19008 (lm_head
+    M = 4096, 144 waves exactly) and 768 (qkv M = 4096, the last wave 82 % full) do not."""
+    from rl_engine.backends.shared.triton.gemm.configs import (FORWARD_TABLE, select_forward, shipped_configs,
+                                                               tail_config, tail_split)
+
+    assert tail_split(3072, 132) == 3036
+    assert tail_split(12288, 132) == 12276  # gate_up M = 16384: 93 waves and 12 tiles
+    assert tail_split(19008, 132) is None and tail_split(768, 132) is None
+    assert tail_split(100, 132) is None  # one partial wave: nothing to move
+    assert tail_split(132 + 66, 132) == 132 and tail_split(132 + 67, 132) is None  # "at most half full"
+    assert tail_split(12, 8) == 8  # the GPU test's shape: 3 x 4 tiles on 8 programs
+    for bad in ((0, 132), (10, 0), (-1, 4)):
+        with pytest.raises(ValueError, match="positive counts"):
+            tail_split(*bad)
+    big = select_forward(torch.bfloat16, 16384, 6144)
+    half = tail_config(big)
+    assert (half.block_m, half.block_n, half.block_k, half.num_warps, half.num_stages, half.group_m) == (
+        big.block_m, big.block_n // 2, big.block_k, big.num_warps, big.num_stages, big.group_m)
+    assert half.persistent and half.epilogue_subtile == big.epilogue_subtile
+    with pytest.raises(ValueError, match="persistent"):
+        tail_config(select_forward(torch.bfloat16, 1, 4096))
+    for dt in (torch.bfloat16, torch.float16):
+        persistent = [cfg for *_, cfg in FORWARD_TABLE[dt] if cfg.persistent]
+        assert persistent and all(tail_config(c) in shipped_configs(dt) for c in persistent)
+
+
 # ------------------------------------------------------------------------------------------
 # GPU: accuracy
 
@@ -191,6 +220,47 @@ def test_every_shipped_config_gives_identical_bits(dtype, k):
         assert bit_diff(y, y0), f"forward {cfg.key} tma={tma} vs {base_cfg.key}: {bit_diff(y, y0)}"
         dx = kern.grad_input(gy, w, config=cfg)
         assert bit_diff(dx, dx0), f"dx {cfg.key} vs {base_cfg.key}: {bit_diff(dx, dx0)}"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("n", [1024, 800])
+@pytest.mark.parametrize("bias", [True, False])
+def test_tail_split_launch_gives_the_same_bits(dtype, n, bias):
+    """A persistent launch whose last wave runs as half-width tiles (``configs.tail_split``) equals,
+    raw bits, the same configuration in one launch and the pointer-load reference tile. 300 x
+    1000 x N with 128 x 256 tiles is 3 x 4 tiles; on 8 programs the split runs 8 tiles, then the
+    last 4 as 8 half tiles (N = 800: the last tile's second half lies past column N, loaded as
+    zeros and not stored). The profiler shows the two launches, so the split path is the one
+    tested; a planted split that gives the tail its own K order (split-K halves) is caught."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from rl_engine.backends.shared.triton.gemm.configs import TileConfig, select_forward
+
+    kern = _kernels()
+    dt = _dt(dtype)
+    x, w, b = _data(300, 1000, n, dtype, seed=n, bias=bias)
+    cfg = select_forward(dt, 16384, 6144)
+    assert cfg.persistent and cfg.block_m == 128 and cfg.block_n == 256
+    ref = kern.forward(x, w, b, config=TileConfig(64, 64, 64, 4, 3), allow_tma=False)
+    one = kern.forward(x, w, b, config=cfg, programs=8, tail=False)
+    kern.forward(x, w, b, config=cfg, programs=8)  # compile outside the profiled region
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        split = kern.forward(x, w, b, config=cfg, programs=8)
+        torch.cuda.synchronize()
+    launches = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA and e.name.startswith("rlk_")]
+    assert launches == ["rlk_linear_fwd_tma_persistent"] * 2, launches
+    assert bit_diff(one, ref), f"one launch vs reference: {bit_diff(one, ref)}"
+    assert bit_diff(split, ref), f"split launch vs reference: {bit_diff(split, ref)}"
+    # negative control: the tail's columns from two K halves added in fp32 (a different order)
+    half = 512
+    planted = split.clone()
+    tail_cols = slice(512, n)  # the last wave's tiles (grouped order: tiles 8..11) lie in these columns
+    acc = (x[:, :half].float() @ w[tail_cols, :half].float().T) + (x[:, half:].float() @ w[tail_cols, half:].float().T)
+    planted[:, tail_cols] = (acc + (b[tail_cols].float() if bias else 0.0)).to(dt)
+    assert not bit_diff(planted, ref), "a tail computed in another K order was not caught"
 
 
 @interp

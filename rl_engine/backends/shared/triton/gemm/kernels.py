@@ -28,7 +28,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rl_engine.backends.shared.triton import device_guard
-from rl_engine.backends.shared.triton.gemm.configs import TileConfig, select_forward, select_weight_grad
+from rl_engine.backends.shared.triton.gemm.configs import (TileConfig, select_forward, select_weight_grad, tail_config,
+                                                           tail_split)
 
 __all__ = ["forward", "grad_input", "grad_weight", "grad_bias", "KERNEL_NAMES", "DEVICE_FUNCTIONS", "tma_supported"]
 
@@ -175,22 +176,32 @@ def rlk_linear_fwd_tma(a_desc, b_desc, c_desc, bias_ptr, M, N, K,
     c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
-@triton.jit(do_not_specialize=["M", "N", "NUM_PROGRAMS"])
-def rlk_linear_fwd_tma_persistent(a_desc, b_desc, c_desc, bias_ptr, M, N, K, NUM_PROGRAMS,
+@triton.jit(do_not_specialize=["M", "N", "NUM_PROGRAMS", "TILE0", "TILE1"])
+def rlk_linear_fwd_tma_persistent(a_desc, b_desc, c_desc, bias_ptr, M, N, K, NUM_PROGRAMS, TILE0, TILE1,
                                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                                   FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                                  EPILOGUE_SUBTILE: tl.constexpr):
+                                  EPILOGUE_SUBTILE: tl.constexpr, SUB: tl.constexpr):
     """Persistent form of ``rlk_linear_fwd_tma``: NUM_PROGRAMS programs walk the output tiles;
     each tile is computed exactly as there (same K loop, same epilogue), only the schedule and
     the software pipeline across tiles differ. ``EPILOGUE_SUBTILE``: the rounded tile is stored
-    as two column halves (``c_desc``'s block is ``[BLOCK_M, BLOCK_N/2]``): same values."""
-    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    as two column halves (``c_desc``'s block is ``[BLOCK_M, BLOCK_N/2]``): same values.
+
+    The walk is over the schedule's tiles of ``BLOCK_M × SUB·BLOCK_N`` (numbered in
+    ``rlk_tile_of``'s grouped order) ``TILE0 .. TILE1 - 1``, each computed as ``SUB`` column
+    pieces of ``BLOCK_N``: ``SUB = 1`` is the whole launch (``TILE0 = 0``, ``TILE1`` every tile)
+    or its full waves; ``SUB = 2`` the last wave's tiles as half-width tiles
+    (``configs.tail_split``). A piece past column N is zero-filled on load and not stored."""
+    num_tiles = (TILE1 - TILE0) * SUB
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = rlk_tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        if SUB == 1:
+            pid_m, pid_n = rlk_tile_of(TILE0 + tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            off_n = pid_n * BLOCK_N
+        else:
+            pid_m, pid_n = rlk_tile_of(TILE0 + tile // SUB, M, N, BLOCK_M, BLOCK_N * SUB, GROUP_M)
+            off_n = (pid_n * SUB + tile % SUB) * BLOCK_N
         off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(k_tiles):
             a = a_desc.load([off_m, kk * BLOCK_K])
@@ -273,25 +284,42 @@ def _sm_count(device: torch.device) -> int:
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _launch_tma(x, w, y, bias, cfg: TileConfig) -> None:
+def _launch_persistent(x, w, y, bias, cfg: TileConfig, programs: int, tile0: int, tile1: int, sub: int) -> None:
+    """One launch of ``rlk_linear_fwd_tma_persistent`` over the schedule's tiles ``tile0 ..
+    tile1 - 1`` (tiles of ``block_m × sub·block_n``, each as ``sub`` pieces of ``cfg``'s tile)."""
     M, K = x.shape
     N = w.shape[0]
+    subtile = cfg.epilogue_subtile
     a_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
-    subtile = cfg.persistent and cfg.epilogue_subtile
     c_desc = TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n // 2 if subtile else cfg.block_n])
+    rlk_linear_fwd_tma_persistent[(programs,)](
+        a_desc, b_desc, c_desc, bias if bias is not None else y, M, N, K, programs, tile0, tile1,
+        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, FLATTEN=not cfg.warp_specialize, WARP_SPECIALIZE=cfg.warp_specialize,
+        EPILOGUE_SUBTILE=subtile, SUB=sub, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _launch_tma(x, w, y, bias, cfg: TileConfig, programs: int | None = None, tail: bool = True) -> None:
+    """``programs``: the persistent grid's size (default: the device's SM count); ``tail``: run
+    a last wave that is at most half full as half-width tiles (``configs.tail_split``)."""
+    M, K = x.shape
+    N = w.shape[0]
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     if cfg.persistent:
-        programs = min(tiles, _sm_count(x.device))
-        rlk_linear_fwd_tma_persistent[(programs,)](
-            a_desc, b_desc, c_desc, bias if bias is not None else y, M, N, K, programs,
-            HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m, FLATTEN=not cfg.warp_specialize,
-            WARP_SPECIALIZE=cfg.warp_specialize, EPILOGUE_SUBTILE=subtile, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        programs = programs or _sm_count(x.device)
+        split = tail_split(tiles, programs) if tail else None
+        if split is None:
+            _launch_persistent(x, w, y, bias, cfg, min(tiles, programs), 0, tiles, 1)
+        else:
+            _launch_persistent(x, w, y, bias, cfg, programs, 0, split, 1)
+            _launch_persistent(x, w, y, bias, tail_config(cfg), 2 * (tiles - split), split, tiles, 2)
         return
-    grid = (tiles,)
-    rlk_linear_fwd_tma[grid](
+    a_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
+    b_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
+    c_desc = TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n])
+    rlk_linear_fwd_tma[(tiles,)](
         a_desc, b_desc, c_desc, bias if bias is not None else y, M, N, K,
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -306,8 +334,12 @@ def _empty_or_bias(M: int, N: int, like: torch.Tensor, bias: torch.Tensor | None
 
 
 def forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: TileConfig | None = None,
-            *, allow_tma: bool = True) -> torch.Tensor:
-    """``y = x Wᵀ + b`` for ``x [M, K]``, ``w [N, K]`` (``config``: force one configuration)."""
+            *, allow_tma: bool = True, programs: int | None = None, tail: bool = True) -> torch.Tensor:
+    """``y = x Wᵀ + b`` for ``x [M, K]``, ``w [N, K]`` (``config``: force one configuration).
+
+    Persistent configurations: ``programs`` sizes the grid (default: the device's SM count;
+    tests set it to exercise ``configs.tail_split`` on small shapes); ``tail=False`` keeps a
+    partly filled last wave in the one launch. Every choice gives the same bits."""
     M, K = x.shape
     N = w.shape[0]
     if M == 0 or N == 0 or K == 0:
@@ -316,7 +348,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config:
     y = x.new_empty((M, N))
     with device_guard(x):
         if cfg.tma and allow_tma and x.dtype != torch.float32 and tma_supported(x, w, y):
-            _launch_tma(x, w, y, bias, cfg)
+            _launch_tma(x, w, y, bias, cfg, programs, tail)
         else:
             _launch_abt(rlk_linear_fwd, x, w, y, bias, M, N, K, x.stride(), w.stride(), y.stride(), cfg)
     return y
