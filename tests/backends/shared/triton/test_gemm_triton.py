@@ -144,6 +144,16 @@ def test_tail_split_runs_a_half_full_last_wave_as_half_tiles():
         assert persistent and all(tail_config(c) in shipped_configs(dt) for c in persistent)
 
 
+@interp
+@pytest.mark.parametrize("programs", [0, -3, 2.0, True])
+def test_interpreter_forward_rejects_a_grid_size_that_is_not_a_positive_int(programs):
+    """``kernels.forward(programs=...)`` is checked before anything is launched (the check comes
+    first, so CPU tensors show it; the kernels module needs triton: the interpreter environment)."""
+    x, w, _ = _data(4, 8, 8, "float32", device="cpu", bias=False)
+    with pytest.raises(ValueError, match="programs: expected a positive int"):
+        _kernels().forward(x, w, None, programs=programs)
+
+
 # ------------------------------------------------------------------------------------------
 # GPU: accuracy
 

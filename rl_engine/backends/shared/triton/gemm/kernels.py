@@ -342,6 +342,8 @@ def forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config:
     partly filled last wave in the one launch. Every choice gives the same bits."""
     M, K = x.shape
     N = w.shape[0]
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"programs: expected a positive int (the persistent grid's size) or None, got {programs!r}")
     if M == 0 or N == 0 or K == 0:
         return _empty_or_bias(M, N, x, bias)
     cfg = config or select_forward(x.dtype, M, N)
