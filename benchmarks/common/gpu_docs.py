@@ -1,0 +1,262 @@
+"""Generate ``docs/benchmarks/gpu.md`` (and one plot per family) from the GPU benchmarks of record.
+
+::
+
+    python -m benchmarks.common.gpu_docs            # rewrite the page and docs/benchmarks/img/*.png
+    python -m benchmarks.common.gpu_docs --check    # exit 1 if the committed page is stale
+
+Input: ``reports/gpu/<platform>/<family>.json``, one file per operator family and platform. Each
+holds the exact ``command`` that produced it, ``device``, ``versions``, ``commit``, ``timestamp``,
+the benchmark's ``rows`` as written, and a ``summary``: one entry per case with ``case``,
+``metric``, ``achieved``, ``target`` (text; ``"(no target)"`` when the case is reported only)
+and ``met`` (true / false / null). ``gpu_tests.json`` holds the GPU test-run summary (passed and
+skipped per shard and per module) and the ``rlk check --device cuda`` results.
+
+The page is text generated from those files and nothing else, so
+``tests/benchmarks/test_gpu_docs.py`` regenerates it in memory and fails when the committed page
+differs. The plots need matplotlib (the ``plots`` extra); the page links them by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FAMILIES", "load_reports", "render", "write_plots", "main"]
+
+ROOT = Path(__file__).resolve().parents[2]
+REPORTS = ROOT / "reports" / "gpu"
+PAGE = ROOT / "docs" / "benchmarks" / "gpu.md"
+IMG = ROOT / "docs" / "benchmarks" / "img"
+
+#: family file stem -> section heading, in page order
+FAMILIES: dict[str, str] = {
+    "gemm": "GEMM (`gemm.linear`)",
+    "gemm_small_m_sweep": "GEMM small-M tiles",
+    "attention": "Attention",
+    "logprob": "Fused LM head (`linear_token_logprobs`)",
+    "rowwise": "Row-wise operators",
+    "host_overhead": "Host time per eager call",
+}
+
+#: attention implementations as table columns (shipped paths first, then the ablations)
+ATTENTION_COLUMNS: dict[str, str] = {
+    "rlk.triton.blocked_online_softmax": "contiguous",
+    "rlk.triton.blocked_online_softmax.paged16": "paged, 16-token pages",
+    "rlk.triton.blocked_online_softmax.no_wgt": "contiguous, no transposed decode",
+    "rlk.triton.blocked_online_softmax.paged16.no_wg": "paged, portable Triton only",
+    "rlk.triton.blocked_online_softmax.paged16.no_wgt": "paged, no transposed decode",
+    "rlk.triton.blocked_online_softmax.train_forward": "training forward",
+}
+
+
+def load_reports(reports: Path = REPORTS) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{platform: {family: report}}`` for every ``reports/gpu/<platform>/<family>.json``."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    known = {*FAMILIES, "gpu_tests"}
+    for plat in sorted(p for p in reports.iterdir() if p.is_dir()):
+        fams = {f.stem: json.loads(f.read_text(encoding="utf-8")) for f in sorted(plat.glob("*.json")) if f.stem in known}
+        if fams:
+            out[plat.name] = fams
+    return out
+
+
+def _num(x: Any) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float) and abs(x) >= 100:
+        return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.1f}"
+    return f"{x:.3f}" if isinstance(x, float) and abs(x) < 10 else str(x)
+
+
+def _cell(entry: Mapping[str, Any]) -> str:
+    """Achieved value: bold when it meets its target, marked ✗ when it misses it."""
+    v = _num(entry["achieved"])
+    if entry.get("met") is True:
+        return f"**{v}**"
+    if entry.get("met") is False:
+        return f"{v} ✗"
+    return v
+
+
+def _met_count(summary: Sequence[Mapping[str, Any]]) -> str:
+    judged = [s for s in summary if s.get("met") is not None]
+    if not judged:
+        return "Reported, no targets."
+    return f"Targets met: **{sum(bool(s['met']) for s in judged)} of {len(judged)}**."
+
+
+def _header(rep: Mapping[str, Any], path: str) -> list[str]:
+    dev = rep["device"]
+    vers = ", ".join(f"{k} {v}" for k, v in rep["versions"].items())
+    lines = [rep["title"] + ".", "", "```", rep["command"], "```", "",
+             "| | |", "|---|---|",
+             f"| device | {dev['name']} ({dev['capability']}, {dev['sm_count']} SMs), driver {dev['driver']} |",
+             f"| versions | {vers} |",
+             f"| tree | commit `{rep['commit']}`, {rep['timestamp']} |",
+             f"| data | `{path}` ({len(rep['rows'])} rows) |", ""]
+    for note in rep.get("notes", []):
+        lines += [f"* {note}"]
+    if rep.get("notes"):
+        lines.append("")
+    return lines
+
+
+def _summary_table(summary: Sequence[Mapping[str, Any]]) -> list[str]:
+    lines = ["| case | metric | achieved | target |", "|---|---|---|---|"]
+    for s in summary:
+        extra = ""
+        if "best_other" in s and s["best_other"]:
+            extra = f" (best other: {s['best_other']['config']} {_num(s['best_other']['time_ratio'])})"
+        if "max_us" in s:
+            extra = f" (to {_num(s['max_us'])})"
+        lines.append(f"| {s['case']} | {s['metric']} | {_cell(s)}{extra} | {s['target']} |")
+    return lines
+
+
+def _attention_table(summary: Sequence[Mapping[str, Any]]) -> list[str]:
+    cases: dict[str, dict[str, Mapping[str, Any]]] = {}
+    for s in summary:
+        cases.setdefault(s["case"], {})[s["implementation"]] = s
+    cols = [c for c in ATTENTION_COLUMNS if any(c in row for row in cases.values())]
+    target = next((s["target"] for s in summary if s.get("met") is not None), "")
+    lines = [f"Throughput as a fraction of SDPA's; target {target} on the shipped paths (the first two "
+             "columns); the other columns are ablations, reported only.", "",
+             "| case | " + " | ".join(ATTENTION_COLUMNS[c] for c in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for case, row in cases.items():
+        lines.append(f"| {case} | " + " | ".join(_cell(row[c]) if c in row else "—" for c in cols) + " |")
+    return lines
+
+
+def _tests_section(rep: Mapping[str, Any], path: str) -> list[str]:
+    dev = rep["device"]
+    vers = ", ".join(f"{k} {v}" for k, v in rep["versions"].items())
+    lines = ["## GPU test runs", "",
+             f"Every `gpu`-marked test on {dev['name']} ({dev['capability']}), {vers}; data `{path}`. "
+             "The suite runs in shards (one device call each); bounded-performance tests run alone after "
+             "each shard, on an otherwise idle GPU.", "",
+             "| shard | commit | passed | failed | skipped | seconds | bounded performance (passed / skipped) |",
+             "|---|---|---|---|---|---|---|"]
+    for sh in rep["shards"]:
+        bp = sh["bounded_performance"]
+        passed = sh["tests"] - sh["failures"] - sh["errors"] - sh["skipped"]
+        bp_passed = bp["tests"] - bp["failures"] - bp["errors"] - bp["skipped"]
+        lines.append(f"| {sh['shard']} | `{sh['commit']}` | {passed} | {sh['failures'] + sh['errors']} | "
+                     f"{sh['skipped']} | {sh['seconds']} | {bp_passed} / {bp['skipped']} |")
+    for note in rep.get("notes", []):
+        lines += ["", note]
+    lines += ["", "Tests per module:", "", "| module | shard | tests | skipped |", "|---|---|---|---|"]
+    for sh in rep["shards"]:
+        for mod, c in sh["modules"].items():
+            lines.append(f"| `{mod}` | {sh['shard']} | {c['tests']} | {c['skipped']} |")
+    lines += ["", "`rlk check` on CUDA (the trainer-side and generator-side log-probs of the tiny model, compared "
+              "token by token):", "", "| command | compared tokens | mismatched | max abs diff | expected |",
+              "|---|---|---|---|---|"]
+    for c in rep["rlk_check"]:
+        lines.append(f"| `{c['command']}` | {c['compared_tokens']} | {c['mismatched_tokens']} | "
+                     f"{_num(c['max_abs_diff'])} | {c['expected']} |")
+    return lines
+
+
+def render(reports: Mapping[str, Mapping[str, Mapping[str, Any]]], *, images: bool = True) -> str:
+    """The page's markdown, from ``load_reports()``'s value."""
+    lines = ["# GPU benchmarks", "",
+             "<!-- Generated by `python -m benchmarks.common.gpu_docs` from reports/gpu/*/*.json; "
+             "do not edit by hand. tests/benchmarks/test_gpu_docs.py fails when this page is stale. -->", "",
+             "Achieved against target for every GPU operator family, from one benchmark of record per family "
+             "and platform under `reports/gpu/<platform>/`. Each file holds the exact command, the device, "
+             "the software versions, the commit of the measured tree and every row the benchmark wrote. "
+             "In the tables a value that meets its target is **bold**, one that misses it is marked ✗; "
+             "the rest are reported without a target. Timings are medians of repeated CUDA-graph replays "
+             "(host-synchronised wall time for the fused LM head and the host-time rows); points near "
+             "1.0x move by a few percent between runs of the same code.", ""]
+    for plat, fams in reports.items():
+        lines += [f"Platform: **{plat}**.", ""]
+        for fam, heading in FAMILIES.items():
+            if fam not in fams:
+                continue
+            rep = fams[fam]
+            path = f"reports/gpu/{plat}/{fam}.json"
+            lines += [f"## {heading}", ""] + _header(rep, path)
+            lines += [_met_count(rep["summary"]), ""]
+            if fam == "attention":
+                lines += _attention_table(rep["summary"])
+            else:
+                lines += _summary_table(rep["summary"])
+            lines.append("")
+            if images:
+                lines += [f"![{fam} on {plat}](img/{plat}_{fam}.png)", ""]
+        if "gpu_tests" in fams:
+            lines += _tests_section(fams["gpu_tests"], f"reports/gpu/{plat}/gpu_tests.json") + [""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _plot_entries(fam: str, summary: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    if fam == "attention":
+        keep = ("rlk.triton.blocked_online_softmax", "rlk.triton.blocked_online_softmax.paged16")
+        return [{**s, "case": f"{s['case']} {'paged' if s['implementation'].endswith('paged16') else 'contig.'}"}
+                for s in summary if s["implementation"] in keep]
+    return [s for s in summary if s["metric"] != "MiB"]
+
+
+def write_plots(reports: Mapping[str, Mapping[str, Mapping[str, Any]]], out: Path = IMG) -> list[Path]:
+    """One horizontal bar chart per family: achieved per case, coloured by met / missed / no target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    colour = {True: "#2a7f3f", False: "#c0392b", None: "#7f8c8d"}
+    for plat, fams in reports.items():
+        for fam in FAMILIES:
+            if fam not in fams:
+                continue
+            entries = _plot_entries(fam, fams[fam]["summary"])
+            fig, ax = plt.subplots(figsize=(8, 0.26 * len(entries) + 1.2))
+            y = range(len(entries))
+            ax.barh(list(y), [e["achieved"] for e in entries], color=[colour[e.get("met")] for e in entries])
+            ax.set_yticks(list(y), [e["case"] for e in entries], fontsize=7)
+            ax.invert_yaxis()
+            metrics = sorted({e["metric"] for e in entries})
+            ax.set_xlabel("; ".join(metrics), fontsize=8)
+            if fam == "host_overhead":
+                ax.set_xscale("log")
+            else:
+                ax.axvline(1.0, color="black", linewidth=0.6)
+            ax.set_title(f"{FAMILIES[fam]} — {plat}".replace("`", ""), fontsize=9)
+            fig.tight_layout()
+            path = out / f"{plat}_{fam}.png"
+            fig.savefig(path, dpi=90, metadata={"Software": None})
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if the committed page differs from the reports")
+    p.add_argument("--no-plots", action="store_true", help="write the page only")
+    args = p.parse_args(argv)
+    reports = load_reports()
+    text = render(reports)
+    if args.check:
+        same = PAGE.exists() and PAGE.read_text(encoding="utf-8") == text
+        print(f"{PAGE.relative_to(ROOT)}: {'up to date' if same else 'stale: run python -m benchmarks.common.gpu_docs'}")
+        return 0 if same else 1
+    PAGE.write_text(text, encoding="utf-8")
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    if not args.no_plots:
+        for path in write_plots(reports):
+            print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,0 @@
-#!/usr/bin/env bash
-# session 19 run 6 (nvidia-h200, .whl carried): `rlk check --device cuda` on this session's final
-# tree: fp32 and bf16 R/R, the P/P control, bf16 past the first KV split at Qwen3-0.6B's
-# dimensions over contiguous and paged rollout caches.
-OUT=$OUT WORK=/tmp/w STEPS="check_cuda" DEADLINE=330 CHECK_TIMEOUT=90 \
-  bash tools/benchmarking/gpu_all_run.sh 2>&1 | grep -v '^ ' | cut -c1-300 | grep -E "rc=|rlk check|mismatch|step|Error" | tail -30

@@ -1,0 +1,55 @@
+"""``docs/benchmarks/gpu.md`` is generated from ``reports/gpu/<platform>/*.json``: the committed page
+equals the page regenerated in memory (``python -m benchmarks.common.gpu_docs`` rewrites it), every
+benchmark of record carries its command, device, versions and rows, and every plot the page links
+exists. A changed report (negative control) makes the page stale."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+from benchmarks.common import gpu_docs
+
+REQUIRED = ("schema_version", "family", "platform", "title", "command", "commit", "device", "versions",
+            "timestamp", "summary", "rows")
+
+
+def test_committed_page_matches_the_reports():
+    text = gpu_docs.render(gpu_docs.load_reports())
+    assert gpu_docs.PAGE.read_text(encoding="utf-8") == text, (
+        "docs/benchmarks/gpu.md is stale: run python -m benchmarks.common.gpu_docs")
+
+
+def test_every_benchmark_of_record_is_complete():
+    reports = gpu_docs.load_reports()
+    assert reports, "no reports/gpu/<platform>/*.json"
+    for plat, fams in reports.items():
+        assert "gpu_tests" in fams, plat
+        for fam, rep in fams.items():
+            if fam == "gpu_tests":
+                assert rep["shards"] and all(s["tests"] > 0 for s in rep["shards"]), plat
+                continue
+            missing = [k for k in REQUIRED if k not in rep]
+            assert not missing, (plat, fam, missing)
+            assert rep["family"] == fam and rep["platform"] == plat
+            assert rep["rows"] and rep["summary"], (plat, fam)
+            for s in rep["summary"]:
+                assert {"case", "metric", "achieved", "target", "met"} <= set(s), (plat, fam, s)
+                assert (s["met"] is None) == (s["target"].startswith("(")), (plat, fam, s)
+
+
+def test_linked_plots_exist():
+    text = gpu_docs.PAGE.read_text(encoding="utf-8")
+    links = re.findall(r"\]\((img/[^)]+\.png)\)", text)
+    assert links
+    for link in links:
+        assert (gpu_docs.PAGE.parent / link).is_file(), link
+
+
+def test_a_changed_report_makes_the_page_stale():
+    reports = gpu_docs.load_reports()
+    changed = copy.deepcopy(reports)
+    plat = next(iter(changed))
+    entry = changed[plat]["gemm"]["summary"][0]
+    entry["achieved"] = entry["achieved"] + 0.5
+    assert gpu_docs.render(changed) != gpu_docs.render(reports)
