@@ -74,7 +74,7 @@ DEVICE_FUNCTIONS = ("rlk_attn_wg_gdc_wait", "rlk_attn_wg_exp2", "rlk_attn_wg_row
                     "rlk_attn_wgt_quad", "rlk_attn_wgt_quads", "rlk_attn_wgt_quads_ws", "rlk_attn_wgt_loader")
 
 #: key-block rows (``kernels.KV_BLOCK``) and the tile's query rows (one warpgroup, 16 rows a warp;
-#: 128-row tiles of two warpgroups were measured slower: session 13 run 3)
+#: 128-row tiles of two warpgroups are slower on the H200)
 BLOCK_N = 64
 BLOCK_M = 64
 #: The launch configuration by whether the launch merges KV splits (``MULTI``: some sequence is
@@ -83,14 +83,14 @@ BLOCK_M = 64
 #: slots (64 KiB) at 160 or 168 registers let three programs share an SM instead of two (3 × 128 ×
 #: 168 = 64 512 of 65 536); the walks' loops do not spill at the shipped caps, except one reloaded
 #: loop invariant a trip with a window and merges (the merges between walks spill a few bytes,
-#: outside the loops; offline sm_90 compile, reports/gpu/README.md session 15). H200, session 14
-#: run 6 (the probe, three programs against two uncapped slots each): 0.69 -> 0.83 of SDPA at
-#: 32 x 512, 0.69 -> 0.77 at 4 x 4096; two key slots and one value slot gave 0.79 at 32 x 512
-#: (run 2). Every entry gives the same bits (the order of operations does not depend on it; the
+#: outside the loops; offline sm_90 compile, ``benchmarks/profiling/attention_resources_sm90.py``).
+#: H200 (the probe, three programs against two uncapped slots each): 0.69 -> 0.83 of SDPA at
+#: 32 x 512, 0.69 -> 0.77 at 4 x 4096; two key slots and one value slot give 0.79 at 32 x 512.
+#: Every entry gives the same bits (the order of operations does not depend on it; the
 #: GPU test runs the shipped entries and two uncapped slots each); the probe tool
 #: ``tools/benchmarking/attention_wg_gpu.py`` checks and times others. Launches without merges take
-#: 168 (session 15 run 6, round-robin: 0.887 -> 0.910 of SDPA at 32 x 512); launches with merges
-#: keep 160 (run 1: 0.853 at 160 against 0.818 at 168, 4 x 4096).
+#: 168 (round-robin: 0.887 at 160 -> 0.910 of SDPA at 32 x 512); launches with merges take 160
+#: (0.853 at 160 against 0.818 at 168, 4 x 4096).
 CONFIGS: dict[bool, tuple[int, int, int | None]] = {False: (1, 2, 168), True: (1, 2, 160)}
 
 
@@ -184,9 +184,9 @@ def rlk_attn_wg_scratch(base, BM: gl.constexpr, HEAD_D: gl.constexpr, o_layout: 
     ``(r, c)`` of the ``wgmma`` accumulator (thread ``t = 32·(r // 16) + 4·(r % 8) + (c % 8) // 2``,
     register ``k = 4·(c // 8) + 2·((r % 16) // 8) + c % 2``) sits at ``k · threads + t``. A thread's
     addresses are one base plus constants, and each register's load or store is one coalesced
-    128-byte line a warp. (Row-major addresses needed sixteen 64-bit bases a thread, which the
-    compiler kept live across the split loop; thread-major ones, one contiguous run a thread,
-    made every access touch 32 sectors: 4 × 4096 ran 1.7× slower, session 14 run 5.) The scratch
+    128-byte line a warp. (Row-major addresses need sixteen 64-bit bases a thread, which the
+    compiler keeps live across the split loop; thread-major ones, one contiguous run a thread,
+    make every access touch 32 sectors: 4 × 4096 runs 1.7× slower on the H200.) The scratch
     is this program's own, written and read in the same layout, and exact fp32, so its layout
     does not touch the bits."""
     r = gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
@@ -483,7 +483,7 @@ def rlk_attn_fwd_wg(q_ptr, k_desc, v_desc, out_ptr, out32_ptr, lse_ptr, scr_ptr,
         rlk_attn_wg_ring_end(k_bars, v_bars, K_ST, V_ST)
 
         # kernels.rlk_attn_finish (stored through a blocked layout: storing from the accumulator's
-        # registers measured slower, 263 -> 301 us at 32 x 512, session 13 run 6)
+        # registers is slower, 263 -> 301 us at 32 x 512 on the H200)
         r = gl.div_rn(gl.full([BM], 1.0, gl.float32, row_o), L)
         if STORE_F32:
             o = gl.convert_layout(A * gl.expand_dims(r, 1), io_layout)
@@ -937,8 +937,8 @@ def rlk_attn_wgt_copy4(desc, smem, bars, es, col, qi, nqd, QST: gl.constexpr, PS
     ``rlk_attn_wgt_entries`` tuples) into ring slot ``qi % QST``, one barrier for the four blocks;
     if ``qi < nqd``. ``BIG`` (a contiguous cache): the four blocks are consecutive rows, so one
     256-row copy (box ``[256, cols]``) into the slot's 256-row tile, 8 copy instructions in the
-    kernel instead of 32 and 15 CTA barriers a step instead of 21 (offline sm_90a, session 23), and
-    a batch-1 × 4096 step 10.3–10.7 µs instead of 12.0–12.1 (H200, session 24 run 1). A block is a
+    kernel instead of 32 and 15 CTA barriers a step instead of 21 (offline sm_90a), and a
+    batch-1 × 4096 step 10.3–10.7 µs instead of 12.0–12.1 (H200). A block is a
     64-row slice of the tile (``rlk_attn_wgt_block``), a whole number of swizzle periods, so its
     ``wgmma`` reads the same elements: the same bits (GPU tests). Else (pages) every block's
     ``PPB`` page copies into its own 64-row slot."""
@@ -1356,7 +1356,7 @@ def launch(q, k, v, out, out32, lse, scr, tab, page_rows, G, window, qk_scale, *
 
 
 #: TMA ring slots of the paged decode split kernel (``rlk_attn_split_wg``): key and value blocks,
-#: 16 KiB each at ``D = 128``, 16-bit. H200, session 22 run 2 (16-token pages, batch 1-64 at 4096
+#: 16 KiB each at ``D = 128``, 16-bit. H200 (16-token pages, batch 1-64 at 4096
 #: and 32768 keys): 2 slots fastest at every size (batch 1 x 32768 keys 43.1 µs against 45.3 / 50.1
 #: / 52.3 with 3 / 4 / 6; batch 4 x 4096 23.8 against 25.0 / 25.0 / 37.3); every depth gives the
 #: same bits (GPU test).

@@ -178,10 +178,10 @@ class AttnConfig:
 C = AttnConfig
 # Prefill (one program per tile and kv head, splits in sequence): (dtype, head_dim) -> config.
 # D = 128, 16-bit: 64-row tiles, 4 warps (two programs per SM hide each other's prologue and
-# epilogue): 350 / 1779 µs at 32 x 512 / 4 x 4096 against 393 / 1820 µs with the earlier 128-row,
-# 8-warp tile (H200, session 5 run 5, bench_attention_configs.json); 3 stages since session 11
-# (base-2 scores): 289 / 1362 µs against 309 / 1472 µs with 2 (run 2, bench_attention_configs.json;
-# two programs of 3 stages, 112 KiB of shared memory each, still fit an SM).
+# epilogue): 350 / 1779 µs at 32 x 512 / 4 x 4096 against 393 / 1820 µs with a 128-row, 8-warp
+# tile on the H200; 3 stages (base-2 scores): 289 / 1362 µs against 309 / 1472 µs with 2 (two
+# programs of 3 stages, 112 KiB of shared memory each, still fit an SM). Measured with
+# ``benchmarks/operators/bench_attention_gpu.py --configs all``.
 PREFILL_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (torch.bfloat16, 32): C(128, 4, 3),
     (torch.bfloat16, 64): C(128, 4, 3),
@@ -196,19 +196,16 @@ PREFILL_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 # Prefill over a paged cache whose pages are smaller than a 64-key block (each block's keys
 # gathered through the page table): the 128-row tile reads each gathered block for twice the
 # query rows. D = 128, 16-bit: 427 / 2299 µs against 452 / 2480 µs with the 64-row tile at
-# 32 x 512 / 4 x 4096 over 16-token pages (H200, session 7 run 1, bench_attention_breakdown.json).
+# 32 x 512 / 4 x 4096 over 16-token pages (H200, ``tools/benchmarking/attention_breakdown_gpu.py``).
 PAGED_PREFILL_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (torch.bfloat16, 128): C(128, 4, 2),
     (torch.float16, 128): C(128, 4, 2),
 }
 # Decode (split-parallel): 16-row tiles (the smallest tl.dot M), every split its own program;
-# contiguous and paged caches alike (since the page arithmetic is compile-time, session 5).
-# 4 warps, 2 stages: the fastest candidate at batch 64 on the H200 in session 5, contiguous 0.86 /
-# 0.86 / 0.91 and 16-token pages 0.83 / 0.88 / 0.89 of SDPA's throughput at 512 / 4096 / 32768 keys
-# (session 5 run 5, bench_attention_configs.json). Sessions 10-20: the tile of steps with fewer
-# pairs than SMs that are not on the few-programs tile; since session 21 those take
-# ``MANY_DECODE_CONFIGS`` too, and this tile is ``select_decode``'s default (``attend`` and
-# ``varlen_forward`` on the decode path without a config).
+# contiguous and paged caches alike (the page arithmetic is compile-time). 4 warps, 2 stages:
+# ``select_decode``'s default (``attend`` and ``varlen_forward`` on the decode path without a
+# config); the steps ``cached_forward`` launches take ``FEW_DECODE_CONFIGS`` or
+# ``MANY_DECODE_CONFIGS`` (``one_wave``).
 DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 4, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
@@ -216,7 +213,7 @@ DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 # and each walks up to 16 blocks in sequence, so latency decides. Contiguous: 3 stages, 0.60 /
 # 0.38 / 0.62 of SDPA at batch 1 against 0.54 / 0.34 / 0.56 with 2 (but 0.74 against 0.86 at batch
 # 64 x 512 keys); 16-token pages: 2 warps, 0.52 / 0.33 / 0.49 against 0.41 / 0.30 / 0.51. Both
-# walk two blocks per step where ``pair_blocks`` says so (session 10).
+# walk two blocks per step where ``pair_blocks`` says so.
 FEW_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     **{(dt, d): C(16, 4, 3) for dt in (torch.bfloat16, torch.float16) for d in (32, 64, 128)},
     **{(torch.float32, d): C(16, 4, 2) for d in (32, 64, 128)},  # fp32 tiles: 2x the shared memory per stage
@@ -224,19 +221,14 @@ FEW_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 FEW_PAGED_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 2, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
-# Decode steps with at least as many (sequence, kv head) pairs as SMs (batch 64): 2 warps. H200,
-# session 10 (runs 1-2, bench_attention_extra.json), batch 64, against the 4-warp tile: contiguous
-# 1.02 / 0.91 / 0.95 of SDPA against 0.98 / 0.90 / 0.95 at 512 / 4096 / 32768 keys (at 4096 without
-# the tile table, ``tile_free_rows``: 0.88 with it), 16-token pages 1.02 / 0.88 / 0.94 against 0.95 /
-# 0.90 / 0.92. Paged steps of 2-4 KV splits kept the 4-warp tile in session 10 (0.90 against 0.88);
-# with session 11's base-2 scores it fell to 0.84-0.85 (three timings, runs 1-2) and the 2-warp
-# tile gives 0.88 (run 2, bench_attention_configs.json), so every step of many pairs takes it.
-# Since session 21 also the steps of few pairs past one wave (``one_wave``), with TMA copies over
-# a contiguous cache: at 2-4 KV splits against the 4-warp tile that took them before
-# (``DECODE_CONFIGS``, pointer loads; batch 16 x 4096 keys: 512 programs), 16-token pages 97.1 ->
-# 69.5 us (0.67 -> 0.94 of SDPA), contiguous 70.9 -> 69.6 us; at more splits against the 3-stage
-# few-programs tile (batch 2 x 32768 keys contiguous 0.86 -> 0.94; runs 2 and 6,
-# tools/benchmarking/attention_decode_gpu.py).
+# Decode steps with at least as many (sequence, kv head) pairs as SMs (batch 64), and steps of few
+# pairs past one wave (``one_wave``): 2 warps, with TMA copies over a contiguous cache. On the H200
+# at batch 64 against the 4-warp tile: contiguous 1.02 / 0.91 / 0.95 of SDPA against 0.98 / 0.90 /
+# 0.95 at 512 / 4096 / 32768 keys, 16-token pages 1.02 / 0.88 / 0.94 against 0.95 / 0.90 / 0.92 (paged
+# steps of 2-4 KV splits: 0.88 against 0.84-0.85). Past one wave against the 4-warp pointer-load
+# tile (batch 16 x 4096 keys, 512 programs): 16-token pages 97.1 -> 69.5 us (0.67 -> 0.94 of SDPA),
+# contiguous 70.9 -> 69.6 us; against the 3-stage few-programs tile, batch 2 x 32768 keys
+# contiguous 0.86 -> 0.94 (``tools/benchmarking/attention_decode_gpu.py``).
 MANY_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
     (dt, d): C(16, 2, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
 }
@@ -251,8 +243,8 @@ BWD_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
 #: contract holds for any fixed choice): pick the fastest into the tables above.
 CANDIDATE_CONFIGS: dict[str, tuple[AttnConfig, ...]] = {
     "prefill": (C(128, 8, 2), C(128, 8, 3), C(128, 4, 2), C(64, 4, 2), C(64, 4, 3), C(64, 8, 3)),
-    # (1 or 8 warps and 4 stages never came within 5% of the best decode tile in session 10's
-    # runs 1-2 at batch 1 / 4 / 64: dropped from the list)
+    # (1 or 8 warps and 4 stages are not within 5% of the best decode tile at batch 1 / 4 / 64 on
+    # the H200, so they are not candidates)
     "decode": (C(16, 4, 3), C(16, 4, 2), C(16, 2, 2), C(16, 4, 3, unroll=2), C(16, 2, 2, unroll=2)),
     "backward": (C(64, 4, 2), C(64, 8, 2), C(64, 4, 3), C(128, 8, 2)),
 }
@@ -338,16 +330,13 @@ def few_programs(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool
 def one_wave(programs: int, device: torch.device) -> bool:
     """Whether a decode launch of ``programs`` (sequence, kv head, split) programs fits one wave of
     the few-programs tile (two 3-stage programs per SM): then ``FEW_DECODE_CONFIGS``' deeper
-    pipeline pays, else the many-programs tile does. H200, session 9 (run 1,
-    bench_attention_extra.json, 4096 keys, steps without the table): batch 4 (128 programs) 0.85
-    of SDPA with 3 stages against 0.59 with 2; batch 16 (512 programs) 0.77 against 0.91; batch 1
-    at 32768 keys (256 programs) keeps 3 stages (0.62 against 0.56, session 5). Sessions 9-20 asked
-    it for steps of 2-4 KV splits only (session 9 run 3, 32768 keys: batch 16 0.94 against 0.92,
-    batch 4 0.92 either way); since session 21 for every step: past one wave the many-pairs tile
-    (2 warps, 2 stages, TMA copies) beat the 3-stage tile at 32768 keys on a contiguous cache
-    (runs 2 and 6, tools/benchmarking/attention_decode_gpu.py: batch 2 77.8 -> 70.9 µs, 0.86 ->
-    0.94 of SDPA; batch 4 140.0 -> 135.2 µs; batch 8 262.9 -> 258.4 µs; batch 16 equal). Over
-    small pages the two tiles are one configuration. False off CUDA."""
+    pipeline pays, else the many-programs tile does. H200, 4096 keys, steps without the table:
+    batch 4 (128 programs) 0.85 of SDPA with 3 stages against 0.59 with 2; batch 16 (512
+    programs) 0.77 against 0.91; batch 1 at 32768 keys (256 programs) 0.62 against 0.56. Past one
+    wave the many-pairs tile (2 warps, 2 stages, TMA copies) beats the 3-stage tile at 32768 keys
+    on a contiguous cache (``tools/benchmarking/attention_decode_gpu.py``: batch 2 77.8 -> 70.9 µs,
+    0.86 -> 0.94 of SDPA; batch 4 140.0 -> 135.2 µs; batch 8 262.9 -> 258.4 µs; batch 16 equal).
+    Over small pages the two tiles are one configuration. False off CUDA."""
     return device.type == "cuda" and programs <= 2 * _sm_count_of(_index(device))
 
 
@@ -359,8 +348,8 @@ MIN_V_COLUMNS = 32
 #: paged few-programs tile, ``FEW_PAGED_DECODE_CONFIGS``).
 MAX_PAGED_V_SLICES = 2
 #: Whether ``cached_forward`` picks a value slicing by ``value_slices`` for decode steps with
-#: few programs (on since session 9: batch 1 on the H200, 0.72 -> 0.82 of SDPA at 512 keys and
-#: 0.40 -> 0.51 at 4096 with 4 slices, 32768 keys unsliced; reports/gpu/README.md "Session 9").
+#: few programs (batch 1 on the H200: 0.72 -> 0.82 of SDPA at 512 keys and 0.40 -> 0.51 at 4096
+#: with 4 slices, 32768 keys unsliced; ``value_slices``).
 #: ``auto_value_slices(False)`` turns it off for a block of code. The bits are the same either way.
 AUTO_V_SLICES = True
 
@@ -380,16 +369,16 @@ def value_slices(programs: int, head_dim: int, device: torch.device, small_pages
     A decode step of few sequences has few programs (batch 1, 8 kv heads, 4096 keys: 32 on a
     132-SM H200), each walking its split's blocks in sequence; slicing the ``P·V`` columns
     over more programs spreads the value loads (each slice reads the whole key block for its
-    scores, and the slices share it through L2). Measured on the H200 (session 9 run 3, batch 1,
-    D = 128, steps without the tile table): 8 programs (512 keys) 0.72 of SDPA unsliced, 0.82 with
-    4 slices (8 slices were slower than 4 in run 1); 32 programs (4096 keys) 0.40 unsliced, 0.44
+    scores, and the slices share it through L2). Measured on the H200 (batch 1, D = 128, steps
+    without the tile table): 8 programs (512 keys) 0.72 of SDPA unsliced, 0.82 with 4 slices (8
+    slices are slower than 4); 32 programs (4096 keys) 0.40 unsliced, 0.44
     with 2, 0.51 with 4; 256 programs (32768 keys) fastest unsliced: the rule's picks. Every
     slicing gives the same bits (tested).
 
-    Over 16-token pages two slices beat four and beat none up to two programs per SM (session 21,
-    runs 2-3, ``tools/benchmarking/attention_decode_gpu.py``, four blocks a step on the paged
-    tile): batch 1 × 4096 keys (32 programs) 14.95 → 14.21 µs, batch 4 × 4096 (128 programs,
-    unsliced before) 32.05 → 29.76 µs, batch 4 × 512 (32) 8.80 → 7.86 µs; batch 1 and 2 × 512 equal
+    Over 16-token pages two slices beat four and beat none up to two programs per SM
+    (``tools/benchmarking/attention_decode_gpu.py``, four blocks a step on the paged tile): batch
+    1 × 4096 keys (32 programs) 14.95 µs with four slices → 14.21 with two, batch 4 × 4096 (128
+    programs) 32.05 unsliced → 29.76 µs, batch 4 × 512 (32) 8.80 → 7.86 µs; batch 1 and 2 × 512 equal
     within 1 %. Contiguous caches keep the one-wave rule (batch 1 × 4096 keys: 12.56 µs with four
     slices, 12.45 with two, within the noise)."""
     if device.type != "cuda":
@@ -406,16 +395,15 @@ def pair_blocks(programs: int, paged: bool, device: torch.device) -> bool:
     """Whether a decode step on the few-programs tile walks its unmasked blocks two per step
     (``AttnConfig.unroll = 2``, ``rlk_attn_pair``). ``programs``: the launch's programs, value
     slices counted. Contiguous cache: at most one program per SM; paged cache: at most two
-    programs per SM. H200, session 10 (runs 1-2, D = 128, against one block per step):
+    programs per SM. H200 (D = 128, against one block per step):
     contiguous batch 1 at 4096 keys (128 programs with 4 value slices) 0.50 -> 0.52 of SDPA, batch
     4 at 4096 (128 programs) 0.85 -> 0.97, but batch 1 at 32768 (256 programs) 0.94 -> 0.85;
     16-token pages batch 1 at 512 / 4096 / 32768 keys (32 / 128 / 256 programs) 0.70 -> 0.77 /
     0.42 -> 0.46 / 0.82 -> 0.84, batch 4 at 4096 0.60 -> 0.63, but batch 4 at 32768 (1024
-    programs) 0.91 -> 0.87. Contiguous steps of one KV split (the prefill kernel) pair too since
-    session 21 (run 2): batch 16 at 512 keys (128 programs, unsliced) 11.29 -> 10.07 µs, 0.81 ->
-    0.90 of SDPA (session 10's one-split loss, batch 1 at 512 keys with 4 value slices, 0.81 ->
-    0.79, was of a step that walks four blocks a step since session 16). The same bits either way
-    (tested). False off CUDA."""
+    programs) 0.91 -> 0.87. Contiguous steps of one KV split (the prefill kernel) pair too: batch
+    16 at 512 keys (128 programs, unsliced) 11.29 -> 10.07 µs, 0.81 -> 0.90 of SDPA (sliced steps
+    walk four blocks a step instead, ``quad_blocks``). The same bits either way (tested). False off
+    CUDA."""
     if device.type != "cuda":
         return False
     sm = _sm_count_of(_index(device))
@@ -437,21 +425,20 @@ def quad_blocks(v_slices: int) -> bool:
     """Whether a decode step on the few-programs tile walks its unmasked blocks four per step
     (``AttnConfig.unroll = 4``, ``rlk_attn_quad``): where ``value_slices`` sliced it (``v_slices
     >= 2``: the grid is a fraction of the SMs, so each program's walk is the step's critical
-    path), unless ``QUAD_BLOCKS`` is off; the step runs on ``quad_tile``. H200, session 16 run 4
-    (batch 1, D = 128, bf16, 4 value slices; the benchmark's ``.no_quad`` rows, the walk it
-    replaced, in the same run): contiguous 512 keys 0.82 -> 1.07 of SDPA, 4096 keys 0.63 -> 0.72;
-    16-token pages 0.76 -> 0.98 and 0.46 -> 0.61; with the running maxima in block order
-    (session 17 run 1) 1.21 and 0.78 contiguous, 1.06 and 0.63 on pages. Unsliced launches lost
-    with it (session 16 run 1,
-    ``tools/benchmarking/attention_decode_gpu.py``: batch 1 at 32768 keys 0.97 -> 0.80, batch 4 at
-    4096 keys 0.98 -> 0.82). The same bits either way (tested)."""
+    path), unless ``QUAD_BLOCKS`` is off; the step runs on ``quad_tile``. H200 (batch 1, D = 128,
+    bf16, 4 value slices; the benchmark's ``.no_quad`` rows, the two-block walk, side by side):
+    contiguous 512 keys 0.82 -> 1.07 of SDPA, 4096 keys 0.63 -> 0.72; 16-token pages 0.76 -> 0.98
+    and 0.46 -> 0.61; with the running maxima in block order 1.21 and 0.78 contiguous, 1.06 and 0.63
+    on pages. Unsliced launches are slower with it (``tools/benchmarking/attention_decode_gpu.py``:
+    batch 1 at 32768 keys 0.97 -> 0.80, batch 4 at 4096 keys 0.98 -> 0.82). The same bits either
+    way (tested)."""
     return QUAD_BLOCKS and v_slices >= 2
 
 
 def quad_tile(cfg: AttnConfig) -> AttnConfig:
     """The few-programs tile ``cfg`` walking four blocks a step (``quad_blocks``): 4 warps, each
-    holding one block of a step (the 2-warp paged tile takes 4 here). H200, session 16 run 2,
-    batch 1 over 16-token pages, 4 value slices: 512 keys 0.85 -> 0.98 of SDPA, 4096 keys 0.51 ->
+    holding one block of a step (the 2-warp paged tile takes 4 here). H200, batch 1 over
+    16-token pages, 4 value slices: 512 keys 0.85 -> 0.98 of SDPA, 4096 keys 0.51 ->
     0.60 with 4 warps (2 stages) against 2. The same bits."""
     return replace(cfg, num_warps=4, unroll=4)
 
@@ -478,8 +465,7 @@ def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfi
 #: splits), "heads" (kv heads fastest: the programs that start together read the same cache
 #: rows' heads), "splits" (splits and value slices fastest: together they read one sequence's
 #: consecutive splits, the slices of a split the same keys), or "auto" (``split_grid_order``'s
-#: rule). Launch order only, the same bits (tests). H200, session 19 run 3 (decode benchmark,
-#: ``.grid_*`` rows): batch 1 × 4096 keys splits-first 12.51 µs against 12.93 tiles-first (16-token
+#: rule). Launch order only, the same bits (tests). H200 (decode benchmark, ``.grid_*`` rows): batch 1 × 4096 keys splits-first 12.51 µs against 12.93 tiles-first (16-token
 #: pages 14.77 against 15.98; 32768 keys equal within 0.3 %), batch 64 heads-first 248.5 against
 #: 250.1 µs at 4096 keys (pages 267.7 / 268.8; 32768 keys 1927 / 1939, pages 1940 / 1953) and
 #: splits-first slower there (256.1).
@@ -528,15 +514,15 @@ def num_splits(max_positions: int) -> int:
 def tile_free_rows() -> bool:
     """Whether a decode step with one query token per sequence forms its tile rows from ``q_pos``
     (``rlk_attn_rows(ONE=True)``) instead of launching ``rlk_attn_tiles`` first. Both give the
-    same integers, hence the same bits (tested); this only decides speed: since session 10 every
-    such step goes without the table (``force_tile_free_rows(False)`` brings it back for a block
-    of code). History (H200): without the table launch a step was 2.3-3.9 µs faster through the
+    same integers, hence the same bits (tested); this only decides speed: every such step goes
+    without the table (``force_tile_free_rows(False)`` brings it back for a block of code).
+    Measured on the H200: without the table launch a step is 2.3-3.9 µs faster through the
     one-split prefill kernel, 1.7-6 µs faster on 16-token pages and 8 µs faster at batch 1 and
-    32768 keys (session 7), and faster with few (sequence, kv head) pairs (session 9: batch 4 at
-    4096 keys 0.65 -> 0.85 of SDPA); only the 4-warp split kernel over a contiguous cache of 2-4
-    splits with many pairs ran slower without it (batch 64 at 4096 keys 0.86 against 0.90, cause
-    not found), and that step takes the 2-warp tile since session 10 (``MANY_DECODE_CONFIGS``),
-    0.91 of SDPA without the table against 0.88 with it (runs 1-2)."""
+    32768 keys, and faster with few (sequence, kv head) pairs (batch 4 at 4096 keys 0.65 -> 0.85
+    of SDPA); the 2-warp tile of steps with many pairs (``MANY_DECODE_CONFIGS``) gives 0.91 of
+    SDPA without the table against 0.88 with it (batch 64 at 4096 keys; the 4-warp split kernel
+    there is slower without it, 0.86 against 0.90, which is one reason it is not that step's
+    tile)."""
     if FORCE_TILE_FREE is not None:
         return FORCE_TILE_FREE
     return True
@@ -572,7 +558,7 @@ _FTZ_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1" and torch
 #: (``griddepcontrol.wait``: the writer has finished and its stores are visible) before its first
 #: load; the writer lets it launch at its own start (``griddepcontrol.launch_dependents``). This
 #: hides part of the launch gap between the kernels of a step: 2-5 % of a short decode step on
-#: the H200 (batch 1, 512 keys: 12.5 against 13.0 µs; session 6). Nothing computed changes.
+#: the H200 (batch 1, 512 keys: 12.5 against 13.0 µs). Nothing computed changes.
 #: ``launch_plainly()`` turns it off for a block of code (the benchmark's side-by-side rows).
 PDL = True
 
@@ -615,8 +601,8 @@ def rlk_attn_gdc_launch(PDL: tl.constexpr):
 def rlk_attn_exp2(x):
     """``2^x`` in fp32 as ``ex2.approx.ftz``: the instruction of ``tl.exp2`` (MUFU.EX2) for results
     of at least ``2^-126``; below, ``tl.exp2``'s ``ex2.approx.f32`` halves the input and squares
-    the result (a compare, two predicated multiplies and their latency on every element: H200
-    session 5, ncu — the largest stall of the prefill kernel) to return a subnormal, this returns
+    the result (a compare, two predicated multiplies and their latency on every element: on the
+    H200, by ncu, the largest stall of the prefill kernel) to return a subnormal, this returns
     +0. ``2^{-inf} = +0`` either way. The kernels keep scores and softmax maxima in base-2 units
     (``qk_scale = scale · log2 e``, ``rlk_attn_step``), so no product precedes the ``ex2``. Every
     forward and backward kernel uses this one function, so every path keeps the same bits; a
@@ -703,7 +689,7 @@ def rlk_attn_rows(tab_ptr, t, G: tl.constexpr, W, HAS_WINDOW: tl.constexpr, BLOC
     ``G`` is a compile-time constant and the per-row arithmetic is int32 relative to ``unit0``
     (one scalar int64 division per program): a runtime int64 ``unit // G`` per row compiled to
     the 64-bit division subroutine, ~1/3 of the extra instructions per program of the shipped
-    kernel against the ablation probe (H200, session 5). Same integers."""
+    kernel against the ablation probe (H200). Same integers."""
     seq, u0, u1, pbase = rlk_attn_table_row(tab_ptr, t.to(tl.int64), G, ONE)
     tok0 = u0 // G
     rel = (u0 - tok0 * G).to(tl.int32) + tl.arange(0, BLOCK_M)  # unit - G·tok0, in [0, G + BLOCK_M)
@@ -1042,7 +1028,7 @@ def rlk_attn_unmasked(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_st
     Over a paged cache (pointer loads) the one-block and pair walks load the next step's
     page-table entries before the current step's products (``rlk_attn_pages``): the software
     pipeline issues the next block's copies at the end of an iteration, and their rows no longer
-    wait on a page-table load issued there. H200, session 20 run 1: batch 64 × 4096 keys over
+    wait on a page-table load issued there. H200: batch 64 × 4096 keys over
     16-token pages 270.9 → 260.4 µs. The same rows, so the same bits."""
     if U == 2 and PAGED and not TMA:
         # as the one-block walk below: the page-table entries of the next pair are loaded before
@@ -1353,10 +1339,10 @@ def rlk_attn_combine(out_ptr, out32_ptr, lse_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, 
     accumulator (a column's merge reads only that column and the row's ``m``, ``l``, which every
     chunk merges alike). The loads of a group of splits are issued before their merges: the
     fold is a chain, but its loads are not, and one load round-trip per split was most of a
-    long decode step's combine (20.5 µs for 32 splits at batch 1, H200 session 6; 6.5 µs with
-    groups of eight, session 7 run 1). ``GROUP`` (1, 2, 4, 8 or 16: ``combine_group``, the launch's
+    long decode step's combine (20.5 µs for 32 splits at batch 1 on the H200; 6.5 µs with
+    groups of eight). ``GROUP`` (1, 2, 4, 8 or 16: ``combine_group``, the launch's
     split count rounded up to a power of two, at most 16) splits are loaded, then merged, per
-    trip: a step of 4 splits merges 4 times, not 16 (session 19). Splits past the last read the
+    trip: a step of 4 splits merges 4 times, not 16. Splits past the last read the
     initial state, an exact identity, so the group size does not change the bits. The merge
     order is unchanged.
 
@@ -1646,7 +1632,7 @@ def rlk_attn_tiles(q_seq_ptr, q_pos_ptr, tab_ptr, T, B, NT, ROUNDS, STEP0, G, RO
     (``JB`` at a time), and the rows past the last tile are written as ``tile_table`` writes them
     (the last sequence, ``unit0 == unit1``). No search per tile row (the binary search per tile
     row this replaces took 5.0 / 21.7 µs for a decode step of 64 sequences / 32 × 512 prefill
-    rows on the H200, this 3.8 / 11.3 µs: session 6 run 1)."""
+    rows on the H200, this 3.8 / 11.3 µs)."""
     rlk_attn_gdc_launch(PDL)  # the attention kernel may launch (it waits for this kernel's end)
     offs = tl.arange(0, CHUNK)
     rad = tl.arange(0, RADIX).to(tl.int64)
@@ -2001,7 +1987,7 @@ def _kv_descriptors(k_rows: torch.Tensor, v_rows: torch.Tensor, dv: int, key_blo
 
 
 #: Whether the train path's forward loads its key / value blocks by TMA copies (sm90+;
-#: ``tma_loads(False)`` turns it off for a block of code). H200, session 9 run 3: prefill 0.53 ->
+#: ``tma_loads(False)`` turns it off for a block of code). H200, pointer loads -> TMA: prefill 0.53 ->
 #: 0.59 / 0.51 -> 0.60 of SDPA at 32 x 512 / 4 x 4096, the training forward 0.44 -> 0.48 / 0.53,
 #: forward + backward 0.58 -> 0.60; the GPU tests prove the bits equal to the pointer loads.
 TMA_LOADS = True
@@ -2137,8 +2123,8 @@ def wg_decode_programs(programs: int, device: torch.device) -> bool:
     """Whether a paged decode launch of ``programs`` (tile, kv head, split, value slice) programs
     runs its splits on the warpgroup kernel (``WG_DECODE_BAND``: half a program to two programs
     per SM). The kernel keeps a block's pages in flight by TMA copies where the Triton kernel
-    gathers them by pointer loads; that pays while an SM holds at most two programs. H200,
-    session 22 (runs 2-4, ``tools/benchmarking/attention_decode_gpu.py``, 16-token pages, 2 ring
+    gathers them by pointer loads; that pays while an SM holds at most two programs. H200
+    (``tools/benchmarking/attention_decode_gpu.py``, 16-token pages, 2 ring
     slots, against the Triton kernels, µs): batch 4 x 4096 keys (256 programs with 2 value
     slices) 29.6 -> 23.1 (0.77 -> 0.99 of SDPA), batch 8 x 4096 (256) 40.7 -> 37.7, batch 1 x
     16384 (256) 30.0 -> 23.4, batch 1 x 32768 (256) 44.1 -> 40.8 (0.86 -> 0.93), batch 32 x 512
@@ -2208,14 +2194,13 @@ def wgt_quad_blocks(programs: int, paged: bool, device: torch.device) -> bool:
     its unmasked runs four blocks a step (``attend(wgt_quad=True)``): two value slices
     (``WGT_V_SLICES``) and at most ``WGT_QUAD_PROGRAMS`` programs per SM (its two four-block ring
     slots take 207-221 KiB: one program an SM), either cache (over pages the copies are a loader
-    partition's, ``hopper.rlk_attn_wgt_loader``). H200, session 23 run 2
+    partition's, ``hopper.rlk_attn_wgt_loader``). H200
     (``tools/benchmarking/attention_decode_gpu.py``, µs, one block a step -> four): contiguous batch
     1 x 4096 keys (64 programs) 12.95 -> 12.10 (0.84 of SDPA; the Triton kernels 12.68), batch 2 x
     4096 (128) 12.97 -> 12.62; past one program an SM it loses (batch 1 x 16384, 256 programs:
     23.1 -> 28.3). Over 16-key pages each block is four page copies: issued by the computing warps
-    it lost (batch 1 x 4096: 15.6 -> 16.6); by a one-warp loader partition (session 24 runs 7-8,
-    against the shipped steps of session 23's tree) it wins at every step of at most one program an
-    SM: 1 x 1024 keys 12.0 -> 9.7 µs, 1 x 2048 12.9 -> 11.0, 1 x 4096 14.5 -> 12.1 (0.71 -> 0.86 of
+    it loses (batch 1 x 4096: 15.6 -> 16.6); by a one-warp loader partition (against one block a
+    step without the loader) it wins at every step of at most one program an SM: 1 x 1024 keys 12.0 -> 9.7 µs, 1 x 2048 12.9 -> 11.0, 1 x 4096 14.5 -> 12.1 (0.71 -> 0.86 of
     SDPA), 2 x 2048 13.8 -> 11.3, 4 x 512 8.2 -> 6.6, 4 x 1024 13.6 -> 9.7, 1 x 512 8.0 -> 7.1;
     2 x 4096 and 8 x 512 equal. False off CUDA."""
     if device.type != "cuda" or WGT_V_SLICES != 2:
@@ -2232,16 +2217,15 @@ def wgt_quad_band(programs_per_sm: float) -> contextlib.AbstractContextManager[N
 def wgt_decode_programs(programs: int, paged: bool, device: torch.device) -> bool:
     """Whether a decode launch of ``programs`` (tile, kv head, split, value slice) programs runs its
     splits on ``hopper.rlk_attn_split_wgt`` (``WGT_DECODE_BAND[paged]``: up to four programs per SM,
-    either cache). H200, session 23 runs 1-2
-    (``tools/benchmarking/attention_decode_gpu.py``, 2 value slices, against the shipped kernels of
-    session 22, µs): contiguous batch 1 x 512 keys 6.78 -> 6.55, 4 x 512 7.99 -> 7.22, 8 x 512
+    either cache). H200 (``tools/benchmarking/attention_decode_gpu.py``, 2 value slices, against
+    the Triton and warpgroup split kernels, µs): contiguous batch 1 x 512 keys 6.78 -> 6.55, 4 x 512 7.99 -> 7.22, 8 x 512
     8.56 -> 7.14 (1.08 -> 1.30 of SDPA), 4 x 4096 23.5 -> 21.1, 1 x 16384 25.3 -> 23.1, 1 x 32768
     40.1 -> 38.0 (0.95 -> 1.00), 1 x 4096 12.7 -> 12.1 (four blocks a step); 16-key pages (against
     the Triton or the warpgroup kernel, whichever the step took) 8 x 512 8.82 -> 8.54, 4 x 4096
     23.4 -> 22.6, 1 x 16384 25.5 -> 24.6, 1 x 32768 40.7 -> 40.5, 2 x 4096 equal. Below three
-    quarters of a program an SM over pages the Triton kernel's four-block walk beat its one block a
-    step (batch 1 x 4096, 64 programs: 14.4 against 15.6); since session 24 such launches walk four
-    blocks a step with a loader partition (``wgt_quad_blocks``), which beats both (run 7: 14.5 ->
+    quarters of a program an SM over pages the Triton kernel's four-block walk beats this
+    kernel's one block a step (batch 1 x 4096, 64 programs: 14.4 against 15.6); such launches walk
+    four blocks a step with a loader partition (``wgt_quad_blocks``), which beats both (14.5 ->
     12.1 µs). Past four programs an SM not measured. False off CUDA."""
     if device.type != "cuda":
         return False
@@ -2386,7 +2370,7 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     (``q_seq == arange(B)``, known on the host from the step's lengths). Then, on the decode path
     with ``G <= 16`` and where ``tile_free_rows`` says so, no tile table is built: each kernel forms its tile's row from ``q_pos``
     (``rlk_attn_rows(ONE=True)``), one launch less per call (1.8-3.8 µs of a decode step on the
-    H200, session 6). The same integers reach the kernels, so the same bits. A wrong
+    H200). The same integers reach the kernels, so the same bits. A wrong
     ``decode_only`` reads the wrong rows: it is the ops layer's to derive, not a user's to set."""
     T, Hq, D = q.shape
     B = page_rows.shape[0]
@@ -2404,7 +2388,7 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
     elif path == "decode":
         few_tile = few and one_wave(B * Hkv * ns, q.device)
         small_pages = P > 1 and page_size < KV_BLOCK  # the paged tiles (select_decode's own test)
-        # steps of few pairs past one wave take the many-pairs tile too (session 21)
+        # steps of few pairs past one wave take the many-pairs tile too (``one_wave``)
         cfg = select_decode(q.dtype, D, page_size if P > 1 else None, few=few_tile, many=not few_tile)
         # programs: tiles (one per sequence in a decode-only step, else the table's bound) x kv heads x splits
         programs = (B if decode_only else -(-T * G // cfg.block_m) + B) * Hkv * ns

@@ -10,8 +10,8 @@ So the configuration may follow M (and N) without breaking row or column invaria
 test module proves it for every configuration listed here (raw bits, config against config).
 
 ``BLOCK_K`` could plausibly enter the K order (a tile's dot consumes BLOCK_K products), so it
-was measured before letting it vary: on the H200 (reports/gpu/README.md) forward and dx
-outputs were raw-bit equal across BLOCK_K 32..512 (fp32 16..64), BLOCK_M 16..256, BLOCK_N
+was measured before letting it vary: on the H200 (``tools/benchmarking/gemm_sweep.py``, its bits
+part) forward and dx outputs are raw-bit equal across BLOCK_K 32..512 (fp32 16..64), BLOCK_M 16..256, BLOCK_N
 16..256, 2..8 warps, 2..6 stages, TMA vs pointer loads, persistent vs one program per tile and
 warp-specialised vs not, for bf16, fp16 and fp32, at K = 4096 and at K = 1000 (a K tail) —
 consistent with the tensor cores consuming K in steps of 16 in order whatever the tile, so a
@@ -62,12 +62,13 @@ C = TileConfig
 
 # Forward tables for 16-bit inputs: (max M, max N, config); the first row with M <= max M and
 # N <= max N wins (N = output features). Tuned on an H200 for the Qwen3-8B projections
-# (N = 4096 down, 6144 qkv, 24576 gate_up, 151936 lm_head); see reports/gpu/README.md.
+# (N = 4096 down, 6144 qkv, 24576 gate_up, 151936 lm_head): reports/gpu/h200/gemm.json (achieved
+# against cuBLAS) and reports/gpu/h200/gemm_small_m_sweep.json (the small-M candidates).
 _BIG = 1 << 62
 _WS = dict(tma=True, persistent=True, warp_specialize=True)
 _TABLE_16BIT: tuple[tuple[int, int, TileConfig], ...] = (
-    # decode-sized M: memory bound; few, deep programs streaming W (session 4 sweep: 16×64×256
-    # with 4 stages beats more, smaller programs at qkv and down M = 1)
+    # decode-sized M: memory bound; few, deep programs streaming W (16×64×256 with 4 stages beats
+    # more, smaller programs at qkv and down M = 1: reports/gpu/h200/gemm_small_m_sweep.json)
     (1, 4096, C(16, 64, 256, 4, 4, tma=True)),
     (16, 4096, C(16, 32, 256, 4, 6, tma=True)),
     (16, 8192, C(16, 64, 256, 4, 4, tma=True)),
