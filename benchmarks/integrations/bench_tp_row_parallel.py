@@ -17,7 +17,7 @@ Usage (one process per rank; gloo on CPU, NCCL on CUDA)::
 
     python benchmarks/integrations/bench_tp_row_parallel.py --nproc 2 --out artifacts/bench_tp_row_parallel_cpu.json
     python benchmarks/integrations/bench_tp_row_parallel.py --nproc 2 --device cuda --shapes qwen3-8b \\
-        --out reports/gpu/bench_tp_row_parallel.json          # a 2-GPU host
+        --out bench_tp_row_parallel_cuda.json          # a 2-GPU host
 
 Each (shape, T, dtype, scheme) is one JSON row from rank 0 (p20/p50/p80 in ms over the
 slowest rank per repetition), with ``ratio_vs_baseline`` against vLLM's scheme with the same

@@ -43,8 +43,8 @@ Rows ending ``~u<n>`` (``--unroll``) run the shipped call with the selected forw
 the unmasked blocks ``n`` per step (``AttnConfig.unroll``; the same bits), side by side.
 
 ``--rows`` narrows every case to the implementations matching its shell-style patterns (SDPA, the
-baseline, always runs): a decode case with every side-by-side row takes about 100 s on the H200
-(session 17), ``--rows 'rlk.triton.blocked_online_softmax,*.paged16'`` a fraction of it. The JSON
+baseline, always runs): a decode case with every side-by-side row takes about 100 s on the H200,
+``--rows 'rlk.triton.blocked_online_softmax,*.paged16'`` a fraction of it. The JSON
 is rewritten after every case (``meta.partial`` until the run ends), so a run cut by its time
 limit keeps the cases it finished.
 
@@ -75,7 +75,7 @@ tables (every candidate is proven raw-bit equal to the shipped ones by the GPU t
 
 Usage::
 
-    python benchmarks/operators/bench_attention_gpu.py --out reports/gpu/bench_attention_gpu.json
+    python benchmarks/operators/bench_attention_gpu.py --out bench_attention_gpu.json
     python benchmarks/operators/bench_attention_gpu.py --out /tmp/a.json --quick   # smoke run
     python benchmarks/operators/bench_attention_gpu.py --out /tmp/c.json --configs all --kinds prefill,decode
     # other decode shapes (the value-slicing regime: batches with fewer (sequence, kv head) pairs than SMs)

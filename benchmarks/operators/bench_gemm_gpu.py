@@ -16,7 +16,7 @@ temperature drift during the long large-M runs hits both alike. Each timing is r
 
 Usage::
 
-    python benchmarks/operators/bench_gemm_gpu.py --out reports/gpu/bench_gemm_gpu.json
+    python benchmarks/operators/bench_gemm_gpu.py --out bench_gemm_gpu.json
     # + rows rlk.triton.tile_gemm.one_launch: ours without the tail split (configs.tail_split)
     python benchmarks/operators/bench_gemm_gpu.py --out gemm.json --modes graph --one-launch
 """

@@ -26,7 +26,7 @@ included — ``outputs_bytes`` says how much of it they are.
 
 Usage::
 
-    python benchmarks/operators/bench_linear_logprob_gpu.py --out reports/gpu/bench_linear_logprob_gpu.json
+    python benchmarks/operators/bench_linear_logprob_gpu.py --out bench_linear_logprob_gpu.json
     python benchmarks/operators/bench_linear_logprob_gpu.py --quick --out /tmp/bench_lp_gpu.json
 """
 

@@ -11,8 +11,8 @@ says what is fast.
 Arguments are specialised as a real launch specialises them: pointers and the strides of the
 K/V storage rows divisible by 16 (``tt.divisibility``), which decides load vectorisation and
 pipelining. Without it (``--no-divisibility``, the negative control) the loads stay scalar and
-unpipelined and the decode kernel spills — what an offline compile without it showed in
-session 7 (255 registers, spills), a finding of the compile setup rather than of the kernel.
+unpipelined and the decode kernel spills (255 registers): a finding of the compile setup
+rather than of the kernel.
 
 Usage::
 

@@ -7,8 +7,8 @@ does not:
 
 * ``PACK``   GQA rows packed into the query tile (row = token·G + g, one program per kv head)
              vs one program per query head (row = token);
-* ``TREE``   the fixed pairwise row sum (``rlk_attn_rowsum``, strided halves since session 4) vs
-             ``tl.sum``; ``TREE=2``: session 3's adjacent-pair tree, side by side;
+* ``TREE``   the fixed pairwise row sum (``rlk_attn_rowsum``, strided halves) vs ``tl.sum``;
+             ``TREE=2``: an adjacent-pair tree (the row-sum tests' negative control), side by side;
 * ``EXP2``   ``exp2`` with the scale folded into ``log2(e)`` vs ``exp`` after a scale multiply;
 * ``IND``    key rows through a loaded base and ``min(position, cap)`` (the shipped addressing,
              which hides the rows' contiguity from the compiler) vs ``b·S + position``;
@@ -16,12 +16,12 @@ does not:
 * fp fusion on/off at launch (the shipped kernels launch with ``enable_fp_fusion=False``);
 * ``+ind+table`` (``rlk_probe_attn_fwd_tab``): the tile from the shipped tile table (grid
   (table rows, kv heads)) with the shipped ``if last >= 0`` and masked q / output.
-* ``tma*`` (``rlk_probe_attn_fwd_tma``, session 8, not yet run): the textbook kernel with its
+* ``tma*`` (``rlk_probe_attn_fwd_tma``): the textbook kernel with its
   q / K / V / output tiles moved by the tensor-memory accelerator (host ``TensorDescriptor``s
   over the ``[T, H·D]`` views), optionally with ``tl.range(..., warp_specialize=True)`` for the
   unmasked blocks, and ``+contract`` with the shipped numerics (64-key blocks, the fixed row
   sum, ``exp``, no FMA contraction): whether a Hopper data path moves the ceiling that the
-  textbook kernel set (0.58-0.70 of SDPA, session 3). A variant that does not compile on the
+  textbook kernel sets (0.58-0.70 of SDPA on the H200). A variant that does not compile on the
   device's Triton is recorded as its error.
 
 The same process times the shipped launchers (train path ``varlen_forward`` with the fp32 output
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common.harness import cuda_graph_ms, device_info, summarize, versions  # noqa: E402
 from rl_engine.backends.shared.triton.attention.kernels import rlk_attn_rowsum  # noqa: E402
-# session 3's fixed tree (adjacent pairs), the row-sum tests' negative control, timed side by side
+# the adjacent-pair fixed tree, the row-sum tests' negative control, timed side by side
 from tests.backends.shared.triton._rowsum_probe import rlk_test_adjacent_rowsum  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -282,14 +282,14 @@ VARIANTS = {
     "+nofusion": (128, 64, False, False, True, False, 8, 2, False),
     "+exp": (128, 64, False, False, False, False, 8, 2, False),
     "+tree": (128, 64, False, True, False, False, 8, 2, False),
-    "+tree_adjacent (session 3)": (128, 64, False, 2, False, False, 8, 2, False),
+    "+tree_adjacent": (128, 64, False, 2, False, False, 8, 2, False),
     "+pack": (128, 64, True, True, False, False, 8, 2, False),
     "+ind (all shipped features)": (128, 64, True, True, False, True, 8, 2, False),
     "all_w4_s3": (128, 64, True, True, False, True, 4, 3, False),
     "all_m64_w4_s3": (64, 64, True, True, False, True, 4, 3, False),
     "pack_only": (128, 64, True, False, True, False, 8, 2, True),
     "tree_only": (128, 64, False, True, True, False, 8, 2, True),
-    "tree_adjacent_only (session 3)": (128, 64, False, 2, True, False, 8, 2, True),
+    "tree_adjacent_only": (128, 64, False, 2, True, False, 8, 2, True),
     "ind_only": (128, 64, False, False, True, True, 8, 2, True),
     "tree_bn128": (128, 128, False, True, True, False, 8, 3, True),
 }

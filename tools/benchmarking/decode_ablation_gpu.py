@@ -1,9 +1,8 @@
 """Where does a batch-1 decode step's time go? An ablation of the split walk on the GPU.
 
 The batch-1 decode step is bound by each program's walk over its KV split's 16 blocks (about
-1 µs per 64-key block on the H200; reports/gpu/README.md, sessions 9–12), and session 12 showed
-that neither the key loads nor the score products set that cost (a walk reading precomputed
-scores instead was slower). This probe times a minimal split walk (``rlk_probe_decode``, *not* a
+1 µs per 64-key block on the H200), and neither the key loads nor the score products set that
+cost (a walk reading precomputed scores instead is slower). This probe times a minimal split walk (``rlk_probe_decode``, *not* a
 shipped kernel) with one part of the per-block work switched off at a time, at the shape of a
 Qwen3-8B batch-1 step (8 kv heads × G = 4 query heads, D = 128, bf16, a 16-row tile of which 4
 rows are the query), grid (kv heads, KV splits, value slices), each program writing its split's

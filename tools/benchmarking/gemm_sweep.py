@@ -43,7 +43,7 @@ PWS = dict(PW, epilogue_subtile=True)
 
 def bits_part(only_subtile: bool = False) -> list[dict]:
     """Raw-bit equality of candidate configurations against one pointer-load reference
-    (``only_subtile``: just the epilogue-subtiled ones, added in session 4)."""
+    (``only_subtile``: just the epilogue-subtiled ones)."""
     out = []
     cands16 = [C(16, 16, 256, 4, 4), C(16, 16, 512, 4, 3), C(16, 64, 128, 4, 4, tma=True), C(16, 32, 256, 2, 6),
                C(128, 128, 64, 4, 4, **P), C(128, 128, 64, 4, 4, **PW), C(128, 256, 64, 8, 3, **PW),
@@ -81,12 +81,12 @@ def bits_part(only_subtile: bool = False) -> list[dict]:
 SMALL = [C(16, 64, 256, 4, 4, tma=True), C(16, 32, 256, 4, 6, tma=True), C(16, 32, 512, 4, 4, tma=True),
          C(16, 32, 256, 4, 8, tma=True), C(16, 64, 256, 8, 4, tma=True), C(16, 32, 256, 2, 6, tma=True),
          C(16, 64, 512, 4, 2, tma=True), C(16, 64, 128, 4, 6, tma=True), C(16, 32, 512, 8, 3, tma=True),
-         # session 20: 16-column tiles (down M = 1: 256 programs over 4096 columns instead of 64 / 128);
-         # H200 run 1: slower everywhere (down M = 1 1.20-1.60x cuBLAS against the shipped 1.03)
+         # 16-column tiles (down M = 1: 256 programs over 4096 columns instead of 64 / 128): slower
+         # everywhere on the H200 (down M = 1 1.20-1.60x cuBLAS against the shipped tile's 1.03)
          C(16, 16, 512, 4, 4, tma=True), C(16, 16, 256, 2, 8, tma=True), C(16, 16, 512, 2, 6, tma=True),
-         # session 20 run 6: deeper pipelines of the 64-column tile (more bytes in flight per SM): the
-         # 5-stage tile beat the shipped one at down M = 1 in this sweep (28.6 against 30.5 µs) but not in
-         # the benchmark of record (run 7: 31.1 / 31.4 µs against 30.9-31.9 with 4 stages): not kept
+         # deeper pipelines of the 64-column tile (more bytes in flight per SM): the 5-stage tile can
+         # beat the shipped one at down M = 1 in a sweep but not in the benchmark of record, where the
+         # two are within the run-to-run spread (reports/gpu/h200/gemm_small_m_sweep.json)
          C(16, 64, 256, 4, 5, tma=True), C(16, 64, 128, 4, 8, tma=True), C(16, 64, 128, 4, 10, tma=True),
          C(16, 64, 256, 8, 5, tma=True)]
 MID64 = [C(64, 64, 128, 4, 6, tma=True), C(64, 32, 256, 4, 4, tma=True), C(64, 64, 128, 4, 4, tma=True),

@@ -11,18 +11,24 @@
 # (tools/benchmarking/attention_ablation_gpu.py), sweep (tools/benchmarking/gemm_sweep.py),
 # host_overhead (tools/benchmarking/host_overhead_gpu.py), breakdown
 # (tools/benchmarking/attention_breakdown_gpu.py). Two jobs can share a 2-GPU machine: give each
-# its CUDA_VISIBLE_DEVICES, OUT and WORK (see reports/gpu/README.md, "Session 3").
+# its CUDA_VISIBLE_DEVICES, OUT and WORK.
 #
 # SHARD (attention | rest | all, default all) picks the tests step's default TESTS: a full GPU
-# test run needs two device calls since session 16 (one per shard).
+# test run takes two device calls of 600 s (one per shard); reports/gpu/h200/gpu_tests.json
+# summarises both.
 #
-# Carry .whl (pydantic & deps and the Liger-Kernel wheel, missing on the device image; see
-# reports/gpu/README.md). Each step has its own timeout (*_TIMEOUT, seconds) so one call of the
+# Carry .whl (pydantic & deps and the Liger-Kernel wheel, missing on the device image), made once
+# on the workstation for Python 3.12 manylinux x86_64:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#     pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+#   python3 -m pip download --no-deps liger-kernel==0.8.5 -d .whl
+# Each step has its own timeout (*_TIMEOUT, seconds) so one call of the
 # device tool (600 s) can hold them; TESTS / KEXPR narrow the test run. DEADLINE (seconds from
 # this script's start, default 570: under the device tool's 600 s per call) caps every step's
 # limit to the time left, and the results are packed into $OUT after every step, so a job whose
-# limits add up to more than the call still returns what it finished (session 11's run 2 did
-# not: its GPU-0 job was killed with the call and nothing of it came back).
+# limits add up to more than the call still returns what it finished (a job killed with the call
+# returns nothing).
 set -uo pipefail
 START=$(date +%s)
 DEADLINE=${DEADLINE:-570}
@@ -49,9 +55,9 @@ export RLK_EVIDENCE_DIR="$OUT/evidence" TRITON_CACHE_DIR=/tmp/rlk_triton_cache
 } 2>&1 | tee "$OUT/env.txt"
 # the vLLM modules are CPU tests of .venv-vllm (no vLLM on the device image): left out, or their
 # module-level importorskip would read as two skips of the GPU run
-# SHARD=attention / SHARD=rest: the attention kernels' GPU tests, or every other GPU test: since
-# session 16 the whole set takes more than one device call (498 s at 16 workers and unfinished),
-# so a full run is two calls, one per shard (TESTS, when set, wins)
+# SHARD=attention / SHARD=rest: the attention kernels' GPU tests, or every other GPU test: the
+# whole set takes more than one device call (over 498 s at 16 workers), so a full run is two
+# calls, one per shard (TESTS, when set, wins)
 case ${SHARD:-all} in
   attention) DEFAULT_TESTS="tests/backends/shared/triton/test_attention_triton.py" ;;
   rest) DEFAULT_TESTS="tests --ignore=tests/integrations/engines/rollout/vllm --ignore=tests/backends/shared/triton/test_attention_triton.py" ;;

@@ -4,7 +4,7 @@
 #
 #   STEPS="tests sweep bench" bash tools/benchmarking/gpu_gemm_run.sh
 #
-# Carry .whl (pydantic & deps, missing on the device image): see reports/gpu/README.md.
+# Carry .whl (pydantic & deps, missing on the device image): see tools/benchmarking/gpu_all_run.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/rlk_gpu_out}
 STEPS=${STEPS:-"tests bench"}

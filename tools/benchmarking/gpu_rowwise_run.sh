@@ -6,7 +6,7 @@
 #
 #   MODULES="tests/backends/shared/triton" KEXPR="not gemm" bash tools/benchmarking/gpu_rowwise_run.sh
 #
-# Carry .whl (pydantic & deps, missing on the device image): see reports/gpu/README.md.
+# Carry .whl (pydantic & deps, missing on the device image): see tools/benchmarking/gpu_all_run.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/rlk_gpu_out}
 mkdir -p "$OUT/evidence"

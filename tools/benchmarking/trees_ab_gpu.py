@@ -1,9 +1,9 @@
 """Time one benchmark script from several source trees in alternating processes (A, B, A, B, ...).
 
-A kernel change is judged against its base in the same device session: the same benchmark script
-is run once per tree per round, the trees alternating, each in its own process with its own tree
-first on ``PYTHONPATH`` (and its own working directory), so that clock and thermal drift during
-the session fall on both sides alike. Each run writes ``<out-dir>/<stem>_<tree><round>.json``
+A change is compared with its base on one machine in one sitting: the same benchmark script is
+run once per tree per round, the trees alternating, each in its own process with its own tree
+first on ``PYTHONPATH`` (and its own working directory), so that clock and thermal drift fall on
+both sides alike. Each run writes ``<out-dir>/<stem>_<tree><round>.json``
 (the script's ``--out``); the tool then prints one line per benchmark row (config, implementation)
 with its median in every run, and writes them to ``<out-dir>/<stem>_ab.json``.
 

@@ -2,7 +2,7 @@
 
 CPU-side checks of a registration (imports nothing of triton, routes CPU tensors to the CPU
 backend, pure eligibility checks), the GPU profiler-name rule (``rlk_`` prefix), evidence files
-for reports/gpu/, CUDA-graph timing for the bounded-performance smoke tests, and the marker of
+(``RLK_EVIDENCE_DIR``), CUDA-graph timing for the bounded-performance smoke tests, and the marker of
 the Triton-interpreter subset (``interp``).
 """
 

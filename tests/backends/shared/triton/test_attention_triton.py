@@ -455,8 +455,7 @@ def test_interpreter_decode_tma_loads_give_the_same_bits(window, monkeypatch):
     the split kernel (2 KV splits) and the prefill kernel (one split), one or two blocks per
     step, one or two value slices (the value copy's column offset); fp32 here with the 16-bit
     three-run walk forced. The rule: only CUDA sm90+, 16-bit, unpaged, head-contiguous aligned
-    rows; every decode tile (since session 21 the many-pairs tile of steps with few pairs past
-    one wave too). Negative control: a planted kernel whose masked blocks also take the copies reads the NaN
+    rows; every decode tile (the many-pairs tile of steps with few pairs past one wave too). Negative control: a planted kernel whose masked blocks also take the copies reads the NaN
     slots past a sequence's end (unclamped) and its rows are caught."""
     import os
     import sys
@@ -513,9 +512,8 @@ def test_interpreter_decode_tma_loads_give_the_same_bits(window, monkeypatch):
         plain = step(K, base, n=2, bound=64)
     assert bit_diff(step(K, base, n=2, bound=64), plain)  # one split: the prefill kernel
     assert seen
-    # every decode step takes the copies: the few-programs tile and, since session 21, the
-    # many-pairs tile of steps with few pairs past one wave (which kept the pointer loads on the
-    # 4-warp, 2-stage DECODE_CONFIGS tile before)
+    # every decode step takes the copies: the few-programs tile and the many-pairs tile of steps
+    # with few pairs past one wave
     flags = []
     attend = K.attend
     monkeypatch.setattr(K, "attend", lambda *a, **kw: flags.append((kw["cache_tma"], kw["config"])) or attend(*a, **kw))
@@ -895,7 +893,7 @@ def test_interpreter_decode_step_without_tile_table_and_long_combine():
     with pytest.raises(ValueError, match="decode_only"):
         K.cached_forward(q[:4].contiguous(), k, v, page_rows, 64, torch.tensor([0, 0, 1, 2]), torch.arange(4), 0.2,
                          None, path="decode", decode_only=True)
-    # the measured rule since session 10: every decode-only step without the table launch
+    # the measured rule: every decode-only step without the table launch
     assert K.tile_free_rows()
     n = 16 * 1024 + 100
     q1, k1, v1, _ = make_qkv([n], 1, 2, 32, "float32", seed=7)
@@ -1000,9 +998,9 @@ def test_interpreter_value_slices_give_the_same_bits():
 @interp
 def test_interpreter_value_slices_rule(monkeypatch):
     """``value_slices``: doubled while the doubled grid fits in one wave of SMs, at most 4,
-    slices of at least 32 columns; 1 off CUDA (the picks of the H200's batch-1 rows, session 9).
+    slices of at least 32 columns; 1 off CUDA (the picks of the H200's batch-1 rows).
     Over pages shorter than a key block: doubled while the doubled grid fits two programs per SM,
-    at most 2 (session 21). ``cached_forward`` asks it for few-programs decode steps unless
+    at most 2. ``cached_forward`` asks it for few-programs decode steps unless
     ``auto_value_slices(False)``, which restores the switch on the way out, an exception
     included, and tells it whether the pages are shorter than a key block; the rows are the same
     bits either way. Negative control: with the switch off the rule is never asked."""
@@ -1046,7 +1044,7 @@ def test_interpreter_value_slices_rule(monkeypatch):
 def test_interpreter_pair_blocks_rule(monkeypatch):
     """``pair_blocks``: two blocks per step for a decode step on the few-programs tile: over a
     contiguous cache with at most one program per SM (value slices counted; one KV split
-    included since session 21), over pages with at most two programs per SM; False off CUDA.
+    included), over pages with at most two programs per SM; False off CUDA.
     ``cached_forward`` asks it for the few-programs tile and the rows are the same bits either
     way; steps of many pairs take the 2-warp tile. Negative control: a rule answering True pairs
     the walk (the config the kernels get has ``unroll = 2``), one answering False does not."""
@@ -1061,7 +1059,7 @@ def test_interpreter_pair_blocks_rule(monkeypatch):
     # pages: up to two programs per SM; batch 4 at 32768 keys (1024) not
     assert K.pair_blocks(32, True, cuda) and K.pair_blocks(264, True, cuda)
     assert not K.pair_blocks(265, True, cuda) and not K.pair_blocks(1024, True, cuda)
-    # the many-pairs tile on both cache kinds (since session 11 also for paged steps of 2-4 splits)
+    # the many-pairs tile on both cache kinds (paged steps of 2-4 splits included)
     assert all(K.select_decode(torch.bfloat16, 128, p, many=True) == K.AttnConfig(16, 2, 2) for p in (None, 16))
     assert K.select_decode(torch.bfloat16, 128, 16) == K.AttnConfig(16, 4, 2)
     assert K.select_decode(torch.bfloat16, 128, None, few=True, many=False) == K.AttnConfig(16, 4, 3)
@@ -1135,7 +1133,7 @@ def test_interpreter_quad_blocks_rule(monkeypatch):
 def test_interpreter_few_pairs_decode_tile_rule(monkeypatch):
     """``cached_forward``'s decode tile for a step with few (sequence, kv head) pairs: the
     few-programs tile when its programs fit one wave (``one_wave``, False off CUDA), whatever the
-    number of KV splits (since session 21; before, also every step of more than 4 splits), else
+    number of KV splits, else
     the many-programs tile; with many pairs always the latter. The rows are the same bits whichever
     is picked (GPU: every shipped config). Negative control: the rule's answer is what decides (a
     ``one_wave`` answering True takes the few-programs tile at every split count)."""
@@ -1154,7 +1152,7 @@ def test_interpreter_few_pairs_decode_tile_rule(monkeypatch):
     monkeypatch.setattr(K, "few_programs", lambda *a: True)
     bounds = (2048, 4096, 5120, 8192)  # 2, 4, 5, 8 splits
     rows = {bound: step(bound) for bound in bounds}  # one_wave: False off CUDA
-    # (few, many): past one wave the many-pairs tile, at every split count (since session 21)
+    # (few, many): past one wave the many-pairs tile, at every split count
     assert asked == [(False, True)] * 4
     monkeypatch.setattr(K, "one_wave", lambda *a: True)
     asked.clear()
@@ -1173,15 +1171,15 @@ def test_offline_sm90_decode_kernels_are_pipelined_without_spills():
     GPU): every decode split-kernel launch that ``cached_forward`` can select loads its key and
     value blocks through a software pipeline (``cp.async``), the ones of one value slice with at
     most 16 bytes of register spills (what ptxas gives a few variants here; the spills of a few
-    bytes move from variant to variant with small code changes, e.g. session 11's base-2 scores
-    moved an 8-byte spill from a paired sliced tile to the unpaired table-reading one), and so
+    bytes move from variant to variant with small code changes, e.g. an 8-byte spill between a
+    paired sliced tile and the unpaired table-reading one), and so
     does the single-split prefill kernel (no spills); the train path's
     single-split launch loads them by TMA copies (``cp.async.bulk.tensor``) without spills, the
     rollout prefill by none; every decode launch over a contiguous cache loads its unmasked run by
     TMA copies and its masked blocks by ``cp.async`` (``decode_tma_eligible``), over pages by
     ``cp.async`` only. Negative control: the
     same decode kernel compiled without the argument divisibility a real launch specialises has
-    no pipelined loads (what session 7's offline compile measured by mistake)."""
+    no pipelined loads (what an offline compile without them measures by mistake)."""
     from benchmarks.profiling.attention_resources_sm90 import compile_sm90, variants
 
     rows = {v.label: (v, compile_sm90(v)) for v in variants(("decode",))}
@@ -1747,7 +1745,7 @@ def _assert_pdl_race_caught(waits, skips, out_of, want, label):
     after it whatever the wait). A race: the copy without the wait reads the table before the slow
     kernel writes it unless the GPU runs the two kernels apart (other test processes share it), so
     it must be caught at least once in 20 tries (the loop stops at the first catch; a GPU shared with
-    15 other test processes let five pass uncaught once, session 22 run 5); the copy that waits is
+    15 other test processes has let five pass uncaught); the copy that waits is
     right every time."""
     kept = [waits(), skips()]  # outputs stay alive: a freed one's memory could come back holding the right rows
     torch.cuda.synchronize()
@@ -1776,7 +1774,7 @@ def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch):
     splits (split kernel + combine) — eager and replayed from a CUDA graph. Negative control: with
     a tile-table kernel made slow (and its table pre-filled with -1), the attention kernels stay
     right while they wait and are caught when a planted copy skips the wait (a race, so within
-    twenty tries: session 10 run 1 saw one try in which the GPU ran the two kernels apart)."""
+    twenty tries: the GPU can run the two kernels apart in a try)."""
     from rl_engine.backends.shared.triton.attention import kernels as K
 
     dev = torch.device("cuda")
@@ -2154,7 +2152,7 @@ WG_CASES = {
 
 def _wg_configs(which: str):
     """``hopper.CONFIGS`` as shipped, or ``"two_slots"``: every launch with two key and two value
-    ring slots and no register cap (session 13's configuration, two programs per SM)."""
+    ring slots and no register cap (two programs per SM)."""
     from rl_engine.backends.shared.triton.attention import hopper
 
     return hopper.configured(2, 2, None) if which == "two_slots" else contextlib.nullcontext()
@@ -2617,7 +2615,7 @@ def test_interpreter_hopper_configured_restores_its_tables():
 def test_interpreter_hopper_host_layouts_are_built_once():
     """The Gluon launchers' host-side layouts (the transposed kernel's exchange layouts, the TMA
     boxes' shared layouts) are built once per shape and reused: building them cost more host time
-    than a launch (session 25 run 3). Each cached value equals a freshly built one, so the
+    than a launch (``tools/benchmarking/host_overhead_gpu.py``). Each cached value equals a freshly built one, so the
     constexpr arguments — and the compiled kernels — are the same; another shape or dtype gets
     its own value (a planted cache keyed on ``nq`` alone would hand ``16`` the ``8`` layouts)."""
     import torch
@@ -2644,9 +2642,9 @@ def test_bounded_performance_vs_sdpa():
     """Prefill forward, bf16, Qwen3-8B heads (32 q / 8 kv, D = 128), 4 × 4096 tokens: within 4×
     of SDPA (causal, GQA) time in the same run (CUDA graphs). A regression guard, not the
     target: this is the training forward (fp32 output and lse stored too), measured 1.37× and
-    1.33× SDPA's time on the H200 (session 15 runs 4 and 8, ``bounded_perf_attention`` evidence);
-    the throughput target (≥ 0.9× SDPA) is tracked by benchmarks/operators/bench_attention_gpu.py
-    (reports/gpu/README.md)."""
+    1.33× SDPA's time on the H200 (``bounded_perf_attention`` evidence); the throughput target
+    (≥ 0.9× SDPA) is tracked by benchmarks/operators/bench_attention_gpu.py
+    (reports/gpu/h200/attention.json)."""
     import torch.nn.functional as F
 
     from rl_engine.backends.shared.triton.attention import kernels as K

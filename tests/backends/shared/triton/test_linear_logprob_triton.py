@@ -6,8 +6,8 @@ GPU tests (``@pytest.mark.gpu``; the device run must show zero skips): forward o
 gradients **raw-bit equal** to the unfused GPU path ``token_logprobs`` / ``entropy`` of
 ``gemm.linear`` (Triton) for several ``(token_chunk, vocab_chunk)``, fp32 and bf16, ragged ``V``
 (also ``V % 16 != 0``) and ragged ``N``, temperature 1 and not, either output alone in the loss;
-the fused dlogits stage alone against autograd's unfused dlogits (the fp32 fma-contraction
-regression of H200 run 1); row invariance (hypothesis); run-to-run determinism (incl. ``dweight``); accuracy against float64
+the fused dlogits stage alone against autograd's unfused dlogits (the fp32 fma contraction
+that fp fusion introduces); row invariance (hypothesis); run-to-run determinism (incl. ``dweight``); accuracy against float64
 (contract tolerances); two negative controls caught by the same bitwise checker (cuBLAS logits;
 a merge of whole vocabulary chunks); dispatch and provenance; ``opcheck`` of the custom ops; the
 profiler-name rule; the peak memory bound (fused extra ≪ naive); overflow errors naming
@@ -248,10 +248,10 @@ def test_backward_strategies_give_the_same_bits(dtype, need, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("temperature", [1.0, 0.8])
 def test_fused_dlogits_raw_bit_equal_to_unfused_autograd_dlogits(dtype, temperature):
-    """The stage that broke fp32 on the H200 (run 1): the gradient of the logits the fused
+    """The stage fp fusion breaks in fp32 on the H200: the gradient of the logits the fused
     backward forms in place (pass-A row chunks, pass-B vocabulary chunks), with both outputs in
     the loss, against autograd's sum of the unfused ``token_logprobs`` and ``entropy`` gradients.
-    The same kernel launched with fp fusion on (the run-1 launch: ``dz + de`` contracted into an
+    The same kernel launched with fp fusion on (``dz + de`` contracted into an
     fma) is recorded as evidence; it is expected to differ in fp32 at τ = 1."""
     import triton
 
@@ -515,8 +515,8 @@ def test_bounded_performance_forward_vs_unfused():
 def test_bounded_performance_forward_backward_vs_unfused():
     """Fused forward + backward (grads to hidden and weight, both outputs in the loss) at N = 2048,
     H = 4096, V = 151936 bf16 within 3x of the unfused Triton path (which holds the [N, V] logits
-    and runs 3 GEMMs; the fused one runs 4 and never holds them), same device and run. Run 1
-    (scalar-loaded dx/dW tiles) was ~18x the naive path; expected now about 4/3."""
+    and runs 3 GEMMs; the fused one runs 4 and never holds them), same device and run; expected
+    about 4/3 (scalar-loaded dx/dW tiles would be ~18x the naive path)."""
     hidden = gpu_randn((2048, 4096), 2, torch.bfloat16)
     weight = gpu_randn((151936, 4096), 3, torch.bfloat16, scale=3.0 / 4096**0.5)
     targets = torch.randint(0, 151936, (2048,), device="cuda")
