@@ -101,6 +101,13 @@ class NativeKVCache:
     def free(self, seq_id: int) -> None:
         self.lens[seq_id] = 0
 
+    def snapshot(self) -> list[int]:
+        """The lengths (rows past a length are never read): :meth:`restore` undoes later appends."""
+        return list(self.lens)
+
+    def restore(self, snap: list[int]) -> None:
+        self.lens = list(snap)
+
 
 def cached_attention(q, k_new, v_new, cache: NativeKVCache, seq_ids, cu_seqlens_q, *, scale=None, window=None):
     """Append each sequence's new k/v to ``cache`` and attend causally over everything cached."""

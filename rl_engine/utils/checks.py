@@ -23,7 +23,15 @@ from typing import Literal
 
 import torch
 
-__all__ = ["require_tensor", "require_same_device", "nan_policy", "current_nan_policy", "check_no_nan", "FLOAT_DTYPES"]
+__all__ = [
+    "require_tensor",
+    "require_same_device",
+    "nan_policy",
+    "current_nan_policy",
+    "check_no_nan",
+    "check_finite",
+    "FLOAT_DTYPES",
+]
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 NanPolicy = Literal["raise", "raise_all", "propagate"]
@@ -54,6 +62,23 @@ def check_no_nan(name: str, t: torch.Tensor, *, param: bool = False) -> None:
         return
     if t.is_floating_point() and t.numel() and t.device.type != "meta" and bool(torch.isnan(t).any()):
         raise ValueError(f"{name}: contains NaN (NaN policy 'raise'; use rl_engine.utils.checks.nan_policy('propagate') to let it propagate)")
+
+
+def check_finite(name: str, t: torch.Tensor, *, why: str = "expected finite values") -> None:
+    """Raise if ``t`` holds NaN or ±inf, unless the NaN policy is ``"propagate"``.
+
+    NaN gives :func:`check_no_nan`'s message; ±inf gives ``"<name>: contains inf (<why>)"``.
+    Under a CUDA-graph capture the check (a host read) raises a clear error instead of failing
+    the capture.
+    """
+    if _NAN.get() == "propagate" or not t.is_floating_point() or t.numel() == 0 or t.device.type == "meta":
+        return
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{name}: the finite-value check reads the tensor on the host, which a CUDA-graph capture "
+                           "forbids; capture under rl_engine.utils.checks.nan_policy('propagate')")
+    if not bool(torch.isfinite(t).all()):
+        check_no_nan(name, t)
+        raise ValueError(f"{name}: contains inf ({why})")
 
 
 def require_tensor(

@@ -272,9 +272,20 @@ class Qwen3ForCausalLM:
                       cu_seqlens_q: torch.Tensor, ops) -> torch.Tensor:
         """Final-norm hidden states ``[T, H]`` of one rollout step (prefill, chunk or decode rows)
         against per-layer KV caches; the new tokens' k/v are appended to the caches. The step is
-        planned once for all layers (``ops.cached_attention_layers``)."""
+        planned once for all layers (``ops.cached_attention_layers``).
+
+        The step is one transaction over the caches: if any layer raises (a rejected input, a
+        kernel error, an interrupt), every cache is restored to its state before the step (its
+        ``snapshot``/``restore``), so the caches still hold the same sequences and the step can be
+        planned again."""
         scale = self.spec.head_dim ** -0.5
-        return self._layers(ids, positions, ops, ops.cached_attention_layers(caches, seq_ids, cu_seqlens_q, scale=scale))
+        snapshots = [c.snapshot() for c in caches]
+        try:
+            return self._layers(ids, positions, ops, ops.cached_attention_layers(caches, seq_ids, cu_seqlens_q, scale=scale))
+        except BaseException:
+            for c, snap in zip(caches, snapshots):
+                c.restore(snap)
+            raise
 
     def logits(self, hidden: torch.Tensor, ops) -> torch.Tensor:
         return ops.linear(hidden, self.lm_head_weight)

@@ -2,8 +2,10 @@
 
 A :class:`Qwen3Spec` is read from a Hugging Face ``config.json`` (transformers 4.x puts the
 RoPE base in ``rope_theta``, 5.x in ``rope_parameters.rope_theta``; both are accepted) or taken
-from :data:`PRESETS`. Anything the assembly does not implement (sliding window, RoPE scaling,
-another architecture) is rejected with a :class:`ModelLoadError` naming the field.
+from :data:`PRESETS`. Anything the assembly does not implement (sliding window or sliding
+``layer_types``, RoPE scaling of any type, partial rotary, attention dropout, MLP biases,
+quantization, another architecture) is rejected with a :class:`ModelLoadError` naming the config
+field.
 """
 
 from __future__ import annotations
@@ -114,15 +116,9 @@ class Qwen3Spec(BaseModel):
                 f"config: unsupported architecture {archs or model_type!r} "
                 f"(model_type={model_type!r}); supported: {list(ARCHITECTURES)} (model_type 'qwen3')"
             )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"config.hidden_act: only 'silu' is supported, got {cfg['hidden_act']!r}")
-        if cfg.get("use_sliding_window"):
-            raise ModelLoadError("config.use_sliding_window: sliding-window attention is not supported by this assembly")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-        if rope_type not in ("default", None):
-            raise ModelLoadError(f"config.rope_parameters: only rope_type 'default' is supported, got {rope_type!r}")
-        theta = cfg.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None)
+        _refuse_unsupported(cfg)
+        rope = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta", rope.get("rope_theta"))
         heads = cfg.get("num_attention_heads")
         fields = {
             "name": name,
@@ -146,6 +142,51 @@ class Qwen3Spec(BaseModel):
             return cls(**fields)
         except ValidationError as exc:
             raise ModelLoadError(f"config: invalid Qwen3 dimensions: {exc}") from exc
+
+
+#: The keys of a RoPE dictionary (``rope_parameters`` / ``rope_scaling``) that plain RoPE has.
+_PLAIN_ROPE_KEYS = {"rope_type", "type", "rope_theta"}
+
+
+def _refuse_unsupported(cfg: dict[str, Any]) -> None:
+    """Raise :class:`ModelLoadError` naming the first config field whose value asks for a feature
+    the assembly does not implement (it would otherwise run silently as plain Qwen3)."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"config.hidden_act: only 'silu' is supported, got {cfg['hidden_act']!r}")
+    if cfg.get("use_sliding_window"):
+        raise ModelLoadError("config.use_sliding_window: sliding-window attention is not supported by this assembly "
+                             f"(got {cfg['use_sliding_window']!r})")
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list):
+            raise ModelLoadError(f"config.layer_types: expected a list of layer types, got {type(layer_types).__name__}")
+        other = sorted({str(t) for t in layer_types if t != "full_attention"})
+        if other:
+            raise ModelLoadError(f"config.layer_types: only 'full_attention' layers are supported, got {other} "
+                                 "(sliding-window or other attention layers)")
+    for field in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(field)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise ModelLoadError(f"config.{field}: expected an object or null, got {type(rope).__name__}")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ModelLoadError(f"config.{field}: only plain RoPE (rope_type 'default') is supported, got rope_type "
+                                 f"{rope_type!r}")
+        extra = sorted(set(rope) - _PLAIN_ROPE_KEYS)
+        if extra:
+            raise ModelLoadError(f"config.{field}: plain RoPE takes only rope_type and rope_theta, got also {extra}")
+    if cfg.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
+        raise ModelLoadError(f"config.partial_rotary_factor: only 1.0 (RoPE on the whole head) is supported, "
+                             f"got {cfg['partial_rotary_factor']!r}")
+    if cfg.get("attention_dropout") not in (None, 0, 0.0):
+        raise ModelLoadError(f"config.attention_dropout: only 0 is supported, got {cfg['attention_dropout']!r}")
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"config.mlp_bias: MLP biases are not supported, got {cfg['mlp_bias']!r}")
+    if cfg.get("quantization_config") is not None:
+        raise ModelLoadError("config.quantization_config: quantized checkpoints are not supported (dense fp32/bf16 "
+                             "weights only)")
 
 
 def _p(name, hidden, inter, layers, heads, kv, tie) -> Qwen3Spec:

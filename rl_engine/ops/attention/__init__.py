@@ -30,7 +30,7 @@ import torch
 
 from rl_engine.ops.attention.cache import ContiguousKVCache, KVCache, PagedKVCache, _AppendPlan
 from rl_engine.runtime.registry import dispatch, make_request
-from rl_engine.utils.checks import FLOAT_DTYPES, check_no_nan, current_nan_policy, require_same_device, require_tensor
+from rl_engine.utils.checks import FLOAT_DTYPES, check_finite, current_nan_policy, require_same_device, require_tensor
 
 __all__ = [
     "varlen_attention",
@@ -53,14 +53,23 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 def _finite(name: str, t: torch.Tensor) -> None:
     """No NaN and no ±inf (under the ``"raise"`` NaN policy). Attention needs finite keys and
     values even where a query must not look: masked slots contribute ``0 · v``."""
-    if current_nan_policy() == "propagate" or t.numel() == 0 or t.device.type == "meta":
+    check_finite(name, t, why="attention inputs must be finite")
+
+
+def _finite_output(out: torch.Tensor) -> None:
+    """The output of finite inputs is finite, or the call raises (under the ``"raise"`` NaN
+    policy): a score ``scale · q·k`` or the softmax-weighted sum of ``v`` beyond the float32
+    range would otherwise come back as NaN or inf rows."""
+    if current_nan_policy() == "propagate" or out.numel() == 0 or out.device.type == "meta":
         return
-    if t.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"{name}: the finite-value check reads the tensor on the host, which a CUDA-graph capture "
-                           "forbids; capture under rl_engine.utils.checks.nan_policy('propagate')")
-    if not bool(torch.isfinite(t).all()):
-        check_no_nan(name, t)
-        raise ValueError(f"{name}: contains inf (attention inputs must be finite)")
+    bad = ~torch.isfinite(out.detach()).reshape(out.shape[0], -1).all(dim=1)
+    if bool(bad.any()):
+        rows = torch.nonzero(bad).flatten().tolist()
+        raise ValueError(
+            f"q: the attention output of {len(rows)} row(s) (first: token {rows[0]}) is not finite although q, k and v "
+            f"are: scale · q·k or the softmax-weighted sum of v overflows float32 (max {torch.finfo(torch.float32).max:.3g}); "
+            "scale q, k or v down or pass a smaller scale"
+        )
 
 
 def _scale(scale: object, head_dim: int) -> float:
@@ -88,6 +97,8 @@ def _cu_seqlens(name: str, cu: object, total: int | None, device: torch.device, 
     """Validate a ``[B+1]`` offsets tensor (0, non-decreasing, last = ``total`` unless ``None``);
     returns int64 on the host."""
     if isinstance(cu, (list, tuple)):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu):
+            raise TypeError(f"{name}: expected an int32/int64 tensor or a list of ints, got {list(cu)[:16]}")
         cu = torch.tensor(cu, dtype=torch.int64, device=device)
     require_tensor(name, cu, dtypes=_INDEX_DTYPES, ndim=1, contiguous=False, non_empty=True)
     if cu.device != device:
@@ -193,7 +204,9 @@ def varlen_attention(
         q,
         features={"T": T, "heads": q.shape[1], "kv_heads": k.shape[1], "head_dim": q.shape[2], "window": w},
     )
-    return dispatch(req, q, k, v, cu_seqlens, s, w)
+    out = dispatch(req, q, k, v, cu_seqlens, s, w)
+    _finite_output(out)
+    return out
 
 
 def _seq_ids(seq_ids: object, cache: KVCache) -> list[int]:
@@ -260,7 +273,8 @@ def cached_attention(
     cu = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, T, q.device, batch=len(ids))
     s = _scale(scale, q.shape[2])
     w = _window(window)
-    return _run_cached(q, k_new, v_new, cache, _plan_cached(cache, ids, cu), s, w)
+    with cache._lock:  # plan, kernel and commit as one append (threads: see cache.py)
+        return _run_cached(q, k_new, v_new, cache, _plan_cached(cache, ids, cu), s, w)
 
 
 def _check_cache(q: torch.Tensor, k_new: torch.Tensor, cache: object) -> None:
@@ -343,7 +357,8 @@ def plan_cached_attention(
                              f"another history of appends and frees: {c!r} against {first!r})")
     ids = _seq_ids(seq_ids, first)
     cu = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, first.device, batch=len(ids), where="the caches' device")
-    return _plan_cached(first, ids, cu)
+    with first._lock:
+        return _plan_cached(first, ids, cu)
 
 
 def _token_rows(cu: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -400,10 +415,12 @@ def cached_attention_step(
         raise TypeError(f"plan: expected a CachedAttentionPlan (plan_cached_attention), got {type(plan).__name__}")
     if T != plan.num_tokens:
         raise ValueError(f"q: expected {plan.num_tokens} rows (plan.num_tokens), got shape {tuple(q.shape)}")
-    if cache._state != plan.state:
-        raise ValueError("cache: it does not carry the state the plan was made for (another cache, or one that "
-                         "already ran this step: plan each step anew)")
-    return _run_cached(q, k_new, v_new, cache, plan, _scale(scale, q.shape[2]), _window(window))
+    s, w = _scale(scale, q.shape[2]), _window(window)
+    with cache._lock:  # the state check, the kernel and the commit as one append
+        if cache._state != plan.state:
+            raise ValueError("cache: it does not carry the state the plan was made for (another cache, one that "
+                             "already ran this step, or one another thread appended to: plan each step anew)")
+        return _run_cached(q, k_new, v_new, cache, plan, s, w)
 
 
 def _run_cached(q, k_new, v_new, cache: KVCache, plan: CachedAttentionPlan, s: float, w: int | None) -> torch.Tensor:
@@ -418,6 +435,7 @@ def _run_cached(q, k_new, v_new, cache: KVCache, plan: CachedAttentionPlan, s: f
     with torch.no_grad():
         out = dispatch(req, q, k_new, v_new, k_rows, v_rows, a.slot_mapping, a.page_rows, a.page_size, plan.q_seq,
                        plan.q_pos, s, w, plan.decode_only)
+    _finite_output(out)  # before the commit: a rejected step leaves the cache's length and state as they were
     cache._commit(a)
     return out
 
@@ -516,6 +534,7 @@ def plan_paged_attention(
     used = torch.arange(width)[None, :] < pages[:, None]
     if B and bool(((bt < 0) | (bt >= num_blocks))[used].any()):
         raise ValueError(f"block_table: expected block ids in [0, {num_blocks}) for every used block")
+    _check_block_ownership(bt, used, slot_mapping, block_size)
     q_seq, q_pos, decode_only = _token_rows(cu, lens - n_new)
     page_rows = torch.where(used, bt, 0) * block_size
     slots = slot_mapping.to(torch.int64)
@@ -526,6 +545,47 @@ def plan_paged_attention(
                          f"{int(slots[bad])}, its block table says row {int(expect[bad])}")
     return PagedAttentionPlan(T, B, block_size, num_blocks, dev, slots.contiguous(), page_rows.to(dev),
                               q_seq.to(dev), q_pos.to(dev), decode_only=decode_only)
+
+
+def _check_block_ownership(bt: torch.Tensor, used: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
+    """The used blocks of a step's block table (host ``[B, W]`` int64, ``used`` marks the
+    blocks that hold positions) describe one storage row per (sequence, position):
+
+    * a block listed twice holds the same positions in every listing (the same block index:
+      a shared prefix, as prefix caching hands out) — never two positions of one sequence, nor
+      other positions of another sequence;
+    * a block this step writes (it holds a row of ``slot_mapping``) belongs to one sequence
+      only: another sequence reading it would see keys that are not its own.
+    """
+    B, W = bt.shape
+    if not B or not bool(used.any()):
+        return
+    ids = bt[used]
+    seqs = torch.arange(B)[:, None].expand(B, W)[used]
+    cols = torch.arange(W)[None, :].expand(B, W)[used]
+    order = torch.argsort(ids * W + cols, stable=True)
+    ids, seqs, cols = ids[order], seqs[order], cols[order]
+    same = ids[1:] == ids[:-1]
+    moved = same & (cols[1:] != cols[:-1])
+    if bool(moved.any()):
+        j = int(moved.nonzero()[0, 0])
+        raise ValueError(
+            f"block_table: block {int(ids[j])} holds block index {int(cols[j])} of sequence {int(seqs[j])} and block index "
+            f"{int(cols[j + 1])} of sequence {int(seqs[j + 1])}; a block holds one range of positions (shared blocks "
+            "must sit at the same block index, as a common prefix)"
+        )
+    if not bool(same.any()):
+        return
+    shared = torch.unique(ids[1:][same])
+    written = torch.unique(torch.div(slot_mapping.to(torch.int64).cpu(), block_size, rounding_mode="floor"))
+    clash = shared[torch.isin(shared, written)]
+    if clash.numel():
+        b = int(clash[0])
+        owners = sorted(set(seqs[ids == b].tolist()))
+        raise ValueError(
+            f"block_table: block {b} is written by this step (slot_mapping) but is in the tables of sequences {owners}; "
+            "a block that receives new keys must belong to one sequence"
+        )
 
 
 def _paged_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int,
@@ -552,8 +612,10 @@ def _run_paged(q, k_new, v_new, k_rows, v_rows, plan: PagedAttentionPlan, s: flo
                   "window": w, "cache": "paged(engine)"},
     )
     with torch.no_grad():
-        return dispatch(req, q, k_new, v_new, k_rows, v_rows, plan.slot_mapping, plan.page_rows, plan.block_size,
-                        plan.q_seq, plan.q_pos, s, w, plan.decode_only)
+        out = dispatch(req, q, k_new, v_new, k_rows, v_rows, plan.slot_mapping, plan.page_rows, plan.block_size,
+                       plan.q_seq, plan.q_pos, s, w, plan.decode_only)
+    _finite_output(out)
+    return out
 
 
 def paged_attention_step(

@@ -10,6 +10,15 @@ both give the same bits (docs/design/attention.md).
 An append is planned first (overflow checked, pages chosen) and committed only after the kernel
 ran, so a rejected call leaves the cache unchanged.
 
+Threads: every cache holds a lock; an append (:meth:`KVCache.extend`,
+:func:`~rl_engine.ops.attention.cached_attention`, one layer of
+:func:`~rl_engine.ops.attention.cached_attention_step`), a ``free`` and a ``restore`` run under
+it, plan to commit, so appends from several threads — to different slots of one cache, or to
+the same slot — are serialised and never hand one page to two sequences. A multi-layer step
+(:func:`~rl_engine.ops.attention.plan_cached_attention`) is one transaction of the caller's: two
+threads stepping the same group of caches get an error from the second (its plan no longer
+matches the caches' state), not mixed rows; serialise steps on one cache group.
+
 Every cache keeps a *state digest* (``_state``): a hash of its geometry and of every append and
 free since it was made. The per-layer caches of one model go through the same appends and
 frees, so they carry the same digest, which is how
@@ -20,6 +29,7 @@ frees, so they carry the same digest, which is how
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -64,6 +74,7 @@ class KVCache(abc.ABC):
         # the concrete device ("cuda" becomes "cuda:<current>"), so comparisons with tensors hold
         self.device = torch.empty(0, device=device).device
         self._lens = [0] * self.max_seqs
+        self._lock = threading.RLock()  # held from plan to commit of every append, and by free/restore
         self.k: torch.Tensor
         self.v: torch.Tensor
         self._state: int  # the state digest; each concrete cache sets it from its geometry
@@ -84,8 +95,24 @@ class KVCache(abc.ABC):
     def free(self, seq_id: int) -> None:
         """Forget the sequence in slot ``seq_id``; the slot can start a new sequence."""
         s = self._slot(seq_id)
-        self._lens[s] = 0
-        self._state = hash((self._state, "free", s))
+        with self._lock:
+            self._lens[s] = 0
+            self._state = hash((self._state, "free", s))
+
+    def snapshot(self) -> object:
+        """The cache's bookkeeping (lengths, state digest; pages for a paged cache), for
+        :meth:`restore`. Storage rows are not copied: rows past a slot's length are never read,
+        so restoring the bookkeeping undoes an append."""
+        with self._lock:
+            return (list(self._lens), self._state)
+
+    def restore(self, snap: object) -> None:
+        """Return to a :meth:`snapshot` of this cache (e.g. after a multi-layer step that failed
+        part-way; see :func:`rl_engine.ops.attention.kv_step`)."""
+        lens, state = snap  # type: ignore[misc]
+        with self._lock:
+            self._lens = list(lens)
+            self._state = state
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value storage as ``[N, Hkv, D]`` views (what the kernel reads and writes)."""
@@ -102,13 +129,17 @@ class KVCache(abc.ABC):
 
         Raises:
             TypeError / ValueError: bad slot, wrong type, dtype, shape or device,
-                non-contiguous, or overflow (``cache:``; the cache is left unchanged).
+                non-contiguous, NaN or inf in ``k``/``v`` (under the NaN policy: attention
+                needs finite keys and values), or overflow (``cache:``); the cache is left
+                unchanged.
         """
-        from rl_engine.utils.checks import require_same_device, require_tensor
+        from rl_engine.utils.checks import check_finite, require_same_device, require_tensor
 
         s = self._slot(seq_id)
         require_tensor("k", k, dtypes=(self.dtype,), ndim=3)
         require_tensor("v", v, dtypes=(self.dtype,), ndim=3)
+        check_finite("k", k, why="cached keys must be finite")
+        check_finite("v", v, why="cached values must be finite")
         if tuple(k.shape[1:]) != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"k: expected [n, {self.num_kv_heads}, {self.head_dim}] (num_kv_heads, head_dim), "
                              f"got {tuple(k.shape)}")
@@ -117,12 +148,13 @@ class KVCache(abc.ABC):
         require_same_device(k=k, v=v)
         if k.device != self.device:
             raise ValueError(f"k: expected device {self.device} (the cache's), got {k.device}")
-        plan = self._plan([s], [k.shape[0]])
-        k_rows, v_rows = self.rows()
-        with torch.no_grad():
-            k_rows[plan.slot_mapping] = k
-            v_rows[plan.slot_mapping] = v
-        self._commit(plan)
+        with self._lock:
+            plan = self._plan([s], [k.shape[0]])
+            k_rows, v_rows = self.rows()
+            with torch.no_grad():
+                k_rows[plan.slot_mapping] = k
+                v_rows[plan.slot_mapping] = v
+            self._commit(plan)
 
     @abc.abstractmethod
     def _plan(self, seq_ids: Sequence[int], n_new: Sequence[int]) -> _AppendPlan:
@@ -214,6 +246,17 @@ class PagedKVCache(KVCache):
                 f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device}, max_seqs={self.max_seqs}, "
                 f"max_blocks_per_seq={self.max_blocks_per_seq})")
 
+    def snapshot(self) -> object:
+        with self._lock:
+            return (super().snapshot(), [list(t) for t in self._tables], list(self._free))
+
+    def restore(self, snap: object) -> None:
+        base, tables, free = snap  # type: ignore[misc]
+        with self._lock:
+            super().restore(base)
+            self._tables = [list(t) for t in tables]
+            self._free = list(free)
+
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
@@ -225,10 +268,11 @@ class PagedKVCache(KVCache):
     def free(self, seq_id: int) -> None:
         """Forget the sequence in slot ``seq_id`` and return its pages to the pool."""
         s = self._slot(seq_id)
-        self._free.extend(self._tables[s])
-        self._tables[s] = []
-        self._lens[s] = 0
-        self._state = hash((self._state, "free", s))
+        with self._lock:
+            self._free.extend(self._tables[s])
+            self._tables[s] = []
+            self._lens[s] = 0
+            self._state = hash((self._state, "free", s))
 
     def _plan(self, seq_ids: Sequence[int], n_new: Sequence[int]) -> _AppendPlan:
         bs = self.block_size

@@ -32,8 +32,10 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     Raises:
         TypeError / ValueError: ``ids`` is not a contiguous int32/int64 tensor or holds an id
             outside ``[0, V)``; ``weight`` is not a contiguous 2-D fp32/bf16 tensor with
-            ``V, H > 0`` or contains NaN; the two are on different devices (the message names
-            the argument).
+            ``V, H > 0``; ``weight`` contains NaN **under** ``nan_policy("raise_all")`` only (a
+            parameter: under the default ``"raise"`` policy the table is not scanned and a NaN
+            row is copied like any other, see :mod:`rl_engine.utils.checks`); the two are on
+            different devices (the message names the argument).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     require_tensor("ids", ids, dtypes=(torch.int64, torch.int32))

@@ -26,13 +26,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Raises:
         TypeError / ValueError: an argument has the wrong type, dtype, shape, device, is
-            non-contiguous or contains NaN (message names the argument).
+            non-contiguous or contains NaN; ``K == 0`` (an empty reduction; message names the
+            argument).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     # float16 only where an implementation has it (the Triton GPU backend); CPU: fp32/bf16.
     gpu = isinstance(x, torch.Tensor) and x.device.type == "cuda"
     require_tensor("x", x, dtypes=FLOAT_DTYPES + ((torch.float16,) if gpu else ()), min_ndim=1, finite=True)
     require_tensor("weight", weight, dtypes=(x.dtype,), ndim=2, finite="param")
+    if x.shape[-1] == 0:
+        raise ValueError(f"x: expected a last (reduction) dimension K >= 1, got shape {tuple(x.shape)}")
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight: expected shape [N, {x.shape[-1]}] to match x's last dim, got {tuple(weight.shape)}")
     if bias is not None:

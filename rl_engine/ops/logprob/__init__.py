@@ -17,7 +17,7 @@ import math
 import torch
 
 from rl_engine.runtime.registry import dispatch, make_request
-from rl_engine.utils.checks import FLOAT_DTYPES, require_same_device, require_tensor
+from rl_engine.utils.checks import FLOAT_DTYPES, check_finite, require_same_device, require_tensor
 
 __all__ = ["VOCAB_BLOCK", "log_softmax", "token_logprobs", "entropy", "linear_token_logprobs"]
 
@@ -177,7 +177,10 @@ def linear_token_logprobs(
     Raises:
         TypeError / ValueError: bad dtype, shape, device, contiguity or NaN of any tensor;
             targets out of range; a chunk size that is not a positive int or a ``vocab_chunk``
-            that is not a multiple of ``VOCAB_BLOCK``; bad temperature; logits that overflow.
+            that is not a multiple of ``VOCAB_BLOCK``; bad temperature; logits that overflow
+            (``hidden: ...``) or that are not finite because ``weight`` holds NaN or inf
+            (``weight: ...``: the weight is read for this diagnosis only when a logits row is
+            not finite; ``nan_policy("raise_all")`` scans it up front).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     require_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, min_ndim=1, finite=True)
@@ -202,6 +205,13 @@ def linear_token_logprobs(
         hidden,
         features={"H": hidden.shape[-1], "V": weight.shape[0], "entropy": return_entropy},
     )
-    return dispatch(
-        req, hidden, weight, targets, t, return_entropy, token_chunk=token_chunk, vocab_chunk=vocab_chunk
-    )
+    try:
+        return dispatch(
+            req, hidden, weight, targets, t, return_entropy, token_chunk=token_chunk, vocab_chunk=vocab_chunk
+        )
+    except ValueError as exc:
+        # hidden is finite (checked above), so non-finite logits rows come from the weight (not
+        # scanned under the default NaN policy) or from overflow: name the weight when it is the cause.
+        if str(exc).startswith("hidden:"):
+            check_finite("weight", weight, why="the LM head weight must be finite")
+        raise

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from rl_engine.utils.checks import FLOAT_DTYPES, require_same_device, require_tensor
+from rl_engine.utils.checks import FLOAT_DTYPES, current_nan_policy, require_same_device, require_tensor
 
 __all__ = ["REDUCTIONS", "LossOutput", "loss_denominator", "combine_microbatch_losses"]
 
@@ -98,6 +98,26 @@ def check_tokens(mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
         if t.shape != mask.shape:
             raise ValueError(f"{name}: expected shape {tuple(mask.shape)} (the shape of mask), got {tuple(t.shape)}")
     require_same_device(mask=mask, **tensors)
+
+
+def check_log_probs(mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    """Each given tensor holds log-probabilities at the active tokens of ``mask``: finite and
+    ``<= 0`` (``+5`` or ``±inf`` is no log-prob of a sampled token; the ratio ``exp(Δ)`` and the
+    KL estimators would turn it into a silently clamped or NaN loss). Padding is not read.
+    Like the NaN scan, it is skipped under ``nan_policy("propagate")``. Call after
+    :func:`check_tokens` (shapes and devices already agree)."""
+    if current_nan_policy() == "propagate":
+        return
+    for name, t in tensors.items():
+        if t is None or t.numel() == 0 or t.device.type == "meta":
+            continue
+        bad = mask & ~(torch.isfinite(t) & (t <= 0))
+        if bool(bad.any()):
+            b, i = (int(x) for x in torch.nonzero(bad)[0])
+            raise ValueError(
+                f"{name}: expected log-probabilities (finite and <= 0) at the active tokens of mask, "
+                f"got {float(t[b, i])} at [{b}, {i}]"
+            )
 
 
 def check_number(name: str, value: object, *, low: float | None = None, low_open: bool = False,

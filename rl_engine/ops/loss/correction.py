@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl_engine.ops.loss._common import as_mask, check_choice, check_number, check_tokens
+from rl_engine.ops.loss._common import as_mask, check_choice, check_log_probs, check_number, check_tokens
 from rl_engine.runtime.registry import dispatch, make_request
 
 __all__ = ["RolloutCorrection", "IS_LEVELS", "RS_LEVELS", "rollout_correction", "rollout_mismatch_metrics"]
@@ -101,12 +101,14 @@ def rollout_correction(
 
     Raises:
         TypeError / ValueError: bad tensor (type, dtype, shape, device, non-contiguous, NaN),
-            the two log-prob tensors differ in dtype, ``mask`` not 0/1, unknown level, a
+            a log-prob that is ``±inf`` or ``> 0`` at an active token, the two log-prob tensors
+            differ in dtype, ``mask`` not 0/1, unknown level, a
             threshold not a positive finite number, ``rs_threshold`` missing with ``rs_level``,
             ``rs_threshold_lower > rs_threshold`` (message names the argument).
     """
     m = as_mask(mask)
     check_tokens(m, log_probs=log_probs, rollout_log_probs=rollout_log_probs)
+    check_log_probs(m, log_probs=log_probs, rollout_log_probs=rollout_log_probs)
     if rollout_log_probs.dtype != log_probs.dtype:
         raise ValueError(
             f"rollout_log_probs: expected dtype {log_probs.dtype} (the dtype of log_probs; mismatched_tokens compares raw bits), "

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.ops.loss._common import LossOutput, as_mask, check_choice, check_tokens, finish, resolve_and_pad
+from rl_engine.ops.loss._common import (
+    LossOutput,
+    as_mask,
+    check_choice,
+    check_log_probs,
+    check_tokens,
+    finish,
+    resolve_and_pad,
+)
 from rl_engine.runtime.registry import dispatch, make_request
 
 __all__ = ["KL_ESTIMATORS", "kl_penalty", "masked_aggregate", "entropy_bonus"]
@@ -53,12 +61,13 @@ def kl_penalty(
 
     Raises:
         TypeError / ValueError: bad tensor (type, dtype, shape, device, non-contiguous, NaN),
-            ``mask`` not 0/1, unknown ``estimator`` or ``reduction``, bad ``denominator`` /
+            a log-prob that is ``±inf`` or ``> 0`` at an active token, ``mask`` not 0/1, unknown ``estimator`` or ``reduction``, bad ``denominator`` /
             ``loss_scale_factor`` (message names the argument).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     m = as_mask(mask)
     check_tokens(m, log_probs=log_probs, ref_log_probs=ref_log_probs)
+    check_log_probs(m, log_probs=log_probs, ref_log_probs=ref_log_probs)
     check_choice("estimator", estimator, KL_ESTIMATORS)
     den, given, m, (log_probs, ref_log_probs) = resolve_and_pad(
         m, reduction, denominator, loss_scale_factor, log_probs, ref_log_probs

@@ -19,6 +19,7 @@ import torch
 from rl_engine.ops.loss._common import (
     LossOutput,
     as_mask,
+    check_log_probs,
     check_number,
     check_tokens,
     finish,
@@ -37,6 +38,7 @@ def _policy(kind, *, log_probs, old_log_probs, advantages, mask, eps_low, eps_hi
     their parameters (all of them, and nothing else) are its keyword arguments."""
     m = as_mask(mask)
     check_tokens(m, log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages, is_weights=is_weights)
+    check_log_probs(m, log_probs=log_probs, old_log_probs=old_log_probs)
     if kind == "cispo":
         lo = math.inf if eps_low is None else check_number("eps_low", eps_low, low=0.0)
     else:
@@ -92,7 +94,9 @@ def ppo_clip_loss(
 
     Raises:
         TypeError / ValueError: a tensor has the wrong type, dtype, shape (≠ ``mask.shape``),
-            device, is non-contiguous or contains NaN; ``mask`` is not 0/1; ``eps_low`` not in
+            device, is non-contiguous or contains NaN; ``log_probs`` / ``old_log_probs`` hold
+            a value that is not a log-probability (``+inf``, ``-inf`` or ``> 0``) at an active
+            token; ``mask`` is not 0/1; ``eps_low`` not in
             ``[0, 1]``; ``eps_high < 0``; ``dual_clip <= 1``; unknown ``reduction``;
             ``denominator <= 0``; ``loss_scale_factor`` missing or misplaced (message names the
             argument).

@@ -84,21 +84,58 @@ def _side(padding_side: object) -> PaddingSide:
     return padding_side  # type: ignore[return-value]
 
 
-def padding_mask(lengths: torch.Tensor, max_len: int, *, padding_side: PaddingSide = "right") -> torch.Tensor:
-    """Boolean ``[B, max_len]`` mask with ``lengths[b]`` ones on the non-padded side of row ``b``."""
+def padding_mask(lengths: torch.Tensor | Sequence[int], max_len: int, *, padding_side: PaddingSide = "right") -> torch.Tensor:
+    """Boolean ``[B, max_len]`` mask with ``lengths[b]`` ones on the non-padded side of row ``b``.
+
+    Raises:
+        TypeError / ValueError: ``lengths`` is not a 1-D integer tensor or a sequence of ints, or
+            holds a value outside ``[0, max_len]`` (nothing is clipped); ``max_len`` is not a
+            non-negative int; a bad ``padding_side``.
+    """
     side = _side(padding_side)
-    lengths = torch.as_tensor(lengths).to(torch.int64)
-    cols = torch.arange(max_len, device=lengths.device)
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 0:
+        raise ValueError(f"max_len: expected a non-negative int, got {max_len!r}")
+    if isinstance(lengths, torch.Tensor):
+        require_tensor("lengths", lengths, dtypes=_INT_DTYPES, ndim=1, contiguous=False)
+        n = lengths.to(torch.int64)
+    elif isinstance(lengths, Sequence) and not isinstance(lengths, (str, bytes)) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in lengths
+    ):
+        n = torch.tensor(list(lengths), dtype=torch.int64)
+    else:
+        raise TypeError(f"lengths: expected a 1-D integer tensor or a sequence of ints, got {type(lengths).__name__}")
+    if n.numel() and n.device.type != "meta" and (int(n.min()) < 0 or int(n.max()) > max_len):
+        raise ValueError(f"lengths: expected values in [0, {max_len}] (max_len), got min {int(n.min())}, max {int(n.max())}")
+    cols = torch.arange(max_len, device=n.device)
     if side == "right":
-        return cols.unsqueeze(0) < lengths.unsqueeze(1)
-    return cols.unsqueeze(0) >= (max_len - lengths).unsqueeze(1)
+        return cols.unsqueeze(0) < n.unsqueeze(1)
+    return cols.unsqueeze(0) >= (max_len - n).unsqueeze(1)
+
+
+def _check_cu_seqlens(cu_seqlens: object) -> torch.Tensor:
+    """``cu_seqlens``: a 1-D int32/int64 tensor, 0 first, non-decreasing; returns it as int64.
+    Checked on the host before any indexing op reads it (a decreasing offset would make
+    ``repeat_interleave`` write past its output)."""
+    require_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64), ndim=1, contiguous=False, non_empty=True)
+    cu = cu_seqlens.to(torch.int64)
+    if cu.device.type == "meta":
+        raise ValueError("cu_seqlens: expected a tensor with values (got a meta tensor)")
+    host = cu.cpu()
+    if int(host[0]) != 0 or bool((host[1:] < host[:-1]).any()):
+        raise ValueError(f"cu_seqlens: expected 0 followed by non-decreasing offsets, got {host.tolist()[:16]}")
+    return cu
 
 
 def position_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """int64 ``[T]`` positions that restart at 0 at every sequence start of ``cu_seqlens``."""
-    cu = cu_seqlens.to(torch.int64)
+    """int64 ``[T]`` positions that restart at 0 at every sequence start of ``cu_seqlens``.
+
+    Raises:
+        TypeError / ValueError: ``cu_seqlens`` is not a non-empty 1-D int32/int64 tensor starting
+            at 0 with non-decreasing offsets (float offsets are rejected, not truncated).
+    """
+    cu = _check_cu_seqlens(cu_seqlens)
     lengths = cu[1:] - cu[:-1]
-    total = int(cu[-1]) if cu.numel() else 0
+    total = int(cu[-1])
     starts = torch.repeat_interleave(cu[:-1], lengths, output_size=total)
     return torch.arange(total, device=cu.device) - starts
 
@@ -216,12 +253,8 @@ def unpack(
     require_tensor("values", values, min_ndim=1, contiguous=False)
     require_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64), ndim=1, contiguous=False)
     require_same_device(values=values, cu_seqlens=cu_seqlens)
-    if cu_seqlens.numel() == 0:
-        raise ValueError("cu_seqlens: expected at least one element (cu_seqlens[0] = 0)")
-    cu = cu_seqlens.to(torch.int64)
+    cu = _check_cu_seqlens(cu_seqlens)
     lengths = cu[1:] - cu[:-1]
-    if int(cu[0]) != 0 or (lengths.numel() and int(lengths.min()) < 0):
-        raise ValueError(f"cu_seqlens: expected 0 followed by non-decreasing offsets, got {cu_seqlens.tolist()[:16]}")
     if int(cu[-1]) != values.shape[0]:
         raise ValueError(f"cu_seqlens: expected the last offset to equal values.shape[0] = {values.shape[0]}, got {int(cu[-1])}")
     longest = int(lengths.max()) if lengths.numel() else 0

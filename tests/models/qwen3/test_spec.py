@@ -56,6 +56,19 @@ def test_hf_config_both_rope_spellings():
         ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "unsupported architecture"),
         ({"use_sliding_window": True}, "sliding"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+         r"^config.rope_scaling: only plain RoPE"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"^config.rope_scaling: only plain RoPE"),
+        ({"rope_scaling": {"rope_type": "default", "factor": 2.0}}, r"^config.rope_scaling: plain RoPE takes only"),
+        ({"rope_scaling": "yarn"}, r"^config.rope_scaling: expected an object or null"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, r"^config.rope_parameters: only plain RoPE"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, r"^config.layer_types: only 'full_attention'"),
+        ({"layer_types": "sliding_attention"}, r"^config.layer_types: expected a list"),
+        ({"use_sliding_window": True, "sliding_window": 4096}, r"^config.use_sliding_window"),
+        ({"partial_rotary_factor": 0.5}, r"^config.partial_rotary_factor"),
+        ({"attention_dropout": 0.1}, r"^config.attention_dropout"),
+        ({"mlp_bias": True}, r"^config.mlp_bias"),
+        ({"quantization_config": {"quant_method": "fp8"}}, r"^config.quantization_config"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"num_key_value_heads": 3}, "multiple"),
         ({"vocab_size": None}, "vocab_size"),
@@ -66,6 +79,12 @@ def test_bad_configs_are_rejected(patch, match):
     cfg = {k: v for k, v in cfg.items() if v is not None}
     with pytest.raises(ModelLoadError, match=match):
         Qwen3Spec.from_hf_config(cfg)
+
+
+def test_plain_qwen3_config_fields_are_accepted():
+    cfg = {**preset("tiny").to_hf_config(), "rope_scaling": None, "sliding_window": None, "max_window_layers": 2,
+           "layer_types": ["full_attention", "full_attention"], "attention_dropout": 0.0, "use_sliding_window": False}
+    assert Qwen3Spec.from_hf_config(cfg) == preset("tiny").model_copy(update={"name": "qwen3"})
 
 
 def test_directory_errors(tmp_path):

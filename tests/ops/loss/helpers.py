@@ -34,7 +34,7 @@ def make_batch(B: int, T: int, dtype: str, seed: int, *, p_active: float = 0.7, 
     g = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)
     lp = -torch.rand(B, T, generator=g) * 3.0
-    old = lp + torch.randn(B, T, generator=g) * spread
+    old = (lp + torch.randn(B, T, generator=g) * spread).clamp(max=0.0)  # log-probs are <= 0
     if seq_adv:
         adv = torch.randn(B, 1, generator=g).expand(B, T).contiguous()
     else:

@@ -28,7 +28,7 @@ def _data(B, T, dtype, seed, p_equal=0.3, spread=0.2):
     g = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)
     train = (-torch.rand(B, T, generator=g) * 4).to(dt)
-    rollout = (train.float() + torch.randn(B, T, generator=g) * spread).to(dt)
+    rollout = (train.float() + torch.randn(B, T, generator=g) * spread).clamp(max=0.0).to(dt)  # log-probs are <= 0
     same = torch.rand(B, T, generator=g) < p_equal
     rollout = torch.where(same, train, rollout)
     lengths = torch.randint(0, T + 1, (B,), generator=g)

@@ -133,8 +133,8 @@ def test_gspo_equals_sequence_level_objective():
 
 
 def test_dual_clip_caps_negative_advantage_loss():
-    lp = torch.tensor([[2.0, 0.0, 2.0]])
-    old = torch.zeros(1, 3)
+    lp = torch.tensor([[-1.0, -3.0, -1.0]])
+    old = torch.full((1, 3), -3.0)
     adv = torch.tensor([[-1.0, -1.0, 1.0]])
     mask = torch.ones(1, 3, dtype=torch.bool)
     plain = L.ppo_clip_loss(lp, old, adv, mask, reduction="seq-mean-token-sum")
@@ -147,8 +147,8 @@ def test_dual_clip_caps_negative_advantage_loss():
 
 
 def test_cispo_keeps_gradient_on_clipped_tokens():
-    lp = torch.tensor([[1.0, -0.5]], requires_grad=True)
-    old = torch.zeros(1, 2)
+    lp = torch.tensor([[-1.0, -2.5]], requires_grad=True)
+    old = torch.full((1, 2), -2.0)
     adv = torch.ones(1, 2)
     mask = torch.ones(1, 2, dtype=torch.bool)
     out = L.cispo_loss(lp, old, adv, mask, eps_high=0.2)
