@@ -33,6 +33,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from rl_engine.entrypoints.errors import SEED_MAX, CommandError, check_device
+
 __all__ = ["command", "render", "EXIT_MISMATCH", "EXIT_USAGE"]
 
 EXIT_MISMATCH = 1
@@ -115,7 +117,7 @@ def command(
     max_seqs: int = typer.Option(8, "--max-seqs", min=1, help="Sequences the rollout runs at once (cache slots; hf: prompts per generate batch; vllm: max_num_seqs)."),
     prefill_chunk: int = typer.Option(16, "--prefill-chunk", min=1, help="Prompt tokens a sequence feeds per rollout step (chunked prefill; --engine reference)."),
     max_step_tokens: int = typer.Option(40, "--max-step-tokens", min=1, help="Token budget of one rollout step: decode tokens first, then prefill chunks (--engine reference)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights, prompts and sampling draws."),
+    seed: int = typer.Option(0, "--seed", min=0, max=SEED_MAX, help="Seed of the random weights, prompts and sampling draws (0 to 2**63 - 1)."),
     temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Sampling temperature; 0 = greedy."),
     top_k: int = typer.Option(50, "--top-k", min=0, help="Keep the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Nucleus mass (1 = off)."),
@@ -159,13 +161,9 @@ def command(
     if model is not None and preset != "tiny":
         raise typer.BadParameter("--preset names random-weight dimensions; --model loads a checkpoint: give one",
                                  param_hint="--preset")
-    try:
-        import torch
+    import torch
 
-        torch.empty(0, device=device)
-    except Exception as exc:
-        print(f"rlk check: device {device!r} is not usable here: {exc}", file=sys.stderr)
-        raise typer.Exit(EXIT_USAGE) from exc
+    device = check_device(device, "check")
     cfg = ParityConfig(model=model, preset=preset, dtype=dtype.value, device=device, num_prompts=num_prompts,
                        max_new_tokens=max_new_tokens, extra_prompt_tokens=extra_prompt_tokens,
                        kv_cache=kv_cache.value, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
@@ -185,11 +183,9 @@ def command(
             loaded = load_model(cfg)[0]
             n_params = loaded.spec.num_parameters()
     except ImportError as exc:
-        print(f"rlk check: --engine hf needs transformers (pip install transformers): {exc}", file=sys.stderr)
-        raise typer.Exit(EXIT_USAGE) from exc
+        raise CommandError(f"rlk check: --engine hf needs transformers (pip install transformers): {exc}") from exc
     except (ModelLoadError, ValueError, OSError) as exc:
-        print(f"rlk check: cannot load the model: {exc}", file=sys.stderr)
-        raise typer.Exit(EXIT_USAGE) from exc
+        raise CommandError(f"rlk check: cannot load the model: {exc}") from exc
     small = n_params < SMALL_MODEL_PARAMS
     n_threads = threads or (1 if small else torch.get_num_threads())
     previous = torch.get_num_threads()
@@ -207,11 +203,9 @@ def command(
                 else:
                     result = run_parity(cfg, progress=progress, model=loaded)
             except NoEligibleImplementation as exc:
-                print(f"rlk check: no rl-kernel implementation can run this check here:\n{exc}", file=sys.stderr)
-                raise typer.Exit(EXIT_USAGE) from exc
+                raise CommandError(f"rlk check: no rl-kernel implementation can run this check here:\n{exc}") from exc
             except ValueError as exc:  # e.g. non-finite weights
-                print(f"rlk check: {exc}", file=sys.stderr)
-                raise typer.Exit(EXIT_USAGE) from exc
+                raise CommandError(f"rlk check: {exc}") from exc
     finally:
         torch.set_num_threads(previous)
     if model is not None:
@@ -235,8 +229,7 @@ def _check_vllm(cfg, threads: int, as_json: bool, err: Console) -> None:
     try:
         require_vllm()
     except VllmUnavailable as exc:
-        print(f"rlk check: {exc}", file=sys.stderr)
-        raise typer.Exit(EXIT_USAGE) from exc
+        raise CommandError(f"rlk check: {exc}") from exc
     previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -250,14 +243,11 @@ def _check_vllm(cfg, threads: int, as_json: bool, err: Console) -> None:
             try:
                 result = run_vllm_parity(cfg, progress=progress)
             except NoEligibleImplementation as exc:
-                print(f"rlk check: no rl-kernel implementation can run this check here:\n{exc}", file=sys.stderr)
-                raise typer.Exit(EXIT_USAGE) from exc
+                raise CommandError(f"rlk check: no rl-kernel implementation can run this check here:\n{exc}") from exc
             except (ModelLoadError, ValueError, OSError) as exc:
-                print(f"rlk check: {exc}", file=sys.stderr)
-                raise typer.Exit(EXIT_USAGE) from exc
+                raise CommandError(f"rlk check: {exc}") from exc
             except AssertionError as exc:  # ProvenanceError: a native vLLM operator ran under the plugin
-                print(f"rlk check: {exc}", file=sys.stderr)
-                raise typer.Exit(EXIT_MISMATCH) from exc
+                raise CommandError(f"rlk check: {exc}", EXIT_MISMATCH) from exc
     finally:
         torch.set_num_threads(previous)
     if as_json:

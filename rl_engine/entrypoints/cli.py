@@ -7,7 +7,9 @@ surface in ``tests/entrypoints/test_cli.py``.
 
 Exit codes (every command): ``0`` success, ``2`` usage error (unknown command or option, bad
 value) or load error (a contract or backend that cannot be loaded); a command may define other
-non-zero codes for "ran, and the result is a failure" and documents them in its help.
+non-zero codes for "ran, and the result is a failure" and documents them in its help. With
+``--json``, an error also prints ``{"error": ..., "exit_code": ...}`` on stdout
+(:class:`~rl_engine.entrypoints.errors.JsonErrorGroup`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import sys
 import typer
 
 from rl_engine.entrypoints import check, debug, env, ops, report, validate
+from rl_engine.entrypoints.errors import JsonErrorGroup
 
 #: Exit code of a usage or load error (the same code click uses for usage errors).
 EXIT_USAGE = 2
 
 app = typer.Typer(
     name="rlk",
+    cls=JsonErrorGroup,
     help="rl-kernel: operators whose numerics are written, tested contracts.",
     no_args_is_help=True,
     add_completion=False,

@@ -56,8 +56,9 @@ def command(
     try:
         report = describe_environment()
     except Exception as exc:  # a broken driver or install: a load error, not a crash
-        print(f"rlk env: could not describe the environment: {type(exc).__name__}: {exc}", file=sys.stderr)
-        raise typer.Exit(2) from exc
+        from rl_engine.entrypoints.errors import CommandError
+
+        raise CommandError(f"rlk env: could not describe the environment: {type(exc).__name__}: {exc}") from exc
     if as_json:
         sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")
     else:

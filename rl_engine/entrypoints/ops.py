@@ -241,8 +241,9 @@ def command(
     try:
         report = collect(device)
     except LoadError as exc:
-        print(f"rlk ops: {exc}", file=sys.stderr)
-        raise typer.Exit(2) from exc
+        from rl_engine.entrypoints.errors import CommandError
+
+        raise CommandError(f"rlk ops: {exc}") from exc
     if as_json:
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:

@@ -10,7 +10,10 @@ directory (report.json, summary.md, plots, COMPLETE); ``--inject MODULE`` makes 
 the rl-kernel provider batch-dependent (a negative control you can watch fail).
 
 Exit codes: ``0`` the suite passed; ``1`` a red cell, a mismatch, an unexpected status or an
-undetected negative control; ``2`` usage error or a workload that cannot be loaded.
+undetected negative control; ``2`` usage error, a workload that cannot be loaded, a ``--device``
+other than cpu or a visible cuda[:N], or an ``--out`` that is not a writable directory (checked
+before the suite runs). With ``--json`` an error is also ``{"error": ..., "exit_code": ...}``
+on stdout.
 """
 
 from __future__ import annotations
@@ -82,18 +85,19 @@ def execute(suite: str, *, workload: str, device: str, as_json: bool, out: str |
     import torch
 
     from rl_engine.config import WorkloadError, load_workload
-    from rl_engine.validation.reports import build_report, write_run
+    from rl_engine.entrypoints.errors import CommandError, check_device
+    from rl_engine.validation.reports import ReportError, build_report, check_out_dir, write_run
 
-    try:
-        torch.empty(0, device=device)
-    except Exception as exc:
-        print(f"rlk {label}: device {device!r} is not usable here: {exc}", file=sys.stderr)
-        raise typer.Exit(EXIT_USAGE) from exc
+    device = check_device(device, label)
+    if out:  # before the suite runs: an unwritable --out must not cost a whole run
+        try:
+            check_out_dir(out)
+        except ReportError as exc:
+            raise CommandError(f"rlk {label}: {exc}") from exc
     try:
         lw = load_workload(workload)
     except WorkloadError as exc:
-        print(f"rlk {label}: {exc}", file=sys.stderr)
-        raise typer.Exit(EXIT_USAGE) from exc
+        raise CommandError(f"rlk {label}: {exc}") from exc
     err = Console(stderr=True)
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny workloads: one intra-op thread is fastest and least noisy
@@ -107,13 +111,15 @@ def execute(suite: str, *, workload: str, device: str, as_json: bool, out: str |
             try:
                 result, provenance = runner(lw, progress)
             except ValueError as exc:
-                print(f"rlk {label}: {exc}", file=sys.stderr)
-                raise typer.Exit(EXIT_USAGE) from exc
+                raise CommandError(f"rlk {label}: {exc}") from exc
     finally:
         torch.set_num_threads(previous)
     report = build_report(suite, result, lw.header(), options, device, provenance)
     if out:
-        run = write_run(out, report)
+        try:
+            run = write_run(out, report)
+        except OSError as exc:
+            raise CommandError(f"rlk {label}: --out: cannot write the run directory under {out!r}: {exc}") from exc
         report["run_dir"] = str(run)
     if as_json:
         sys.stdout.write(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")

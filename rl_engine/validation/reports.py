@@ -9,9 +9,20 @@ renders again into a new ``rendered-<n>/`` sub-directory.
 
 ``report.json`` (schema :data:`SCHEMA_VERSION`): ``suite``, ``created_utc``, ``environment``
 (platform, versions, threads), ``provenance`` (operators and implementations that ran, policy,
-fallbacks), ``workload`` (name, version, sha256 of its file), ``options``, ``result`` and
-``seals``: ``inputs_sha256`` (workload hash + options) and ``result_sha256`` (canonical JSON
-of ``result``).
+fallbacks), ``workload`` (name, version, sha256 of its file), ``options``, ``result``,
+``passed`` (the verdict, ``result["passed"]``) and ``seals``: ``inputs_sha256`` (workload hash +
+options), ``result_sha256`` (canonical JSON of ``result``) and ``report_sha256`` (canonical JSON
+of every other top-level field, the verdict included).
+
+:func:`verify_run` accepts a run only when all of these hold: ``COMPLETE`` is a JSON object
+whose ``files`` maps **exactly** the files the run wrote (every file of the directory except
+``COMPLETE`` and the ``rendered-<n>/`` renderings; ``report.json`` and ``summary.md`` among them)
+to their sha256; every path is relative, inside the directory and reached without a symbolic
+link; every file hashes to its entry; ``report.json`` has the current schema, its three seals
+recompute and ``passed`` equals ``result["passed"]``. The seals are content hashes, not
+signatures: they make an edit of any field or file, an emptied or partial manifest and a path
+out of the directory detectable; someone who recomputes every hash after an edit is not
+stopped (keep run directories where only the runner writes, or sign ``COMPLETE`` outside).
 """
 
 from __future__ import annotations
@@ -22,21 +33,35 @@ import json
 import math
 import os
 import platform as _py
-from pathlib import Path
+import re
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-__all__ = ["SCHEMA_VERSION", "ReportError", "environment", "canonical_sha256", "build_report", "write_run",
-           "verify_run", "render", "markdown"]
+__all__ = ["SCHEMA_VERSION", "ReportError", "SealError", "environment", "canonical_sha256", "build_report",
+           "write_run", "verify_run", "render", "markdown"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_RENDERED = re.compile(r"^rendered-[0-9]+$")
+_REPORT_KEYS = ("schema_version", "suite", "created_utc", "environment", "provenance", "workload", "options", "result",
+                "passed", "seals")
 
 
 class ReportError(ValueError):
-    """Not a run directory, an incomplete run, or a seal that does not match."""
+    """Not a run directory, an incomplete run, or a malformed report or manifest."""
+
+
+class SealError(ReportError):
+    """A run directory whose content does not match its seals (edited after the run)."""
 
 
 def canonical_sha256(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def _report_sha256(report: dict[str, Any]) -> str:
+    """The seal over every top-level field but ``seals`` (the verdict, the environment, ...)."""
+    return canonical_sha256({k: v for k, v in report.items() if k != "seals"})
 
 
 def environment(device: str = "cpu") -> dict[str, Any]:
@@ -52,7 +77,7 @@ def environment(device: str = "cpu") -> dict[str, Any]:
 
 def build_report(suite: str, result: dict[str, Any], workload_header: dict[str, Any], options: dict[str, Any],
                  device: str, provenance: dict[str, Any]) -> dict[str, Any]:
-    return {
+    report = {
         "schema_version": SCHEMA_VERSION,
         "suite": suite,
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -62,9 +87,14 @@ def build_report(suite: str, result: dict[str, Any], workload_header: dict[str, 
         "options": options,
         "result": result,
         "passed": bool(result.get("passed")),
-        "seals": {"inputs_sha256": canonical_sha256({"workload": workload_header["sha256"], "options": options}),
-                  "result_sha256": canonical_sha256(result)},
     }
+    # the report is sealed as it will be read back from report.json (JSON, default=str)
+    report = json.loads(json.dumps(report, default=str))
+    report["seals"] = {"inputs_sha256": canonical_sha256({"workload": report["workload"]["sha256"],
+                                                          "options": report["options"]}),
+                       "result_sha256": canonical_sha256(report["result"]),
+                       "report_sha256": _report_sha256(report)}
+    return report
 
 
 def _write_new(path: Path, data: bytes) -> None:
@@ -77,6 +107,43 @@ def _sha_file(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
+def check_out_dir(out: str | Path) -> Path:
+    """``out`` can receive a run directory: it is (or can be created as) a writable directory.
+
+    Raises:
+        ReportError: ``out`` is a file, cannot be created, or is not writable (``--out: ...``).
+    """
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:
+        raise ReportError(f"--out: {str(path)!r} exists and is not a directory") from exc
+    except OSError as exc:
+        raise ReportError(f"--out: cannot create directory {str(path)!r}: {exc.strerror or exc}") from exc
+    if not path.is_dir():
+        raise ReportError(f"--out: {str(path)!r} is not a directory")
+    probe = path / f".rlk-write-test-{os.urandom(4).hex()}"
+    try:
+        with open(probe, "xb"):
+            pass
+        probe.unlink()
+    except OSError as exc:
+        raise ReportError(f"--out: directory {str(path)!r} is not writable: {exc.strerror or exc}") from exc
+    return path
+
+
+def _run_files(run: Path) -> list[Path]:
+    """The files the run wrote: everything but COMPLETE and the rendered-<n>/ renderings."""
+    out = []
+    for p in run.rglob("*"):
+        rel = p.relative_to(run)
+        if rel.parts[0] == "COMPLETE" or _RENDERED.match(rel.parts[0]):
+            continue
+        if p.is_file() or p.is_symlink():
+            out.append(p)
+    return sorted(out)
+
+
 def write_run(out: str | Path, report: dict[str, Any]) -> Path:
     """Create a new run directory under ``out`` with the report, summary, plots and COMPLETE."""
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -84,29 +151,98 @@ def write_run(out: str | Path, report: dict[str, Any]) -> Path:
     run.mkdir(parents=True, exist_ok=False)
     _write_new(run / "report.json", (json.dumps(report, indent=2, sort_keys=True, default=str) + "\n").encode())
     render(run, dest=run, verify=False)
-    files = sorted(p for p in run.rglob("*") if p.is_file())
-    complete = {"schema_version": SCHEMA_VERSION, "files": {str(p.relative_to(run)): _sha_file(p) for p in files}}
+    files = _run_files(run)
+    complete = {"schema_version": SCHEMA_VERSION, "files": {p.relative_to(run).as_posix(): _sha_file(p) for p in files}}
     _write_new(run / "COMPLETE", (json.dumps(complete, indent=2, sort_keys=True) + "\n").encode())
     return run
 
 
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ReportError(f"{what}: not readable as JSON ({exc})") from exc
+
+
+def _manifest_path(run: Path, rel: object) -> Path:
+    """A manifest entry as a path inside ``run`` (relative, no ``..``, no symbolic link on the way)."""
+    if not isinstance(rel, str) or not rel:
+        raise ReportError(f"COMPLETE: expected file paths as non-empty strings, got {rel!r}")
+    pp = PurePosixPath(rel)
+    if pp.is_absolute() or "\\" in rel or ".." in pp.parts or "." in rel.split("/") or rel != pp.as_posix():
+        raise SealError(f"seal: COMPLETE names {rel!r}, a path outside the run directory (expected a relative path "
+                        "inside it, without '..')")
+    p = run
+    for part in pp.parts:
+        p = p / part
+        if p.is_symlink():
+            raise SealError(f"seal: COMPLETE names {rel!r}, which goes through the symbolic link "
+                            f"{p.relative_to(run).as_posix()!r} (a run directory holds no links)")
+    if not p.resolve().is_relative_to(run.resolve()):
+        raise SealError(f"seal: COMPLETE names {rel!r}, a path outside the run directory")
+    return p
+
+
 def verify_run(run: str | Path) -> dict[str, Any]:
-    """Check the COMPLETE marker and every seal; returns the report."""
+    """Check the COMPLETE marker and every seal; returns the report.
+
+    Raises:
+        SealError: a file changed, added or removed after the run, a manifest that is empty,
+            partial or names a path outside the directory, a report field that no longer matches
+            its seal (``seal: ...``).
+        ReportError: not a run directory, an interrupted run (no COMPLETE), a malformed
+            COMPLETE or report.json.
+    """
     run = Path(run)
     if not (run / "report.json").is_file():
         raise ReportError(f"run_dir: {str(run)!r} has no report.json (not a validation run directory)")
     if not (run / "COMPLETE").is_file():
         raise ReportError(f"run_dir: {str(run)!r} has no COMPLETE marker (the run was interrupted)")
-    complete = json.loads((run / "COMPLETE").read_text())
-    for rel, sha in complete["files"].items():
-        p = run / rel
+    complete = _read_json(run / "COMPLETE", "COMPLETE")
+    if not isinstance(complete, dict) or not isinstance(complete.get("files"), dict):
+        raise ReportError("COMPLETE: expected a JSON object with a 'files' object (path -> sha256)")
+    if complete.get("schema_version") != SCHEMA_VERSION:
+        raise ReportError(f"COMPLETE: schema_version {complete.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    listed = complete["files"]
+    for rel, sha in listed.items():
+        if not isinstance(sha, str) or not _SHA256.match(sha):
+            raise ReportError(f"COMPLETE: expected a sha256 (64 lowercase hex digits) for {rel!r}, got {sha!r}")
+    paths = {rel: _manifest_path(run, rel) for rel in listed}
+    for required in ("report.json", "summary.md"):
+        if required not in listed:
+            raise SealError(f"seal: COMPLETE does not list {required} (an empty or partial manifest)")
+    for p in _run_files(run):
+        rel = p.relative_to(run).as_posix()
+        if p.is_symlink():
+            raise SealError(f"seal: {rel} is a symbolic link (a run directory holds no links)")
+        if rel not in listed:
+            raise SealError(f"seal: {rel} is not listed in COMPLETE (added after the run, or a partial manifest)")
+    for rel, sha in listed.items():
+        p = paths[rel]
         if not p.is_file() or _sha_file(p) != sha:
-            raise ReportError(f"seal: {rel} was changed or removed after the run completed")
-    report = json.loads((run / "report.json").read_text())
+            raise SealError(f"seal: {rel} was changed or removed after the run completed")
+    report = _read_json(run / "report.json", "report.json")
+    if not isinstance(report, dict):
+        raise ReportError("report.json: expected a JSON object")
     if report.get("schema_version") != SCHEMA_VERSION:
         raise ReportError(f"report.json: schema_version {report.get('schema_version')!r}, expected {SCHEMA_VERSION}")
-    if canonical_sha256(report["result"]) != report["seals"]["result_sha256"]:
-        raise ReportError("seal: result_sha256 does not match the result")
+    missing = [k for k in _REPORT_KEYS if k not in report]
+    extra = sorted(set(report) - set(_REPORT_KEYS))
+    if missing or extra:
+        raise ReportError(f"report.json: expected the fields {list(_REPORT_KEYS)}, missing {missing}, unexpected {extra}")
+    seals, result, workload = report["seals"], report["result"], report["workload"]
+    if not isinstance(seals, dict) or set(seals) != {"inputs_sha256", "result_sha256", "report_sha256"}:
+        raise ReportError("report.json: expected seals with inputs_sha256, result_sha256 and report_sha256")
+    if not isinstance(result, dict) or not isinstance(workload, dict) or "sha256" not in workload:
+        raise ReportError("report.json: expected result and workload objects (workload with its sha256)")
+    if canonical_sha256(result) != seals["result_sha256"]:
+        raise SealError("seal: result_sha256 does not match the result")
+    if canonical_sha256({"workload": workload["sha256"], "options": report["options"]}) != seals["inputs_sha256"]:
+        raise SealError("seal: inputs_sha256 does not match the workload and options")
+    if _report_sha256(report) != seals["report_sha256"]:
+        raise SealError("seal: report_sha256 does not match the report's fields (suite, verdict, environment, ...)")
+    if report["passed"] is not bool(result.get("passed")):
+        raise SealError(f"seal: passed={report['passed']!r} disagrees with result.passed={result.get('passed')!r}")
     return report
 
 

@@ -29,10 +29,10 @@ def test_validate_ws1_json_every_cell_green():
     res = runner.invoke(app, ["validate", "ws1", "--json"])
     assert res.exit_code == 0, res.output
     rep = _json(res)
-    assert rep["schema_version"] == 1 and rep["suite"] == "ws1" and rep["passed"]
+    assert rep["schema_version"] == 2 and rep["suite"] == "ws1" and rep["passed"]
     assert rep["result"]["counts"]["green"] >= 50 and rep["result"]["counts"]["red"] == 0
     assert rep["workload"]["sha256"] == load_workload().sha256
-    assert set(rep["seals"]) == {"inputs_sha256", "result_sha256"}
+    assert set(rep["seals"]) == {"inputs_sha256", "result_sha256", "report_sha256"}
     assert rep["environment"]["platform"]["family"] == "cpu"
 
 

@@ -38,6 +38,7 @@ from rl_engine.utils.checks import FLOAT_DTYPES, current_nan_policy, require_sam
 __all__ = ["REDUCTIONS", "LossOutput", "loss_denominator", "combine_microbatch_losses"]
 
 REDUCTIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+_OPTIONAL_TOKENS = ("is_weights",)
 _MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -90,10 +91,13 @@ def as_mask(mask: object) -> torch.Tensor:
 
 
 def check_tokens(mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
-    """Each given tensor is a float ``[B, L]`` tensor of ``mask``'s shape, on its device."""
+    """Each given tensor is a float ``[B, L]`` tensor of ``mask``'s shape, on its device
+    (``None`` only for the optional ``is_weights``)."""
     for name, t in tensors.items():
         if t is None:
-            continue
+            if name in _OPTIONAL_TOKENS:
+                continue
+            raise TypeError(f"{name}: expected a torch.Tensor, got NoneType")
         require_tensor(name, t, dtypes=FLOAT_DTYPES, ndim=2, finite=True)
         if t.shape != mask.shape:
             raise ValueError(f"{name}: expected shape {tuple(mask.shape)} (the shape of mask), got {tuple(t.shape)}")

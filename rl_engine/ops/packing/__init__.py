@@ -213,6 +213,7 @@ def pack(
     if (attention_mask is None) == (lengths is None):
         raise ValueError("attention_mask: pass exactly one of attention_mask and lengths")
     if attention_mask is not None:
+        require_tensor("attention_mask", attention_mask, contiguous=False)
         require_same_device(padded=padded, attention_mask=attention_mask)
         n = _lengths_from_mask(attention_mask, B, L, side)
     else:

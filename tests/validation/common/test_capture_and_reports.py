@@ -11,7 +11,7 @@ from rl_engine.config import load_workload
 from rl_engine.validation import capture as cap_mod
 from rl_engine.validation.capture import LAYER_STAGES
 from rl_engine.validation.chain import build_model
-from rl_engine.validation.reports import ReportError, build_report, render, verify_run, write_run
+from rl_engine.validation.reports import SCHEMA_VERSION, ReportError, build_report, render, verify_run, write_run
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_run_dir_is_sealed_append_only_and_renders(tmp_path):
     png = run / "plots" / "debug_per_layer_max_abs_diff.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = verify_run(run)
-    assert saved["schema_version"] == 1 and saved["workload"]["sha256"] == load_workload().sha256
+    assert saved["schema_version"] == SCHEMA_VERSION == 2 and saved["workload"]["sha256"] == load_workload().sha256
     assert saved["seals"]["result_sha256"] == rep["seals"]["result_sha256"]
     assert "layer 0, stage `mlp`, token position 2" in (run / "summary.md").read_text()
     first, second = render(run), render(run)
