@@ -145,6 +145,8 @@ def command(
                                  param_hint="--plan")
     if top_p <= 0.0:
         raise typer.BadParameter("expected a value in (0, 1]", param_hint="--top-p")
+    if not temperature < float("inf"):
+        raise typer.BadParameter(f"expected a finite value >= 0, got {temperature}", param_hint="--temperature")
     from rl_engine.models.qwen3 import ModelLoadError as _UnknownPreset
     from rl_engine.models.qwen3 import preset as preset_spec
 

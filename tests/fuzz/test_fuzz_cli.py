@@ -56,7 +56,7 @@ def _invocations():
     return st.sampled_from(items)
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(inv=_invocations(), as_json=st.booleans())
 def test_malformed_cli_arguments_exit_2_with_a_clear_error(inv, as_json):
     cmd, opt, val = inv
