@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from rl_engine.utils import portable
+
 __all__ = [
     "SamplingParams",
     "uniform",
@@ -92,23 +94,28 @@ def uniform(seed: int, sample_id: int, position: int) -> float:
 def sample_token(logits_row: torch.Tensor, params: SamplingParams, sample_id: int, position: int) -> int:
     """Pick the token at ``position`` of ``sample_id`` from one row of logits ``[V]``.
 
-    Greedy: the first index of the maximum. Otherwise ``p = softmax(z / T)`` in float64,
-    sorted descending (stable: ties by token id), cut to the ``top_k`` first, then to the
-    shortest prefix whose mass reaches ``top_p``, renormalised, and inverted at
-    ``u = uniform(seed, sample_id, position)``. Depends on the row and the triple only, not on
-    the row's device: the float64 arithmetic runs on the CPU (one ``[V]`` copy per token).
+    Greedy: the first index of the maximum. Otherwise the weights ``w = exp(z/T - max(z/T))``
+    in float64 (:func:`rl_engine.utils.portable.exp`: the same bits on every CPU), sorted
+    descending (stable: ties by token id), with ``c`` their running sum (sequential) and
+    ``W = c[-1]`` the total; cut to the ``top_k`` first, then to the shortest prefix with
+    ``c ≥ top_p · W``, and inverted at ``u · c[-1]`` with ``u = uniform(seed, sample_id, position)``.
+    Depends on the row and the triple only, not on the row's device, the thread count or the
+    instruction set: the float64 arithmetic runs on the CPU (one ``[V]`` copy per token).
     """
     z = logits_row.detach().to("cpu", torch.float64)
     if params.greedy:
         return int(torch.argmax(z))
-    p = torch.softmax(z / params.temperature, dim=-1)
-    ps, order = torch.sort(p, descending=True, stable=True)
+    zt = z / params.temperature
+    w = portable.exp(zt - zt.max())
+    ws, order = torch.sort(w, descending=True, stable=True)
+    cum = torch.cumsum(ws, dim=0)
+    total = float(cum[-1])
     if params.top_k:
-        ps, order = ps[: params.top_k], order[: params.top_k]
-    cum = torch.cumsum(ps, dim=0)
+        ws, order, cum = ws[: params.top_k], order[: params.top_k], cum[: params.top_k]
     if params.top_p < 1.0:
-        keep = int(torch.searchsorted(cum, torch.tensor([params.top_p], dtype=torch.float64)).item()) + 1
-        ps, order, cum = ps[:keep], order[:keep], cum[:keep]
+        bound = torch.tensor([params.top_p * total], dtype=torch.float64)
+        keep = int(torch.searchsorted(cum, bound).item()) + 1
+        ws, order, cum = ws[:keep], order[:keep], cum[:keep]
     target = uniform(params.seed, sample_id, position) * float(cum[-1])
     idx = int(torch.searchsorted(cum, torch.tensor([target], dtype=torch.float64), right=True).item())
     return int(order[min(idx, order.shape[0] - 1)])

@@ -1,4 +1,4 @@
-"""Shared building blocks of the invariant CPU backend.
+"""Shared building blocks of the invariant CPU backend: the exact-sum GEMM and the fixed-order sum.
 
 Shapes use ``M`` rows (tokens), ``K`` the reduced dimension and ``N`` output features.
 """
@@ -8,57 +8,214 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["TILE_M", "TILE_N", "SUM_LANES", "tiled_matmul", "fixed_order_sum"]
+from rl_engine.utils.portable import pow2
 
-#: Rows per BLAS call. Every call sees exactly this many rows (the last tile is zero-padded).
-TILE_M = 64
-#: Output features per BLAS call, at absolute column offsets 0, TILE_N, 2·TILE_N, ...
+__all__ = ["TILE_N", "SUM_LANES", "exact_matmul", "exact_bmm", "fixed_order_sum"]
+
+#: Output-feature block of the vocabulary-chunked paths (the canonical log-sum-exp's block):
+#: the fused LM head splits the vocabulary at multiples of it.
 TILE_N = 1024
 #: Lane width of :func:`fixed_order_sum`.
 SUM_LANES = 64
+_F64_BITS = 53
+# Row and reduction blocks of exact_matmul's float64 work (memory only: blocking changes no bit).
+_ROW_BLOCK = 512
+_K_BLOCK = 512
 
 
-def tiled_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` computed tile by tile with one fixed BLAS call shape.
+def _slices_of(dtype: torch.dtype) -> int:
+    """Integer slices an operand of ``dtype`` is cut into: one for 8/11-bit significands, two for float32."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return 1
+    if dtype == torch.float32:
+        return 2
+    raise TypeError(f"exact_matmul: expected float32, bfloat16 or float16 operands, got {dtype}")
+
+
+def _row_exponents(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Per row of ``t`` ``[..., R, K]``: the smallest ``e`` with ``max_k |t[r, k]| < 2^e`` (0 for a zero row).
+
+    Read from the float64 exponent field of the row maximum (exact); int64 ``[..., R, 1]``.
+    A row holding ``±inf`` or nan gets ``e = 1025`` or garbage: callers replace non-finite
+    values before splitting.
+    """
+    hi, lo = torch.aminmax(t, dim=dim, keepdim=True)
+    amax = torch.maximum(hi.to(torch.float64), lo.to(torch.float64).neg_())
+    e = ((amax.view(torch.int64) >> 52) & 0x7FF) - 1022
+    return torch.where(amax == 0, 0, e)
+
+
+def _split(t: torch.Tensor, e: torch.Tensor, slices: int, beta: int) -> list[torch.Tensor]:
+    """Cut each row of float64 ``t`` ``[..., R, K]`` into ``slices`` integer-valued float64 tensors.
+
+    With ``e`` from :func:`_row_exponents`, ``s = t · 2^(β - e)`` has ``|s| < 2^β``;
+    ``hi = trunc(s)`` and ``lo = trunc((s - hi) · 2^β)``, so ``t ≈ (hi + lo · 2^-β) · 2^(e - β)``
+    with every step exact (power-of-two scalings, ``trunc`` and the subtraction of a value's
+    integer part).
+    """
+    s = t.mul_(pow2(beta - e))  # t is a fresh float64 copy owned by the caller
+    hi = torch.trunc(s)
+    if slices == 1:
+        return [hi]
+    lo = s.sub_(hi).mul_(float(2**beta)).trunc_()
+    return [hi, lo]
+
+
+def _nonfinite(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Apply IEEE semantics for non-finite operands to the finite result ``out`` ``[..., M, N]``.
+
+    A dot product is nan when a product is nan (a nan operand, ``0 · ±inf``) or the products
+    hold both ``+inf`` and ``-inf``; otherwise ``±inf`` when a product is ``±inf``. Each condition
+    is counted exactly by float64 matmuls of 0/1 indicators.
+    """
+    f = torch.float64
+
+    def ind(t: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            "nan": t.isnan().to(f),
+            "pinf": (t == torch.inf).to(f),
+            "ninf": (t == -torch.inf).to(f),
+            "zero": (t == 0).to(f),
+            "pos": (t > 0).to(f),
+            "neg": (t < 0).to(f),
+        }
+
+    a, b = ind(x), ind(w)
+
+    def mm(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return p @ q.transpose(-1, -2)
+
+    inf_a = a["pinf"] + a["ninf"]
+    inf_b = b["pinf"] + b["ninf"]
+    nan = (a["nan"].amax(-1, keepdim=True) + b["nan"].amax(-1, keepdim=True).transpose(-1, -2)) + (
+        mm(inf_a, b["zero"]) + mm(a["zero"], inf_b)
+    )
+    pos = mm(a["pinf"], b["pos"]) + mm(a["ninf"], b["neg"]) + mm(a["pos"], b["pinf"]) + mm(a["neg"], b["ninf"])
+    neg = mm(a["pinf"], b["neg"]) + mm(a["ninf"], b["pos"]) + mm(a["pos"], b["ninf"]) + mm(a["neg"], b["pinf"])
+    bad = (nan > 0) | ((pos > 0) & (neg > 0))
+    inf = torch.where(pos > 0, torch.inf, -torch.inf).to(out.dtype)
+    return torch.where(bad, torch.nan, torch.where((pos > 0) | (neg > 0), inf, out))
+
+
+def exact_matmul(
+    x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, scale_by: str = "rows"
+) -> torch.Tensor:
+    """``x @ w.T`` whose bits depend only on each output element's own row and column.
 
     Args:
-        x: ``[M, K]`` contiguous.
-        w: ``[N, K]`` contiguous.
+        x: ``[..., M, K]`` float32, bfloat16 or float16.
+        w: ``[..., N, K]`` (the same leading dims, or none) float32, bfloat16 or float16.
+        out_dtype: the result's dtype (default ``x.dtype``).
+        scale_by: where ``w``'s power-of-two scales come from. ``"rows"``: each row ``w[n]``
+            (its maximum over ``k``). ``"k"``: each reduction index ``k`` (the maximum of
+            ``w[:, k]``), folded into ``x`` (``x[:, k] · 2^{e_k}``, ``w[:, k] · 2^{-e_k}``, exact)
+            — for products whose ``K`` runs over slots some rows must not see (keys of an
+            attention block, queries of a tile): a slot's scale then touches only the terms that
+            use it, and a term whose ``x`` is zero contributes exactly zero.
 
     Returns:
-        ``[M, N]`` in ``x.dtype``.
+        ``[..., M, N]``: ``y[m, n] = round(Σ_k x[m, k] · w[n, k])``.
 
-    Every BLAS call multiplies a ``[TILE_M, K]`` row tile by a ``[K, TILE_N]`` column tile, so
-    the algorithm the BLAS picks depends only on ``K`` and the dtype, never on ``M`` or ``N``;
-    within a call, each output element's K-reduction is independent of its row and column
-    position (measured, and guarded by tests). Hence element ``(i, j)`` depends only on
-    ``x[i]`` and ``w[j]``: the result is **row invariant** and **column (chunk) invariant**.
-    Cost: at most one padded tile per dimension; measured at 0.97–1.37× of ``F.linear`` for
-    ``M ≥ 64`` (docs/benchmarks/cpu.md).
+    **Why the bits cannot change.** Each row of ``x`` and of ``w`` is scaled by a power of two
+    (from its own maximum) and cut into integer-valued slices of ``β`` bits (:func:`_split`; one
+    slice for bfloat16/float16, two for float32). A float64 GEMM of integer slices is **exact**
+    when every partial sum is an integer below ``2^53`` — guaranteed by ``2β + ⌈log2 K'⌉ ≤ 53`` for
+    a ``K'``-term dot product — so its result does not depend on the order in which the BLAS adds,
+    on how many threads split ``K``, or on the instruction set (MKL's AVX2 / AVX-512 / AMX or
+    oneDNN code paths, Intel or AMD). The slice products are combined elementwise in one fixed
+    order (``hi·hi + 2^-β · (hi·lo + lo·hi)``, the ``lo·lo`` term below ``2^-2β`` of the row
+    scales dropped), rescaled exactly and rounded once to float32, then to ``out_dtype``; an
+    exactly zero sum is ``+0``.
+    Element ``(m, n)`` is therefore a function of ``x[m]`` and ``w[n]`` alone: row (batch)
+    invariant, column (chunk) invariant, thread-count and instruction-set invariant.
+
+    **Accuracy.** Slices keep every bit of an operand within ``2^(slices·β - p)`` of its row
+    maximum (``p`` its significand width); smaller elements are truncated at ``2^-slices·β``
+    of the row maximum. With ``β ≥ 19`` (``K' ≤ 2^15``) that is below float32 rounding for
+    float32 and exact for all bfloat16 values within ``2^-11`` of the row maximum.
+
+    Non-finite operands follow IEEE semantics (:func:`_nonfinite`).
     """
-    M, K = x.shape
-    N = w.shape[0]
-    out = x.new_empty((M, N))
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.zero_()
-    m_full = (M // TILE_M) * TILE_M
-    x_tail = None
-    if m_full != M:
-        x_tail = x.new_zeros((TILE_M, K))
-        x_tail[: M - m_full] = x[m_full:]
-    for j in range(0, N, TILE_N):
-        wb = w[j : j + TILE_N]
-        n = wb.shape[0]
-        if n < TILE_N:
-            wb = torch.cat([wb, wb.new_zeros((TILE_N - n, K))])
-        wt = wb.t()
-        for i in range(0, m_full, TILE_M):
-            out[i : i + TILE_M, j : j + n] = (x[i : i + TILE_M] @ wt)[:, :n]
-        if x_tail is not None:
-            out[m_full:, j : j + n] = (x_tail @ wt)[: M - m_full, :n]
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    sx, sw = _slices_of(x.dtype), _slices_of(w.dtype)
+    K = x.shape[-1]
+    lead = x.shape[:-2]
+    M, N = x.shape[-2], w.shape[-2]
+    if M == 0 or N == 0 or K == 0:
+        return torch.zeros((*lead, M, N), dtype=out_dtype)
+    terms = K if sx == sw == 1 else 2 * K
+    beta = (_F64_BITS - (terms - 1).bit_length()) // 2
+    if scale_by not in ("rows", "k"):
+        raise ValueError(f"scale_by: expected 'rows' or 'k', got {scale_by!r}")
+    # A row holding ±inf or nan reads an exponent of 1025 or more (finite float32/16 rows: ≤ 129).
+    finite = bool((_row_exponents(x) <= 129).all()) and bool((_row_exponents(w) <= 129).all())
+    xf, wf = x, w
+    if not finite:
+        xf = torch.where(torch.isfinite(x), x, 0.0).to(x.dtype)
+        wf = torch.where(torch.isfinite(w), w, 0.0).to(w.dtype)
+    if scale_by == "k":
+        # Per-k scales folded into x; attention tiles are small, so one block.
+        ek = _row_exponents(wf, dim=-2)  # [..., 1, K]
+        xd = xf.to(torch.float64).mul_(pow2(ek))
+        wd = wf.to(torch.float64).mul_(pow2(-ek))
+        ex = _row_exponents(xd)
+        ew = torch.zeros((*w.shape[:-1], 1), dtype=torch.int64)
+        acc = _products(_split(xd, ex, sx, beta), _split(wd, ew, sw, beta), beta)
+        return _finish(acc, ex, ew, beta, x, w, finite, out_dtype)
+    ex, ew = _row_exponents(xf), _row_exponents(wf)
+    out = torch.empty((*lead, M, N), dtype=out_dtype)
+    # Blocks of rows and of K bound the float64 temporaries; the sums over K blocks are exact
+    # integer additions, so blocking changes no bit.
+    for r0 in range(0, M, _ROW_BLOCK):
+        r1 = min(M, r0 + _ROW_BLOCK)
+        acc = None
+        for k0 in range(0, K, _K_BLOCK):
+            k1 = min(K, k0 + _K_BLOCK)
+            px = _split(xf[..., r0:r1, k0:k1].to(torch.float64), ex[..., r0:r1, :], sx, beta)
+            pw = _split(wf[..., k0:k1].to(torch.float64), ew, sw, beta)
+            part = _products(px, pw, beta, split_sum=True)
+            acc = part if acc is None else [a_.add_(p_) for a_, p_ in zip(acc, part)]
+        out[..., r0:r1, :] = _finish(_combine(acc, beta), ex[..., r0:r1, :], ew, beta, x[..., r0:r1, :], w, finite, out_dtype)
     return out
+
+
+def _products(px: list[torch.Tensor], pw: list[torch.Tensor], beta: int, split_sum: bool = False):
+    """``hi·hi`` and ``hi·lo + lo·hi`` of the slices (each an exact integer GEMM); combined unless ``split_sum``."""
+    wt = [p.transpose(-1, -2) for p in pw]
+    parts = [px[0] @ wt[0]]
+    if len(px) == 2 or len(pw) == 2:
+        # hi·lo + lo·hi: each product and their sum are integers below 2^53, so exact.
+        cross = px[0] @ wt[1] if len(pw) == 2 else None
+        if len(px) == 2:
+            cross = px[1] @ wt[0] if cross is None else cross.add_(px[1] @ wt[0])
+        parts.append(cross)
+    return parts if split_sum else _combine(parts, beta)
+
+
+def _combine(parts: list[torch.Tensor], beta: int) -> torch.Tensor:
+    """``hh + 2^-β · cross`` (one float64 rounding)."""
+    acc = parts[0]
+    if len(parts) == 2:
+        acc.add_(parts[1].mul_(2.0**-beta))
+    return acc
+
+
+def _finish(acc, ex, ew, beta, x, w, finite, out_dtype) -> torch.Tensor:
+    """Rescale the integer sums exactly, round once to float32, apply IEEE non-finite rules, cast."""
+    # An exactly zero sum is +0 whatever the BLAS's accumulator started from (-0 + 0 = +0).
+    acc.add_(0.0).mul_(pow2(ex - beta)).mul_(pow2(ew - beta).transpose(-1, -2))
+    out = acc.to(torch.float32)
+    if not finite:
+        out = _nonfinite(x, w, out)
+    return out.to(out_dtype)
+
+
+def exact_bmm(a: torch.Tensor, b: torch.Tensor, scale_by: str = "rows") -> torch.Tensor:
+    """``torch.bmm(a, b)`` (``[B, M, K] @ [B, K, N]``) with :func:`exact_matmul`'s guarantees.
+
+    ``scale_by="rows"`` scales each column ``b[:, :, n]``; ``"k"`` each row ``b[:, k, :]``.
+    """
+    return exact_matmul(a, b.transpose(-1, -2), scale_by=scale_by)
 
 
 def fixed_order_sum(x: torch.Tensor, lanes: int = SUM_LANES) -> torch.Tensor:

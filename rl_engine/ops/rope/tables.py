@@ -3,9 +3,11 @@
 The table is part of the operator's definition, so it lives with the entry point (backends and
 other devices import it from here). For rotary dimension ``R`` and base ``theta``:
 
-* ``inv_freq_i = 1 / theta^(2i/R)`` for ``i < R/2``, computed once on the host with Python
-  floats (IEEE float64, the platform's ``pow``) — HF computes the same exponent ``2i/R``, in
-  fp32;
+* ``inv_freq_i = 1 / theta^(2i/R)`` for ``i < R/2`` in float64: ``e = fl(2i/R)``, the power
+  ``theta^e`` evaluated in 40-digit decimal arithmetic (Python's ``decimal``: integer
+  arithmetic, the same digits on every machine, where the C library's ``pow`` picks a code
+  path by CPU) and rounded to float64, then one IEEE division — HF computes the same exponent
+  ``2i/R``, in fp32;
 * ``angle = float64(position) · inv_freq_i``: one correctly rounded float64 product;
 * ``cos(angle)``, ``sin(angle)`` from float64 ``+ - *`` only: Cody–Waite reduction
   ``r = angle - k·π/2`` (``k = round(angle · 2/π)``, π/2 split into four 20-bit pieces, exact
@@ -29,6 +31,7 @@ exact cosine/sine of the float64 angle (tested against Python's ``math.cos``/``m
 
 from __future__ import annotations
 
+import decimal
 import functools
 import math
 import threading
@@ -59,7 +62,10 @@ def rope_inv_freq(rotary_dim: int, theta: float) -> tuple[float, ...]:
         raise ValueError(f"rotary_dim: expected a positive even int, got {rotary_dim}")
     if not (math.isfinite(theta) and theta > 0):
         raise ValueError(f"theta: expected a finite float > 0, got {theta}")
-    return tuple(1.0 / (theta ** ((2 * i) / rotary_dim)) for i in range(rotary_dim // 2))
+    with decimal.localcontext() as ctx:
+        ctx.prec = 40
+        base = decimal.Decimal(theta)
+        return tuple(1.0 / float(base ** decimal.Decimal((2 * i) / rotary_dim)) for i in range(rotary_dim // 2))
 
 
 def _horner(r2: torch.Tensor, coeffs: tuple[float, ...]) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 
 from rl_engine.backends._customop import wire_silu_and_mul
 from rl_engine.runtime.registry import Implementation, register
+from rl_engine.utils import portable
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -31,8 +32,7 @@ def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _one_plus_exp_neg(a: torch.Tensor) -> torch.Tensor:
     """``1 + exp(-a)`` in a fresh contiguous fp32 buffer (in-place steps, the same bits)."""
-    den = torch.neg(a).contiguous()
-    den.exp_()
+    den = portable.exp(torch.neg(a))
     den.add_(1.0)
     return den
 

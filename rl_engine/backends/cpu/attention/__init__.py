@@ -54,7 +54,9 @@ from __future__ import annotations
 import torch
 
 from rl_engine.backends._customop import wire_varlen_attention
+from rl_engine.backends.cpu.common import exact_bmm
 from rl_engine.runtime.registry import Implementation, register
+from rl_engine.utils import portable
 
 __all__ = [
     "KV_BLOCK",
@@ -79,7 +81,7 @@ SPLIT_BLOCKS = 16
 KV_SPLIT = KV_BLOCK * SPLIT_BLOCKS
 #: Bytes of one ``[tiles, heads, 64, 64]`` fp32 temporary: sets how many tiles are processed
 #: together (tiles are independent, so this bounds memory without touching the bits).
-_GROUP_BYTES = 1 << 20
+_GROUP_BYTES = 1 << 19
 _NO_PAGES = 1 << 62  # page size of the packed (varlen) layout: one page per sequence
 _BIG = 1 << 62
 
@@ -115,7 +117,7 @@ def fold_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
 def blas_tile_check(head_dims: tuple[int, ...] = (32, 64, 128), seed: int = 0) -> list[str]:
     """Problems with the BLAS assumption the backend rests on (empty: none found).
 
-    For each head dim, fp32 ``torch.bmm`` with the two fixed tile shapes must give the same
+    For each head dim, fp32 :func:`~rl_engine.backends.cpu.common.exact_bmm` with the two fixed tile shapes must give the same
     bits for a tile (a) alone, (b) inside batches of other tiles of any count, and (c) with its
     rows moved to other positions of the tile among other rows.
     """
@@ -125,13 +127,13 @@ def blas_tile_check(head_dims: tuple[int, ...] = (32, 64, 128), seed: int = 0) -
         for name, ash, bsh in (("q·kᵀ", (Q_TILE, D), (D, KV_BLOCK)), ("p·v", (Q_TILE, KV_BLOCK), (KV_BLOCK, D))):
             a = torch.randn((40, *ash), generator=g)
             b = torch.randn((40, *bsh), generator=g)
-            ref = torch.bmm(a, b)
+            ref = exact_bmm(a, b)
             for count in (1, 3, 17, 40):
-                got = torch.bmm(a[:count], b[:count])
+                got = exact_bmm(a[:count], b[:count])
                 if not torch.equal(got.view(torch.int32), ref[:count].view(torch.int32)):
                     problems.append(f"{name} D={D}: a tile's bits change with the batch count ({count})")
             perm = torch.randperm(Q_TILE, generator=g)
-            got = torch.bmm(a[:, perm], b)
+            got = exact_bmm(a[:, perm], b)
             if not torch.equal(got.view(torch.int32), ref[:, perm].view(torch.int32)):
                 problems.append(f"{name} D={D}: a row's bits change with its position in the tile")
     return problems
@@ -163,8 +165,8 @@ def _tiles_per_group(heads: int) -> int:
 
 def _merge(M, L, ACC, m, l, acc):
     Mn = torch.maximum(M, m)
-    a = torch.exp(M - Mn)
-    c = torch.exp(m - Mn)
+    a = portable.exp(M - Mn)
+    c = portable.exp(m - Mn)
     return Mn, L * a + l * c, ACC * a[..., None] + acc * c[..., None]
 
 
@@ -239,7 +241,7 @@ def _kv_blocks(k_rows, v_rows, page_rows, page_size, seq, b: int, cap) -> tuple[
 def _scores(qt: torch.Tensor, kb: torch.Tensor, scale: float, vis: torch.Tensor) -> torch.Tensor:
     """``(q · kᵀ) · scale`` per tile ``[A, Hkv, 64, 64]``, ``-inf`` where ``vis`` ``[A, 64, 64]`` is False."""
     A, H = qt.shape[0], qt.shape[1]
-    s = torch.bmm(qt.view(A * H, Q_TILE, -1), kb.transpose(1, 2)).view(A, H, Q_TILE, KV_BLOCK)
+    s = exact_bmm(qt.view(A * H, Q_TILE, -1), kb.transpose(1, 2)).view(A, H, Q_TILE, KV_BLOCK)
     return torch.where(vis[:, None], s * scale, _NEG_INF)
 
 
@@ -314,7 +316,7 @@ def attend_rows(
                     m[mid], l[mid], acc[mid] = _NEG_INF, 0.0, 0.0
             kb, vb = _kv_blocks(k_rows, v_rows, page_rows, page_size, tl.seq[at], b, tl.cap[at])
             qa = qt if A == n else qt[at]
-            sc = torch.bmm(qa.view(A * Hkv, Q_TILE, D), kb.transpose(1, 2)).view(A, Hkv, Q_TILE, KV_BLOCK)
+            sc = exact_bmm(qa.view(A * Hkv, Q_TILE, D), kb.transpose(1, 2)).view(A, Hkv, Q_TILE, KV_BLOCK)
             sc = sc.transpose(1, 2).reshape(A * Q_TILE, Hkv, KV_BLOCK)
             if not dense:
                 sc = sc[sel]  # elementwise work only for the active rows (decode tiles are mostly padding)
@@ -323,8 +325,8 @@ def attend_rows(
             s = torch.where(vis, sc * scale, _NEG_INF)
             m_old = m[rid]
             mn = torch.maximum(m_old, s.amax(-1) + 0.0)  # + 0.0: a -0.0 maximum becomes +0.0
-            alpha = torch.exp(m_old - mn)
-            p = torch.exp(s - mn[..., None])  # [R, Hkv, 64]; exactly +0 where s is -inf
+            alpha = portable.exp(m_old - mn)
+            p = portable.exp(s - mn[..., None])  # [R, Hkv, 64]; exactly +0 where s is -inf
             if dense:
                 pt = p.view(A, Q_TILE, Hkv, KV_BLOCK)
             else:
@@ -332,7 +334,7 @@ def attend_rows(
                 pt[sel] = p
                 pt = pt.view(A, Q_TILE, Hkv, KV_BLOCK)
             pt = pt.transpose(1, 2).contiguous().view(A * Hkv, Q_TILE, KV_BLOCK)
-            pv = torch.bmm(pt, vb).view(A, Hkv, Q_TILE, D).transpose(1, 2).reshape(A * Q_TILE, Hkv, D)
+            pv = exact_bmm(pt, vb, scale_by="k").view(A, Hkv, Q_TILE, D).transpose(1, 2).reshape(A * Q_TILE, Hkv, D)
             if not dense:
                 pv = pv[sel]
             m[rid] = mn
@@ -342,7 +344,7 @@ def attend_rows(
         Mv, Lv, ACCv = _merge(M[vid], L[vid], ACC[vid], m[vid], l[vid], acc[vid])
         tok_v, g_v = tl.tok.reshape(-1)[vid], tl.g.reshape(-1)[vid]
         out[tok_v, :, g_v] = ACCv / Lv[..., None]
-        lse[tok_v, :, g_v] = Mv + torch.log(Lv)
+        lse[tok_v, :, g_v] = Mv + portable.log(Lv)
     return out.view(T, Hq, D), lse.view(T, Hq)
 
 
@@ -384,7 +386,7 @@ def _dq_pass(qf, gf, lse3, delta, kf, vf, page_rows, q_seq, q_pos, scale, window
             kb, vb = _kv_blocks(kf, vf, page_rows, _NO_PAGES, seq, b, cap)
             p, ds = _p_ds(sub(qt), sub(gt), sub(lt), sub(dt), kb, vb, scale, _visible(pos, wlo, b))
             A = p.shape[0]
-            c = torch.bmm(ds.view(A * Hkv, Q_TILE, KV_BLOCK), kb).view(A, Hkv, Q_TILE, D)
+            c = exact_bmm(ds.view(A * Hkv, Q_TILE, KV_BLOCK), kb, scale_by="k").view(A, Hkv, Q_TILE, D)
             acca = sub(acc)
             acca = torch.where(row_act, acca + c, acca)
             if at is None:
@@ -399,8 +401,8 @@ def _p_ds(qt, gt, lt, dt, kb, vb, scale, vis):
     """``P = exp(s - lse)`` and ``dS = P ⊙ (dO·Vᵀ - delta)`` for query tiles ``[A, H, 64, ·]``."""
     A, H = qt.shape[0], qt.shape[1]
     s = _scores(qt, kb, scale, vis)
-    p = torch.exp(s - lt[..., None])  # exactly +0 where s is -inf
-    dp = torch.bmm(gt.view(A * H, Q_TILE, -1), vb.transpose(1, 2)).view(A, H, Q_TILE, KV_BLOCK)
+    p = portable.exp(s - lt[..., None])  # exactly +0 where s is -inf
+    dp = exact_bmm(gt.view(A * H, Q_TILE, -1), vb.transpose(1, 2)).view(A, H, Q_TILE, KV_BLOCK)
     ds = torch.where(vis[:, None], p * (dp - dt[..., None]), 0.0)
     return p, ds
 
@@ -467,8 +469,8 @@ def _dkv_pass(qf, gf, lse3, delta, kf, vf, page_rows, lens, scale, window):
             )
             p = p.view(A * Hkv * G, Q_TILE, KV_BLOCK)
             ds = ds.view(A * Hkv * G, Q_TILE, KV_BLOCK)
-            cv = torch.bmm(p.transpose(1, 2), gb_.view(A * Hkv * G, Q_TILE, D))  # [·, 64 keys, D]
-            ck = torch.bmm(ds.transpose(1, 2), qb_.view(A * Hkv * G, Q_TILE, D))
+            cv = exact_bmm(p.transpose(1, 2), gb_.view(A * Hkv * G, Q_TILE, D), scale_by="k")  # [·, 64 keys, D]
+            ck = exact_bmm(ds.transpose(1, 2), qb_.view(A * Hkv * G, Q_TILE, D), scale_by="k")
             cv = fold_sum(cv.view(A, Hkv, G, KV_BLOCK, D), 2)
             ck = fold_sum(ck.view(A, Hkv, G, KV_BLOCK, D), 2)
             if at is None:

@@ -1,8 +1,9 @@
-"""Invariant CPU ``linear``: BLAS on fixed-shape tiles (see :func:`tiled_matmul`).
+"""Invariant CPU ``linear`` on the exact-sum GEMM (see :func:`~rl_engine.backends.cpu.common.exact_matmul`).
 
-Forward ``y = x Wᵀ + b``; backward ``dx = dy W`` (also tiled, so row invariant),
-``dW = dyᵀ x`` and ``db = Σ_rows dy`` (deterministic run to run: fixed tiles and
-:func:`fixed_order_sum`; they sum over rows, so they are not row invariant by nature).
+Forward ``y = x Wᵀ + b``; backward ``dx = dy W`` (row invariant), ``dW = dyᵀ x`` and
+``db = Σ_rows dy`` (they sum over rows, so they are not row invariant by nature; the exact sums
+and :func:`fixed_order_sum` make them the same bits run to run, at any thread count and on
+any instruction set).
 Bias is added in the output dtype after the matmul, exactly as in the forward of every path.
 """
 
@@ -10,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.backends.cpu.common import fixed_order_sum, tiled_matmul
+from rl_engine.backends.cpu.common import fixed_order_sum, exact_matmul
 from rl_engine.runtime.registry import Implementation, register
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = tiled_matmul(x2, weight)
+    y = exact_matmul(x2, weight)
     if bias is not None:
         y = y + bias
     return y
@@ -43,9 +44,9 @@ def linear_cpu_backward(
     N = weight.shape[0]
     g2 = grad.reshape(-1, N).contiguous()
     x2 = x.reshape(-1, K)
-    dx = tiled_matmul(g2, weight.t().contiguous()).reshape(x.shape)
+    dx = exact_matmul(g2, weight.t()).reshape(x.shape)
     gt = g2.t().contiguous()  # [N, M]
-    dw = tiled_matmul(gt, x2.t().contiguous())  # [N, K], reduction over the M rows
+    dw = exact_matmul(gt, x2.t())  # [N, K], reduction over the M rows
     if has_bias:
         db = fixed_order_sum(gt.float()).to(grad.dtype)
     else:

@@ -5,7 +5,7 @@
   the logits dtype.
 * ``rlk::linear_token_logprobs_cpu`` fuses the LM head: for each token chunk it walks the
   vocabulary in chunks, computes that logits chunk with
-  :func:`~rl_engine.backends.cpu.common.tiled_matmul` (the exact bits ``gemm.linear`` gives for
+  :func:`~rl_engine.backends.cpu.common.exact_matmul` (the exact bits ``gemm.linear`` gives for
   those rows and columns), and feeds it to the canonical accumulator, so it never holds more than
   ``[token_chunk, vocab_chunk]`` logits. Forward outputs are raw-bit equal to the unfused
   ``token_logprobs(linear(h, W))`` / ``entropy(linear(h, W))``.
@@ -14,11 +14,11 @@ Fused backward (bitwise equal to the unfused path's backward, see docs/operators
 
 * ``dhidden``: per token chunk, recompute the logits for the whole vocabulary, form the
   gradient of the logits ``[token_chunk, V]`` in the hidden dtype exactly as the unfused ops do,
-  and multiply by the weight with one ``tiled_matmul`` over ``K = V`` — the same call the
+  and multiply by the weight with one ``exact_matmul`` over ``K = V`` — the same call the
   ``gemm.linear`` backward makes, and row invariant, so each row's bits match;
 * ``dweight``: per vocabulary chunk, recompute the logits of **all** tokens for that chunk, form
   the logits gradient ``[T, vocab_chunk]`` and multiply its transpose by the hidden states with
-  one ``tiled_matmul`` over ``K = T`` — again the ``gemm.linear`` backward's call, row (= vocab
+  one ``exact_matmul`` over ``K = T`` — again the ``gemm.linear`` backward's call, row (= vocab
   row) invariant.
 
 Both passes recompute the logits (two extra GEMMs) so memory stays bounded by
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.backends._customop import wire_entropy, wire_log_softmax, wire_token_logprobs
-from rl_engine.backends.cpu.common import TILE_N, tiled_matmul
+from rl_engine.backends.cpu.common import exact_matmul
 from rl_engine.backends.cpu.logprob.lse import (
     VOCAB_BLOCK,
     LseAccumulator,
@@ -173,7 +173,7 @@ def linear_token_logprobs_cpu(
         acc = LseAccumulator(R, entropy=return_entropy, vocab_size=V)
         z_t = torch.empty(R, dtype=torch.float32)
         for c0 in range(0, V, vocab_chunk):
-            z = scale_logits(tiled_matmul(h, weight[c0 : c0 + vocab_chunk]), temperature)
+            z = scale_logits(exact_matmul(h, weight[c0 : c0 + vocab_chunk]), temperature)
             acc.update(z, c0)
             local = tgt - c0
             hit = (local >= 0) & (local < z.shape[1])
@@ -193,20 +193,6 @@ def _(hidden, weight, targets, temperature, return_entropy, token_chunk, vocab_c
     n = hidden.shape[0]
     f = dict(dtype=torch.float32)
     return hidden.new_empty((n,), **f), hidden.new_empty((n if return_entropy else 0,), **f), hidden.new_empty((n,), **f)
-
-
-def _transposed_padded(x: torch.Tensor) -> torch.Tensor:
-    """``x.t()`` as a contiguous tensor whose rows are zero-padded to a multiple of ``TILE_N``.
-
-    ``tiled_matmul(a, x.t().contiguous())`` zero-pads its last column tile on every call; padding
-    once here hands the BLAS exactly the same tiles (its output columns depend only on their own
-    weight rows, the GEMM's chunk invariance), and the extra columns are sliced off.
-    """
-    rows = x.shape[1]
-    padded = -(-rows // TILE_N) * TILE_N
-    out = x.new_zeros((padded, x.shape[0]))
-    out[:rows] = x.t()
-    return out
 
 
 def _fused_dlogits(
@@ -267,21 +253,21 @@ def linear_token_logprobs_cpu_backward(
 
     if need_hidden:
         # Pass A: dh[rows] = dlogits[rows, :V] @ W, one K = V product per token chunk.
-        w_t = _transposed_padded(weight)  # [H (padded), V]
+        w_t = weight.t()  # [H, V]
         for r0 in range(0, N, token_chunk):
             h = hidden[r0 : r0 + token_chunk]
             R = h.shape[0]
             tgt, l, e, gl, ge = rows(r0, r0 + R)
             dl = hidden.new_empty((R, V))
             for c0 in range(0, V, vocab_chunk):
-                logits = tiled_matmul(h, weight[c0 : c0 + vocab_chunk])
+                logits = exact_matmul(h, weight[c0 : c0 + vocab_chunk])
                 dl[:, c0 : c0 + logits.shape[1]] = _fused_dlogits(logits, c0, tgt, l, e, gl, ge, temperature)
-            dhidden[r0 : r0 + R] = tiled_matmul(dl, w_t)[:, :H]
+            dhidden[r0 : r0 + R] = exact_matmul(dl, w_t)
             del dl
         del w_t
     if need_weight:
         # Pass B: dW[cols] = dlogits[:, cols]ᵀ @ h, one K = N product per vocabulary chunk.
-        h_t = _transposed_padded(hidden)  # [H (padded), N]
+        h_t = hidden.t()  # [H, N]
         for c0 in range(0, V, vocab_chunk):
             w = weight[c0 : c0 + vocab_chunk]
             C = w.shape[0]
@@ -289,8 +275,8 @@ def linear_token_logprobs_cpu_backward(
             for r0 in range(0, N, token_chunk):
                 h = hidden[r0 : r0 + token_chunk]
                 tgt, l, e, gl, ge = rows(r0, r0 + h.shape[0])
-                dl[r0 : r0 + h.shape[0]] = _fused_dlogits(tiled_matmul(h, w), c0, tgt, l, e, gl, ge, temperature)
-            dweight[c0 : c0 + C] = tiled_matmul(dl.t().contiguous(), h_t)[:, :H]
+                dl[r0 : r0 + h.shape[0]] = _fused_dlogits(exact_matmul(h, w), c0, tgt, l, e, gl, ge, temperature)
+            dweight[c0 : c0 + C] = exact_matmul(dl.t(), h_t)
             del dl
     return dhidden, dweight
 

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from rl_engine.backends.cpu.common import TILE_N, fixed_order_sum
+from rl_engine.utils import portable
 
 __all__ = [
     "VOCAB_BLOCK",
@@ -123,7 +124,7 @@ class LseAccumulator:
         m_b = z3.amax(dim=-1) + 0.0  # + 0.0 turns a -0 maximum into +0
         shift = m_b.masked_fill(m_b == _NEG_INF, 0.0)
         d = z3 - shift.unsqueeze(-1)
-        e = torch.exp(d)  # exp(-inf) = 0 for masked entries and padding
+        e = portable.exp(d)  # exp(-inf) = 0 for masked entries and padding
         s_b = fixed_order_sum(e)
         # clamp only for e·d (0 · -inf would be NaN); exp of -FLT_MAX is a slow path, so not before exp
         t_b = fixed_order_sum(e.mul_(d.clamp_min_(_NEG_MAX))) if self.entropy else None
@@ -138,8 +139,8 @@ class LseAccumulator:
         ref = m_new.masked_fill(m_new == _NEG_INF, 0.0)
         d_old = (m - ref).clamp_min_(_NEG_MAX)
         d_b = (m_b - ref).clamp_min_(_NEG_MAX)
-        a_old = torch.exp(d_old)
-        a_b = torch.exp(d_b)
+        a_old = portable.exp(d_old)
+        a_b = portable.exp(d_b)
         if self.t is not None:
             self.t = (a_old * self.t + (a_old * d_old) * s) + (a_b * t_b + (a_b * d_b) * s_b)
         self.s = s * a_old + s_b * a_b
@@ -149,7 +150,7 @@ class LseAccumulator:
         """Step 3: ``lse`` (and entropy). Rows with no finite logit get ``lse = -inf``."""
         if self._next != self.vocab_size:
             raise ValueError(f"vocabulary: accumulated {self._next} of {self.vocab_size} columns")
-        log_s = torch.log(self.s)
+        log_s = portable.log(self.s)
         lse = self.m + log_s
         ent = log_s - self.t / self.s if self.t is not None else None
         return LseResult(lse, ent)
@@ -158,14 +159,14 @@ class LseAccumulator:
 def grad_logprob(z: torch.Tensor, start: int, lse: torch.Tensor, targets: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``d logprob / d z`` times ``g`` for columns ``[start, start + L)`` of ``z`` ``[R, L]`` (fp32)."""
     R, L = z.shape
-    p = torch.exp(z - lse.unsqueeze(1))
+    p = portable.exp(z - lse.unsqueeze(1))
     dz = p.mul_(-g.unsqueeze(1))  # (-p)·g, the same bits as -(p·g)
     local = targets - start
     hit = (local >= 0) & (local < L)
     if bool(hit.any()):
         rows = torch.nonzero(hit).squeeze(1)
         cols = local[rows]
-        p_t = torch.exp(z[rows, cols] - lse[rows])
+        p_t = portable.exp(z[rows, cols] - lse[rows])
         dz[rows, cols] = (1.0 - p_t) * g[rows]
     return dz
 
@@ -173,14 +174,14 @@ def grad_logprob(z: torch.Tensor, start: int, lse: torch.Tensor, targets: torch.
 def grad_entropy(z: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``d H / d z`` times ``g`` for ``z`` ``[R, L]`` (any block of columns; fp32)."""
     logp = z - lse.unsqueeze(1)
-    p = torch.exp(logp)
+    p = portable.exp(logp)
     logp.clamp_min_(_NEG_MAX)  # p = 0 where logp = -inf: keep p · (logp + H) at 0, not NaN
     return (p * logp.add_(entropy.unsqueeze(1))).mul_(-g.unsqueeze(1))
 
 
 def grad_log_softmax(out: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``d log_softmax / d z`` applied to ``g`` ``[R, V]``, with ``out`` the log-softmax (fp32)."""
-    p = torch.exp(out)
+    p = portable.exp(out)
     return g - p.mul_(fixed_order_sum(g.float()).unsqueeze(1))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.backends.cpu.loss.reduce import canonical_sum, row_count_active, row_sum_active, segment_canonical_sum
+from rl_engine.utils import portable
 
 __all__ = ["ESTIMATORS", "DEFAULT_EPS", "advantages_portable"]
 
@@ -32,7 +33,7 @@ def advantages_portable(scores: torch.Tensor, group_ids: torch.Tensor, mask: tor
     if estimator == "grpo":
         sq, _, _ = segment_canonical_sum(dev * dev, group_ids)
         var = torch.where(n > 1, sq / torch.clamp(n - 1.0, min=1.0), zero)
-        den = torch.sqrt(var)[inverse] + eps
+        den = portable.sqrt(var)[inverse] + eps
         adv = torch.where(den > 0, dev / torch.where(den > 0, den, 1.0), zero)  # eps = 0 and a flat group: 0
     elif estimator == "grpo_no_std":
         adv = dev
@@ -46,7 +47,7 @@ def advantages_portable(scores: torch.Tensor, group_ids: torch.Tensor, mask: tor
         c = x - mu
         ss = canonical_sum(row_sum_active(c * c, mask))
         var = torch.where(N > 1, ss / torch.clamp(N - 1.0, min=1.0), zero)
-        return torch.where(mask, c / torch.sqrt(var + eps), zero)
+        return torch.where(mask, c / portable.sqrt(var + eps), zero)
     else:  # validated by the operator layer
         raise ValueError(f"estimator: expected one of {ESTIMATORS}, got {estimator!r}")
     return torch.where(mask, adv[:, None], zero)

@@ -16,6 +16,7 @@ import torch
 from rl_engine.backends.cpu.loss.reduce import canonical_sum, row_count_active, row_sum_active
 from rl_engine.backends.cpu.loss.token import LOG_RATIO_CLAMP
 from rl_engine.utils.bits import int_view
+from rl_engine.utils import portable
 
 __all__ = ["IS_LEVELS", "RS_LEVELS", "SAFETY_EPS", "rollout_correction_portable"]
 
@@ -26,7 +27,7 @@ SAFETY_EPS = 1e-8
 
 
 def _exp_clamped(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp(x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    return portable.exp(x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
 @torch.no_grad()
@@ -86,14 +87,14 @@ def rollout_correction_portable(
         if lr.shape[0]:
             lmax = torch.where(seq_active, seq_lr, torch.full((), float("-inf"), dtype=f32, device=dev)).amax()
             lmin = torch.where(seq_active, seq_lr, torch.full((), float("inf"), dtype=f32, device=dev)).amin()
-            m["rollout_is_max"] = torch.where(have, torch.exp(torch.clamp(lmax, max=LOG_RATIO_CLAMP)), nan)
-            m["rollout_is_min"] = torch.where(have, torch.exp(lmin), nan)
+            m["rollout_is_max"] = torch.where(have, portable.exp(torch.clamp(lmax, max=LOG_RATIO_CLAMP)), nan)
+            m["rollout_is_min"] = torch.where(have, portable.exp(lmin), nan)
         else:
             m["rollout_is_max"] = m["rollout_is_min"] = nan
     wc = w.clamp(1.0 / is_threshold, is_threshold)
-    p_diff = torch.abs(torch.exp(rl) - torch.exp(lp))
+    p_diff = torch.abs(portable.exp(rl) - portable.exp(lp))
     kl, k3, rho2, pd_mean, w_mean, wc_mean, wc2_mean = tok_means(
-        -lr, (torch.exp(lr) - lr) - 1.0, rho * rho, p_diff, w, wc, wc * wc
+        -lr, (portable.exp(lr) - lr) - 1.0, rho * rho, p_diff, w, wc, wc * wc
     )
     c = p_diff - pd_mean
     wn = wc / (wc_mean + SAFETY_EPS)
@@ -102,14 +103,14 @@ def rollout_correction_portable(
     m["kl"] = kl
     m["k3_kl"] = k3
     m["chi2_token"] = rho2 - 1.0
-    rho_seq = torch.exp(2.0 * seq_lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    rho_seq = portable.exp(2.0 * seq_lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     m["chi2_seq"] = torch.where(have, canonical_sum(torch.where(seq_active, rho_seq, zero)) / Sc, nan) - 1.0
     m["rollout_probs_diff_mean"] = pd_mean
     m["rollout_probs_diff_max"] = over_active(p_diff, float("-inf"), torch.amax)
-    m["rollout_probs_diff_std"] = torch.where(N > 1, torch.sqrt(ss / torch.clamp(N - 1.0, min=1.0)), torch.where(have, zero, nan))
+    m["rollout_probs_diff_std"] = torch.where(N > 1, portable.sqrt(ss / torch.clamp(N - 1.0, min=1.0)), torch.where(have, zero, nan))
     m["rollout_is_mean"] = w_mean
     var_c = wc2_mean - wc_mean * wc_mean
-    m["rollout_is_std"] = torch.where(N > 1, torch.sqrt(torch.clamp(var_c, min=0.0)), torch.where(have, zero, nan))
+    m["rollout_is_std"] = torch.where(N > 1, portable.sqrt(torch.clamp(var_c, min=0.0)), torch.where(have, zero, nan))
     m["rollout_is_eff_sample_size"] = torch.where(have, 1.0 / (wn2_sum / Nc), nan)
     weights = None
     if is_level is not None:

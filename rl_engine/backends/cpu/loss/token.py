@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.backends.cpu.loss.reduce import row_count_active, row_max_active, row_min_active, row_sum_active
+from rl_engine.utils import portable
 
 __all__ = [
     "LOG_RATIO_CLAMP",
@@ -60,10 +61,10 @@ def _policy_math(log_probs, old_log_probs, advantages, mask, is_weights, kind, e
         n = row_count_active(mask)
         seq_d = row_sum_active(d, mask) / torch.clamp(n, min=1.0)
         in_range = ((seq_d >= -LOG_RATIO_CLAMP) & (seq_d <= LOG_RATIO_CLAMP))[:, None]
-        ratio = torch.exp(seq_d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))[:, None].expand_as(d)
+        ratio = portable.exp(seq_d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))[:, None].expand_as(d)
     else:
         in_range = (d >= -LOG_RATIO_CLAMP) & (d <= LOG_RATIO_CLAMP)
-        ratio = torch.exp(d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        ratio = portable.exp(d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     clipped_ratio = ratio.clamp(lo, hi)
     dual = torch.zeros_like(mask)
     if kind == "cispo":
@@ -187,7 +188,7 @@ def _kl_math(log_probs, ref_log_probs, mask, estimator):
     else:  # k3: r - 1 - log r with log r = ref - logp
         u = -d
         in_range = (u >= -LOG_RATIO_CLAMP) & (u <= LOG_RATIO_CLAMP)
-        r = torch.exp(u.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        r = portable.exp(u.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         val = (r - 1.0) - u
         coef = torch.where(in_range, 1.0 - r, torch.ones_like(r))
     return torch.where(mask, val, zero), torch.where(mask, coef, zero)

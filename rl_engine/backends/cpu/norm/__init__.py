@@ -28,6 +28,7 @@ import torch
 from rl_engine.backends._customop import wire_fused_add_rms_norm, wire_rms_norm
 from rl_engine.backends.cpu.common import fixed_order_sum
 from rl_engine.runtime.registry import Implementation, register
+from rl_engine.utils import portable
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -35,7 +36,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 def _rstd(h: torch.Tensor, eps: float) -> torch.Tensor:
     """``1 / sqrt(fixed_order_sum(h²) / H + eps)`` per row of fp32 ``h`` ``[M, H]`` → ``[M, 1]``."""
     var = fixed_order_sum(h * h) / h.shape[-1]
-    return torch.sqrt(var + eps).reciprocal().unsqueeze(-1)
+    return portable.sqrt(var + eps).reciprocal().unsqueeze(-1)
 
 
 def _forward(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
