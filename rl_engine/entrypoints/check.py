@@ -103,6 +103,9 @@ def render(result: dict[str, Any], console: Console) -> None:
         f"{verdict}: {result['mismatched_tokens']} of {result['compared_tokens']} compared tokens differ "
         f"(max |Δ| {_fmt(result['max_abs_diff'])}) in {result['seconds']:.1f} s"
     )
+    if result.get("bits_digest"):
+        th = result.get("threads", {})
+        console.print(f"bits digest {result['bits_digest']}  (rollout threads {th.get('rollout')}, train threads {th.get('train')})")
 
 
 def command(
@@ -123,7 +126,9 @@ def command(
     top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Nucleus mass (1 = off)."),
     plan: str = typer.Option("R/R", "--plan", help="train/rollout implementations: R/R (rl-kernel), P/P (native torch), P/R, R/P."),
     threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads while checking; 0 = auto (1 for models under 50M parameters, else torch's default)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    rollout_threads: int | None = typer.Option(None, "--rollout-threads", min=1, help="torch intra-op threads of the rollout side (default: --threads). The bits must not depend on it (the 'threads' invariance; --engine reference)."),
+    train_threads: int | None = typer.Option(None, "--train-threads", min=1, help="torch intra-op threads of the train side (default: --threads; --engine reference)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (with bits_digest: the sha256 of both sides' log-prob bits, equal on every host that passes)."),
     engine: Engine = typer.Option(Engine.reference, "--engine", help="reference: rl-kernel's executors; hf: transformers generate vs its training forward (plans R/R or P/P); vllm: vLLM generate (plugin on: rollout R, off: P) vs rl_engine/transformers scoring (needs the vLLM env: .venv-vllm/bin/rlk)."),
 ) -> None:
     """Check that train and rollout log-probs of every active token are raw-bit equal.
@@ -160,6 +165,9 @@ def command(
     if engine is not Engine.reference and (prefill_chunk, max_step_tokens) != (16, 40):
         raise typer.BadParameter(f"--engine {engine.value} schedules its own steps; --prefill-chunk and "
                                  "--max-step-tokens apply to --engine reference", param_hint="--prefill-chunk")
+    if engine is not Engine.reference and (rollout_threads or train_threads):
+        raise typer.BadParameter(f"--engine {engine.value} runs both sides in one engine call; --rollout-threads and "
+                                 "--train-threads apply to --engine reference", param_hint="--rollout-threads")
     if model is not None and preset != "tiny":
         raise typer.BadParameter("--preset names random-weight dimensions; --model loads a checkpoint: give one",
                                  param_hint="--preset")
@@ -170,7 +178,8 @@ def command(
                        max_new_tokens=max_new_tokens, extra_prompt_tokens=extra_prompt_tokens,
                        kv_cache=kv_cache.value, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
                        max_step_tokens=max_step_tokens, seed=seed,
-                       temperature=temperature, top_k=top_k, top_p=top_p, plan=plan)
+                       temperature=temperature, top_k=top_k, top_p=top_p, plan=plan,
+                       rollout_threads=rollout_threads, train_threads=train_threads)
     if engine is Engine.vllm:
         _check_vllm(cfg, threads, as_json, err)
         return

@@ -24,7 +24,7 @@ from decimal import Decimal, localcontext
 
 import torch
 
-__all__ = ["exp", "log", "sqrt", "pow2"]
+__all__ = ["exp", "log", "sqrt", "pow2", "normal"]
 
 _LN2 = math.log(2.0)
 # ln 2 split for :func:`log`: the high part has 32 trailing zero bits, so e · _LN2_HI is exact.
@@ -198,3 +198,22 @@ def sqrt(x: torch.Tensor) -> torch.Tensor:
     special = torch.where(xd == torch.inf, torch.inf, torch.where(xd == 0, xd, torch.nan)).to(x.dtype)
     return torch.where(ok, s, special)
 
+
+
+def normal(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Float32 draws of mean 0 and variance 1 whose bits depend only on the generator's seed.
+
+    ``torch.randn`` on CPU fills with a vectorised Box–Muller whose results follow ATen's
+    instruction set; this uses four uniform integers per element from ``torch.randint`` (the
+    Mersenne Twister, scalar on every CPU), ``x = √(3/4)·Σ_{j<4} u_j`` with
+    ``u_j = (n_j + ½)/2^23 - 1 ∈ (-1, 1)`` — an Irwin–Hall approximation of the normal, bounded
+    by ``±2√3`` — computed with exact float64 additions and one rounding to float32.
+    """
+    n = 1
+    for s in shape:
+        n *= s
+    acc = torch.zeros(n, dtype=torch.float64)
+    for _ in range(4):
+        u = torch.randint(0, 1 << 24, (n,), generator=generator, dtype=torch.int64).to(torch.float64)
+        acc.add_(u.add_(0.5).mul_(2.0**-23).sub_(1.0))
+    return acc.mul_(math.sqrt(0.75)).to(torch.float32).reshape(shape)

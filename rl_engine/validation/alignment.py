@@ -11,8 +11,10 @@ are diagnostics that say *how far* two non-equal runs are, never whether they pa
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Mapping
+import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,7 +22,7 @@ import torch
 
 from rl_engine.utils.bits import bit_diff
 
-__all__ = ["AlignedTokens", "Mismatch", "Comparison", "align", "compare"]
+__all__ = ["AlignedTokens", "Mismatch", "Comparison", "align", "compare", "bits_digest"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,30 @@ class Comparison:
         d = asdict(self)
         d["passed"] = self.passed
         return d
+
+
+def bits_digest(parts: Sequence[tuple[str, AlignedTokens]]) -> str:
+    """sha256 of the raw bits of both sides' log-probs, in a fixed order: the parity digest.
+
+    For each ``(name, aligned)`` in the given order: the name (UTF-8), then every aligned token
+    in ``(sample_id, position)`` order as ``sample_id`` and ``position`` (int64 little-endian)
+    followed by the rollout's and the train side's fp32 log-prob bits (uint32 little-endian).
+    Two hosts that run the same ``rlk check`` command report the same digest exactly when every
+    token, every position and every log-prob bit agree — so comparing one hex string compares
+    a trainer host with a rollout host.
+    """
+    h = hashlib.sha256()
+    for name, a in parts:
+        h.update(name.encode())
+        order = sorted(range(len(a.keys)), key=a.keys.__getitem__)
+        keys = torch.tensor([a.keys[i] for i in order], dtype=torch.int64).reshape(-1, 2)
+        idx = torch.tensor(order, dtype=torch.int64)
+        r = a.rollout.float()[idx].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        t = a.train.float()[idx].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        rows = torch.cat([keys, r[:, None], t[:, None]], dim=1)
+        for row in rows.tolist():
+            h.update(struct.pack("<qqII", *row))
+    return h.hexdigest()
 
 
 def align(rollout: Mapping[int, Any], train: Mapping[int, Any]) -> AlignedTokens:

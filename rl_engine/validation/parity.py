@@ -20,8 +20,9 @@ any bit. Diagnostics (max ``|Δ|``, K3-KL, mean ``|Δp|``) are reported, never u
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rl_engine.runtime.executor import LAYOUTS, RolloutExecutor, RolloutRequest, SamplingParams, TrainSequence, score
 from rl_engine.runtime.plan import Plan
-from rl_engine.validation.alignment import align, compare
+from rl_engine.validation.alignment import align, bits_digest, compare
 
 __all__ = ["ParityConfig", "builtin_prompts", "check_context", "load_model", "run_parity", "SCHEMA_VERSION",
            "PROMPT_LENGTHS"]
@@ -72,6 +73,10 @@ class ParityConfig(BaseModel):
     max_seqs: int = Field(default=8, ge=1)
     prefill_chunk: int = Field(default=16, ge=1)
     max_step_tokens: int = Field(default=40, ge=1)
+    #: torch intra-op threads of the rollout and of the train scoring (None: the caller's count).
+    #: The CPU backend's bits do not depend on them (the ``threads`` invariance).
+    rollout_threads: int | None = Field(default=None, ge=1)
+    train_threads: int | None = Field(default=None, ge=1)
 
     @field_validator("preset")
     @classmethod
@@ -121,6 +126,20 @@ def load_model(cfg: ParityConfig):
         return (Qwen3ForCausalLM.random(PRESETS[cfg.preset], seed=cfg.seed, dtype=dtype, device=cfg.device),
                 f"{cfg.preset} (random weights)")
     return Qwen3ForCausalLM.from_pretrained(cfg.model, dtype=dtype, device=cfg.device), str(Path(cfg.model))
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``n`` torch intra-op threads (None: unchanged); restores the count in ``finally``."""
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | None = None,
@@ -174,17 +193,21 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
                                  max_len=max_len,
                                  prefill_chunk=cfg.prefill_chunk, max_step_tokens=cfg.max_step_tokens)
             t_r = time.perf_counter()
-            rollout = ex.generate(reqs, sampling,
-                                  progress=lambda done, n: tick(f"rollout: {done}/{n} tokens", 1, total))
+            with intra_op_threads(cfg.rollout_threads):
+                rollout = ex.generate(reqs, sampling,
+                                      progress=lambda done, n: tick(f"rollout: {done}/{n} tokens", 1, total))
             rollout_s = time.perf_counter() - t_r
         seqs = [TrainSequence(s.sample_id, s.tokens, (0,) * len(s.prompt) + (1,) * len(s.response))
                 for s in rollout.values()]
         layouts = []
+        aligned = []
         for k, name in enumerate(cfg.layouts):
             tick(f"train layout {name}", 2 + k, total)
             t_l = time.perf_counter()
-            scored = score(model, plan.provider("train"), seqs, name, temperature=sampling.logprob_temperature)
-            c = compare(align(rollout, scored))
+            with intra_op_threads(cfg.train_threads):
+                scored = score(model, plan.provider("train"), seqs, name, temperature=sampling.logprob_temperature)
+            aligned.append((name, align(rollout, scored)))
+            c = compare(aligned[-1][1])
             layouts.append({"name": name, **c.as_dict(), "seconds": round(time.perf_counter() - t_l, 3)})
     tick("done", total, total)
     first = next(({"layout": lay["name"], **lay["first_mismatch"]} for lay in layouts if lay["first_mismatch"]), None)
@@ -237,5 +260,8 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
             "native_modules": sorted({f"{m}:{side}" for (m, side), v in plan.choices.items() if v == "P"}),
         },
         "seconds": round(time.perf_counter() - t0, 3),
+        "bits_digest": bits_digest(aligned),
+        "threads": {"rollout": cfg.rollout_threads or torch.get_num_threads(),
+                    "train": cfg.train_threads or torch.get_num_threads()},
         "passed": bool(layouts) and all(lay["passed"] for lay in layouts),
     }

@@ -20,7 +20,7 @@ SUM_LANES = 64
 _F64_BITS = 53
 # Row and reduction blocks of exact_matmul's float64 work (memory only: blocking changes no bit).
 _ROW_BLOCK = 512
-_K_BLOCK = 512
+_K_BLOCK = 256
 
 
 def _slices_of(dtype: torch.dtype) -> int:
@@ -54,9 +54,9 @@ def _split(t: torch.Tensor, e: torch.Tensor, slices: int, beta: int) -> list[tor
     integer part).
     """
     s = t.mul_(pow2(beta - e))  # t is a fresh float64 copy owned by the caller
-    hi = torch.trunc(s)
     if slices == 1:
-        return [hi]
+        return [s.trunc_()]
+    hi = torch.trunc(s)
     lo = s.sub_(hi).mul_(float(2**beta)).trunc_()
     return [hi, lo]
 

@@ -21,12 +21,14 @@ splits. The residual additions are elementwise IEEE additions in the model dtype
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from rl_engine.models.qwen3.spec import ModelLoadError, Qwen3Spec, load_spec
+from rl_engine.utils import portable
 from rl_engine.validation import capture as _capture
 
 __all__ = ["Qwen3ForCausalLM"]
@@ -151,6 +153,9 @@ class Qwen3ForCausalLM:
                device: torch.device | str = "cpu", std: float = 0.02) -> "Qwen3ForCausalLM":
         """Seeded random weights (fp32 draws, then cast), norm weights ``1 + N(0, 0.01)``.
 
+        Draws come from :func:`rl_engine.utils.portable.normal` (unit variance, the same bits on
+        every CPU), so a seed names the same model on every host.
+
         The embedding (and an untied LM head) is drawn with std 0.25, so the logits of the tiny
         models have a standard deviation of a few units (sampled distributions neither flat
         nor one-hot); projection matrices are N(0, 1/fan_in); biases N(0, ``std``²).
@@ -159,13 +164,13 @@ class Qwen3ForCausalLM:
         sd = {}
         for name, shape in hf_parameter_shapes(spec).items():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+                t = 1.0 + 0.1 * portable.normal(shape, g)
             elif name == "model.embed_tokens.weight" or name == "lm_head.weight":
-                t = 0.25 * torch.randn(shape, generator=g)
+                t = 0.25 * portable.normal(shape, g)
             elif name.endswith(".bias"):
-                t = std * torch.randn(shape, generator=g)
+                t = std * portable.normal(shape, g)
             else:
-                t = torch.randn(shape, generator=g) / shape[1] ** 0.5
+                t = portable.normal(shape, g) / math.sqrt(shape[1])
             sd[name] = t
         return cls.from_hf_state_dict(spec, sd, dtype=dtype, device=device)
 

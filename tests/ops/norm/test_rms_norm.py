@@ -4,6 +4,8 @@ HF Qwen3RMSNorm, run-to-run determinism including dweight, bad input, custom-op 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -148,6 +150,12 @@ def test_fused_equals_add_then_rms_norm_bitwise(dtype):
     assert bit_diff(out, norm.rms_norm(new_res, w, EPS))
 
 
+def _sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    """IEEE (correctly rounded) fp32 sqrt: Python's math.sqrt is IEEE float64 sqrt, and rounding
+    it to fp32 is the fp32 IEEE result. ``torch.sqrt`` on CPU is not (MKL's vector sqrt)."""
+    return torch.tensor([math.sqrt(t) for t in v.flatten().tolist()], dtype=torch.float64).float().reshape(v.shape)
+
+
 def _hf_qwen3_rms_norm(x, w, eps, mean=lambda v: v.mean(-1, keepdim=True), rsqrt=torch.rsqrt):
     """HF Qwen3RMSNorm.forward, its math order verbatim (the mean and rsqrt are swappable)."""
     h = x.to(torch.float32)
@@ -159,10 +167,10 @@ def _hf_qwen3_rms_norm(x, w, eps, mean=lambda v: v.mean(-1, keepdim=True), rsqrt
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rounding_points_are_hf_qwen3_rms_norm(dtype):
     """HF's formula with its two non-fixed steps replaced (mean -> fixed_order_sum / H, rsqrt ->
-    1/sqrt) is bit for bit our operator: the rounding points are HF's."""
+    1/sqrt, IEEE) is bit for bit our operator: the rounding points are HF's."""
     x, _, w = _data((64, 3, 200), dtype, seed=7)
     hf_fixed = _hf_qwen3_rms_norm(
-        x, w, EPS, mean=lambda v: (fixed_order_sum(v) / v.shape[-1]).unsqueeze(-1), rsqrt=lambda v: 1 / torch.sqrt(v)
+        x, w, EPS, mean=lambda v: (fixed_order_sum(v) / v.shape[-1]).unsqueeze(-1), rsqrt=lambda v: 1 / _sqrt_rn(v)
     )
     assert bit_diff(norm.rms_norm(x, w, EPS), hf_fixed)
 
