@@ -136,6 +136,10 @@ class OperatorContract(_Strict):
     invariances: InvarianceSet
     precision_profile: str
     tolerance_overrides: list[ToleranceOverride] = Field(default_factory=list)
+    #: invariances required of the implementations of one platform family only (forward and
+    #: backward), e.g. ``{"cpu": ["threads", "isa"]}``: host thread counts and instruction sets
+    #: are CPU notions
+    platform_invariances: dict[Literal["cpu", "cuda", "rocm"], list[str]] = Field(default_factory=dict)
     notes: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("dtypes")
@@ -153,6 +157,10 @@ class OperatorContract(_Strict):
             bad = [n for n in getattr(self.invariances, side) if n not in vocab]
             if bad:
                 raise ValueError(f"{side} invariances {bad} are not in the vocabulary {sorted(vocab)}")
+        for family, names in self.platform_invariances.items():
+            bad = [n for n in names if n not in vocab]
+            if bad:
+                raise ValueError(f"platform_invariances[{family!r}] {bad} are not in the vocabulary {sorted(vocab)}")
         for o in self.tolerance_overrides:
             if o.dtype not in self.dtypes:
                 raise ValueError(f"override for dtype {o.dtype!r} which the contract does not support")
@@ -162,6 +170,11 @@ class OperatorContract(_Strict):
     def guarantees(self) -> frozenset[str]:
         """Forward invariances (the set an implementation must cover under the strict policy)."""
         return frozenset(self.invariances.forward)
+
+    def guarantees_on(self, family: str) -> frozenset[str]:
+        """What an implementation for platform ``family`` must cover: :attr:`guarantees` plus the
+        family's :attr:`platform_invariances`."""
+        return self.guarantees | frozenset(self.platform_invariances.get(family, ()))
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype_name(dtype) in self.dtypes

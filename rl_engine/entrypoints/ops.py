@@ -130,7 +130,7 @@ def collect(device: Device | str | None = None) -> dict[str, Any]:
                 op=op,
                 platform=platform,
                 dtype=getattr(torch, name),
-                requires=contract.guarantees,
+                requires=contract.guarantees_on(platform.family),
                 features={},
             )
             for name in contract.dtypes

@@ -7,7 +7,7 @@ compile, allocate, switch devices or mutate.
 
 Dispatch of one call::
 
-    request = Request(op, platform_of(x), x.dtype, requires=contract.guarantees, features={...})
+    request = Request(op, platform_of(x), x.dtype, requires=contract.guarantees_on(family), features={...})
     impl = first eligible implementation in priority order (lower number first)
     strict policy, none eligible  -> NoEligibleImplementation listing every rejection reason
     diagnostic policy, none       -> the float64 reference, recorded as a fallback
@@ -265,11 +265,12 @@ def make_request(op: str, device_tensor: torch.Tensor, *, features: Mapping[str,
     from rl_engine.platforms import platform_of
 
     contract = contracts.load_contract(op)
+    platform = platform_of(device_tensor)
     return Request(
         op=op,
-        platform=platform_of(device_tensor),
+        platform=platform,
         dtype=device_tensor.dtype,
-        requires=contract.guarantees if requires is None else requires,
+        requires=contract.guarantees_on(platform.family) if requires is None else requires,
         features=dict(features or {}),
     )
 

@@ -171,7 +171,7 @@ def run_ws1(lw: LoadedWorkload, *, device: str = "cpu", progress: Callable[[str,
                 if dname not in contract.dtypes:
                     cells.append(Cell(op, impl.impl_id, dname, "all", "n.a.", f"dtype not in the contract {list(contract.dtypes)}"))
                     continue
-                req = Request(op, plat, dt, contract.guarantees, {})
+                req = Request(op, plat, dt, contract.guarantees_on(plat.family), {})
                 reasons = list(impl.unavailable_reasons())
                 if plat.family not in impl.families:
                     reasons.append(f"platform family {plat.family!r} not in {list(impl.families)}")

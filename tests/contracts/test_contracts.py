@@ -67,9 +67,13 @@ def test_every_shipped_contract_validates():
     shipped = contracts.all_contracts()
     assert "gemm.linear" in shipped
     vocab = {d.name for d in contracts.invariance_vocabulary()}
-    assert vocab == {"row", "chunk", "prefill_decode", "layout", "tp_size", "run_to_run"}
+    assert vocab == {"row", "chunk", "prefill_decode", "layout", "tp_size", "run_to_run", "threads", "isa"}
     for op, c in shipped.items():
         assert c.op == op
+        if not op.startswith("models."):
+            assert c.platform_invariances == {"cpu": ["threads", "isa"]}, op
+            assert c.guarantees_on("cpu") == c.guarantees | {"threads", "isa"}
+            assert c.guarantees_on("cuda") == c.guarantees
         assert set(c.invariances.forward) <= vocab and set(c.invariances.backward) <= vocab
         assert c.guarantees == frozenset(c.invariances.forward)
         for name in c.dtypes:
@@ -228,3 +232,26 @@ def test_dtype_name():
     assert contracts.dtype_name(torch.bfloat16) == "bfloat16"
     with pytest.raises(ContractError, match="^dtype: torch.int8 has no contract name"):
         contracts.dtype_name(torch.int8)
+
+
+def test_platform_invariances_are_required_of_that_family_only(tmp_path):
+    """A CPU implementation that does not declare ``threads``/``isa`` is rejected under the strict
+    policy; a CUDA request does not ask for them (negative control: the same request without them)."""
+    from rl_engine.platforms import platform_of
+    from rl_engine.runtime.registry import Implementation, make_request
+
+    req = make_request("gemm.linear", torch.zeros(1))
+    assert {"threads", "isa"} <= req.requires
+    impl = Implementation(op="gemm.linear", impl_id="test.no_isa", version="1", fn=lambda *a: None,
+                          families=("cpu",), dtypes=(torch.float32,), guarantees=frozenset({"row", "chunk", "run_to_run"}),
+                          priority=99)
+    assert any("threads" in r and "isa" in r for r in impl.reject_reasons(req))
+    plain = type(req)(req.op, platform_of(torch.zeros(1)), req.dtype, contracts.load_contract("gemm.linear").guarantees, {})
+    assert impl.reject_reasons(plain) == []
+
+
+def test_platform_invariances_names_are_checked(tmp_path):
+    doc = json.loads((Path(contracts.__file__).parent / "operators" / "gemm.linear.json").read_text())
+    doc["platform_invariances"] = {"cpu": ["threads", "no_such_thing"]}
+    with pytest.raises(ValueError, match="no_such_thing"):
+        contracts.OperatorContract.model_validate(doc)

@@ -165,7 +165,7 @@ def test_provenance_fields_present():
     assert d["platform"] == platform_of("cpu").key
     assert d["policy"] == "strict" and d["fallback"] is False
     assert d["contract_version"] == contracts.load_contract("gemm.linear").version
-    assert d["requested"] == ["chunk", "row", "run_to_run"]
+    assert d["requested"] == ["chunk", "isa", "row", "run_to_run", "threads"]  # CPU: plus the platform invariances
     assert re.fullmatch(r"sha256:[0-9a-f]{64}", d["source_fingerprint"])
     import rl_engine.backends.cpu.gemm as backend
 

@@ -70,7 +70,7 @@ register(
         fn=silu_and_mul_cpu,
         families=("cpu",),
         dtypes=_DTYPES,
-        guarantees=frozenset({"row", "chunk", "run_to_run"}),
+        guarantees=frozenset({"row", "chunk", "run_to_run", "threads", "isa"}),
         priority=10,
     )
 )

@@ -577,7 +577,7 @@ def _(q, k_new, v_new, k_cache, v_cache, slot_mapping, page_rows, page_size, q_s
     return q.new_empty(q.shape)
 
 
-_GUARANTEES = frozenset({"row", "chunk", "prefill_decode", "layout", "run_to_run"})
+_GUARANTEES = frozenset({"row", "chunk", "prefill_decode", "layout", "run_to_run", "threads", "isa"})
 
 register(
     Implementation(

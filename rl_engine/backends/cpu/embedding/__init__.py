@@ -86,7 +86,7 @@ register(
         fn=embedding_cpu,
         families=("cpu",),
         dtypes=_DTYPES,
-        guarantees=frozenset({"row", "chunk", "run_to_run"}),
+        guarantees=frozenset({"row", "chunk", "run_to_run", "threads", "isa"}),
         priority=10,
     )
 )

@@ -82,7 +82,7 @@ register(
         fn=linear_cpu,
         families=("cpu",),
         dtypes=_DTYPES,
-        guarantees=frozenset({"row", "chunk", "run_to_run"}),
+        guarantees=frozenset({"row", "chunk", "run_to_run", "threads", "isa"}),
         priority=10,
     )
 )

@@ -372,7 +372,7 @@ def linear_token_logprobs(
     return (lp, ent.reshape(targets.shape)) if return_entropy else lp
 
 
-_GUARANTEES = frozenset({"row", "chunk", "run_to_run"})
+_GUARANTEES = frozenset({"row", "chunk", "run_to_run", "threads", "isa"})
 for _op, _fn in (
     ("logprob.log_softmax", log_softmax),
     ("logprob.token_logprobs", token_logprobs),

@@ -25,15 +25,15 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _FAMILIES = ("cpu", "cuda", "rocm")
 _UNTESTED = ("cuda", "rocm")
 
-_TOKEN_LOSS = frozenset({"row", "chunk", "layout", "run_to_run"})
+_TOKEN_LOSS = frozenset({"row", "chunk", "layout", "run_to_run", "threads", "isa"})
 
 for _op, _fn, _guarantees in (
     ("loss.policy", loss_policy, _TOKEN_LOSS),
     ("loss.kl", loss_kl, _TOKEN_LOSS),
     ("loss.aggregate", loss_masked_row_sum, _TOKEN_LOSS),
     # a sample's advantage depends on its group: permutation/padding invariant, not row invariant
-    ("loss.advantages", advantages_portable, frozenset({"layout", "run_to_run"})),
-    ("loss.rollout_correction", rollout_correction_portable, frozenset({"row", "layout", "run_to_run"})),
+    ("loss.advantages", advantages_portable, frozenset({"layout", "run_to_run", "threads", "isa"})),
+    ("loss.rollout_correction", rollout_correction_portable, frozenset({"row", "layout", "run_to_run", "threads", "isa"})),
 ):
     register(
         Implementation(

@@ -117,7 +117,7 @@ for _op, _fn in (("norm.rms_norm", rms_norm_cpu), ("norm.fused_add_rms_norm", fu
             fn=_fn,
             families=("cpu",),
             dtypes=_DTYPES,
-            guarantees=frozenset({"row", "run_to_run"}),
+            guarantees=frozenset({"row", "run_to_run", "threads", "isa"}),
             priority=10,
         )
     )

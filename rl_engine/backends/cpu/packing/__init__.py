@@ -60,7 +60,7 @@ for _op, _fn in (("packing.pack", pack), ("packing.unpack", unpack)):
             fn=_fn,
             families=("cpu", "cuda", "rocm"),
             dtypes=_DTYPES,
-            guarantees=frozenset({"row", "layout", "run_to_run"}),
+            guarantees=frozenset({"row", "layout", "run_to_run", "threads", "isa"}),
             priority=10,
             untested_families=("cuda", "rocm"),
         )

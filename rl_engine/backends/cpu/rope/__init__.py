@@ -62,7 +62,7 @@ register(
         fn=apply_rope_cpu,
         families=("cpu",),
         dtypes=_DTYPES,
-        guarantees=frozenset({"row", "run_to_run"}),
+        guarantees=frozenset({"row", "run_to_run", "threads", "isa"}),
         priority=10,
     )
 )
