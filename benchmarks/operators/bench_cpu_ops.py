@@ -59,6 +59,8 @@ class Case:
     native_name: str
     # keeps the inputs alive for the closures (and documents what they are)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    # further reference points timed in the same interleaved run: name -> callable
+    others: dict[str, Callable[[], Any]] = field(default_factory=dict)
 
 
 def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
@@ -67,6 +69,32 @@ def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator, scale: float =
 
 # ---- operator case builders ------------------------------------------------------------------
 # Each builder yields Cases; it is used only when the operator's contract is shipped.
+
+
+def tiled_blas_linear(x: torch.Tensor, w: torch.Tensor, tile_m: int = 64, tile_n: int = 1024) -> torch.Tensor:
+    """``x @ w.T`` as one fixed BLAS call shape per tile (zero-padded ``[64, K] @ [K, 1024]``).
+
+    The CPU GEMM design that exact sums replace: row and column invariant within one process,
+    but MKL/oneDNN pick the K order of that call by thread count and instruction set, so its
+    bits change between hosts (tests/ops/test_cpu_bits_threads_isa.py). Timed as the reference
+    point of what thread/ISA invariance costs.
+    """
+    M, K = x.shape
+    N = w.shape[0]
+    out = x.new_empty((M, N))
+    for j in range(0, N, tile_n):
+        wb = w[j : j + tile_n]
+        n = wb.shape[0]
+        if n < tile_n:
+            wb = torch.cat([wb, wb.new_zeros((tile_n - n, K))])
+        wt = wb.t()
+        for i in range(0, M, tile_m):
+            xb = x[i : i + tile_m]
+            m = xb.shape[0]
+            if m < tile_m:
+                xb = torch.cat([xb, xb.new_zeros((tile_m - m, K))])
+            out[i : i + m, j : j + n] = (xb @ wt)[:m, :n]
+    return out
 
 
 def linear_cases(quick: bool, dtypes: list[torch.dtype]) -> Iterator[Case]:
@@ -87,6 +115,7 @@ def linear_cases(quick: bool, dtypes: list[torch.dtype]) -> Iterator[Case]:
                     native=lambda x=x, w=w: F.linear(x, w),
                     native_name="torch.nn.functional.linear",
                     inputs={"x": x, "weight": w},
+                    others={"fixed BLAS tiles 64x1024 (not threads/isa invariant)": lambda x=x, w=w: tiled_blas_linear(x, w)},
                 )
 
 
@@ -234,7 +263,7 @@ def run(quick: bool, ops_filter: list[str] | None, dtypes: list[torch.dtype]) ->
             notes.append(f"{op}: ERROR building cases: {type(exc).__name__}: {exc}")
             continue
         for case in cases:
-            variants = {"raise": case.ours, "propagate": _without_nan_scan(case.ours), "native": case.native}
+            variants = {"raise": case.ours, "propagate": _without_nan_scan(case.ours), "native": case.native, **case.others}
             try:
                 repeats = 3 if quick else _repeats_for(case, budget_s=4.0, lo=7, hi=41)
                 stats = measure_interleaved(variants, warmup=warmup, repeats=repeats)
@@ -260,6 +289,14 @@ def run(quick: bool, ops_filter: list[str] | None, dtypes: list[torch.dtype]) ->
                     peak_memory_bytes=mems["native"][0], peak_memory_method=mems["native"][1], **common,
                 )
             )
+            for name in case.others:
+                rows.append(
+                    make_row(
+                        implementation=name, config=dict(case.config), stats=stats[name], baseline=case.native_name,
+                        peak_memory_bytes=mems[name][0], peak_memory_method=mems[name][1],
+                        extra={"ratio_vs_baseline": stats[name].median / stats["native"].median}, **common,
+                    )
+                )
             cfg = " ".join(f"{k}={v}" for k, v in case.config.items())
             print(
                 f"{op:<22} {cfg:<44} native {stats['native'].median:9.3f} ms | rl_engine "

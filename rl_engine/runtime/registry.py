@@ -75,7 +75,7 @@ class Implementation:
 
     Attributes:
         op: operator id (``"gemm.linear"``).
-        impl_id: unique id within the operator (``"cpu.tiled_blas"``).
+        impl_id: unique id within the operator (``"cpu.exact_sum"``).
         version: bumped whenever the arithmetic changes (recorded in provenance).
         fn: the callable; same signature as the operator's reference.
         families: platform families it runs on (``("cpu",)``).

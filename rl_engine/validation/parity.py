@@ -20,9 +20,8 @@ any bit. Diagnostics (max ``|Δ|``, K3-KL, mean ``|Δp|``) are reported, never u
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rl_engine.runtime.executor import LAYOUTS, RolloutExecutor, RolloutRequest, SamplingParams, TrainSequence, score
 from rl_engine.runtime.plan import Plan
+from rl_engine.utils.threads import intra_op_threads
 from rl_engine.validation.alignment import align, bits_digest, compare
 
 __all__ = ["ParityConfig", "builtin_prompts", "check_context", "load_model", "run_parity", "SCHEMA_VERSION",
@@ -126,20 +126,6 @@ def load_model(cfg: ParityConfig):
         return (Qwen3ForCausalLM.random(PRESETS[cfg.preset], seed=cfg.seed, dtype=dtype, device=cfg.device),
                 f"{cfg.preset} (random weights)")
     return Qwen3ForCausalLM.from_pretrained(cfg.model, dtype=dtype, device=cfg.device), str(Path(cfg.model))
-
-
-@contextlib.contextmanager
-def intra_op_threads(n: int | None) -> Iterator[None]:
-    """Run the block with ``n`` torch intra-op threads (None: unchanged); restores the count in ``finally``."""
-    if n is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | None = None,

@@ -77,7 +77,7 @@ def test_cpu_peak_memory_sees_a_known_allocation():
 def test_row_schema():
     stats = Stats(n=3, median=2.0, p20=1.5, p80=2.5, min=1.0, max=3.0)
     row = make_row(
-        benchmark="b", op="gemm.linear", implementation="cpu.tiled_blas", config={"M": 64}, stats=stats,
+        benchmark="b", op="gemm.linear", implementation="cpu.exact_sum", config={"M": 64}, stats=stats,
         warmup=1, device=harness.device_info("cpu"), versions=harness.versions(), peak_memory_bytes=10,
         peak_memory_method="torch.profiler", baseline="torch.nn.functional.linear",
     )
@@ -119,7 +119,7 @@ def test_bench_cpu_ops_quick_writes_schema_rows(tmp_path):
         assert ROW_KEYS <= set(row) and row["op"] == "gemm.linear" and row["samples"] == 3
     ours = [r for r in rows if r["baseline"] is not None]
     assert {r["config"]["nan_policy"] for r in ours} == {"raise", "propagate"}
-    assert all(r["implementation"] == "cpu.tiled_blas" and r["ratio_vs_baseline"] > 0 for r in ours)
+    assert all(r["implementation"] == "cpu.exact_sum" and r["ratio_vs_baseline"] > 0 for r in ours)
 
 
 def test_markdown_tables_pair_rows_by_config():
@@ -129,9 +129,9 @@ def test_markdown_tables_pair_rows_by_config():
     native = Stats(n=5, median=1.0, p20=0.9, p80=1.1, min=0.8, max=1.2)
     common = dict(benchmark="b", op="gemm.linear", warmup=1, device={}, versions={})
     rows = [
-        make_row(implementation="cpu.tiled_blas", config={"M": 64, "dtype": "float32", "nan_policy": "raise"}, stats=stats,
+        make_row(implementation="cpu.exact_sum", config={"M": 64, "dtype": "float32", "nan_policy": "raise"}, stats=stats,
                  baseline="F.linear", extra={"ratio_vs_baseline": 2.0}, **common),
-        make_row(implementation="cpu.tiled_blas", config={"M": 64, "dtype": "float32", "nan_policy": "propagate"},
+        make_row(implementation="cpu.exact_sum", config={"M": 64, "dtype": "float32", "nan_policy": "propagate"},
                  stats=stats.scaled(0.6), baseline="F.linear", extra={"ratio_vs_baseline": 1.2}, **common),
         make_row(implementation="F.linear", config={"M": 64, "dtype": "float32"}, stats=native, **common),
     ]
@@ -139,7 +139,7 @@ def test_markdown_tables_pair_rows_by_config():
     assert list(paired) == ["gemm.linear"] and len(paired["gemm.linear"]) == 1
     text = markdown_tables(rows)
     assert "| M | dtype | native ms | rl-kernel ms | ratio | ratio without NaN scan |" in text
-    assert "| 64 | float32 | 1.000 | 2.000 | 2.00× | 1.20× | 1.900–2.100 | – / – | `cpu.tiled_blas` |" in text
+    assert "| 64 | float32 | 1.000 | 2.000 | 2.00× | 1.20× | 1.900–2.100 | – / – | `cpu.exact_sum` |" in text
 
 
 def test_cuda_graph_ms_rejects_bad_counts():

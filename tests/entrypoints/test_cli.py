@@ -104,7 +104,7 @@ def test_ops_json_lists_gemm_linear_with_the_cpu_implementation():
     assert set(c) == {"version", "summary", "dtypes", "invariances", "precision_profile", "tolerance_overrides"}
     assert {"float32", "bfloat16"} <= set(c["dtypes"])
     assert {"row", "chunk", "run_to_run"} <= set(c["invariances"]["forward"])
-    impl = next(i for i in linear["implementations"] if i["impl_id"] == "cpu.tiled_blas")
+    impl = next(i for i in linear["implementations"] if i["impl_id"] == "cpu.exact_sum")
     assert set(impl) == {
         "impl_id", "version", "priority", "families", "dtypes", "guarantees", "untested_families",
         "available", "unavailable_reasons", "eligible", "rejections",
@@ -113,7 +113,7 @@ def test_ops_json_lists_gemm_linear_with_the_cpu_implementation():
     assert impl["eligible"]["float32"] is True and impl["eligible"]["bfloat16"] is True
     assert impl["rejections"]["float32"] == [] and impl["rejections"]["bfloat16"] == []
     assert set(impl["eligible"]) == set(c["dtypes"]) == set(linear["selected"])
-    assert linear["selected"]["float32"] == linear["selected"]["bfloat16"] == "cpu.tiled_blas"
+    assert linear["selected"]["float32"] == linear["selected"]["bfloat16"] == "cpu.exact_sum"
 
 
 def test_ops_lists_every_shipped_contract():
@@ -169,7 +169,7 @@ def test_ops_reports_rejections_of_a_test_operator(fake_op):
 def test_ops_table_output():
     result = runner.invoke(app, ["ops", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    assert "gemm.linear" in result.stdout and "cpu.tiled_blas" in result.stdout
+    assert "gemm.linear" in result.stdout and "cpu.exact_sum" in result.stdout
 
 
 def test_ops_load_error_exits_2(monkeypatch):

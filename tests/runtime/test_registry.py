@@ -123,7 +123,7 @@ def test_diagnostic_policy_prefers_an_eligible_implementation():
     w = torch.randn(3, 16)
     with use_policy("diagnostic"), provenance.record() as calls:
         gemm.linear(x, w)
-    assert (calls[0].impl_id, calls[0].fallback, calls[0].policy) == ("cpu.tiled_blas", False, "diagnostic")
+    assert (calls[0].impl_id, calls[0].fallback, calls[0].policy) == ("cpu.exact_sum", False, "diagnostic")
 
 
 def test_diagnostic_fallback_of_a_test_op(fake_op):
@@ -161,7 +161,7 @@ def test_provenance_fields_present():
     rec = _linear_record()
     d = rec.as_dict()
     assert set(d) == FIELDS
-    assert d["op"] == "gemm.linear" and d["impl_id"] == "cpu.tiled_blas" and d["impl_version"] == "1"
+    assert d["op"] == "gemm.linear" and d["impl_id"] == "cpu.exact_sum" and d["impl_version"] == "2"
     assert d["platform"] == platform_of("cpu").key
     assert d["policy"] == "strict" and d["fallback"] is False
     assert d["contract_version"] == contracts.load_contract("gemm.linear").version
@@ -194,7 +194,7 @@ def test_provenance_summarize_counts_calls():
         for _ in range(3):
             gemm.linear(x, w)
     summary = provenance.summarize(calls)
-    assert len(summary) == 1 and summary[0]["calls"] == 3 and summary[0]["impl_id"] == "cpu.tiled_blas"
+    assert len(summary) == 1 and summary[0]["calls"] == 3 and summary[0]["impl_id"] == "cpu.exact_sum"
 
 
 def test_provenance_blocks_nest_and_restore_on_exceptions():
@@ -321,7 +321,7 @@ def test_shipped_eligibility_runs_no_tensor_operation():
         impl, _ = select(req)
         impl.reject_reasons(req)
         impl.unavailable_reasons()
-    assert impl.impl_id == "cpu.tiled_blas"
+    assert impl.impl_id == "cpu.exact_sum"
     ops = [e.name for e in prof.events() if e.name.startswith("aten::")]
     assert ops == []
 

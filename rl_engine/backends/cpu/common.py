@@ -148,11 +148,13 @@ def exact_matmul(
     if scale_by not in ("rows", "k"):
         raise ValueError(f"scale_by: expected 'rows' or 'k', got {scale_by!r}")
     # A row holding ±inf or nan reads an exponent of 1025 or more (finite float32/16 rows: ≤ 129).
-    finite = bool((_row_exponents(x) <= 129).all()) and bool((_row_exponents(w) <= 129).all())
+    ex, ew = _row_exponents(x), _row_exponents(w)
+    finite = bool((ex <= 129).all()) and bool((ew <= 129).all())
     xf, wf = x, w
     if not finite:
         xf = torch.where(torch.isfinite(x), x, 0.0).to(x.dtype)
         wf = torch.where(torch.isfinite(w), w, 0.0).to(w.dtype)
+        ex, ew = _row_exponents(xf), _row_exponents(wf)
     if scale_by == "k":
         # Per-k scales folded into x; attention tiles are small, so one block.
         ek = _row_exponents(wf, dim=-2)  # [..., 1, K]
@@ -162,7 +164,6 @@ def exact_matmul(
         ew = torch.zeros((*w.shape[:-1], 1), dtype=torch.int64)
         acc = _products(_split(xd, ex, sx, beta), _split(wd, ew, sw, beta), beta)
         return _finish(acc, ex, ew, beta, x, w, finite, out_dtype)
-    ex, ew = _row_exponents(xf), _row_exponents(wf)
     out = torch.empty((*lead, M, N), dtype=out_dtype)
     # Blocks of rows and of K bound the float64 temporaries; the sums over K blocks are exact
     # integer additions, so blocking changes no bit.

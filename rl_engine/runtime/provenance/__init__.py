@@ -4,7 +4,7 @@
 
     with rl_engine.runtime.provenance.record() as calls:
         y = rl_engine.ops.gemm.linear(x, w)
-    calls[0].impl_id        # "cpu.tiled_blas"
+    calls[0].impl_id        # "cpu.exact_sum"
     calls[0].fallback       # False
 
 Every dispatched call inside the block appends one :class:`ProvenanceRecord`. Blocks nest: an

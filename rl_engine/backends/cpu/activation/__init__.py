@@ -66,7 +66,7 @@ register(
     Implementation(
         op="activation.silu_and_mul",
         impl_id="cpu.ieee_exp",
-        version="1",
+        version="2",
         fn=silu_and_mul_cpu,
         families=("cpu",),
         dtypes=_DTYPES,

@@ -383,7 +383,7 @@ for _op, _fn in (
         Implementation(
             op=_op,
             impl_id="cpu.canonical_lse",
-            version="1",
+            version="2",
             fn=_fn,
             families=("cpu",),
             dtypes=_DTYPES,

@@ -39,7 +39,7 @@ for _op, _fn, _guarantees in (
         Implementation(
             op=_op,
             impl_id="portable.fixed_order",
-            version="1",
+            version="2",
             fn=_fn,
             families=_FAMILIES,
             dtypes=_DTYPES,

@@ -113,7 +113,7 @@ for _op, _fn in (("norm.rms_norm", rms_norm_cpu), ("norm.fused_add_rms_norm", fu
         Implementation(
             op=_op,
             impl_id="cpu.fixed_order",
-            version="1",
+            version="2",
             fn=_fn,
             families=("cpu",),
             dtypes=_DTYPES,

@@ -58,7 +58,7 @@ register(
     Implementation(
         op="rope.apply_rope",
         impl_id="cpu.exact_table",
-        version="1",
+        version="2",
         fn=apply_rope_cpu,
         families=("cpu",),
         dtypes=_DTYPES,

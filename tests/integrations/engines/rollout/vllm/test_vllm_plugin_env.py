@@ -64,7 +64,7 @@ def test_register_rejects_an_unknown_value(monkeypatch):
 def _rank(**over):
     p = {"rank": 0, "pid": 1, "mode": "strict", "installed": "strict", "native_calls": {}, "fallback": False,
          "modules": {k: 1 for k in QWEN3_KINDS},
-         "operators": [{"op": "gemm.linear", "impl_id": "cpu.tiled_blas", "fallback": False, "calls": 3}]}
+         "operators": [{"op": "gemm.linear", "impl_id": "cpu.exact_sum", "fallback": False, "calls": 3}]}
     p.update(over)
     return p
 

@@ -1,0 +1,92 @@
+"""backends.cpu.common.exact_matmul: the exact-sum GEMM under every CPU op's products.
+
+Its claims, each on raw bits: blocking over rows and K changes nothing (the block sums are exact);
+element (m, n) depends only on x[m] and w[n]; with scale_by="k" a masked slot's contents do not
+reach the other terms (negative control: per-row scales do let them in); fp32 accuracy is float32
+rounding; zero sums are +0; non-finite operands follow IEEE rules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import rl_engine.backends.cpu.common as common
+from rl_engine.backends.cpu.common import exact_bmm, exact_matmul
+from rl_engine.utils.bits import bit_diff
+
+
+def _randn(shape, seed, dtype=torch.float32, scale=1.0):
+    return (scale * torch.randn(shape, generator=torch.Generator().manual_seed(seed))).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocking_changes_no_bit(dtype, monkeypatch):
+    x, w = _randn((700, 1300), 0, dtype), _randn((300, 1300), 1, dtype)
+    small = exact_matmul(x, w)
+    monkeypatch.setattr(common, "_ROW_BLOCK", 10**9)
+    monkeypatch.setattr(common, "_K_BLOCK", 10**9)
+    assert bit_diff(exact_matmul(x, w), small)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_elements_depend_on_their_row_and_column_only(dtype):
+    x, w = _randn((97, 2048), 2, dtype), _randn((130, 2048), 3, dtype)
+    full = exact_matmul(x, w)
+    perm = torch.randperm(97, generator=torch.Generator().manual_seed(4))
+    assert bit_diff(exact_matmul(x[perm], w), full[perm])
+    assert bit_diff(exact_matmul(x[5:6], w[17:90]), full[5:6, 17:90])
+    batched = exact_matmul(x.view(1, 97, 2048).expand(3, -1, -1), w.view(1, 130, 2048).expand(3, -1, -1))
+    assert bit_diff(batched[2], full)
+
+
+def test_fp32_accuracy_is_float32_rounding():
+    x, w = _randn((64, 4096), 5), _randn((256, 4096), 6)
+    ref = x.double() @ w.double().T
+    got = exact_matmul(x, w).double()
+    # half an fp32 ulp of the result, plus the dropped lo·lo term and truncation (< K·2^-2β of
+    # the rows' maxima, β = 20 here)
+    r32 = ref.float().abs()
+    ulp = (torch.nextafter(r32, torch.full_like(r32, math.inf)) - r32).double()
+    tol = ulp / 2 + 4096 * 2.0**-40 * x.abs().amax(1, keepdim=True).double() * w.abs().amax(1).double()
+    excess = ((got - ref).abs() - tol).max().item()
+    assert excess <= 0, excess
+
+
+def test_scale_by_k_keeps_masked_slots_out():
+    p = torch.rand((4, 64, 64), generator=torch.Generator().manual_seed(7))
+    p[:, :, 40:] = 0  # keys 40..63 are masked: probability exactly 0
+    v = _randn((4, 64, 128), 8)
+    v_stale = v.clone()
+    v_stale[:, 40:] = _randn((4, 24, 128), 9, scale=1e6)
+    assert bit_diff(exact_bmm(p, v, scale_by="k"), exact_bmm(p, v_stale, scale_by="k"))
+    # negative control: per-row scales of w = vᵀ span the masked keys, so their values leak in
+    assert not torch.equal(exact_bmm(p, v), exact_bmm(p, v_stale))
+
+
+def test_zero_sums_are_positive_zero_and_empty_shapes():
+    x = torch.zeros((3, 5))
+    w = -torch.ones((2, 5))
+    out = exact_matmul(x, w)
+    assert torch.equal(out.view(torch.int32), torch.zeros((3, 2), dtype=torch.int32))
+    assert exact_matmul(torch.zeros((0, 5)), w).shape == (0, 2)
+    assert torch.equal(exact_matmul(torch.ones((2, 0)), torch.ones((3, 0))), torch.zeros((2, 3)))
+
+
+def test_non_finite_operands_follow_ieee():
+    inf, nan = math.inf, math.nan
+    x = torch.tensor([[1.0, inf, 0.0], [1.0, 2.0, 3.0], [nan, 0.0, 0.0], [-inf, 1.0, 1.0]])
+    w = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, -1.0, 1.0], [1.0, 1.0, -inf], [1.0, 0.0, 2.0]])
+    got = exact_matmul(x, w)
+    want = x.double() @ w.double().T
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()], want[~want.isnan()].float())
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        exact_matmul(torch.ones((2, 2), dtype=torch.float64), torch.ones((2, 2), dtype=torch.float64))
+    with pytest.raises(ValueError, match="scale_by"):
+        exact_matmul(torch.ones((2, 2)), torch.ones((2, 2)), scale_by="cols")
