@@ -79,8 +79,8 @@ def bits_digest(parts: Sequence[tuple[str, AlignedTokens]]) -> str:
         order = sorted(range(len(a.keys)), key=a.keys.__getitem__)
         keys = torch.tensor([a.keys[i] for i in order], dtype=torch.int64).reshape(-1, 2)
         idx = torch.tensor(order, dtype=torch.int64)
-        r = a.rollout.float()[idx].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-        t = a.train.float()[idx].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        r = a.rollout.detach().float().cpu()[idx].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        t = a.train.detach().float().cpu()[idx].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         rows = torch.cat([keys, r[:, None], t[:, None]], dim=1)
         for row in rows.tolist():
             h.update(struct.pack("<qqII", *row))
