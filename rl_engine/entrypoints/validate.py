@@ -41,7 +41,8 @@ class Suite(str, enum.Enum):
 
 
 def run_suite(suite: str, lw, *, device: str = "cpu", plan: str = "R/R", inject: str | None = None,
-              progress=None) -> tuple[dict[str, Any], dict[str, Any]]:
+              progress=None, rollout_threads: int | None = None,
+              train_threads: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run one suite; returns ``(result, provenance)``."""
     import torch
 
@@ -58,7 +59,8 @@ def run_suite(suite: str, lw, *, device: str = "cpu", plan: str = "R/R", inject:
         elif suite == "chain":
             from rl_engine.validation.chain import run_chain
 
-            result = run_chain(lw, plan=plan, device=device, factory=factory, progress=progress)
+            result = run_chain(lw, plan=plan, device=device, factory=factory, progress=progress,
+                               rollout_threads=rollout_threads, train_threads=train_threads)
         elif suite == "cross-config":
             from rl_engine.validation.cross_config import run_cross_config
 
@@ -139,6 +141,8 @@ def command(
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda:0."),
     plan: str = typer.Option("R/R", "--plan", help="chain: train/rollout plan (R/R, P/P, P/R, R/P)."),
     inject: str | None = typer.Option(None, "--inject", help="Negative control (chain, cross-config, ablation): make this module of the R provider batch-dependent (attention, gemm, norm, rope, activation, embedding, logprob)."),
+    rollout_threads: int | None = typer.Option(None, "--rollout-threads", min=1, help="chain: torch intra-op threads of the rollout side (the bits must not depend on it)."),
+    train_threads: int | None = typer.Option(None, "--train-threads", min=1, help="chain: torch intra-op threads of the train side."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     out: str | None = typer.Option(None, "--out", help="Write a run directory (report.json, summary.md, plots, COMPLETE) under DIR."),
 ) -> None:
@@ -154,6 +158,11 @@ def command(
     if inject is not None and suite is Suite.ws1:
         raise typer.BadParameter("ws1 calls each implementation directly (it has its own negative controls); "
                                  "--inject applies to chain, cross-config and ablation", param_hint="--inject")
-    options = {"suite": suite.value, "device": device, "plan": plan, "inject": inject}
+    if (rollout_threads or train_threads) and suite is not Suite.chain:
+        raise typer.BadParameter("--rollout-threads and --train-threads apply to the chain suite (a rollout and a "
+                                 "train side)", param_hint="--rollout-threads")
+    options = {"suite": suite.value, "device": device, "plan": plan, "inject": inject,
+               "rollout_threads": rollout_threads, "train_threads": train_threads}
     execute(suite.value, workload=workload, device=device, as_json=as_json, out=out, options=options, label=f"validate {suite.value}",
-            runner=lambda lw, progress: run_suite(suite.value, lw, device=device, plan=plan, inject=inject, progress=progress))
+            runner=lambda lw, progress: run_suite(suite.value, lw, device=device, plan=plan, inject=inject, progress=progress,
+                                                  rollout_threads=rollout_threads, train_threads=train_threads))

@@ -30,6 +30,7 @@ import torch
 from rl_engine.config import LoadedWorkload, Workload
 from rl_engine.runtime.executor import Layout, RolloutExecutor, RolloutRequest, SamplingParams, TrainSequence, layout_stream, score
 from rl_engine.runtime.plan import Plan
+from rl_engine.utils.threads import intra_op_threads
 from rl_engine.utils.bits import bit_diff
 from rl_engine.validation import capture as cap_mod
 from rl_engine.validation.alignment import align, compare
@@ -185,14 +186,18 @@ def gradient_invariance(model, ops, seqs: Sequence[TrainSequence], layouts: dict
     return {"layouts": names, "comparisons": results, "passed": all(r["equal"] for r in results) and bool(results)}
 
 
-def run_cell(model, plan: Plan, w: Workload, cell: ChainCell, factory: ProviderFactory = default_factory) -> dict[str, Any]:
+def run_cell(model, plan: Plan, w: Workload, cell: ChainCell, factory: ProviderFactory = default_factory,
+             threads: tuple[int | None, int | None] = (None, None)) -> dict[str, Any]:
+    """One chain cell; ``threads`` = (rollout, train) torch intra-op threads (None: unchanged)."""
     reqs = requests_for(w, model.spec.vocab_size, cell.samples, cell.response_scale)
     full = sum(len(r.prompt) for r in reqs) + len(reqs)
-    samples, ex = rollout(model, factory(plan, "rollout"), w, reqs, max_seqs=cell.max_seqs,
-                          prefill_chunk=max(len(r.prompt) for r in reqs) if cell.prefill_chunk == "full" else None,
-                          max_step_tokens=full if cell.prefill_chunk == "full" else None)
-    scored = score(model, factory(plan, "train"), sequences_of(samples), cell.layout,
-                   temperature=sampling_of(w).logprob_temperature, pad_id=w.pad_id)
+    with intra_op_threads(threads[0]):
+        samples, ex = rollout(model, factory(plan, "rollout"), w, reqs, max_seqs=cell.max_seqs,
+                              prefill_chunk=max(len(r.prompt) for r in reqs) if cell.prefill_chunk == "full" else None,
+                              max_step_tokens=full if cell.prefill_chunk == "full" else None)
+    with intra_op_threads(threads[1]):
+        scored = score(model, factory(plan, "train"), sequences_of(samples), cell.layout,
+                       temperature=sampling_of(w).logprob_temperature, pad_id=w.pad_id)
     c = compare(align(samples, scored))
     return {"cell": cell.name, "layout": cell.layout.name, "rollout_steps": len(ex.batch_log),
             "max_sequences_per_step": max(len(s) for s in ex.batch_log), **c.as_dict()}
@@ -200,9 +205,13 @@ def run_cell(model, plan: Plan, w: Workload, cell: ChainCell, factory: ProviderF
 
 def run_chain(lw: LoadedWorkload, *, plan: str = "R/R", device: str = "cpu", factory: ProviderFactory = default_factory,
               cells: Sequence[str] | None = None, grads: bool = True, with_controls: bool = True,
-              progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+              progress: Callable[[str, int, int], None] | None = None,
+              rollout_threads: int | None = None, train_threads: int | None = None) -> dict[str, Any]:
     """Run the chain cells (all, or the named ones), the gradient-invariance check and the
-    negative controls (a batch-dependent R norm must be caught forward and backward)."""
+    negative controls (a batch-dependent R norm must be caught forward and backward).
+
+    ``rollout_threads`` / ``train_threads``: torch intra-op threads of each cell's rollout and
+    train scoring (None: unchanged); the bits must not depend on them (``threads`` invariance)."""
     from rl_engine.utils.checks import nan_policy
 
     w = lw.workload
@@ -220,7 +229,7 @@ def run_chain(lw: LoadedWorkload, *, plan: str = "R/R", device: str = "cpu", fac
             if progress:
                 progress(f"chain {cell.name}", k, len(all_cells) + 1)
             with torch.no_grad():
-                out.append(run_cell(model, p, w, cell, factory))
+                out.append(run_cell(model, p, w, cell, factory, (rollout_threads, train_threads)))
         grad = None
         if grads:
             if progress:
@@ -234,6 +243,7 @@ def run_chain(lw: LoadedWorkload, *, plan: str = "R/R", device: str = "cpu", fac
     return {
         "suite": "chain",
         "plan": p.label,
+        "threads": {"rollout": rollout_threads or torch.get_num_threads(), "train": train_threads or torch.get_num_threads()},
         "cells": out,
         "compared_tokens": sum(c["compared_tokens"] for c in out),
         "mismatched_tokens": mism,

@@ -34,7 +34,8 @@ CLI_SURFACE = {
         "--max-seqs", "--max-step-tokens", "--model", "--num-prompts", "--plan", "--prefill-chunk", "--preset", "--rollout-threads", "--seed",
         "--temperature", "--threads", "--top-k", "--top-p", "--train-threads",
     ],
-    "validate": ["--device", "--help", "--inject", "--json", "--out", "--plan", "--workload", "<suite>"],
+    "validate": ["--device", "--help", "--inject", "--json", "--out", "--plan", "--rollout-threads", "--train-threads",
+                 "--workload", "<suite>"],
     "debug": ["--device", "--help", "--inject", "--json", "--out", "--plan-a", "--plan-b", "--sample", "--workload"],
     "report": ["--help", "--json", "<run_dir>"],
 }
@@ -233,3 +234,12 @@ def test_installed_console_script():
     assert "gemm.linear" in [o["op"] for o in json.loads(out.stdout)["operators"]]
     bad = subprocess.run([str(exe), "ops", "--device", "tpu"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2
+
+
+def test_validate_thread_options_apply_to_chain_only():
+    from typer.testing import CliRunner
+
+    from rl_engine.entrypoints.cli import app
+
+    r = CliRunner().invoke(app, ["validate", "ws1", "--rollout-threads", "2"])
+    assert r.exit_code == 2 and "chain suite" in r.output

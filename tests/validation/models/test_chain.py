@@ -63,3 +63,16 @@ def test_injected_backward_fault_is_caught_by_gradient_invariance_only():
 def test_unknown_cell_is_rejected():
     with pytest.raises(ValueError, match="cells: unknown"):
         run_chain(load_workload(), cells=["nope"])
+
+
+def test_rollout_and_train_at_different_thread_counts():
+    """The chain with the rollout at 1 thread and training at 2 (and the reverse) stays bitwise;
+    the negative control (a batch-dependent norm) is still caught at those thread counts."""
+    for threads in ((1, 2), (2, 1)):
+        r = run_chain(load_workload(), cells=["BN/chunked", "decode/B1-short"], grads=False, with_controls=False,
+                      rollout_threads=threads[0], train_threads=threads[1])
+        assert r["threads"] == {"rollout": threads[0], "train": threads[1]}
+        assert r["passed"] and r["mismatched_tokens"] == 0 and r["compared_tokens"] > 0
+    bad = run_chain(load_workload(), cells=["BN/chunked"], grads=False, with_controls=False,
+                    factory=faulty_factory("norm"), rollout_threads=1, train_threads=2)
+    assert not bad["passed"] and bad["mismatched_tokens"] > 0
