@@ -114,10 +114,12 @@ def test_bench_cpu_ops_quick_writes_schema_rows(tmp_path):
     out = tmp_path / "bench.json"
     assert bench_cpu_ops.main(["--quick", "--ops", "gemm.linear", "--dtypes", "float32", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 3  # rl_engine (NaN scan on), rl_engine (NaN scan off), native
+    assert len(rows) == 4  # rl_engine (NaN scan on), rl_engine (NaN scan off), native, fixed BLAS tiles
     for row in rows:
         assert ROW_KEYS <= set(row) and row["op"] == "gemm.linear" and row["samples"] == 3
-    ours = [r for r in rows if r["baseline"] is not None]
+    tiles = [r for r in rows if r["implementation"].startswith("fixed BLAS tiles")]
+    assert len(tiles) == 1 and tiles[0]["ratio_vs_baseline"] > 0
+    ours = [r for r in rows if r["baseline"] is not None and r not in tiles]
     assert {r["config"]["nan_policy"] for r in ours} == {"raise", "propagate"}
     assert all(r["implementation"] == "cpu.exact_sum" and r["ratio_vs_baseline"] > 0 for r in ours)
 
