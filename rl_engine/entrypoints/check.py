@@ -173,6 +173,8 @@ def command(
                                  param_hint="--preset")
     import torch
 
+    from rl_engine.utils.threads import intra_op_threads
+
     device = check_device(device, "check")
     cfg = ParityConfig(model=model, preset=preset, dtype=dtype.value, device=device, num_prompts=num_prompts,
                        max_new_tokens=max_new_tokens, extra_prompt_tokens=extra_prompt_tokens,
@@ -199,9 +201,8 @@ def command(
         raise CommandError(f"rlk check: cannot load the model: {exc}") from exc
     small = n_params < SMALL_MODEL_PARAMS
     n_threads = threads or (1 if small else torch.get_num_threads())
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n_threads)  # tiny models gain nothing from threads, and lose a lot under load
-    try:
+    # tiny models gain nothing from threads, and lose a lot under load
+    with intra_op_threads(n_threads):
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True) as bar:
             task = bar.add_task("rlk check", total=1)
 
@@ -217,8 +218,6 @@ def command(
                 raise CommandError(f"rlk check: no rl-kernel implementation can run this check here:\n{exc}") from exc
             except ValueError as exc:  # e.g. non-finite weights
                 raise CommandError(f"rlk check: {exc}") from exc
-    finally:
-        torch.set_num_threads(previous)
     if model is not None:
         result["model"] = model
     if as_json:
@@ -231,20 +230,16 @@ def command(
 
 def _check_vllm(cfg, threads: int, as_json: bool, err: Console) -> None:
     """``--engine vllm``: :func:`~rl_engine.integrations.common.vllm_check.run_vllm_parity`."""
-    import torch
-
     from rl_engine.integrations.common.vllm_check import VllmUnavailable, require_vllm, run_vllm_parity
     from rl_engine.models.qwen3 import ModelLoadError
     from rl_engine.runtime import NoEligibleImplementation
+    from rl_engine.utils.threads import intra_op_threads
 
     try:
         require_vllm()
     except VllmUnavailable as exc:
         raise CommandError(f"rlk check: {exc}") from exc
-    previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads or None):
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True) as bar:
             task = bar.add_task("rlk check --engine vllm", total=1)
 
@@ -259,8 +254,6 @@ def _check_vllm(cfg, threads: int, as_json: bool, err: Console) -> None:
                 raise CommandError(f"rlk check: {exc}") from exc
             except AssertionError as exc:  # ProvenanceError: a native vLLM operator ran under the plugin
                 raise CommandError(f"rlk check: {exc}", EXIT_MISMATCH) from exc
-    finally:
-        torch.set_num_threads(previous)
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2, sort_keys=True) + "\n")
     else:
