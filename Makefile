@@ -11,16 +11,16 @@ VSTAMP := $(VLLM_VENV)/.rlk-installed
 # vLLM on a small CPU box: 1 GiB of KV cache (the default takes ~10 GiB), the engine in-process
 # (no engine-core subprocess per LLM), no hub.
 VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1
-VLLM_TESTS := tests/integrations/engines/rollout/vllm tests/integrations/orchestrators/trl/test_grpo_vllm.py \
+VLLM_TESTS := tests/integrations/vllm tests/integrations/trl/test_grpo_vllm.py \
 	tests/entrypoints/test_check_vllm.py
 # The Triton-interpreter subset of the GPU kernels' tests (tiny fp32 shapes, logic and bit checks):
 # .venv-vllm has triton (vllm-cpu pulls triton 3.9.0), .venv does not.
 INTERP_ENV := TRITON_INTERPRET=1
-INTERP_TESTS := tests/backends/shared/triton/test_attention_triton.py tests/backends/shared/triton/test_host_path_triton.py \
-	tests/backends/shared/triton/test_gemm_triton.py tests/backends/shared/triton/test_linear_logprob_triton.py -k interpreter
+INTERP_TESTS := tests/backends/triton/test_attention_triton.py tests/backends/triton/test_host_path_triton.py \
+	tests/backends/triton/test_gemm_triton.py tests/backends/triton/test_linear_logprob_triton.py -k interpreter
 # Kernels compiled ahead of time for sm_90 with the same triton (no GPU, no interpreter): registers,
 # spills and pipelined loads of the attention launches (benchmarks/profiling/attention_resources_sm90.py).
-SM90_TESTS := tests/backends/shared/triton/test_attention_triton.py -k offline_sm90
+SM90_TESTS := tests/backends/triton/test_attention_triton.py -k offline_sm90
 
 .PHONY: check test test-vllm setup docs bench clean
 

@@ -134,7 +134,7 @@ OURS = "rlk.triton.blocked_online_softmax"
 
 
 def _candidates(kind: str, all_configs: bool):
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     return K.CANDIDATE_CONFIGS[kind] if all_configs else ()
 
@@ -143,7 +143,7 @@ def _candidates(kind: str, all_configs: bool):
 def _triton_decode():
     """A decode step's splits on the Triton kernels: both Hopper decode kernels off
     (``kernels.wg_decode(False)``, ``kernels.wgt_decode(False)``)."""
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     with K.wg_decode(False), K.wgt_decode(False):
         yield
@@ -172,7 +172,7 @@ def _with_experiment_rows(impls: dict, names: Sequence[str], split_blocks: Seque
     value: the selected forward tiles with ``AttnConfig.unroll = n`` (the same bits, proven on the
     GPU by ``test_paired_blocks_give_the_same_rows``; 4 only on 16-row tiles), to decide the tables'
     choice."""
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     def unrolled(n: int) -> contextlib.ExitStack:
         # every selected tile with unroll = n (n = 4: the 16-row tiles, the only ones it takes);
@@ -198,7 +198,7 @@ def _with_experiment_rows(impls: dict, names: Sequence[str], split_blocks: Seque
 
 def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence[int] = (),
                  unrolls: Sequence[int] = ()):
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     g = torch.Generator(device="cuda").manual_seed(B * S)
     T = B * S
@@ -228,7 +228,7 @@ def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequen
 
 def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Sequence[int] = (),
                 unrolls: Sequence[int] = ()):
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     g = torch.Generator(device="cuda").manual_seed(B + ctx)
     kc, vc = _randn((B * ctx, HKV, D), g), _randn((B * ctx, HKV, D), g)
@@ -308,8 +308,8 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
 
 def train_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence[int] = (),
                unrolls: Sequence[int] = ()):
-    from rl_engine.backends.shared.triton.attention import kernels as K
-    from rl_engine.backends.shared.triton.attention import varlen_attention_fwd_triton
+    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import varlen_attention_fwd_triton
 
     g = torch.Generator(device="cuda").manual_seed(7)
     T = B * S

@@ -150,11 +150,11 @@ def implementations(public: bool = False, one_launch: bool = False) -> dict[str,
     """cuBLAS and ours; ``public``: also the public op (eager only); ``one_launch``: also ours with
     a persistent launch's last wave kept in the one launch (``kernels.forward(tail=False)``, the
     ablation of ``configs.tail_split``; same bits)."""
-    from rl_engine.backends.shared.triton.gemm import linear_triton
+    from rl_engine.backends.triton.gemm import linear_triton
 
     impls: dict[str, Callable] = {"cublas.F.linear": lambda x, w: F.linear(x, w), "rlk.triton.tile_gemm": lambda x, w: linear_triton(x, w, None)}
     if one_launch:
-        from rl_engine.backends.shared.triton.gemm import kernels
+        from rl_engine.backends.triton.gemm import kernels
 
         impls["rlk.triton.tile_gemm.one_launch"] = lambda x, w: kernels.forward(x, w, None, tail=False)
     if public:

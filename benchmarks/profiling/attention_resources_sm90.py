@@ -1,6 +1,6 @@
 """Registers, spills and software pipelining of the attention kernels for sm_90, without a GPU.
 
-Compiles each shipped forward launch of ``rl_engine.backends.shared.triton.attention.kernels``
+Compiles each shipped forward launch of ``rl_engine.backends.triton.attention.kernels``
 ahead of time for an H100/H200 (``GPUTarget("cuda", 90, 128)``) with the Triton installed here,
 assembles the PTX with the ``ptxas`` that Triton bundles (``-v``), and reports per kernel
 variant: registers per thread, spill stores, whether the key/value loads are software-pipelined
@@ -121,7 +121,7 @@ def compile_sm90(variant: Variant, dtype: str = "bf16", divisibility: bool = Tru
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     fn = getattr(K, variant.kernel)
     sig = signature(fn, dtype, variant.constexprs)
@@ -189,8 +189,8 @@ def compile_fwd_wg_sm90(multi: bool, window: bool, store: bool) -> Resources:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from rl_engine.backends.shared.triton.attention import hopper
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import hopper
+    from rl_engine.backends.triton.attention import kernels as K
 
     fn = hopper.rlk_attn_fwd_wg
     d = 128
@@ -229,7 +229,7 @@ def compile_split_wgt_sm90(page_size: int | None, dv: int, slots: int, one: bool
     pages, ``rows`` query rows (``NQ``), one or four blocks a step (``quad``, ``slots`` four-block
     slots). ``barriers_per_step`` counts the CTA barriers (``bar.sync``) in the unmasked run's loop
     of one (four) blocks. Needs Triton 3.6's Gluon Hopper API."""
-    from rl_engine.backends.shared.triton.attention import hopper
+    from rl_engine.backends.triton.attention import hopper
 
     x_layout, f_layout = hopper._wgt_exchange_layouts(rows)
     ps = 64 if page_size is None else page_size
@@ -249,8 +249,8 @@ def _compile_decode_gluon(kernel: str, label: str, box_rows: int, dv: int, const
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from rl_engine.backends.shared.triton.attention import hopper
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import hopper
+    from rl_engine.backends.triton.attention import kernels as K
 
     fn = getattr(hopper, kernel)
     d = 128
@@ -292,7 +292,7 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
     import torch
     from dataclasses import replace
 
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     common = {"G": group, "HEAD_D": head_dim, "HAS_WINDOW": False, "PDL": True, "SB": K.SPLIT_BLOCKS}
     if "decode" in kinds:
@@ -385,8 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     rows = []
     if args.split_wg or args.split_wgt or args.fwd_wg:
-        from rl_engine.backends.shared.triton.attention import hopper
-        from rl_engine.backends.shared.triton.attention import kernels as K
+        from rl_engine.backends.triton.attention import hopper
+        from rl_engine.backends.triton.attention import kernels as K
 
         if not K._has_gluon_hopper():
             print(f"attention_resources_sm90: --split-wg / --split-wgt / --fwd-wg need Triton 3.6's Gluon Hopper API, "

@@ -66,7 +66,7 @@ def run(steps: int = 3, dtype: str = "float32", native: bool = False, trl_loss: 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from rl_engine.integrations.orchestrators import trl as rlk_trl
+    from rl_engine.integrations import trl as rlk_trl
 
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     tok = build_tokenizer()

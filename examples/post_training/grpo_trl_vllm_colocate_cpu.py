@@ -11,7 +11,7 @@ trainer's process, samples the completions with it (``logprobs_mode="processed_l
 the sampled token's ``log softmax(z / T)``), pushes the trainer's weights into it before each
 generation (``load_weights``), recomputes every completion token's log-prob with the training
 model and logs ``max |logp_train - logp_vllm|`` over the completion tokens as
-``sampling/sampling_logp_difference/max``. With :func:`rl_engine.integrations.orchestrators.trl.
+``sampling/sampling_logp_difference/max``. With :func:`rl_engine.integrations.trl.
 vllm_colocate` the vLLM model runs rl_engine operators (the vLLM plugin) and the trainer's
 forward runs them too (the HF install and our log-prob head), so that metric is 0.0.
 
@@ -108,7 +108,7 @@ def run(steps: int = 3, native: bool = False, seed: int = 0, output_dir: str | N
     from transformers import AutoTokenizer, Qwen3ForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from rl_engine.integrations.orchestrators import trl as rlk_trl
+    from rl_engine.integrations import trl as rlk_trl
 
     out_dir = output_dir or tempfile.mkdtemp(prefix="rlk-grpo-vllm-")
     ckpt = build_checkpoint(os.path.join(out_dir, "model"), seed)

@@ -187,7 +187,7 @@ def command(
         return
     try:
         if engine is Engine.hf:
-            from rl_engine.integrations.common.hf_check import load_hf_model, run_hf_parity
+            from rl_engine.validation.engines.hf import load_hf_model, run_hf_parity
             from rl_engine.models.qwen3 import dtype_from_name
 
             loaded, hf_name = load_hf_model(model, dtype_from_name(dtype.value), device, seed, preset)
@@ -229,8 +229,8 @@ def command(
 
 
 def _check_vllm(cfg, threads: int, as_json: bool, err: Console) -> None:
-    """``--engine vllm``: :func:`~rl_engine.integrations.common.vllm_check.run_vllm_parity`."""
-    from rl_engine.integrations.common.vllm_check import VllmUnavailable, require_vllm, run_vllm_parity
+    """``--engine vllm``: :func:`~rl_engine.validation.engines.vllm.run_vllm_parity`."""
+    from rl_engine.validation.engines.vllm import VllmUnavailable, require_vllm, run_vllm_parity
     from rl_engine.models.qwen3 import ModelLoadError
     from rl_engine.runtime import NoEligibleImplementation
     from rl_engine.utils.threads import intra_op_threads

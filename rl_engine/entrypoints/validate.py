@@ -86,7 +86,7 @@ def execute(suite: str, *, workload: str, device: str, as_json: bool, out: str |
     """Shared driver of ``validate`` and ``debug``: load, run with a progress bar, report, exit."""
     import torch
 
-    from rl_engine.config import WorkloadError, load_workload
+    from rl_engine.workloads import WorkloadError, load_workload
     from rl_engine.entrypoints.errors import CommandError, check_device
     from rl_engine.validation.reports import ReportError, build_report, check_out_dir, write_run
 

@@ -50,12 +50,12 @@ __all__ = [
 # implementations get the lowest priority numbers unless they set their own.
 BACKEND_PACKAGES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
-        "cuda": ("rl_engine.backends.shared.triton", "rl_engine.backends.cuda", "rl_engine.backends.cpu"),
-        "rocm": ("rl_engine.backends.shared.triton", "rl_engine.backends.rocm", "rl_engine.backends.cpu"),
+        "cuda": ("rl_engine.backends.triton", "rl_engine.backends.cuda", "rl_engine.backends.cpu"),
+        "rocm": ("rl_engine.backends.triton", "rl_engine.backends.rocm", "rl_engine.backends.cpu"),
         "cpu": ("rl_engine.backends.cpu",),
     }
 )
-_ALL_PACKAGES = ("rl_engine.backends.cpu", "rl_engine.backends.shared.triton", "rl_engine.backends.cuda", "rl_engine.backends.rocm")
+_ALL_PACKAGES = ("rl_engine.backends.cpu", "rl_engine.backends.triton", "rl_engine.backends.cuda", "rl_engine.backends.rocm")
 
 
 @dataclass(frozen=True)

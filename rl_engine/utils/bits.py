@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["int_view", "BitDiff", "bit_diff", "bits_equal"]
+__all__ = ["int_view", "BitComparison", "same_bits"]
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -26,7 +26,7 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class BitDiff:
+class BitComparison:
     """Result of a raw-bit comparison."""
 
     equal: bool
@@ -38,7 +38,7 @@ class BitDiff:
     max_abs_diff: float
     reason: str = ""
 
-    def __bool__(self) -> bool:  # truthiness = equality, so `assert bit_diff(a, b)` reads well
+    def __bool__(self) -> bool:  # truthy when the bits are the same: `assert same_bits(a, b)`
         return self.equal
 
     def __str__(self) -> str:
@@ -53,12 +53,13 @@ class BitDiff:
         )
 
 
-def bit_diff(a: torch.Tensor, b: torch.Tensor) -> BitDiff:
-    """Compare ``a`` and ``b`` on raw bits (see module docstring)."""
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> BitComparison:
+    """Compare ``a`` and ``b`` on raw bits (see module docstring); the result is truthy exactly when
+    they are raw-bit equal and carries the first mismatch otherwise."""
     if a.dtype != b.dtype:
-        return BitDiff(False, a.numel(), a.numel(), 0, None, None, float("inf"), f"dtype differs: {a.dtype} vs {b.dtype}")
+        return BitComparison(False, a.numel(), a.numel(), 0, None, None, float("inf"), f"dtype differs: {a.dtype} vs {b.dtype}")
     if a.shape != b.shape:
-        return BitDiff(False, a.numel(), a.numel(), 0, None, None, float("inf"), f"shape differs: {tuple(a.shape)} vs {tuple(b.shape)}")
+        return BitComparison(False, a.numel(), a.numel(), 0, None, None, float("inf"), f"shape differs: {tuple(a.shape)} vs {tuple(b.shape)}")
     a = a.detach().cpu()
     b = b.detach().cpu()
     ne = int_view(a) != int_view(b)
@@ -68,7 +69,7 @@ def bit_diff(a: torch.Tensor, b: torch.Tensor) -> BitDiff:
         ne = ne | nan
     mism = int(ne.sum())
     if mism == 0:
-        return BitDiff(True, a.numel(), 0, 0, None, None, 0.0)
+        return BitComparison(True, a.numel(), 0, 0, None, None, 0.0)
     idx = tuple(int(i) for i in torch.nonzero(ne)[0])
     if a.is_floating_point():
         d = (a.double() - b.double()).abs()
@@ -76,8 +77,5 @@ def bit_diff(a: torch.Tensor, b: torch.Tensor) -> BitDiff:
         max_abs = float(d.max())
     else:
         max_abs = float((a.long() - b.long()).abs().max())
-    return BitDiff(False, a.numel(), mism, int(nan.sum()), idx, (a[idx].item(), b[idx].item()), max_abs)
+    return BitComparison(False, a.numel(), mism, int(nan.sum()), idx, (a[idx].item(), b[idx].item()), max_abs)
 
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bit_diff(a, b).equal

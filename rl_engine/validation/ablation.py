@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.config import LoadedWorkload
+from rl_engine.workloads import LoadedWorkload
 from rl_engine.runtime.plan import MODULES, Plan
 from rl_engine.validation.chain import build_model, cells_for, run_cell
 from rl_engine.validation.faults import ProviderFactory, default_factory, faulty_factory

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 
 __all__ = ["AlignedTokens", "Mismatch", "Comparison", "align", "compare", "bits_digest"]
 
@@ -127,7 +127,7 @@ def compare(aligned: AlignedTokens) -> Comparison:
     if n == 0:
         return Comparison(0, 0, 0.0, None, 0.0, 0.0)
     r, t = aligned.rollout.cpu(), aligned.train.cpu()
-    d = bit_diff(r, t)
+    d = same_bits(r, t)
     first = None
     if not d.equal and d.first_index is not None:
         i = d.first_index[0]

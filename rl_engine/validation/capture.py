@@ -1,10 +1,10 @@
-"""Stage capture: a hook registry the model calls at each stage of its forward.
+"""Stage capture: records what a model hands to its stage hook at each stage of its forward.
 
-The model calls ``tap(layer, stage, tensor)`` at every stage (embedding, each layer's norms,
-attention and MLP outputs, the final norm); :func:`tap` returns the tensor unchanged and does
-nothing but one global lookup when no :func:`capture` block is active, so the hooks cost
-nothing in production. Inside ``with capture() as cap:`` every call is recorded, in execution
-order, as a :class:`Record` (a detached copy of the tensor plus the caller's row keys).
+Models call the stage hook of :mod:`rl_engine.models.hooks` at every stage (embedding, each
+layer's norms, attention and MLP outputs, the final norm); with no hook set that costs one
+context-variable read per forward. ``with capture() as cap:`` sets the hook to ``cap``, so every
+call inside the block is recorded, in execution order, as a :class:`Record` (a detached copy of
+the tensor plus the caller's row keys).
 
 Row keys say which logical token each row of a captured tensor is: the driver of a forward
 (the debugger, an engine integration) calls :meth:`Capture.set_rows` with one
@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
+
+from rl_engine.models.hooks import stage_hook, use_stage_hook
 
 __all__ = ["STAGES", "Record", "Capture", "capture", "tap", "active"]
 
@@ -29,7 +32,7 @@ __all__ = ["STAGES", "Record", "Capture", "capture", "tap", "active"]
 LAYER_STAGES: tuple[str, ...] = ("input_norm", "attention", "attn_proj", "post_attention_norm", "mlp", "residual")
 STAGES: tuple[str, ...] = ("embedding", *LAYER_STAGES, "final_norm", "logits", "logprob")
 
-_STACK: list["Capture"] = []
+_ACTIVE: ContextVar["Capture | None"] = ContextVar("rl_engine_capture", default=None)
 
 
 @dataclass
@@ -83,23 +86,23 @@ class Capture:
 
 def active() -> Capture | None:
     """The innermost active capture, or ``None``."""
-    return _STACK[-1] if _STACK else None
+    return _ACTIVE.get()
 
 
 def tap(layer: int, stage: str, t: torch.Tensor) -> torch.Tensor:
     """Record ``t`` as ``(layer, stage)`` when a capture is active; returns ``t`` (or the live
     tensor the capture keeps)."""
-    if not _STACK:
-        return t
-    return _STACK[-1](layer, stage, t)
+    hook = stage_hook()
+    return t if hook is None else hook(layer, stage, t)
 
 
 @contextmanager
 def capture(*, retain_grad: bool = False) -> Iterator[Capture]:
     """Record every stage the model taps inside the block (see module docstring)."""
     cap = Capture(retain_grad=retain_grad)
-    _STACK.append(cap)
+    token = _ACTIVE.set(cap)
     try:
-        yield cap
+        with use_stage_hook(cap):
+            yield cap
     finally:
-        _STACK.remove(cap)
+        _ACTIVE.reset(token)

@@ -27,14 +27,15 @@ from typing import Any
 
 import torch
 
-from rl_engine.config import LoadedWorkload, Workload
-from rl_engine.runtime.executor import Layout, RolloutExecutor, RolloutRequest, SamplingParams, TrainSequence, layout_stream, score
+from rl_engine.workloads import LoadedWorkload, Workload
+from rl_engine.engine.executor import Layout, RolloutExecutor, RolloutRequest, SamplingParams, TrainSequence, layout_stream, score
 from rl_engine.runtime.plan import Plan
 from rl_engine.utils.threads import intra_op_threads
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from rl_engine.validation import capture as cap_mod
 from rl_engine.validation.alignment import align, compare
 from rl_engine.validation.faults import ProviderFactory, default_factory, faulty_factory
+from rl_engine.engine import ops_for
 
 __all__ = ["CELLS", "ChainCell", "build_model", "requests_for", "rollout", "run_chain", "gradient_invariance",
            "train_layouts", "sequences_of"]
@@ -180,7 +181,7 @@ def gradient_invariance(model, ops, seqs: Sequence[TrainSequence], layouts: dict
         keys = sorted(set(base) & set(other))
         a = torch.stack([base[k] for k in keys])
         b = torch.stack([other[k] for k in keys])
-        d = bit_diff(b, a)
+        d = same_bits(b, a)
         results.append({"layout": name, "against": names[0], "tokens": len(keys), "equal": d.equal,
                         "mismatched_elements": d.mismatched, "max_abs_diff": d.max_abs_diff if not d.equal else 0.0})
     return {"layouts": names, "comparisons": results, "passed": all(r["equal"] for r in results) and bool(results)}
@@ -259,7 +260,7 @@ def _negative_controls(model, w: Workload) -> list[dict[str, Any]]:
     cell = next(c for c in cells_for(w) if c.name == "packed")
     with torch.no_grad():
         fwd = run_cell(model, rr, w, cell, faulty_factory("norm"))
-        samples, _ = rollout(model, rr.provider("rollout"), w, requests_for(w, model.spec.vocab_size))
+        samples, _ = rollout(model, ops_for(rr, "rollout"), w, requests_for(w, model.spec.vocab_size))
     lay = train_layouts(w)
     bwd = gradient_invariance(model, faulty_factory("norm", kind="backward")(rr, "train"), sequences_of(samples),
                               {k: lay[k] for k in ("packed", "padded-left", "singleton")}, pad_id=w.pad_id,

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from rl_engine.config import LoadedWorkload
-from rl_engine.runtime.executor import Layout, score
+from rl_engine.workloads import LoadedWorkload
+from rl_engine.engine.executor import Layout, score
 from rl_engine.runtime.plan import Plan
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from rl_engine.validation.chain import build_model, requests_for, rollout, sampling_of, sequences_of
 from rl_engine.validation.faults import ProviderFactory, default_factory
 
@@ -79,7 +79,7 @@ def paired_status(base: dict, var: dict, comparable: bool) -> tuple[str, dict[st
             "keys": [list(k) for k in keys]}
     if not comparable:
         return "INVALID", info
-    d = bit_diff(bt, at)
+    d = same_bits(bt, at)
     info["mismatched_tokens"] = d.mismatched
     if not d.equal and d.first_index is not None:
         info["first_mismatch"] = {"sample_id": keys[d.first_index[0]][0], "position": keys[d.first_index[0]][1],

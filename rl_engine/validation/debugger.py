@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from rl_engine.config import LoadedWorkload
-from rl_engine.runtime.executor import Layout, layout_stream
+from rl_engine.workloads import LoadedWorkload
+from rl_engine.engine.executor import Layout, layout_stream
 from rl_engine.runtime.plan import Plan
-from rl_engine.utils.bits import bit_diff, int_view
+from rl_engine.utils.bits import same_bits, int_view
 from rl_engine.validation import capture as cap_mod
 from rl_engine.validation.capture import LAYER_STAGES
 from rl_engine.validation.chain import build_model, requests_for, rollout, sampling_of, sequences_of
@@ -133,7 +133,7 @@ def compare_captures(a: cap_mod.Capture, b: cap_mod.Capture, sample_id: int, num
         if xa.shape != xb.shape or xa.dtype != xb.dtype:
             reason = reason or f"stage {stage} (layer {layer}): shapes/dtypes differ {tuple(xa.shape)} vs {tuple(xb.shape)}"
             continue
-        d = bit_diff(xa, xb)
+        d = same_bits(xa, xb)
         entry = {"layer": layer, "stage": stage, "tokens": len(positions), "equal": d.equal,
                  "mismatched": d.mismatched, "max_abs_diff": 0.0 if d.equal else d.max_abs_diff}
         stages.append(entry)

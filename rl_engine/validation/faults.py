@@ -14,7 +14,9 @@ from collections.abc import Callable
 
 import torch
 
-from rl_engine.runtime.plan import MODULES, OpsProvider, Plan
+from rl_engine.runtime.plan import MODULES, Plan
+from rl_engine.engine import OpsProvider
+from rl_engine.engine import ops_for
 
 __all__ = ["ProviderFactory", "default_factory", "faulty_factory", "BatchDependentProvider", "METHODS", "RowCountGrad",
            "bump_if_even_rows"]
@@ -34,7 +36,7 @@ METHODS: dict[str, tuple[str, ...]] = {
 
 
 def default_factory(plan: Plan, side: str) -> OpsProvider:
-    return plan.provider(side)
+    return ops_for(plan, side)
 
 
 def bump_if_even_rows(t, rows: int):
@@ -97,6 +99,6 @@ def faulty_factory(module: str, kind: str = "forward") -> ProviderFactory:
     def make(plan: Plan, side: str) -> OpsProvider:
         if plan.side(side)[module] == "R":
             return BatchDependentProvider(plan.side(side), module, kind=kind)
-        return plan.provider(side)
+        return ops_for(plan, side)
 
     return make

@@ -28,10 +28,11 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rl_engine.runtime.executor import LAYOUTS, RolloutExecutor, RolloutRequest, SamplingParams, TrainSequence, score
+from rl_engine.engine.executor import LAYOUTS, RolloutExecutor, RolloutRequest, SamplingParams, TrainSequence, score
 from rl_engine.runtime.plan import Plan
 from rl_engine.utils.threads import intra_op_threads
 from rl_engine.validation.alignment import align, bits_digest, compare
+from rl_engine.engine import ops_for
 
 __all__ = ["ParityConfig", "builtin_prompts", "check_context", "load_model", "run_parity", "SCHEMA_VERSION",
            "PROMPT_LENGTHS"]
@@ -175,7 +176,7 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
     train_policy = current_nan_policy()
     with prov.record() as records, torch.no_grad():
         with nan_policy("propagate"):
-            ex = RolloutExecutor(model, plan.provider("rollout", kv_cache=cfg.kv_cache), max_seqs=cfg.max_seqs,
+            ex = RolloutExecutor(model, ops_for(plan, "rollout", kv_cache=cfg.kv_cache), max_seqs=cfg.max_seqs,
                                  max_len=max_len,
                                  prefill_chunk=cfg.prefill_chunk, max_step_tokens=cfg.max_step_tokens)
             t_r = time.perf_counter()
@@ -191,7 +192,7 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
             tick(f"train layout {name}", 2 + k, total)
             t_l = time.perf_counter()
             with intra_op_threads(cfg.train_threads):
-                scored = score(model, plan.provider("train"), seqs, name, temperature=sampling.logprob_temperature)
+                scored = score(model, ops_for(plan, "train"), seqs, name, temperature=sampling.logprob_temperature)
             aligned.append((name, align(rollout, scored)))
             c = compare(aligned[-1][1])
             layouts.append({"name": name, **c.as_dict(), "seconds": round(time.perf_counter() - t_l, 3)})

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rl_engine import contracts
-from rl_engine.config import LoadedWorkload
+from rl_engine.workloads import LoadedWorkload
 from rl_engine.runtime import Request, implementations
 from rl_engine.validation.common.invariance import check_row_invariance
 from rl_engine.validation.faults import RowCountGrad, bump_if_even_rows

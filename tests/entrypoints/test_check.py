@@ -170,7 +170,7 @@ def test_parity_config_rejects_unknown_preset():
     assert ParityConfig(preset="qwen3-0.6b").preset == "qwen3-0.6b"
     with pytest.raises(ValidationError, match="unknown Qwen3 preset 'qwen3-7b'"):
         ParityConfig(preset="qwen3-7b")
-    from rl_engine.integrations.common.hf_check import load_hf_model
+    from rl_engine.validation.engines.hf import load_hf_model
 
     with pytest.raises(ValueError, match="unknown Qwen3 preset 'qwen3-7b'"):  # the --engine hf loader, same rule
         load_hf_model(None, torch.float32, "cpu", 0, "qwen3-7b")
@@ -239,8 +239,8 @@ def test_long_context_qwen3_shape_passes_bitwise_on_gpu(capsys, kv_cache):
 
     from torch.profiler import ProfilerActivity, profile
 
-    from rl_engine.backends.shared.triton.attention import kernels as K
-    from tests.backends.shared.triton._rowwise_common import evidence
+    from rl_engine.backends.triton.attention import kernels as K
+    from tests.backends.triton._rowwise_common import evidence
 
     seen: dict[str, int] = {}
     real = K.attend

@@ -39,8 +39,8 @@ def _rlk(*args: str, timeout: float = 300) -> tuple[int, dict | None, str]:
 @needs_vllm
 @pytest.mark.parametrize("dtype,temperature", [("float32", "1.0"), ("bfloat16", "0")])
 def test_engine_vllm_plugin_on_passes(dtype, temperature):
-    from rl_engine.integrations.common.vllm_check import VLLM_LAYOUTS
-    from rl_engine.integrations.engines.rollout.vllm import assert_no_fallbacks
+    from rl_engine.validation.engines.vllm import VLLM_LAYOUTS
+    from rl_engine.integrations.vllm import assert_no_fallbacks
 
     code, res, log = _rlk(*ARGS, "--dtype", dtype, "--temperature", temperature)
     assert code == 0, log[-4000:]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rl_engine.config import load_workload
+from rl_engine.workloads import load_workload
 from rl_engine.entrypoints.cli import app
 from tests.helpers.threads import threads
 

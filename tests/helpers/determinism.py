@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 
 
 def outputs_and_grads(fn: Callable[..., object], inputs: Sequence[torch.Tensor], seed: int = 0) -> list[torch.Tensor]:
@@ -28,7 +28,7 @@ def run_to_run_failures(fn: Callable[..., object], inputs: Sequence[torch.Tensor
     for r in range(1, runs):
         again = outputs_and_grads(fn, inputs)
         for k, (a, b) in enumerate(zip(first, again)):
-            d = bit_diff(b, a)
+            d = same_bits(b, a)
             if not d.equal:
                 failures.append(f"run {r}, tensor {k}: {d}")
     return failures
@@ -46,7 +46,7 @@ def thread_count_failures(fn: Callable[..., object], inputs: Sequence[torch.Tens
     failures = []
     for n, res in zip(counts[1:], results[1:]):
         for k, (a, b) in enumerate(zip(results[0], res)):
-            d = bit_diff(b, a)
+            d = same_bits(b, a)
             if not d.equal:
                 failures.append(f"{n} threads vs {counts[0]}, tensor {k}: {d}")
     return failures

@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from rl_engine.runtime import provenance
-from rl_engine.runtime.executor import RolloutRequest, SamplingParams, TrainSequence, sample_token, uniform
-from rl_engine.runtime.plan import MODULES, SIDES, OpsProvider, Plan, PlanError
-from rl_engine.utils.bits import bit_diff
+from rl_engine.engine.executor import RolloutRequest, SamplingParams, TrainSequence, sample_token, uniform
+from rl_engine.runtime.plan import MODULES, SIDES, Plan, PlanError
+from rl_engine.engine import OpsProvider
+from rl_engine.utils.bits import same_bits
+from rl_engine.engine import ops_for
 
 
 def test_plan_parse_and_labels():
@@ -40,17 +42,17 @@ def test_plan_rejects_bad_modules_and_letters():
     with pytest.raises(PlanError, match="missing modules"):
         OpsProvider({"gemm": "R"})
     with pytest.raises(PlanError, match="kv_cache"):
-        Plan.parse("R/R").provider("rollout", kv_cache="ring")
+        ops_for(Plan.parse("R/R"), "rollout", kv_cache="ring")
 
 
 def test_provider_routes_each_module():
     x = torch.randn(5, 8)
     w = torch.randn(3, 8)
-    native = Plan.parse("P/P").provider("train")
+    native = ops_for(Plan.parse("P/P"), "train")
     with provenance.record() as recs:
-        assert bit_diff(native.linear(x, w), F.linear(x, w))
+        assert same_bits(native.linear(x, w), F.linear(x, w))
     assert recs == [], "the native path must not dispatch rl-kernel operators"
-    ours = Plan.parse("P/P").with_module("gemm", train="R").provider("train")
+    ours = ops_for(Plan.parse("P/P").with_module("gemm", train="R"), "train")
     with provenance.record() as recs:
         ours.linear(x, w)
         ours.rms_norm(x, torch.ones(8), 1e-6)

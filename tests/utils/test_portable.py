@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rl_engine.utils import portable
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 
 SPECIAL = [0.0, -0.0, math.inf, -math.inf, math.nan, 1.0, 2.0, 1e-45, -1e-45, 1e-40, 88.72, 88.73, -87.3,
            -103.9, -104.0, 3.4e38, -3.4e38]
@@ -36,9 +36,9 @@ def _cr(fn, x: torch.Tensor) -> torch.Tensor:
 def test_exp_is_correctly_rounded_and_fast_path_equals_definition():
     x = _wide(200_000, 0, 100.0)
     got = portable.exp(x)
-    assert bit_diff(got, portable._exp64_clamped(x.double()).float())  # fast path == definition
+    assert same_bits(got, portable._exp64_clamped(x.double()).float())  # fast path == definition
     finite = x.abs() < 87
-    assert bit_diff(got[finite], _cr(math.exp, x[finite]))
+    assert same_bits(got[finite], _cr(math.exp, x[finite]))
 
 
 def test_exp_special_values_and_dtypes():
@@ -46,10 +46,10 @@ def test_exp_special_values_and_dtypes():
     got = portable.exp(x)
     want = torch.exp(x.double()).float()  # IEEE semantics of the specials (inf, 0, nan, subnormals)
     assert torch.equal(got.isnan(), want.isnan())
-    assert bit_diff(got[~got.isnan()], want[~want.isnan()])
+    assert same_bits(got[~got.isnan()], want[~want.isnan()])
     assert portable.exp(x.bfloat16()).dtype == torch.bfloat16
     xb = x[[0, 1, 2, 3, 5, 6]].bfloat16()
-    assert bit_diff(portable.exp(xb), portable.exp(xb.float()).bfloat16())
+    assert same_bits(portable.exp(xb), portable.exp(xb.float()).bfloat16())
     d = torch.tensor([0.0, 1.0, -745.5, 709.9, 710.0, math.inf, -math.inf], dtype=torch.float64)
     got64 = portable.exp(d)
     assert got64.dtype == torch.float64 and got64[0] == 1 and got64[-2] == math.inf and got64[-1] == 0
@@ -59,20 +59,20 @@ def test_exp_special_values_and_dtypes():
 def test_log_is_correctly_rounded_with_specials():
     x = _wide(100_000, 1, 1.0).abs() * torch.exp(_wide(100_000, 2, 80.0).double()).float()
     x = x[(x > 0) & torch.isfinite(x)]
-    assert bit_diff(portable.log(x), _cr(math.log, x))
+    assert same_bits(portable.log(x), _cr(math.log, x))
     s = torch.tensor(SPECIAL)
     want = torch.log(s.double()).float()
     got = portable.log(s)
-    assert torch.equal(got.isnan(), want.isnan()) and bit_diff(got[~got.isnan()], want[~want.isnan()])
+    assert torch.equal(got.isnan(), want.isnan()) and same_bits(got[~got.isnan()], want[~want.isnan()])
 
 
 def test_sqrt_is_ieee():
     x = _wide(100_000, 3, 1.0).abs() * torch.exp(_wide(100_000, 4, 80.0).double()).float()
-    assert bit_diff(portable.sqrt(x), _cr(math.sqrt, x))
+    assert same_bits(portable.sqrt(x), _cr(math.sqrt, x))
     s = torch.tensor(SPECIAL)
     got = portable.sqrt(s)
     want = torch.sqrt(s.double()).float()  # exact for these specials (0, -0, inf, nan, squares of powers of 2)
-    assert torch.equal(got.isnan(), want.isnan()) and bit_diff(got[~got.isnan()], want[~want.isnan()])
+    assert torch.equal(got.isnan(), want.isnan()) and same_bits(got[~got.isnan()], want[~want.isnan()])
     with pytest.raises(TypeError, match="float32"):
         portable.sqrt(s.double())
 
@@ -89,7 +89,7 @@ def test_normal_is_seeded_unit_variance_and_bounded():
     a = portable.normal((400, 250), torch.Generator().manual_seed(7))
     b = portable.normal((400, 250), torch.Generator().manual_seed(7))
     c = portable.normal((400, 250), torch.Generator().manual_seed(8))
-    assert bit_diff(a, b) and not torch.equal(a, c)
+    assert same_bits(a, b) and not torch.equal(a, c)
     assert abs(a.mean().item()) < 0.01 and abs(a.std().item() - 1) < 0.01
     assert a.abs().max().item() < 2 * math.sqrt(3)
 

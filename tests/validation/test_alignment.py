@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_engine.runtime.executor import RolloutSample, ScoredSequence
+from rl_engine.engine.executor import RolloutSample, ScoredSequence
 from rl_engine.validation.alignment import align, compare
 
 

@@ -2,7 +2,7 @@
 
 A minimal causal flash-attention forward (``rlk_probe_attn_fwd``, *not* a shipped kernel and not
 batch-invariant in every variant) whose constexpr switches add, one at a time, the features that
-the shipped kernel (``rl_engine.backends.shared.triton.attention``) has and a textbook kernel
+the shipped kernel (``rl_engine.backends.triton.attention``) has and a textbook kernel
 does not:
 
 * ``PACK``   GQA rows packed into the query tile (row = token·G + g, one program per kv head)
@@ -51,9 +51,9 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common.harness import cuda_graph_ms, device_info, summarize, versions  # noqa: E402
-from rl_engine.backends.shared.triton.attention.kernels import rlk_attn_rowsum  # noqa: E402
+from rl_engine.backends.triton.attention.kernels import rlk_attn_rowsum  # noqa: E402
 # the adjacent-pair fixed tree, the row-sum tests' negative control, timed side by side
-from tests.backends.shared.triton._rowsum_probe import rlk_test_adjacent_rowsum  # noqa: E402
+from tests.backends.triton._rowsum_probe import rlk_test_adjacent_rowsum  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -247,7 +247,7 @@ TMA_VARIANTS = {
 
 def probe_tab(q, k, v, cu, B, S, *, warps=8, stages=2):
     """``+ind`` on the shipped tile table (``kernels.varlen_tiles``, built outside the timing)."""
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     out = torch.empty_like(q)
     tab = probe_tab.tables.get((B, S))
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
                          "the run to put under ncu (-k regex:rlk_)")
     args = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in c.split("x")) for c in args.shapes.split(",")]
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     rows = []
     for B, S in shapes:

@@ -1,6 +1,6 @@
 """Where the device time of one attention launcher call goes: every kernel it launches, on the GPU.
 
-Each shipped launcher (``rl_engine.backends.shared.triton.attention.kernels``) runs ``--iters``
+Each shipped launcher (``rl_engine.backends.triton.attention.kernels``) runs ``--iters``
 times under ``torch.profiler`` (CUDA activity) after warm-up; the kernels' device time is summed
 per name and divided by the iterations, next to the wall time of one CUDA-graph replay of the
 same call (``benchmarks.common.harness.cuda_graph_ms``). So a launcher's time splits into its
@@ -30,7 +30,7 @@ HQ, HKV, D = 32, 8, 128
 
 
 def cases():
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     g = torch.Generator(device="cuda").manual_seed(0)
 

@@ -39,7 +39,7 @@ _KEY = re.compile(r"m(\d+)_w(\d+)_s(\d+)(?:_v(\d+))?(?:_u(\d+))?$")
 
 def parse_config(key: str):
     """``AttnConfig`` from its ``key`` spelling (``m16_w4_s3``, ``m16_w4_s3_v4_u4``)."""
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     m = _KEY.match(key)
     if not m:
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="", help="implementations (names as printed) to run under the torch "
                     "profiler after timing: per-kernel device time per call")
     args = ap.parse_args(argv)
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     configs = [parse_config(k) for k in args.configs.split(",") if k]
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",") if c]
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
                 slots, vmax = (int(x) for x in (spec.split("v") + ["0"])[:2])
 
                 def ring(step=step, slots=slots, vmax=vmax):
-                    from rl_engine.backends.shared.triton.attention import hopper
+                    from rl_engine.backends.triton.attention import hopper
 
                     saved = K.MAX_PAGED_V_SLICES
                     K.MAX_PAGED_V_SLICES = vmax or saved
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
                 qslots = None if m.group(3) is None else int(m.group(3))
 
                 def transposed(step=step, slots=slots, vsl=vsl, qslots=qslots):
-                    from rl_engine.backends.shared.triton.attention import hopper
+                    from rl_engine.backends.triton.attention import hopper
 
                     quad = (K.wgt_quad_band(float("inf") if qslots else 0.0) if qslots is not None
                             else contextlib.nullcontext())

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("attention_profile_once: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     g = torch.Generator(device="cuda").manual_seed(0)
     if args.decode is not None:

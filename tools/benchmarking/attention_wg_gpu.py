@@ -9,7 +9,7 @@ Triton kernel and the warpgroup kernel in each configuration (``--stages``: the 
 ``hopper.CONFIGS``, or ring depths, tile rows and a register cap for every launch), output-only
 and training forward, and writes JSON rows (``--out``). ``--baseline FILE`` adds another version
 of ``hopper.py`` (e.g. the previous commit's, ``git show
-HEAD~1:rl_engine/backends/shared/triton/attention/hopper.py > /tmp/hopper_prev.py``), checked and
+HEAD~1:rl_engine/backends/triton/attention/hopper.py > /tmp/hopper_prev.py``), checked and
 timed with its own ``CONFIGS`` in the same run (stage ``baseline``). A tool for choosing
 ``hopper.CONFIGS`` and for a first look; the benchmark of record is
 ``benchmarks/operators/bench_attention_gpu.py`` (rows ``.no_wg``).
@@ -47,7 +47,7 @@ def _case(lens, hq, hkv, dtype, window, seed):
     return q, k, v, cu, window
 
 
-_HOPPER = "rl_engine.backends.shared.triton.attention.hopper"
+_HOPPER = "rl_engine.backends.triton.attention.hopper"
 
 
 @contextlib.contextmanager
@@ -55,8 +55,8 @@ def _kernel_from(module):
     """``kernels.varlen_forward`` launches ``module``'s warpgroup kernel inside the block (it
     imports ``hopper`` at each call): the package attribute and ``sys.modules`` entry are swapped
     and restored in ``finally``."""
-    from rl_engine.backends.shared.triton import attention
-    from rl_engine.backends.shared.triton.attention import hopper
+    from rl_engine.backends.triton import attention
+    from rl_engine.backends.triton.attention import hopper
 
     saved = hopper, sys.modules[_HOPPER]
     attention.hopper = sys.modules[_HOPPER] = module
@@ -79,7 +79,7 @@ def _variant(var):
     ``hopper.CONFIGS``; ``(K, V, rows, regs)`` sets every launch to K key and V value ring slots,
     ``rows``-row tiles and the register cap ``regs`` (``None``: the compiler's choice); a module
     (``--baseline``) launches that version of the kernel with its own ``CONFIGS``."""
-    from rl_engine.backends.shared.triton.attention import hopper
+    from rl_engine.backends.triton.attention import hopper
 
     if var is None:
         return contextlib.nullcontext()
@@ -114,7 +114,7 @@ def check_bits(cases, variants) -> list[dict]:
 
 
 def _check_bits(cases, tag) -> list[dict]:
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     rows = []
     for name, (q, k, v, cu, window) in cases:
@@ -140,7 +140,7 @@ def _check_bits(cases, tag) -> list[dict]:
 
 
 def timing(stages, repeats: int) -> list[dict]:
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     dev, ver = device_info("cuda"), versions()
     out = []

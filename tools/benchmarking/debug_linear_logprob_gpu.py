@@ -46,9 +46,9 @@ RESULTS: dict = {"stages": [], "timing": {}, "profile": {}, "gemm": [], "memory"
 
 
 def _line(case: str, stage: str, a: torch.Tensor, b: torch.Tensor) -> bool:
-    from rl_engine.utils.bits import bit_diff
+    from rl_engine.utils.bits import same_bits
 
-    d = bit_diff(a, b)
+    d = same_bits(a, b)
     if d.equal:
         msg = "equal"
     else:
@@ -74,7 +74,7 @@ def _dlogits_launch(logits, c0, targets, lse, g_lp, ent, g_ent, temperature, fp_
     """The fused dlogits kernel with an explicit fp-fusion setting (False = the shipped launch)."""
     import triton
 
-    from rl_engine.backends.shared.triton.logprob import fused
+    from rl_engine.backends.triton.logprob import fused
 
     R, C = logits.shape
     fused.rlk_linear_logprob_dlogits[(R, triton.cdiv(C, fused.VOCAB_BLOCK))](
@@ -86,11 +86,11 @@ def _dlogits_launch(logits, c0, targets, lse, g_lp, ent, g_ent, temperature, fp_
 
 
 def stages(n: int, h: int, v: int, dtype: torch.dtype, temperature: float) -> None:
-    from rl_engine.backends.shared.triton import logprob as tlp
-    from rl_engine.backends.shared.triton.gemm import kernels as gk
-    from rl_engine.backends.shared.triton.gemm.configs import select_forward, select_weight_grad
-    from rl_engine.backends.shared.triton.logprob import fused
-    from rl_engine.backends.shared.triton.logprob import kernels as lk
+    from rl_engine.backends.triton import logprob as tlp
+    from rl_engine.backends.triton.gemm import kernels as gk
+    from rl_engine.backends.triton.gemm.configs import select_forward, select_weight_grad
+    from rl_engine.backends.triton.logprob import fused
+    from rl_engine.backends.triton.logprob import kernels as lk
     from rl_engine.ops import gemm, logprob
 
     case = f"{n}x{h}x{v} {str(dtype).split('.')[-1]} T={temperature}"
@@ -178,9 +178,9 @@ def _time_ms(fn, reps: int = 5) -> float:
 def timing(T: int, H: int, V: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from rl_engine.backends.shared.triton import logprob as tlp
-    from rl_engine.backends.shared.triton.gemm import kernels as gk
-    from rl_engine.backends.shared.triton.gemm.configs import TileConfig, select_forward, select_weight_grad
+    from rl_engine.backends.triton import logprob as tlp
+    from rl_engine.backends.triton.gemm import kernels as gk
+    from rl_engine.backends.triton.gemm.configs import TileConfig, select_forward, select_weight_grad
     from rl_engine.ops import gemm, logprob
 
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -40,7 +40,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common.harness import cuda_graph_ms, device_info, summarize, versions  # noqa: E402
-from rl_engine.backends.shared.triton.attention.kernels import rlk_attn_rowsum  # noqa: E402
+from rl_engine.backends.triton.attention.kernels import rlk_attn_rowsum  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 G = HQ // HKV
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--contexts", default="4096,32768")
     args = ap.parse_args(argv)
-    from rl_engine.backends.shared.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import kernels as K
 
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):

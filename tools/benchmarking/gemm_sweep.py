@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 import bench_gemm_gpu as bench  # noqa: E402
 
-from rl_engine.backends.shared.triton.gemm import kernels  # noqa: E402
-from rl_engine.backends.shared.triton.gemm.configs import TileConfig as C  # noqa: E402
-from rl_engine.utils.bits import bit_diff  # noqa: E402
+from rl_engine.backends.triton.gemm import kernels  # noqa: E402
+from rl_engine.backends.triton.gemm.configs import TileConfig as C  # noqa: E402
+from rl_engine.utils.bits import same_bits  # noqa: E402
 
 
 P = dict(tma=True, persistent=True)
@@ -66,7 +66,7 @@ def bits_part(only_subtile: bool = False) -> list[dict]:
                     y = kernels.forward(x, w, b, config=cfg)
                     dx = kernels.grad_input(gy, w, config=cfg)
                     torch.cuda.synchronize()
-                    dy, ddx = bit_diff(y, y0), bit_diff(dx, dx0)
+                    dy, ddx = same_bits(y, y0), same_bits(dx, dx0)
                     row = {"dtype": str(dtype), "K": k, "config": cfg.key, "ref": ref_cfg.key,
                            "fwd_equal": dy.equal, "fwd_diff": str(dy), "dx_equal": ddx.equal, "dx_diff": str(ddx)}
                 except Exception as exc:  # a config that does not compile is recorded, not fatal
@@ -111,7 +111,7 @@ def candidates(m: int) -> list[C]:
 
 
 def speed_part(shapes, ms, only: set[str] | None = None, with_shipped: bool = False) -> list[dict]:
-    from rl_engine.backends.shared.triton.gemm.configs import select_forward
+    from rl_engine.backends.triton.gemm.configs import select_forward
 
     known = {c.key for c in SMALL + MID64 + M256 + LARGE}
     unknown = sorted(set(only or ()) - known)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU job for everything under backends/shared/triton: environment, every `gpu`-marked test
+# One GPU job for everything under backends/triton: environment, every `gpu`-marked test
 # of the tree (parallel workers, then the bounded-performance smoke alone), and the GPU
 # benchmarks. Logs, junit XML, the tests' evidence JSON and benchmark JSON go to $OUT.
 #
@@ -59,9 +59,9 @@ export RLK_EVIDENCE_DIR="$OUT/evidence" TRITON_CACHE_DIR=/tmp/rlk_triton_cache
 # whole set takes more than one device call (over 498 s at 16 workers), so a full run is two
 # calls, one per shard (TESTS, when set, wins)
 case ${SHARD:-all} in
-  attention) DEFAULT_TESTS="tests/backends/shared/triton/test_attention_triton.py" ;;
-  rest) DEFAULT_TESTS="tests --ignore=tests/integrations/engines/rollout/vllm --ignore=tests/backends/shared/triton/test_attention_triton.py" ;;
-  all) DEFAULT_TESTS="tests --ignore=tests/integrations/engines/rollout/vllm" ;;
+  attention) DEFAULT_TESTS="tests/backends/triton/test_attention_triton.py" ;;
+  rest) DEFAULT_TESTS="tests --ignore=tests/integrations/vllm --ignore=tests/backends/triton/test_attention_triton.py" ;;
+  all) DEFAULT_TESTS="tests --ignore=tests/integrations/vllm" ;;
   *) echo "SHARD: expected attention, rest or all, got ${SHARD}" >&2; exit 2 ;;
 esac
 TESTS=${TESTS:-$DEFAULT_TESTS}

@@ -30,9 +30,9 @@ for step in $STEPS; do
   case $step in
     tests)
       # functional tests in parallel workers; the bounded-performance smoke alone (no contention)
-      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest tests/backends/shared/triton -q -n ${XDIST:-3} -p no:cacheprovider \
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest tests/backends/triton -q -n ${XDIST:-3} -p no:cacheprovider \
         -rs -k "not bounded_performance" --junitxml="$WORK/pytest_gpu.xml" 2>&1 | tee "$WORK/pytest_gpu.log" | tail -25
-      timeout 120 python3 -m pytest tests/backends/shared/triton -q -p no:cacheprovider -rs -k bounded_performance \
+      timeout 120 python3 -m pytest tests/backends/triton -q -p no:cacheprovider -rs -k bounded_performance \
         --junitxml="$WORK/pytest_gpu_perf.xml" 2>&1 | tee "$WORK/pytest_gpu_perf.log" | tail -8 ;;
     sweep)
       timeout ${SWEEP_TIMEOUT:-240} python3 tools/benchmarking/gemm_sweep.py --out "$WORK/sweep.json" ${SWEEP_ARGS:-} 2>&1 \

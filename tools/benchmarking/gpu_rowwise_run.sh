@@ -4,7 +4,7 @@
 # the verbose log (test names, so a run stopped at its time limit still shows what finished)
 # and the tests' evidence JSON (profiler names, bounded-performance numbers) to $OUT.
 #
-#   MODULES="tests/backends/shared/triton" KEXPR="not gemm" bash tools/benchmarking/gpu_rowwise_run.sh
+#   MODULES="tests/backends/triton" KEXPR="not gemm" bash tools/benchmarking/gpu_rowwise_run.sh
 #
 # Carry .whl (pydantic & deps, missing on the device image): see tools/benchmarking/gpu_all_run.sh.
 set -uo pipefail
@@ -24,7 +24,7 @@ export RLK_EVIDENCE_DIR="$OUT/evidence" TRITON_CACHE_DIR=/tmp/rlk_triton_cache
   python3 -c "import torch, triton, pydantic, hypothesis, pytest; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'pydantic', pydantic.__version__, 'hypothesis', hypothesis.__version__, 'pytest', pytest.__version__); print(torch.cuda.get_device_name(0))"
 } 2>&1 | tee "$OUT/env.txt"
 t0=$(date +%s)
-timeout ${TESTS_TIMEOUT:-180} python3 -m pytest ${MODULES:-tests/backends/shared/triton} -v -n ${XDIST:-8} -p no:cacheprovider \
+timeout ${TESTS_TIMEOUT:-180} python3 -m pytest ${MODULES:-tests/backends/triton} -v -n ${XDIST:-8} -p no:cacheprovider \
   -rs -k "${KEXPR:-not bounded_performance}" --durations=30 --junitxml="$OUT/pytest_gpu_rowwise.xml" 2>&1 \
   | grep -v -e PytestBenchmarkWarning -e 'warner(' > "$OUT/pytest_gpu_rowwise.log"
 echo "== tests took $(( $(date +%s) - t0 )) s"

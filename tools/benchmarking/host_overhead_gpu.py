@@ -101,7 +101,7 @@ def profile_text(fn, calls: int, top: int = 30) -> str:
 
 def other_ops() -> dict[str, tuple]:
     """Decode-step operators at Qwen3-8B widths, batch 1: (callable, syncs, n) per case."""
-    from rl_engine.backends.shared.triton.attention import kernels as AK
+    from rl_engine.backends.triton.attention import kernels as AK
     from rl_engine.ops.activation import silu_and_mul
     from rl_engine.ops.attention import (ContiguousKVCache, cached_attention, cached_attention_step, paged_attention,
                                          paged_attention_step, plan_cached_attention, plan_paged_attention)
@@ -195,8 +195,8 @@ def main() -> int:
         return 1
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    import rl_engine.backends.shared.triton.gemm  # noqa: F401  (registers torch.ops.rlk.linear_triton)
-    from rl_engine.backends.shared.triton.gemm import kernels as K
+    import rl_engine.backends.triton.gemm  # noqa: F401  (registers torch.ops.rlk.linear_triton)
+    from rl_engine.backends.triton.gemm import kernels as K
     from rl_engine.ops import gemm
     from rl_engine.utils.checks import nan_policy
 

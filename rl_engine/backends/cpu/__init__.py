@@ -5,7 +5,7 @@ Design rules every module here follows (see docs/design/cpu-backend.md):
 * BLAS calls only on fixed-shape tiles (:data:`~rl_engine.backends.cpu.common.TILE_M` ×
   :data:`~rl_engine.backends.cpu.common.TILE_N`), padding the last tile, because CPU BLAS picks
   shape-dependent algorithms;
-* reductions through :func:`~rl_engine.backends.cpu.common.fixed_order_sum` (fixed lanes at
+* reductions through :func:`~rl_engine.utils.reductions.fixed_order_sum` (fixed lanes at
   absolute positions, then a fixed pairwise tree), never ``torch.sum`` along a row;
 * elementwise math only from IEEE correctly-rounded operations (``+ - * / sqrt``) and ``exp`` /
   ``log``, whose vectorised and scalar-tail results agree (a test guards this): ``torch.sigmoid``

@@ -6,17 +6,14 @@ Shapes use ``M`` rows (tokens), ``K`` the reduced dimension and ``N`` output fea
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from rl_engine.utils.portable import pow2
 
-__all__ = ["TILE_N", "SUM_LANES", "exact_matmul", "exact_bmm", "fixed_order_sum"]
+__all__ = ["TILE_N", "exact_matmul", "exact_bmm"]
 
 #: Output-feature block of the vocabulary-chunked paths (the canonical log-sum-exp's block):
 #: the fused LM head splits the vocabulary at multiples of it.
 TILE_N = 1024
-#: Lane width of :func:`fixed_order_sum`.
-SUM_LANES = 64
 _F64_BITS = 53
 # Row and reduction blocks of exact_matmul's float64 work (memory only: blocking changes no bit).
 _ROW_BLOCK = 512
@@ -217,36 +214,3 @@ def exact_bmm(a: torch.Tensor, b: torch.Tensor, scale_by: str = "rows") -> torch
     ``scale_by="rows"`` scales each column ``b[:, :, n]``; ``"k"`` each row ``b[:, k, :]``.
     """
     return exact_matmul(a, b.transpose(-1, -2), scale_by=scale_by)
-
-
-def fixed_order_sum(x: torch.Tensor, lanes: int = SUM_LANES) -> torch.Tensor:
-    """Sum over the last dimension in one fixed order, independent of the other dimensions.
-
-    With ``x`` of shape ``[..., L]`` and ``B = lanes``: element ``t`` is added into lane
-    ``t mod B`` in increasing block order (``acc_l = ((x_l + x_{l+B}) + x_{l+2B}) + ...``, a
-    short tail block padded with zeros), then the ``B`` lanes are folded pairwise
-    (``acc[:B/2] + acc[B/2:]``, repeated) down to one value. Every step is an elementwise
-    IEEE addition over whole rows, so row ``r``'s sum depends only on row ``r`` and ``L``.
-
-    Returns ``[...]`` in ``x.dtype`` (callers pass fp32).
-    """
-    if lanes & (lanes - 1):
-        raise ValueError(f"lanes: expected a power of two, got {lanes}")
-    L = x.shape[-1]
-    if L == 0:
-        return x.new_zeros(x.shape[:-1])
-    acc = x[..., :lanes]
-    if acc.shape[-1] < lanes:
-        acc = F.pad(acc, (0, lanes - acc.shape[-1]))
-    else:
-        acc = acc.clone()
-    for j in range(lanes, L, lanes):
-        blk = x[..., j : j + lanes]
-        if blk.shape[-1] < lanes:
-            blk = F.pad(blk, (0, lanes - blk.shape[-1]))
-        acc.add_(blk)
-    w = lanes
-    while w > 1:
-        w //= 2
-        acc = acc[..., :w] + acc[..., w : 2 * w]
-    return acc[..., 0]

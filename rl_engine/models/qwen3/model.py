@@ -29,7 +29,7 @@ import torch
 
 from rl_engine.models.qwen3.spec import ModelLoadError, Qwen3Spec, load_spec
 from rl_engine.utils import portable
-from rl_engine.validation import capture as _capture
+from rl_engine.models.hooks import stage_hook
 
 __all__ = ["Qwen3ForCausalLM"]
 
@@ -216,9 +216,9 @@ class Qwen3ForCausalLM:
         s, P = self.spec, self.params
         T = ids.shape[0]
         eps = s.rms_norm_eps
-        # Capture points (rl_engine.validation.capture): one list lookup per forward when no
-        # capture is active; the tensors are never touched then.
-        tap = _capture.tap if _capture.active() is not None else None
+        # Stage hook (rl_engine.models.hooks): one context-variable read per forward; the
+        # tensors are not touched when no observer has set a hook.
+        tap = stage_hook()
         h = ops.embedding(ids, P["model.embed_tokens.weight"])
         if tap:
             h = tap(-1, "embedding", h)
@@ -262,7 +262,7 @@ class Qwen3ForCausalLM:
 
         Args:
             ids, positions: ``[T]`` int64; cu_seqlens: ``[S+1]`` int32/int64 segment bounds.
-            ops: the train side's :class:`~rl_engine.runtime.plan.OpsProvider`.
+            ops: the train side's :class:`~rl_engine.engine.OpsProvider`.
         """
         scale = self.spec.head_dim ** -0.5
         return self._layers(ids, positions, ops, lambda i, q, k, v: ops.varlen_attention(q, k, v, cu_seqlens, scale=scale))

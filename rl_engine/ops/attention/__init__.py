@@ -704,7 +704,7 @@ def paged_attention(
         q: ``[T, Hq, D]``; k_new, v_new: ``[T, Hkv, D]``; k_cache, v_cache:
         ``[num_blocks, block_size, Hkv, D]``, contiguous (they may be overlapping views of one
         engine buffer, e.g. vLLM's, as long as the rows a call writes and reads are its own —
-        see rl_engine/integrations/engines/rollout/vllm/attention_backend.py); slot_mapping: ``[T]``
+        see rl_engine/integrations/vllm/attention_backend.py); slot_mapping: ``[T]``
         int32/int64 rows in ``[0, num_blocks · block_size)``; block_table: ``[B, max_blocks]``
         int32/int64 (entries past a sequence's last block are ignored); cu_seqlens_q: ``[B+1]``;
         seq_lens: ``[B]``. Returns ``[T, Hq, D]`` in ``q.dtype``.

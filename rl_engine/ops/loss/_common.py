@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from rl_engine.utils.reductions import canonical_sum
 from rl_engine.utils.checks import FLOAT_DTYPES, current_nan_policy, require_same_device, require_tensor
 
 __all__ = ["REDUCTIONS", "LossOutput", "loss_denominator", "combine_microbatch_losses"]
@@ -40,12 +41,6 @@ __all__ = ["REDUCTIONS", "LossOutput", "loss_denominator", "combine_microbatch_l
 REDUCTIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 _OPTIONAL_TOKENS = ("is_weights",)
 _MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.float16)
-
-
-def _reduce():  # imported lazily: importing rl_engine.ops.loss registers no backend
-    from rl_engine.backends.cpu.loss import reduce
-
-    return reduce
 
 
 @dataclass(frozen=True)
@@ -219,7 +214,7 @@ def _sums(stats: Mapping[str, torch.Tensor], keys: Sequence[str]) -> list[torch.
     """``[tokens total, active sequences, *canonical sums of keys]`` in one batched pass."""
     tokens = stats["tokens"]
     rows = torch.stack([tokens, (tokens > 0).to(torch.float32), *(stats[k] for k in keys)])
-    return list(_reduce().canonical_sum(rows).unbind())
+    return list(canonical_sum(rows).unbind())
 
 
 def _policy_metrics(stats: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -258,7 +253,7 @@ _METRICS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tenso
 
 
 def _assemble(seq_terms: torch.Tensor, den: float, reduction: str, given: bool, kind: str, stats: Mapping[str, torch.Tensor]) -> LossOutput:
-    total = _reduce().canonical_sum(seq_terms)
+    total = canonical_sum(seq_terms)
     loss = total / torch.tensor(den, dtype=torch.float32, device=seq_terms.device)
     stats = {k: v.detach() for k, v in stats.items()}
     with torch.no_grad():

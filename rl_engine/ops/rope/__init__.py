@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from rl_engine.ops.rope.tables import MAX_POSITION, rope_cos_sin, rope_inv_freq
+from rl_engine.utils.rope_tables import MAX_POSITION, rope_cos_sin, rope_inv_freq
 from rl_engine.runtime.registry import dispatch, make_request
 from rl_engine.utils.checks import FLOAT_DTYPES, require_same_device, require_tensor
 

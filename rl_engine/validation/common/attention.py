@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from rl_engine.validation.common.report import CheckReport
 
 __all__ = [
@@ -137,7 +137,7 @@ def check_prefill_decode_invariance(
             if e == s:
                 continue
             report.cases += 1
-            d = bit_diff(got[s:e], ref[s:e])
+            d = same_bits(got[s:e], ref[s:e])
             if not d.equal:
                 a, b = (t[s:e].contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32) for t in (got, ref))
                 bad = (a != b).flatten(1).any(1).nonzero().flatten().tolist()
@@ -189,7 +189,7 @@ def check_packing_invariance(
         for i in order:
             report.cases += 1
             for w, a, b in zip(what, got[i], full[i]):
-                d = bit_diff(a, b)
+                d = same_bits(a, b)
                 if not d.equal:
                     report.failures.append(f"packing {list(order)[:8]}, sequence {i}, {w}: {d}")
                     break
@@ -217,7 +217,7 @@ def check_run_to_run(fn: Callable[..., torch.Tensor], args: Sequence[torch.Tenso
     for r in range(1, runs):
         for j, (a, b) in enumerate(zip(results[r], results[0])):
             report.cases += 1
-            d = bit_diff(a, b)
+            d = same_bits(a, b)
             if not d.equal:
                 report.failures.append(f"run {r} vs run 0, {'output' if j == 0 else f'grad {j - 1}'}: {d}")
     return report

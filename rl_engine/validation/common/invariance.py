@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rl_engine.utils.bits import BitDiff, bit_diff
+from rl_engine.utils.bits import BitComparison, same_bits
 from rl_engine.validation.common.report import CheckReport
 
 __all__ = ["RowInvarianceReport", "check_row_invariance"]
@@ -77,13 +77,13 @@ def check_row_invariance(
         report.trials += 1
         sub_out, sub_g = _run(fn, [a[idx] for a in row_args], shared_args, tuple(u[idx] for u in upstream), grads)
         for k, (so, fo) in enumerate(zip(sub_out, full_out)):
-            d: BitDiff = bit_diff(so, fo[idx])
+            d: BitComparison = same_bits(so, fo[idx])
             if not d.equal:
                 report.failures.append(f"output {k}, trial rows {list(t)[:8]}{'...' if len(t) > 8 else ''}: {d}")
                 break
         if grads and sub_g is not None:
             for k, (sg, fg) in enumerate(zip(sub_g, full_g)):
-                d = bit_diff(sg, fg[idx])
+                d = same_bits(sg, fg[idx])
                 if not d.equal:
                     report.failures.append(f"grad of row arg {k}, trial rows {list(t)[:8]}: {d}")
                     break

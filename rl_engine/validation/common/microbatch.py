@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rl_engine.utils.bits import bit_diff, int_view
+from rl_engine.utils.bits import same_bits, int_view
 from rl_engine.validation.common.report import CheckReport
 
 __all__ = ["MicrobatchReport", "check_microbatch_invariance", "relayout", "same_bits_allow_nan", "LAYOUTS"]
@@ -131,17 +131,17 @@ def check_microbatch_invariance(
             parts.append(out)
             where = f"split {[len(m) for m in split]}, micro-batch rows {list(mb)[:8]}"
             if full_rows is not None:
-                d = bit_diff(rows_of(out).detach(), full_rows[idx])
+                d = same_bits(rows_of(out).detach(), full_rows[idx])
                 if not d.equal:
                     report.failures.append(f"{where}: per-sequence rows differ: {d}")
             for k, (gi, fg) in enumerate(zip(g, full_g)):
                 gi = back(gi) if gi.dim() == 2 and gi.shape[0] == len(mb) else gi
-                d = bit_diff(gi, fg[idx])
+                d = same_bits(gi, fg[idx])
                 if not d.equal:
                     report.failures.append(f"{where}: gradient of row arg {grad_args[k]} differs: {d}")
         comb = {k: v.detach() for k, v in compare_of(combine(parts)).items()}
         for name, want in full_cmp.items():
-            d = bit_diff(comb[name], want)
+            d = same_bits(comb[name], want)
             if not d.equal and not same_bits_allow_nan(comb[name], want):
                 report.failures.append(f"split {[list(m)[:6] for m in split][:4]}: combined {name!r} differs: {d}")
     return report

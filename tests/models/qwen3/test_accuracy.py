@@ -15,6 +15,7 @@ import torch
 from rl_engine import contracts
 from rl_engine.models.qwen3 import Qwen3ForCausalLM, load_spec
 from rl_engine.runtime.plan import Plan
+from rl_engine.engine import ops_for
 from tests.helpers.qwen3 import TINY_CONFIGS, hf_logits_f64
 
 PLAN = "R/R"
@@ -30,7 +31,7 @@ def test_forward_matches_transformers(hf_checkpoints, name, dtype):
     spec = model.spec
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, spec.vocab_size, (37,), generator=g)
-    ops = Plan.parse(PLAN).provider("train")
+    ops = ops_for(Plan.parse(PLAN), "train")
     with torch.no_grad():
         logits = model.logits(model.hidden_train(ids, torch.arange(37), torch.tensor([0, 37], dtype=torch.int32), ops), ops)
     ref = hf_logits_f64(d, ids, dt)
@@ -81,13 +82,13 @@ def test_gradients_match_transformers(name, dtype):
     from transformers import Qwen3ForCausalLM as HFQwen3
 
     from rl_engine.models.qwen3 import Qwen3Spec
-    from rl_engine.runtime.executor import TrainSequence, score
+    from rl_engine.engine.executor import TrainSequence, score
 
     dt = DTYPES[dtype]
     spec = Qwen3Spec(name=name, **TINY_CONFIGS[name])
     model = Qwen3ForCausalLM.random(spec, seed=3, dtype=dt).requires_grad_(True)
     toks = torch.randint(0, spec.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
-    res = score(model, Plan.parse(PLAN).provider("train"), [TrainSequence(0, tuple(toks.tolist()), (0,) * 5 + (1,) * 15)])[0]
+    res = score(model, ops_for(Plan.parse(PLAN), "train"), [TrainSequence(0, tuple(toks.tolist()), (0,) * 5 + (1,) * 15)])[0]
     (-res.logprobs[res.mask].sum()).backward()
     hf = HFQwen3(Qwen3Config(**{k: v for k, v in spec.to_hf_config().items() if k not in ("architectures", "rope_theta")}))
     hf.load_state_dict({k: v.double() for k, v in model.to_hf_state_dict().items()}, strict=False)

@@ -8,7 +8,7 @@ import torch
 
 from rl_engine import contracts
 from rl_engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
-from rl_engine.runtime.executor import (
+from rl_engine.engine.executor import (
     LAYOUTS,
     RolloutExecutor,
     RolloutRequest,
@@ -17,8 +17,9 @@ from rl_engine.runtime.executor import (
     score,
 )
 from rl_engine.runtime.plan import Plan
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from rl_engine.validation.alignment import align, compare
+from rl_engine.engine import ops_for
 from tests.helpers.qwen3 import TINY_CONFIGS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -44,7 +45,7 @@ def _requests(vocab: int, n: int = 6, new: int = 9) -> list[RolloutRequest]:
 
 
 def _rollout(model, plan, sampling, **kw):
-    ex = RolloutExecutor(model, plan.provider("rollout", kv_cache=kw.pop("kv_cache", "contiguous")),
+    ex = RolloutExecutor(model, ops_for(plan, "rollout", kv_cache=kw.pop("kv_cache", "contiguous")),
                          max_len=64, **{"max_seqs": 3, "prefill_chunk": 8, "max_step_tokens": 20, **kw})
     with torch.no_grad():
         out = ex.generate(_requests(model.spec.vocab_size), sampling)
@@ -67,7 +68,7 @@ def test_rr_every_layout_bitwise_equal(name, dtype, sampling):
     seqs = _train_seqs(out)
     for lay in LAYOUTS:
         with torch.no_grad():
-            scored = score(model, plan.provider("train"), seqs, lay, temperature=params.logprob_temperature)
+            scored = score(model, ops_for(plan, "train"), seqs, lay, temperature=params.logprob_temperature)
         c = compare(align(out, scored))
         assert c.compared_tokens == sum(len(s.response) for s in out.values())
         assert c.passed, f"{name} {dtype} {sampling} layout {lay}: {c}"
@@ -79,7 +80,7 @@ def test_pp_negative_control_reports_mismatches():
     plan = Plan.parse("P/P")
     out, _ = _rollout(model, plan, SAMPLING["sampled"])
     with torch.no_grad():
-        scored = score(model, plan.provider("train"), _train_seqs(out), "packed", temperature=0.8)
+        scored = score(model, ops_for(plan, "train"), _train_seqs(out), "packed", temperature=0.8)
     c = compare(align(out, scored))
     assert c.mismatched_tokens > 0 and not c.passed
     assert c.first_mismatch is not None and c.first_mismatch.rollout != c.first_mismatch.train
@@ -98,7 +99,7 @@ def test_rollout_independent_of_batching_and_cache_layout(dtype):
         other, _ = _rollout(model, plan, SAMPLING["sampled"], **kw)
         for sid, s in base.items():
             assert other[sid].response == s.response, kw
-            assert bit_diff(other[sid].logprob_tensor(), s.logprob_tensor()), kw
+            assert same_bits(other[sid].logprob_tensor(), s.logprob_tensor()), kw
 
 
 @pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
@@ -131,19 +132,19 @@ def test_rollout_plans_each_step_once_for_every_layer(kv_cache, monkeypatch):
     assert counts["layers"] == layers * counts["steps"]
     monkeypatch.undo()
     # the same rollout with one cached_attention call per layer (the path before the plan)
-    from rl_engine.runtime.plan import OpsProvider
+    from rl_engine.engine import OpsProvider
 
     monkeypatch.setattr(OpsProvider, "cached_attention_layers", lambda self, caches, ids, cu, *, scale=None: (
         lambda i, q, k, v: self.cached_attention(q, k, v, caches[i], ids, cu, scale=scale)))
     per_layer, _ = _rollout(model, plan, SAMPLING["sampled"], kv_cache=kv_cache)
     for sid, s in out.items():
         assert per_layer[sid].response == s.response
-        assert bit_diff(per_layer[sid].logprob_tensor(), s.logprob_tensor())
+        assert same_bits(per_layer[sid].logprob_tensor(), s.logprob_tensor())
 
 
 def test_logprob_of_token_t_comes_from_logits_at_t_minus_1():
     model = _model("h16-gqa2-tied-2l", torch.float32)
-    ops = Plan.parse("R/R").provider("train")
+    ops = ops_for(Plan.parse("R/R"), "train")
     toks = tuple(range(3, 15))
     seq = TrainSequence(0, toks, (0,) * 4 + (1,) * 8)
     with torch.no_grad():
@@ -151,15 +152,15 @@ def test_logprob_of_token_t_comes_from_logits_at_t_minus_1():
         ids = torch.tensor(toks)
         logits = model.logits(model.hidden_train(ids, torch.arange(12), torch.tensor([0, 12], dtype=torch.int32), ops), ops)
     want = ops.token_logprobs(logits[:-1], ids[1:], 1.3)
-    assert bit_diff(res.logprobs[1:], want)
-    assert bit_diff(res.entropy[1:], ops.entropy(logits[:-1], 1.3))
+    assert same_bits(res.logprobs[1:], want)
+    assert same_bits(res.entropy[1:], ops.entropy(logits[:-1], 1.3))
     assert res.mask.tolist() == [False] * 4 + [True] * 8
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_works_and_is_deterministic(dtype):
     model = _model("h32-gqa6-untied-3l", DTYPES[dtype]).requires_grad_(True)
-    ops = Plan.parse("R/R").provider("train")
+    ops = ops_for(Plan.parse("R/R"), "train")
     g = torch.Generator().manual_seed(2)
     seqs = [TrainSequence(i, tuple(torch.randint(0, 700, (n,), generator=g).tolist()), (0,) * 3 + (1,) * (n - 3))
             for i, n in enumerate([9, 17, 5])]
@@ -172,7 +173,7 @@ def test_backward_works_and_is_deterministic(dtype):
         grads.append({k: v.grad.clone() for k, v in model.params.items()})
     for k, v in grads[0].items():
         assert v is not None and torch.isfinite(v.float()).all(), k
-        assert bit_diff(grads[1][k], v), f"{k}: backward is not run-to-run deterministic"
+        assert same_bits(grads[1][k], v), f"{k}: backward is not run-to-run deterministic"
     assert any(v.abs().sum() > 0 for v in grads[0].values())
     # A different layout changes only the order of the weight-gradient sums over tokens, so the
     # parameter gradients are an accuracy question (not an invariance claim): within the model
@@ -192,7 +193,7 @@ def test_rollout_progress_counts_every_token():
     reqs = _requests(model.spec.vocab_size)
     calls: list[tuple[int, int]] = []
     plan = Plan.parse("R/R")
-    ex = RolloutExecutor(model, plan.provider("rollout"), max_len=64, max_seqs=3, prefill_chunk=8, max_step_tokens=20)
+    ex = RolloutExecutor(model, ops_for(plan, "rollout"), max_len=64, max_seqs=3, prefill_chunk=8, max_step_tokens=20)
     with torch.no_grad():
         out = ex.generate(reqs, SAMPLING["sampled"], progress=lambda done, total: calls.append((done, total)))
     total = sum(len(r.prompt) + r.max_new_tokens for r in reqs)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rl_engine.ops.attention import ContiguousKVCache, PagedKVCache, cached_attention, varlen_attention
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 
 
 def _caches(dt):
@@ -26,7 +26,7 @@ def test_extend_then_decode_equals_varlen(dt):
         cache.extend(1, k[4 : n - 1].contiguous(), v[4 : n - 1].contiguous())
         assert cache.seq_len(1) == n - 1 and cache.seq_len(0) == 0
         out = cached_attention(q[n - 1 :], k[n - 1 :], v[n - 1 :], cache, [1], torch.tensor([0, 1]))
-        assert bit_diff(out[0], full[n - 1]).equal, type(cache).__name__
+        assert same_bits(out[0], full[n - 1]).equal, type(cache).__name__
 
 
 def test_extend_rejects_bad_input_and_leaves_cache_unchanged():

@@ -16,6 +16,7 @@ import torch
 from rl_engine.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec
 from rl_engine.ops.attention import ContiguousKVCache, PagedKVCache, cached_attention, plan_cached_attention
 from rl_engine.runtime.plan import Plan
+from rl_engine.engine import ops_for
 
 N_THREADS, STEPS, BLOCK = 6, 15, 2
 
@@ -107,7 +108,7 @@ SPEC = Qwen3Spec(name="t3", vocab_size=64, hidden_size=32, intermediate_size=48,
 @pytest.mark.parametrize("layer", range(SPEC.num_hidden_layers))
 def test_a_step_failing_at_any_layer_leaves_every_cache_unchanged(kv_cache, plan, layer):
     model = Qwen3ForCausalLM.random(SPEC, seed=3)
-    ops = Plan.parse(plan).provider("rollout", kv_cache=kv_cache)
+    ops = ops_for(Plan.parse(plan), "rollout", kv_cache=kv_cache)
 
     def step(caches, ids, slots, cu, provider):
         pos = torch.cat([torch.arange(cu[i], cu[i + 1]) - cu[i] + caches[0].seq_len(s) for i, s in enumerate(slots)])

@@ -19,7 +19,7 @@ from rl_engine.ops.attention import (
 )
 from rl_engine.reference.attention import varlen_attention_f64
 from rl_engine.runtime import provenance, use_policy
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from tests.helpers.strategies import DTYPES
 
 OP = "attention.cached_attention"
@@ -88,7 +88,7 @@ def test_freed_slot_and_pages_are_reused_without_leaking_stale_data():
     cached_attention(*(t * 1000 for t in junk), c, [1], cu(100))
     c.free(1)
     reused = cached_attention(q, k, v, c, [1], cu(100))
-    assert bit_diff(reused, fresh)
+    assert same_bits(reused, fresh)
     assert c.block_table(1) == [7, 8, 9, 0, 1, 2, 3]  # never-used pages first, then the stale ones
 
 
@@ -140,7 +140,7 @@ def test_dispatch_provenance_and_diagnostic_reference():
                    torch.zeros(40, dtype=torch.int64), pos, 32**-0.5, None)
     assert torch.equal(c2.k[0], k)
     assert contracts.tolerance(OP, torch.float32).check(ours, ref.double())
-    assert bit_diff(ours, varlen_attention(q, k, v, cu(40)))
+    assert same_bits(ours, varlen_attention(q, k, v, cu(40)))
 
 
 def test_bad_input_messages_name_the_argument():
@@ -214,7 +214,7 @@ def test_planned_steps_equal_one_call_per_layer(dtype, paged):
             q, k, v = qkv(sum(lens), dtype=dt, seed=10 * n + layer)
             got = cached_attention_step(q, k, v, planned[layer], plan)
             want = cached_attention(q, k, v, called[layer], ids, cu(*lens))
-            assert bit_diff(got, want), (n, layer)
+            assert same_bits(got, want), (n, layer)
     for a, b in zip(planned, called):
         assert [a.seq_len(i) for i in range(3)] == [b.seq_len(i) for i in range(3)]
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and a._state == b._state

@@ -26,7 +26,7 @@ from rl_engine.ops.attention import (
 from rl_engine.utils.checks import nan_policy
 from rl_engine.reference.attention import varlen_attention_f64
 from rl_engine.runtime import provenance
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from tests.helpers.strategies import DTYPES
 
 OP = "attention.cached_attention"
@@ -129,7 +129,7 @@ def test_bits_equal_varlen_any_schedule_and_placement(dtype, bs):
     dt = getattr(torch, dtype)
     out, (q, k, v) = run_schedule(lens, dt, bs, seed=bs)
     ref = varlen_attention(q, k, v, cu(lens))
-    assert bit_diff(out, ref), bit_diff(out, ref)
+    assert same_bits(out, ref), same_bits(out, ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,13 +138,13 @@ def test_split_key_value_views_of_one_buffer(dtype):
     lens = [45, 12, 64]
     dt = getattr(torch, dtype)
     out, (q, k, v) = run_schedule(lens, dt, 16, seed=3, split=True)
-    assert bit_diff(out, varlen_attention(q, k, v, cu(lens)))
+    assert same_bits(out, varlen_attention(q, k, v, cu(lens)))
 
 
 def test_sliding_window_bits_equal_varlen():
     lens = [90, 20]
     out, (q, k, v) = run_schedule(lens, torch.float32, 16, seed=5, window=24)
-    assert bit_diff(out, varlen_attention(q, k, v, cu(lens), window=24))
+    assert same_bits(out, varlen_attention(q, k, v, cu(lens), window=24))
 
 
 def test_bits_equal_cached_attention_paged_cache():
@@ -155,7 +155,7 @@ def test_bits_equal_cached_attention_paged_cache():
     eng = Engine(lens, 16, torch.float32, seed=7)
     rows = eng.step(q, k, v, [0, lens[0]], [0, 1], lens)
     out = torch.stack([rows[(i, p)] for i in range(2) for p in range(lens[i])])
-    assert bit_diff(out, ref)
+    assert same_bits(out, ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -178,13 +178,13 @@ def test_negative_controls_wrong_table_or_position_change_bits():
     eng.bt[0, 0], eng.bt[0, 1] = t[1], t[0]  # ... through a table with two blocks swapped
     eng.tables[0] = [t[1], t[0], *t[2:]]
     bad = eng.step(q, k, v, [0], [0], [1])[(0, 69)]
-    assert not bit_diff(bad, ref[69])
+    assert not same_bits(bad, ref[69])
     # a query at the wrong position (seq_lens one too large) differs too
     eng2 = Engine(lens, 16, torch.float32, seed=2)
     eng2.step(q, k, v, [0], [0], [60])
     out = paged_attention(q[60:61], k[60:61], v[60:61], eng2.k, eng2.v, torch.tensor([eng2.slot(0, 60)]),
                           eng2.bt[:1], 16, cu([1]), torch.tensor([61]))
-    assert bit_diff(out[0], ref[60])
+    assert same_bits(out[0], ref[60])
     eng3 = Engine(lens, 16, torch.float32, seed=2)
     eng3.step(q, k, v, [0], [0], [60])
     with pytest.raises(ValueError, match="slot_mapping"):
@@ -220,8 +220,8 @@ def _call(a):
 def test_valid_base_call():
     a = _args()
     q, k, v = a["q"], a["k_new"], a["v_new"]
-    assert bit_diff(_call(a), varlen_attention(q, k, v, cu([4])))
-    assert bit_diff(a["k_cache"][1, :4], k)  # written in place, at the block table's rows
+    assert same_bits(_call(a), varlen_attention(q, k, v, cu([4])))
+    assert same_bits(a["k_cache"][1, :4], k)  # written in place, at the block table's rows
 
 
 @pytest.mark.parametrize("over, match", [
@@ -260,7 +260,7 @@ def test_planned_steps_equal_one_call_each(dtype, split):
     dt = getattr(torch, dtype)
     out, (q, k, v) = run_schedule(lens, dt, 16, seed=9, split=split, planned=True)
     ref, _ = run_schedule(lens, dt, 16, seed=9, split=split)
-    assert bit_diff(out, ref) and bit_diff(out, varlen_attention(q, k, v, cu(lens)))
+    assert same_bits(out, ref) and same_bits(out, varlen_attention(q, k, v, cu(lens)))
 
 
 def _plan_args(**over):
@@ -282,7 +282,7 @@ def test_one_plan_serves_every_layer():
         ref = paged_attention(q, k, v, ref_k, ref_v, a["slot_mapping"], a["block_table"], 8, a["cu_seqlens_q"],
                               a["seq_lens"])
         got = paged_attention_step(q, k, v, a["k_cache"], a["v_cache"], plan)
-        assert bit_diff(got, ref) and bit_diff(a["k_cache"], ref_k) and bit_diff(a["v_cache"], ref_v)
+        assert same_bits(got, ref) and same_bits(a["k_cache"], ref_k) and same_bits(a["v_cache"], ref_v)
     # negative control: a plan of a shifted sequence (one more cached token) changes the bits
     shifted = plan_paged_attention(**{**_plan_args(), "slot_mapping": torch.tensor([9, 10, 11, 12]),
                                       "seq_lens": torch.tensor([5])})
@@ -292,7 +292,7 @@ def test_one_plan_serves_every_layer():
                          plan_paged_attention(**{**_plan_args(), "slot_mapping": torch.tensor([8]),
                                                  "cu_seqlens_q": cu([1]), "seq_lens": torch.tensor([1])}))
     moved = paged_attention_step(q5[1:], k5[1:], v5[1:], a["k_cache"], a["v_cache"], shifted)
-    assert not bit_diff(moved, paged_attention_step(q5[1:], k5[1:], v5[1:], torch.zeros(4, 8, HKV, D),
+    assert not same_bits(moved, paged_attention_step(q5[1:], k5[1:], v5[1:], torch.zeros(4, 8, HKV, D),
                                                     torch.zeros(4, 8, HKV, D), plan))
 
 
@@ -379,7 +379,7 @@ def test_gpu_paged_attention_bits_equal_varlen(dtype, split):
         out, (q, k, v) = run_schedule(lens, dt, 16, seed=21, split=split, device="cuda")
     assert recs and {r.impl_id for r in recs} == {"triton.blocked_online_softmax"} and not any(r.fallback for r in recs)
     ref = varlen_attention(q, k, v, cu(lens).cuda())
-    assert bit_diff(out, ref), bit_diff(out, ref)
+    assert same_bits(out, ref), same_bits(out, ref)
     acc = varlen_attention_f64(q.cpu(), k.cpu(), v.cpu(), cu(lens))
     tol = contracts.tolerance(OP, dt)
     assert tol.check(out.cpu(), acc), tol.max_violation(out.cpu(), acc)
@@ -387,14 +387,14 @@ def test_gpu_paged_attention_bits_equal_varlen(dtype, split):
 
 @pytest.mark.gpu
 def test_gpu_paged_attention_profiler_names():
-    from tests.backends.shared.triton._rowwise_common import check_profiler_names
+    from tests.backends.triton._rowwise_common import check_profiler_names
 
     lens = [40, 3]
 
     def call():
         run_schedule(lens, torch.bfloat16, 16, seed=4, split=True, device="cuda")
 
-    check_profiler_names("rl_engine.backends.shared.triton.attention.kernels", call, {"rlk_attn"}, "paged_attention")
+    check_profiler_names("rl_engine.backends.triton.attention.kernels", call, {"rlk_attn"}, "paged_attention")
 
 
 @pytest.mark.gpu
@@ -429,7 +429,7 @@ def test_gpu_planned_decode_step_runs_without_a_tile_table():
     assert not plan.decode_only
     with nan_policy("propagate"):
         out, names = kernels_of(lambda: paged_attention_step(q[pre], k[pre], v[pre], eng.k, eng.v, plan))
-    assert "rlk_attn_tiles" in names and bit_diff(out, ref[pre])
+    assert "rlk_attn_tiles" in names and same_bits(out, ref[pre])
     dec = torch.tensor([s + n for s, n in zip(starts, lens)], device="cuda")
     slots = torch.tensor([eng.slot(i, n) for i, n in enumerate(lens)], device="cuda")
     plan = plan_paged_attention(slots, bt, 16, cu([1] * len(lens)).cuda(), torch.tensor(full, device="cuda"),
@@ -445,11 +445,11 @@ def test_gpu_planned_decode_step_runs_without_a_tile_table():
             torch.cuda.set_sync_debug_mode("default")
         out, names = kernels_of(lambda: paged_attention_step(qd, kd, vd, eng.k, eng.v, plan))
         assert "rlk_attn_tiles" not in names and any(n.startswith("rlk_attn_fwd") for n in names), names
-        assert bit_diff(out, ref[dec]) and bit_diff(eager, ref[dec]), bit_diff(out, ref[dec])
+        assert same_bits(out, ref[dec]) and same_bits(eager, ref[dec]), same_bits(out, ref[dec])
         graph, captured = capture_cuda_graph(lambda: paged_attention_step(qd, kd, vd, eng.k, eng.v, plan))
         graph.replay()
         torch.cuda.synchronize()
-        assert bit_diff(captured, ref[dec])
+        assert same_bits(captured, ref[dec])
 
 
 @pytest.mark.gpu
@@ -479,11 +479,11 @@ def test_gpu_paged_attention_step_syncs_nothing_and_is_capturable():
                 paged_attention(q, k, v, eng.k, eng.v, *meta)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert bit_diff(out, ref), bit_diff(out, ref)
+        assert same_bits(out, ref), same_bits(out, ref)
         graph, captured = capture_cuda_graph(lambda: paged_attention_step(q, k, v, eng.k, eng.v, plan))
         eng.k.zero_(), eng.v.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        assert bit_diff(captured, ref)
+        assert same_bits(captured, ref)
     with pytest.raises(RuntimeError, match="q: the finite-value check"):
         capture_cuda_graph(lambda: paged_attention_step(q, k, v, eng.k, eng.v, plan))

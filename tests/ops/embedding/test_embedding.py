@@ -14,7 +14,7 @@ from rl_engine.backends.cpu.embedding import fixed_order_scatter_sum
 from rl_engine.ops import embedding as E
 from rl_engine.reference.embedding import embedding_f64
 from rl_engine.runtime.registry import reference_for
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from rl_engine.validation.common import check_row_invariance
 from rl_engine.utils.checks import nan_policy
 from tests.helpers.determinism import run_to_run_failures, thread_count_failures
@@ -49,9 +49,9 @@ def test_forward_is_a_bit_copy_and_chunks_agree(dtype):
     ids, w = _data(500, 97, 40, dtype, seed=1)
     out = E.embedding(ids.view(20, 25), w)
     assert out.shape == (20, 25, 40)
-    assert bit_diff(out.reshape(500, 40), w[ids])
+    assert same_bits(out.reshape(500, 40), w[ids])
     for s, e in ((0, 1), (3, 250), (250, 500)):
-        assert bit_diff(E.embedding(ids[s:e].contiguous(), w), out.reshape(500, 40)[s:e])
+        assert same_bits(E.embedding(ids[s:e].contiguous(), w), out.reshape(500, 40)[s:e])
 
 
 # ----------------------------------------------------------------------------- backward
@@ -75,7 +75,7 @@ def test_weight_grad_accuracy(dtype, n, V, H, zipf):
     y.backward(grad)
     w64 = w.double().requires_grad_()
     embedding_f64(ids, w64).backward(grad.double())
-    assert bit_diff(y, w[ids])
+    assert same_bits(y, w[ids])
     bwd = contracts.tolerance(OP, dt, "backward")
     assert w_req.grad.dtype == dt
     assert bwd.check(w_req.grad, w64.grad), bwd.max_violation(w_req.grad, w64.grad)
@@ -84,7 +84,7 @@ def test_weight_grad_accuracy(dtype, n, V, H, zipf):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reference_fallback_takes_the_dispatch_arguments(dtype):
     ids, w = _data(12, 7, 5, dtype, seed=9)
-    assert bit_diff(reference_for(OP)(ids.view(3, 4), w), E.embedding(ids.view(3, 4), w))
+    assert same_bits(reference_for(OP)(ids.view(3, 4), w), E.embedding(ids.view(3, 4), w))
 
 
 def test_fixed_order_is_the_documented_pairwise_tree():
@@ -92,9 +92,9 @@ def test_fixed_order_is_the_documented_pairwise_tree():
     src = torch.randn(7, 5, generator=torch.Generator().manual_seed(4))
     out = fixed_order_scatter_sum(ids, src, 5)
     g = src[[0, 2, 3, 5, 6]]  # id 3's tokens in token order: ((g0 + g1) + (g2 + g3)) + g4
-    assert bit_diff(out[3], ((g[0] + g[1]) + (g[2] + g[3])) + g[4])
-    assert bit_diff(out[1], src[1]) and bit_diff(out[0], src[4])
-    assert bit_diff(out[2], torch.zeros(5)) and bit_diff(out[4], torch.zeros(5))
+    assert same_bits(out[3], ((g[0] + g[1]) + (g[2] + g[3])) + g[4])
+    assert same_bits(out[1], src[1]) and same_bits(out[0], src[4])
+    assert same_bits(out[2], torch.zeros(5)) and same_bits(out[4], torch.zeros(5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -156,7 +156,7 @@ def _locality_failures(fn, ids, w, grad, probe_ids):
     for v in probe_ids:
         mask = ids == v
         alone = fn(ids[mask], w, grad[mask])
-        d = bit_diff(alone[v], full[v])
+        d = same_bits(alone[v], full[v])
         if not d.equal:
             failures.append(f"id {v}: {d}")
     return failures
@@ -212,7 +212,7 @@ def test_empty_ids_give_empty_output_and_zero_grad():
     y = E.embedding(torch.empty(2, 0, dtype=torch.int64), w)
     assert y.shape == (2, 0, 4)
     y.sum().backward()
-    assert bit_diff(w.grad, torch.zeros(10, 4))
+    assert same_bits(w.grad, torch.zeros(10, 4))
 
 
 def test_custom_ops_pass_opcheck():

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from rl_engine import contracts
 from rl_engine.ops import gemm
 from rl_engine.reference.gemm import linear_f64
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from rl_engine.utils.checks import nan_policy
 from rl_engine.validation.common import check_row_invariance
 from tests.helpers.strategies import DTYPES, row_trials
@@ -47,7 +47,7 @@ def test_output_feature_chunk_invariance(dtype, start, length):
     full = gemm.linear(x, w)
     stop = min(start + length, 2100)
     part = gemm.linear(x, w[start:stop].contiguous())
-    assert bit_diff(part, full[:, start:stop]), "column chunk differs from the full product"
+    assert same_bits(part, full[:, start:stop]), "column chunk differs from the full product"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -95,9 +95,9 @@ def test_run_to_run_determinism_including_weight_grad():
         y.backward(torch.ones_like(y))
         outs.append((y, xx.grad, ww.grad, bb.grad))
     for a, b_ in zip(outs[0], outs[1]):
-        assert bit_diff(a, b_)
+        assert same_bits(a, b_)
     for a, b_ in zip(outs[0], outs[2]):
-        assert bit_diff(a, b_)
+        assert same_bits(a, b_)
 
 
 def test_bad_input_messages_name_the_argument():

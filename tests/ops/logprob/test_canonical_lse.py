@@ -10,10 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl_engine.backends.cpu.common import TILE_N, fixed_order_sum
+from rl_engine.backends.cpu.common import TILE_N
+from rl_engine.utils.reductions import fixed_order_sum
 from rl_engine.backends.cpu.logprob.lse import VOCAB_BLOCK, LseAccumulator, finish_grad, scale_logits
 from rl_engine.ops import logprob
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from tests.helpers.threads import threads
 
 F32_MAX = torch.finfo(torch.float32).max
@@ -63,8 +64,8 @@ def test_implementation_matches_the_documented_algorithm_bit_for_bit(v):
     res = acc.finish()
     for r in range(5):
         lse, ent = spec_lse_entropy(z[r])
-        assert bit_diff(res.lse[r], lse), r
-        assert bit_diff(res.entropy[r], ent), r
+        assert same_bits(res.lse[r], lse), r
+        assert same_bits(res.entropy[r], ent), r
 
 
 @settings(max_examples=60)
@@ -83,8 +84,8 @@ def test_chunked_accumulation_equals_whole_row(v, data, n):
         for a, b in zip(bounds, bounds[1:]):
             acc.update(z[:, a:b], a)
         got = acc.finish()
-        assert bit_diff(got.lse, want.lse)
-        assert bit_diff(got.entropy, want.entropy)
+        assert same_bits(got.lse, want.lse)
+        assert same_bits(got.entropy, want.entropy)
 
 
 def test_signed_zero_maxima_give_identical_bits():
@@ -96,8 +97,8 @@ def test_signed_zero_maxima_give_identical_bits():
         acc = LseAccumulator(1, entropy=True, vocab_size=2048)
         acc.update(z, 0)
         res.append(acc.finish())
-    assert bit_diff(res[0].lse, res[1].lse)
-    assert bit_diff(res[0].entropy, res[1].entropy)
+    assert same_bits(res[0].lse, res[1].lse)
+    assert same_bits(res[0].entropy, res[1].entropy)
 
 
 def test_accumulator_rejects_misaligned_or_incomplete_chunks():
@@ -118,16 +119,16 @@ def test_temperature_is_one_correctly_rounded_division(dtype, temperature):
     x = (_rows(64, 999, seed=1) * 10).to(dtype)
     t32 = torch.tensor(temperature, dtype=torch.float32).double()
     want = (x.double() / t32).float()  # float64 quotient of fp32 operands, rounded once: exact IEEE fp32 division
-    assert bit_diff(scale_logits(x, temperature), want)
-    assert bit_diff(scale_logits(x, 1.0), x.float())
+    assert same_bits(scale_logits(x, temperature), want)
+    assert same_bits(scale_logits(x, 1.0), x.float())
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_gradient_scaling_is_one_correctly_rounded_division(temperature):
     dz = _rows(32, 777, seed=2)
     t32 = torch.tensor(temperature, dtype=torch.float32).double()
-    assert bit_diff(finish_grad(dz.clone(), temperature, torch.float32), (dz.double() / t32).float())
-    assert bit_diff(finish_grad(dz.clone(), temperature, torch.bfloat16), (dz.double() / t32).float().bfloat16())
+    assert same_bits(finish_grad(dz.clone(), temperature, torch.float32), (dz.double() / t32).float())
+    assert same_bits(finish_grad(dz.clone(), temperature, torch.bfloat16), (dz.double() / t32).float().bfloat16())
 
 
 @pytest.mark.parametrize("fn", [torch.exp, torch.log], ids=["exp", "log"])
@@ -140,7 +141,7 @@ def test_elementwise_functions_do_not_depend_on_the_element_position(fn):
     full = fn(x)
     for start in range(0, 4096, 61):
         for length in (1, 3, 7, 9, 17, 33):
-            assert bit_diff(fn(x[start : start + length]), full[start : start + length]), (start, length)
+            assert same_bits(fn(x[start : start + length]), full[start : start + length]), (start, length)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -13,7 +13,7 @@ from benchmarks.common.harness import peak_memory
 from rl_engine import contracts, runtime
 from rl_engine.ops import gemm, logprob
 from rl_engine.reference.logprob import linear_token_logprobs_f64
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from rl_engine.validation.common import check_row_invariance
 from tests.helpers.determinism import run_to_run_failures
 from tests.helpers.strategies import DTYPES, row_trials
@@ -63,7 +63,7 @@ def chunk_failures(candidate, hidden, weight, targets, temperature, chunkings, u
             lambda h, w, t: candidate(h, w, t, temperature, True, token_chunk=tc, vocab_chunk=vc), hidden, weight, targets, use
         )
         for name, a, b in zip(("logprobs", "entropy", "grad hidden", "grad weight"), got, want):
-            d = bit_diff(a, b)
+            d = same_bits(a, b)
             if not d.equal:
                 failures.append(f"token_chunk={tc}, vocab_chunk={vc}, {name}: {d}")
     return failures
@@ -150,7 +150,7 @@ def test_leading_dims_and_return_entropy_false(dtype):
     hidden, weight, targets = _data(0, 40, 2500, dtype, seed=3, lead=(3, 11))
     lp = logprob.linear_token_logprobs(hidden, weight, targets, 0.9, token_chunk=5, vocab_chunk=1024)
     assert isinstance(lp, torch.Tensor) and lp.shape == (3, 11) and lp.dtype == torch.float32
-    assert bit_diff(lp, unfused(hidden, weight, targets, 0.9, return_entropy=False))
+    assert same_bits(lp, unfused(hidden, weight, targets, 0.9, return_entropy=False))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -177,7 +177,7 @@ def test_bits_do_not_depend_on_the_thread_count(dtype):
     with threads(2):
         two = outputs_and_grads(fn, hidden, weight, targets)
     for a, b in zip(one, two):
-        assert bit_diff(a, b)
+        assert same_bits(a, b)
 
 
 def test_run_to_run_determinism_including_weight_grad():
@@ -269,4 +269,4 @@ def test_only_the_needed_gradient_is_computed_and_it_is_bitwise(frozen):
         ((lp + ent) * up).sum().backward()
         assert (h.grad is None) == (frozen == "hidden") and (w.grad is None) == (frozen == "weight")
         grads.append(h.grad if frozen == "weight" else w.grad)
-    assert bit_diff(grads[1], grads[0])
+    assert same_bits(grads[1], grads[0])

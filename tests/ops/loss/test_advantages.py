@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from rl_engine import contracts
 from rl_engine.ops import loss as L
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from rl_engine.validation.common.microbatch import LAYOUTS, relayout
 from tests.helpers.threads import threads
 from tests.ops.loss.helpers import DTYPES, f64_group_adv
@@ -72,16 +72,16 @@ def test_permutation_relabel_layout_invariance(dtype, data, estimator, layout):
         scores, gids, mask, perm = data.draw(batches(dtype, estimator))
         full = _adv(estimator, scores, gids, mask)
         # batch permutation
-        assert bit_diff(_adv(estimator, scores[perm], gids[perm], mask[perm]), full[perm])
+        assert same_bits(_adv(estimator, scores[perm], gids[perm], mask[perm]), full[perm])
         # group relabelling (ids only name groups)
-        assert bit_diff(_adv(estimator, scores, gids * 3 + 1000, mask), full)
+        assert same_bits(_adv(estimator, scores, gids * 3 + 1000, mask), full)
         # token layout: trim / extend / left padding / holes change no active token's bits
         if layout is not None:
             (new_mask,), back = relayout([mask], 0, layout)
             out = back(_adv(estimator, scores, gids, new_mask))
-            assert bit_diff(out, full)
+            assert same_bits(out, full)
         # run to run
-        assert bit_diff(_adv(estimator, scores, gids, mask), full)
+        assert same_bits(_adv(estimator, scores, gids, mask), full)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -132,9 +132,9 @@ def test_negative_control_batch_order_group_mean_is_caught():
     caught = False
     for seed in range(8):  # several permutations: robust to the CPU's reduction kernel
         perm = torch.randperm(B, generator=torch.Generator().manual_seed(seed))
-        caught |= not bit_diff(naive(scores[perm], gids[perm]), naive(scores, gids)[perm]).equal
+        caught |= not same_bits(naive(scores[perm], gids[perm]), naive(scores, gids)[perm]).equal
         ours = L.grpo_advantages(scores, gids, mask, norm_by_std=False)
-        assert bit_diff(L.grpo_advantages(scores[perm], gids[perm], mask, norm_by_std=False), ours[perm])
+        assert same_bits(L.grpo_advantages(scores[perm], gids[perm], mask, norm_by_std=False), ours[perm])
     assert caught
 
 
@@ -143,7 +143,7 @@ def test_empty_batch_and_no_active_tokens():
     assert e.shape == (0, 4)
     for est in ESTIMATORS:
         out = _adv(est, torch.tensor([1.0, 2.0]), torch.tensor([0, 0]), torch.zeros(2, 3, dtype=torch.bool))
-        assert bit_diff(out, torch.zeros(2, 3))
+        assert same_bits(out, torch.zeros(2, 3))
 
 
 def test_bad_input_messages_name_the_argument():

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from rl_engine import contracts
 from rl_engine.ops import loss as L
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from rl_engine.utils.checks import nan_policy
 from rl_engine.validation.common import check_row_invariance
 from rl_engine.validation.common.microbatch import LAYOUTS, relayout, same_bits_allow_nan
@@ -66,9 +66,9 @@ def test_row_permutation_layout_invariance(dtype, data, B, T, seed, kw, layout):
         perm = torch.tensor(data.draw(st.permutations(range(B))))
         p = L.rollout_correction(train[perm], rollout[perm], mask[perm], **kw)
         _same_metrics(p.metrics, full.metrics)
-        assert bit_diff(p.mask, full.mask[perm])
+        assert same_bits(p.mask, full.mask[perm])
         if full.is_weights is not None:
-            assert bit_diff(p.is_weights, full.is_weights[perm])
+            assert same_bits(p.is_weights, full.is_weights[perm])
         # weights and corrected mask of a row depend only on that row
         fn = lambda a, b, m: (lambda r: (r.mask,) if r.is_weights is None else (r.is_weights, r.mask))(L.rollout_correction(a, b, m, **kw))  # noqa: E731
         rep = check_row_invariance(fn, [train, rollout, mask], data.draw(row_trials(B)))
@@ -77,9 +77,9 @@ def test_row_permutation_layout_invariance(dtype, data, B, T, seed, kw, layout):
             (t2, r2, m2), back = relayout([train, rollout, mask], 2, layout)
             q = L.rollout_correction(t2, r2, m2, **kw)
             _same_metrics(q.metrics, full.metrics)
-            assert bit_diff(back(q.mask), full.mask)
+            assert same_bits(back(q.mask), full.mask)
             if full.is_weights is not None:
-                assert bit_diff(back(q.is_weights), full.is_weights)
+                assert same_bits(back(q.is_weights), full.is_weights)
 
 
 def _f64_metrics(train, rollout, mask, is_level, thr):
@@ -179,7 +179,7 @@ def test_negative_control_flattened_masked_mean_is_caught():
     base = L.rollout_mismatch_metrics(train, rollout, mask)
     for seed in range(8):  # several permutations: robust to the CPU's reduction kernel
         perm = torch.randperm(64, generator=torch.Generator().manual_seed(seed))
-        caught |= not bit_diff(naive_kl(train[perm], rollout[perm], mask[perm]), naive_kl(train, rollout, mask)).equal
+        caught |= not same_bits(naive_kl(train[perm], rollout[perm], mask[perm]), naive_kl(train, rollout, mask)).equal
         _same_metrics(L.rollout_mismatch_metrics(train[perm], rollout[perm], mask[perm]), base)
     assert caught
 
@@ -187,7 +187,7 @@ def test_negative_control_flattened_masked_mean_is_caught():
 def test_zero_active_tokens():
     train, rollout, mask = _data(3, 5, "float32", 0)
     r = L.rollout_correction(train, rollout, torch.zeros_like(mask), is_level="token", rs_level="token", rs_threshold=2.0, veto_threshold=0.5)
-    assert bit_diff(r.is_weights, torch.zeros(3, 5)) and not r.mask.any()
+    assert same_bits(r.is_weights, torch.zeros(3, 5)) and not r.mask.any()
     assert r.metrics["active_tokens"].item() == 0 and r.metrics["mismatched_tokens"].item() == 0
     assert math.isnan(r.metrics["kl"].item()) and math.isnan(r.metrics["rollout_is_eff_sample_size"].item())
     e = L.rollout_mismatch_metrics(torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0, 4, dtype=torch.bool))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rl_engine.ops import loss as L
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from rl_engine.validation.common.microbatch import same_bits_allow_nan, check_microbatch_invariance
 from tests.helpers.determinism import thread_count_failures
 from tests.helpers.threads import threads
@@ -49,8 +49,8 @@ def test_kl_aggregate_advantages_correction_bits_do_not_depend_on_thread_count()
                 L.rollout_correction(lp, ref, mask, is_level="sequence", rs_level="geometric", rs_threshold=1.5),
             ))
     for other in results[1:]:
-        assert bit_diff(other[0], results[0][0]) and bit_diff(other[1], results[0][1])
-        assert bit_diff(other[2].is_weights, results[0][2].is_weights) and bit_diff(other[2].mask, results[0][2].mask)
+        assert same_bits(other[0], results[0][0]) and same_bits(other[1], results[0][1])
+        assert same_bits(other[2].is_weights, results[0][2].is_weights) and same_bits(other[2].mask, results[0][2].mask)
         for k, v in results[0][2].metrics.items():
             assert same_bits_allow_nan(other[2].metrics[k], v), k
 
@@ -110,14 +110,14 @@ def test_gpu_run_to_run_and_close_to_cpu():
         outs.append((out.loss, out.seq_terms, x.grad))
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
-            assert bit_diff(a, b)
+            assert same_bits(a, b)
     tol = contracts.tolerance("loss.policy", torch.float32, "forward")
     assert tol.check(outs[0][0].cpu(), cpu.loss) and tol.check(outs[0][1].cpu(), cpu.seq_terms)
     scores, gids = torch.randn(64), torch.arange(64) // 4
     m = torch.ones(64, 8, dtype=torch.bool)
     perm = torch.randperm(64)
     a = L.grpo_advantages(scores.cuda(), gids.cuda(), m.cuda())
-    assert bit_diff(L.grpo_advantages(scores[perm].cuda(), gids[perm].cuda(), m.cuda()), a[perm.cuda()])
+    assert same_bits(L.grpo_advantages(scores[perm].cuda(), gids[perm].cuda(), m.cuda()), a[perm.cuda()])
     r, ro, mk = lp.cuda(), old.cuda(), mask.cuda()
     base = L.rollout_mismatch_metrics(r, ro, mk)
     p = torch.randperm(32).cuda()

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rl_engine import contracts
-from rl_engine.backends.cpu.common import fixed_order_sum
+from rl_engine.utils.reductions import fixed_order_sum
 from rl_engine.ops import norm
 from rl_engine.reference.norm import fused_add_rms_norm_f64, rms_norm_f64
 from rl_engine.runtime.registry import reference_for
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from rl_engine.validation.common import check_row_invariance
 from rl_engine.utils.checks import nan_policy
 from tests.helpers.determinism import run_to_run_failures, thread_count_failures
@@ -146,8 +146,8 @@ def test_fused_add_rms_norm_accuracy_forward_and_grads(dtype, shape):
 def test_fused_equals_add_then_rms_norm_bitwise(dtype):
     x, r, w = _data((9, 3, 80), dtype, seed=6)
     out, new_res = norm.fused_add_rms_norm(x, r, w, EPS)
-    assert bit_diff(new_res, x + r)  # one IEEE addition rounded once to x.dtype
-    assert bit_diff(out, norm.rms_norm(new_res, w, EPS))
+    assert same_bits(new_res, x + r)  # one IEEE addition rounded once to x.dtype
+    assert same_bits(out, norm.rms_norm(new_res, w, EPS))
 
 
 def _sqrt_rn(v: torch.Tensor) -> torch.Tensor:
@@ -172,7 +172,7 @@ def test_rounding_points_are_hf_qwen3_rms_norm(dtype):
     hf_fixed = _hf_qwen3_rms_norm(
         x, w, EPS, mean=lambda v: (fixed_order_sum(v) / v.shape[-1]).unsqueeze(-1), rsqrt=lambda v: 1 / _sqrt_rn(v)
     )
-    assert bit_diff(norm.rms_norm(x, w, EPS), hf_fixed)
+    assert same_bits(norm.rms_norm(x, w, EPS), hf_fixed)
 
 
 def test_bf16_within_one_ulp_of_verbatim_hf():

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from rl_engine import contracts, runtime
 from rl_engine.ops import packing
 from rl_engine.reference import packing as ref_packing
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from tests.helpers.strategies import DTYPES
 from tests.helpers.threads import threads
 
@@ -57,7 +57,7 @@ def layout_failures(pack_fn, seqs, L):
     right = pack_fn(*_padded(seqs, L, "right"), padding_side="right")
     left = pack_fn(*_padded(seqs, L, "left"), padding_side="left")
     names = ("values", "cu_seqlens", "position_ids")
-    return [f"{n}: {bit_diff(a, b)}" for n, a, b in zip(names, right, left) if not bit_diff(a, b).equal]
+    return [f"{n}: {same_bits(a, b)}" for n, a, b in zip(names, right, left) if not same_bits(a, b).equal]
 
 
 lengths_st = st.lists(st.integers(0, 12), min_size=1, max_size=8)
@@ -81,7 +81,7 @@ def test_pack_layout_and_row_invariance(dtype, lengths, extra, feat, data):
         for k, i in enumerate(order):
             a = sub.values[int(sub.cu_seqlens[k]) : int(sub.cu_seqlens[k + 1])]
             b = full.values[int(full.cu_seqlens[i]) : int(full.cu_seqlens[i + 1])]
-            assert bit_diff(a, b) and bit_diff(a, seqs[i])
+            assert same_bits(a, b) and same_bits(a, seqs[i])
             assert torch.equal(sub.position_ids[int(sub.cu_seqlens[k]) : int(sub.cu_seqlens[k + 1])], torch.arange(lengths[i]))
 
 
@@ -96,16 +96,16 @@ def test_unpack_round_trip_and_reference(dtype, lengths, extra, side, pad):
         p = packing.pack(padded, mask, padding_side=side)
         back = p.unpack(pad_value=pad)
         want = torch.where(mask.bool()[..., None], padded, torch.full_like(padded, pad))
-        assert bit_diff(back, want)
+        assert same_bits(back, want)
         # the vectorised implementation equals the row-by-row reference, bit for bit
         values, cu, pos, idx = ref_packing.pack(padded, mask.sum(1), side)
         for a, b in ((p.values, values), (p.cu_seqlens, cu), (p.position_ids, pos), (p.indices, idx)):
-            assert bit_diff(a, b)
-        assert bit_diff(back, ref_packing.unpack(p.values, mask.sum(1), L, side, pad))
+            assert same_bits(a, b)
+        assert same_bits(back, ref_packing.unpack(p.values, mask.sum(1), L, side, pad))
         # unpack into a different padding side moves the same bits
         other = "left" if side == "right" else "right"
         q = packing.unpack(p.values, p.cu_seqlens, L, padding_side=other)
-        assert bit_diff(packing.pack(q, lengths=lengths, padding_side=other).values, p.values)
+        assert same_bits(packing.pack(q, lengths=lengths, padding_side=other).values, p.values)
 
 
 def test_negative_control_column_position_ids_are_caught():
@@ -121,13 +121,13 @@ def test_lengths_argument_and_pack_other():
     b = packing.pack(padded, lengths=[2, 0, 4], padding_side="left")
     c = packing.pack(padded, lengths=torch.tensor([2, 0, 4], dtype=torch.int32), padding_side="left")
     for p in (b, c):
-        assert bit_diff(p.values, a.values) and bit_diff(p.cu_seqlens, a.cu_seqlens)
+        assert same_bits(p.values, a.values) and same_bits(p.cu_seqlens, a.cu_seqlens)
     assert a.cu_seqlens.dtype == torch.int32 and a.cu_seqlens.tolist() == [0, 2, 2, 6]
     assert a.position_ids.dtype == torch.int64 and a.position_ids.tolist() == [0, 1, 0, 1, 2, 3]
     assert a.lengths.tolist() == [2, 0, 4] and a.max_seqlen == 4 and a.batch_size == 3
     ids = torch.arange(15).reshape(3, 5)
     assert a.pack_other(ids).tolist() == [3, 4, 11, 12, 13, 14]
-    assert bit_diff(packing.position_ids(a.cu_seqlens), a.position_ids)
+    assert same_bits(packing.position_ids(a.cu_seqlens), a.position_ids)
     assert packing.padding_mask(torch.tensor([2, 0, 4]), 5, padding_side="left").long().tolist() == mask.tolist()
 
 
@@ -140,12 +140,12 @@ def test_gradients_flow_exactly():
     p.values.backward(up)
     want = torch.zeros_like(padded)
     want[mask.bool()] = up
-    assert bit_diff(padded.grad, want)
+    assert same_bits(padded.grad, want)
     v = p.values.detach().requires_grad_()
     out = packing.unpack(v, p.cu_seqlens, 4)
     g = torch.randn(out.shape)
     out.backward(g)
-    assert bit_diff(v.grad, g[mask.bool()])
+    assert same_bits(v.grad, g[mask.bool()])
 
 
 def test_run_to_run_determinism():
@@ -154,7 +154,7 @@ def test_run_to_run_determinism():
     first = packing.pack(padded, mask, padding_side="left")
     for _ in range(2):
         again = packing.pack(padded, mask, padding_side="left")
-        assert bit_diff(again.values, first.values) and bit_diff(again.indices, first.indices)
+        assert same_bits(again.values, first.values) and same_bits(again.indices, first.indices)
 
 
 def test_contract_is_exact_and_dispatch_records_provenance():

@@ -17,7 +17,7 @@ from rl_engine import contracts
 from rl_engine.ops import rope
 from rl_engine.reference.rope import apply_rope_f64
 from rl_engine.runtime.registry import reference_for
-from rl_engine.utils.bits import bit_diff
+from rl_engine.utils.bits import same_bits
 from rl_engine.validation.common import check_row_invariance
 from tests.helpers.determinism import run_to_run_failures, thread_count_failures
 from tests.helpers.strategies import DTYPES, row_trials
@@ -64,12 +64,12 @@ def test_prefill_chunked_prefill_and_decode_give_the_same_bits(dtype):
     pos = torch.arange(T)
     full = rope.apply_rope(x, pos, theta=theta)
     for s, e in ((0, 1), (0, 77), (77, 200), (200, 300)):  # chunked prefill
-        assert bit_diff(rope.apply_rope(x[s:e].contiguous(), pos[s:e].contiguous(), theta=theta), full[s:e])
+        assert same_bits(rope.apply_rope(x[s:e].contiguous(), pos[s:e].contiguous(), theta=theta), full[s:e])
     for p in (0, 1, 63, 64, 299):  # decode: one token at position p
-        assert bit_diff(rope.apply_rope(x[p : p + 1].contiguous(), pos[p : p + 1].contiguous(), theta=theta), full[p : p + 1])
+        assert same_bits(rope.apply_rope(x[p : p + 1].contiguous(), pos[p : p + 1].contiguous(), theta=theta), full[p : p + 1])
     # continuous batching: three sequences' decode tokens at unrelated positions in one call
     rows = torch.tensor([5, 299, 128])
-    assert bit_diff(rope.apply_rope(x[rows], pos[rows], theta=theta), full[rows])
+    assert same_bits(rope.apply_rope(x[rows], pos[rows], theta=theta), full[rows])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -77,8 +77,8 @@ def test_packing_with_per_sequence_positions(dtype):
     """Two sequences packed in one call, positions restarting at 0, equal separate calls."""
     a, b = _x((50, 2, 64), dtype, seed=2), _x((30, 2, 64), dtype, seed=3)
     packed = rope.apply_rope(torch.cat([a, b]), torch.cat([torch.arange(50), torch.arange(30)]))
-    assert bit_diff(packed[:50], rope.apply_rope(a, torch.arange(50)))
-    assert bit_diff(packed[50:], rope.apply_rope(b, torch.arange(30)))
+    assert same_bits(packed[:50], rope.apply_rope(a, torch.arange(50)))
+    assert same_bits(packed[50:], rope.apply_rope(b, torch.arange(30)))
 
 
 def _implicit_positions_rope(x, positions):
@@ -121,8 +121,8 @@ def test_accuracy_forward_and_grad(dtype, t, h, d, rotary_dim, theta, max_pos):
     assert x.grad.dtype == dt
     assert bwd.check(x.grad, x64.grad), bwd.max_violation(x.grad, x64.grad)
     R = d if rotary_dim is None else rotary_dim
-    assert bit_diff(y[..., R:], x[..., R:].detach())  # the pass-through features are copied
-    assert bit_diff(x.grad[..., R:], up[..., R:])
+    assert same_bits(y[..., R:], x[..., R:].detach())  # the pass-through features are copied
+    assert same_bits(x.grad[..., R:], up[..., R:])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -164,7 +164,7 @@ def test_table_entry_depends_only_on_position_and_frequency():
     cos, sin = rope.rope_cos_sin(pos, 96, 10000.0)
     for k in (0, 1, 500, 998):
         c1, s1 = rope.rope_cos_sin(pos[k : k + 1].contiguous(), 96, 10000.0)
-        assert bit_diff(c1, cos[k : k + 1]) and bit_diff(s1, sin[k : k + 1])
+        assert same_bits(c1, cos[k : k + 1]) and same_bits(s1, sin[k : k + 1])
 
 
 # ----------------------------------------------------------------------------- determinism, input
@@ -223,7 +223,7 @@ def test_bad_input_messages_name_the_argument():
 
 def test_int32_positions_and_empty_batch():
     x = _x((6, 2, 16), "float32", seed=12)
-    assert bit_diff(rope.apply_rope(x, torch.arange(6, dtype=torch.int32)), rope.apply_rope(x, torch.arange(6)))
+    assert same_bits(rope.apply_rope(x, torch.arange(6, dtype=torch.int32)), rope.apply_rope(x, torch.arange(6)))
     assert rope.apply_rope(torch.empty(0, 2, 16), torch.empty(0, dtype=torch.int64)).shape == (0, 2, 16)
 
 
@@ -239,11 +239,11 @@ def test_custom_ops_pass_opcheck():
 def test_cached_table_equals_direct_computation():
     """The per-(R, theta, device) cache of rows 0..N-1 is gathered by position; entries computed
     directly (as for positions beyond the cacheable range) have the same bits."""
-    from rl_engine.ops.rope import tables
+    from rl_engine.utils import rope_tables as tables
 
     pos = torch.cat([torch.arange(3000), torch.randint(0, 40000, (2000,), generator=torch.Generator().manual_seed(16))])
     for R, theta in ((128, 1e6), (10, 500.0)):
         cached = tables.rope_cos_sin(pos, R, theta)
         direct = tables._direct(pos, tables.rope_inv_freq(R, theta))
         assert (R, theta, "cpu") in tables._cache
-        assert bit_diff(cached[0], direct[0]) and bit_diff(cached[1], direct[1])
+        assert same_bits(cached[0], direct[0]) and same_bits(cached[1], direct[1])

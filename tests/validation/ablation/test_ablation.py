@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rl_engine.config import load_workload
+from rl_engine.workloads import load_workload
 from rl_engine.runtime.plan import MODULES
 from rl_engine.validation.ablation import ablation_plans, attribute, run_ablation, run_ablation_plans
 from rl_engine.validation.chain import build_model

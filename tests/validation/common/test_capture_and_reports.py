@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 
-from rl_engine.config import load_workload
+from rl_engine.workloads import load_workload
 from rl_engine.validation import capture as cap_mod
 from rl_engine.validation.capture import LAYER_STAGES
 from rl_engine.validation.chain import build_model
 from rl_engine.validation.reports import SCHEMA_VERSION, ReportError, build_report, render, verify_run, write_run
+from rl_engine.engine import ops_for
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def test_model_taps_every_stage_in_order(model):
     ids = torch.tensor([5, 6, 7, 8])
     pos = torch.arange(4)
     cu = torch.tensor([0, 4], dtype=torch.int32)
-    ops = Plan.parse("R/R").provider("train")
+    ops = ops_for(Plan.parse("R/R"), "train")
     with torch.no_grad():
         plain = model.hidden_train(ids, pos, cu, ops)
         with cap_mod.capture() as outer:

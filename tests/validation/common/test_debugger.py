@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rl_engine.config import load_workload
+from rl_engine.workloads import load_workload
 from rl_engine.validation.capture import Capture
 from rl_engine.validation.debugger import compare_captures, run_debug, stage_order
 from rl_engine.validation.faults import faulty_factory

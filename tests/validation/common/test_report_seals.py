@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rl_engine.config import load_workload
+from rl_engine.workloads import load_workload
 from rl_engine.entrypoints.cli import app
 from rl_engine.validation.reports import ReportError, SealError, build_report, verify_run, write_run
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rl_engine.config import Workload, WorkloadError, load_workload, shipped_workloads
+from rl_engine.workloads import Workload, WorkloadError, load_workload, shipped_workloads
 
 # A shipped workload is immutable: editing one without adding a new version fails here.
 # Adding a version: add its file and its sha256 below (never change an existing line).

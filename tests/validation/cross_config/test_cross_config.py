@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_engine.config import load_workload
-from rl_engine.runtime.executor import ScoredSequence
+from rl_engine.workloads import load_workload
+from rl_engine.engine.executor import ScoredSequence
 from rl_engine.validation.cross_config import STATUSES, paired_status, run_cross_config
 
 

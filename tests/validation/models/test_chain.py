@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rl_engine.config import load_workload
+from rl_engine.workloads import load_workload
 from rl_engine.validation.chain import CELLS, run_chain
 from rl_engine.validation.faults import faulty_factory
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rl_engine import contracts
-from rl_engine.config import load_workload
+from rl_engine.workloads import load_workload
 from rl_engine.validation.operators import CASES, NOT_COVERED
 from rl_engine.validation.ws1 import CHECKS, check_cell, run_negative_controls, run_ws1, trials_for
 

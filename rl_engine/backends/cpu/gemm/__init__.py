@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.backends.cpu.common import fixed_order_sum, exact_matmul
+from rl_engine.backends.cpu.common import exact_matmul
+from rl_engine.utils.reductions import fixed_order_sum
 from rl_engine.runtime.registry import Implementation, register
 
 _DTYPES = (torch.float32, torch.bfloat16)

@@ -26,7 +26,7 @@ in the following fixed order (``B = VOCAB_BLOCK = 1024``, blocks at absolute voc
 
 Why it is invariant: every step is an elementwise IEEE operation (``+ - * /``), ``exp``/``log``
 (same bits in vectorised and scalar code, guarded by a test), an exact ``max``, or
-:func:`~rl_engine.backends.cpu.common.fixed_order_sum` over one block — so a row's result depends
+:func:`~rl_engine.utils.reductions.fixed_order_sum` over one block — so a row's result depends
 only on that row and ``V``. Splitting the vocabulary into chunks whose boundaries are multiples
 of ``B`` feeds exactly the same blocks in exactly the same order into step 2, so the fused
 LM-head path (:mod:`rl_engine.backends.cpu.logprob`) reproduces the unfused path bit for bit.
@@ -44,7 +44,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rl_engine.backends.cpu.common import TILE_N, fixed_order_sum
+from rl_engine.backends.cpu.common import TILE_N
+from rl_engine.utils.reductions import fixed_order_sum
 from rl_engine.utils import portable
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Outcome-advantage estimators (no gradients): GRPO, GRPO without std, RLOO, REINFORCE++-baseline.
 
-Group statistics use :func:`~rl_engine.backends.cpu.loss.reduce.segment_canonical_sum` (each
+Group statistics use :func:`~rl_engine.utils.reductions.segment_canonical_sum` (each
 group's members summed in ascending-value order), batch statistics use per-sequence
 :func:`row_sum_active` then :func:`canonical_sum`. Hence every advantage depends only on the
 multiset of (group id, score) pairs and on the active-token counts — never on the order of the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.backends.cpu.loss.reduce import canonical_sum, row_count_active, row_sum_active, segment_canonical_sum
+from rl_engine.utils.reductions import canonical_sum, row_count_active, row_sum_active, segment_canonical_sum
 from rl_engine.utils import portable
 
 __all__ = ["ESTIMATORS", "DEFAULT_EPS", "advantages_portable"]

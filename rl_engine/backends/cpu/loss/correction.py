@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from rl_engine.backends.cpu.loss.reduce import canonical_sum, row_count_active, row_sum_active
+from rl_engine.utils.reductions import canonical_sum, row_count_active, row_sum_active
 from rl_engine.backends.cpu.loss.token import LOG_RATIO_CLAMP
 from rl_engine.utils.bits import int_view
 from rl_engine.utils import portable

@@ -12,7 +12,7 @@ Numerics (the same on every device: portable PyTorch, no BLAS, no atomics):
 * elementwise: IEEE ``+ - * /``, ``exp`` (measured position-consistent on CPU), exact
   ``clamp``/``maximum``/``where``/comparisons; the log-ratio is clamped to ``[-20, 20]`` before
   ``exp`` and the gradient through a clamped log-ratio is zero (``clamp``'s rule);
-* per-sequence sums: :func:`~rl_engine.backends.cpu.loss.reduce.row_sum_active` (active tokens
+* per-sequence sums: :func:`~rl_engine.utils.reductions.row_sum_active` (active tokens
   compacted, fixed lanes and tree), so row ``b``'s outputs depend only on row ``b``'s active
   tokens, in order;
 * backward: ``grad[b, t] = upstream[b] * coef[b, t]`` elementwise, where ``coef`` is
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.backends.cpu.loss.reduce import row_count_active, row_max_active, row_min_active, row_sum_active
+from rl_engine.utils.reductions import row_count_active, row_max_active, row_min_active, row_sum_active
 from rl_engine.utils import portable
 
 __all__ = [

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.backends._customop import wire_fused_add_rms_norm, wire_rms_norm
-from rl_engine.backends.cpu.common import fixed_order_sum
+from rl_engine.utils.reductions import fixed_order_sum
 from rl_engine.runtime.registry import Implementation, register
 from rl_engine.utils import portable
 

@@ -1,7 +1,7 @@
 """Invariant CPU rotate-half RoPE.
 
 With ``R`` = rotary_dim, ``h = R/2``, ``x1 = x[..., :h]``, ``x2 = x[..., h:R]`` and the fp32 table
-``(c, s) = rope_cos_sin(positions, R, theta)`` (:mod:`rl_engine.ops.rope.tables`, defined bit
+``(c, s) = rope_cos_sin(positions, R, theta)`` (:mod:`rl_engine.utils.rope_tables`, defined bit
 for bit from float64 ``+ - *``), in fp32 and rounded once to ``x.dtype``::
 
     forward   out1 = x1*c - x2*s          out2 = x2*c + x1*s          out[..., R:] = x[..., R:]
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.backends._customop import wire_apply_rope
-from rl_engine.ops.rope.tables import rope_cos_sin
+from rl_engine.utils.rope_tables import rope_cos_sin
 from rl_engine.runtime.registry import Implementation, register
 
 _DTYPES = (torch.float32, torch.bfloat16)

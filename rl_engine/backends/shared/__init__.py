@@ -1,1 +1,0 @@
-"""Implementations whose one source serves several platform families (see ``triton/``)."""

@@ -1,0 +1,95 @@
+"""Triton kernels of ``embedding.embedding`` (imported on first call).
+
+* ``rlk_embedding_fwd``       ``out[t] = weight[ids[t]]``: a bit copy of one weight row per
+  token (grid: token × feature block);
+* ``rlk_embedding_bwd_tree``  the deterministic weight gradient, no atomics. The host sorts the
+  token ids stably (tokens grouped by id, each group in increasing token index) and gathers
+  ``fp32(dy)`` in that order into a scratch buffer; one program per (id group, feature block)
+  then folds its own group in place with the CPU's pairwise tree — at step ``s = 1, 2, 4, ...``
+  rank ``j ≡ 0 (mod 2s)`` adds rank ``j + s`` if it exists (``n = 3``: ``(g0 + g1) + g2``) — and
+  writes the group's sum, rounded once, to ``dweight[id]``. Rows of ids that do not occur are
+  +0. Groups are disjoint, so no two programs touch the same memory; within a program a
+  barrier separates the tree's steps.
+
+``dweight[v]`` depends only on the gradients of the tokens with id ``v`` and their relative
+order: the same bits run to run, whatever the other tokens are (and, the tree being the CPU's
+and every step an IEEE fp32 addition, the same bits as the CPU implementation).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_engine.backends.triton import device_guard
+
+__all__ = ["forward", "backward", "KERNEL_NAMES"]
+
+KERNEL_NAMES = ("rlk_embedding_fwd", "rlk_embedding_bwd_tree")
+_BLOCK_H = 1024
+
+
+@triton.jit(do_not_specialize=["N"])
+def rlk_embedding_fwd(ids_ptr, w_ptr, out_ptr, N, H, BLOCK_H: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    v = tl.load(ids_ptr + tok).to(tl.int64)
+    tl.store(out_ptr + tok * H + cols, tl.load(w_ptr + v * H + cols, mask=mask), mask=mask)
+
+
+@triton.jit(do_not_specialize=["G"])
+def rlk_embedding_bwd_tree(buf_ptr, start_ptr, count_ptr, gid_ptr, dw_ptr, G, H, BLOCK_H: tl.constexpr):
+    grp = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    start = tl.load(start_ptr + grp).to(tl.int64)
+    n = tl.load(count_ptr + grp).to(tl.int64)
+    head = buf_ptr + start * H + cols
+    step = 1
+    while step < n:
+        for j in range(0, n - step, 2 * step):
+            left = head + j * H
+            right = tl.load(head + (j + step) * H, mask=mask, other=0.0)
+            tl.store(left, tl.load(left, mask=mask, other=0.0) + right, mask=mask)
+        tl.debug_barrier()
+        step *= 2
+    v = tl.load(gid_ptr + grp).to(tl.int64)
+    total = tl.load(head, mask=mask, other=0.0)
+    tl.store(dw_ptr + v * H + cols, total.to(dw_ptr.dtype.element_ty), mask=mask)
+
+
+def forward(ids_flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    N = ids_flat.shape[0]
+    V, H = weight.shape
+    out = weight.new_empty((N, H))
+    if N == 0:
+        return out
+    block = min(_BLOCK_H, max(16, triton.next_power_of_2(H)))
+    with device_guard(weight):
+        rlk_embedding_fwd[(N, triton.cdiv(H, block))](ids_flat, weight, out, N, H, BLOCK_H=block, num_warps=4)
+    return out
+
+
+def backward(grad2: torch.Tensor, ids_flat: torch.Tensor, num_weights: int) -> torch.Tensor:
+    """``dweight [num_weights, H]`` in ``grad2.dtype`` from ``grad2 [N, H]`` and ``ids_flat [N]``."""
+    N, H = grad2.shape
+    dw = grad2.new_zeros((num_weights, H))
+    if N == 0 or H == 0:
+        return dw
+    sid, order = torch.sort(ids_flat.to(torch.int64), stable=True)
+    buf = grad2.index_select(0, order).float()  # [N, H] fp32, grouped by id, token order within
+    is_start = torch.ones(N, dtype=torch.bool, device=grad2.device)
+    is_start[1:] = sid[1:] != sid[:-1]
+    starts = torch.nonzero(is_start).squeeze(1)
+    G = starts.shape[0]
+    ends = torch.cat([starts[1:], starts.new_full((1,), N)])
+    counts = ends - starts
+    gid = sid.index_select(0, starts)
+    block = min(_BLOCK_H, max(16, triton.next_power_of_2(H)))
+    with device_guard(grad2):
+        rlk_embedding_bwd_tree[(G, triton.cdiv(H, block))](
+            buf, starts, counts, gid, dw, G, H, BLOCK_H=block, num_warps=4,
+        )
+    return dw

@@ -1,0 +1,298 @@
+"""Triton kernels and host launchers of the fused LM head ``logprob.linear_token_logprobs``
+(imported on the first call; importing this module imports triton, compiles nothing).
+
+The contract is **raw-bit equality with the unfused GPU path** ``token_logprobs(gemm.linear(h,
+W), t, τ)`` / ``entropy(gemm.linear(h, W), τ)`` — forward outputs and both gradients — for any
+``token_chunk`` and any ``vocab_chunk`` that is a multiple of ``VOCAB_BLOCK`` = 1024, without
+ever holding the ``[N, V]`` logits. Where the bits come from:
+
+* **logits chunks** ``h[rows] W[cols]ᵀ`` are computed by the Triton ``gemm.linear`` forward
+  (``gemm/kernels.py::forward``): every shipped tile configuration computes an element with the
+  same K order and one rounding, so a ``[rows, cols]`` chunk holds exactly the bits of the same
+  elements of ``gemm.linear(h, W)`` (row and column-chunk invariance, proved on the device by
+  ``tests/backends/triton/test_gemm_triton.py`` for every configuration);
+* **forward** ``rlk_linear_logprob_fold`` folds the chunk's 1024-column blocks (at absolute
+  offsets, chunks in increasing order) into a per-row running ``(m, s, t)`` kept in fp32 memory
+  between chunks, with the *same* device function :func:`rlk_lse_merge_block` as the unfused
+  ``rlk_logprob_fwd``, and finishes with the same :func:`rlk_lse_finish`. Storing an fp32 scalar
+  and loading it back is exact, so the sequence of operations on each row is the unfused one.
+  The in-block ``tl.sum`` tree follows the register layout the compiler derives from the load's
+  provable alignment, which in ``rlk_logprob_fwd`` depends on whether ``V`` is a multiple of 16
+  (Triton's integer specialisation). The fold kernel therefore reads the chunk with a row
+  stride and bound that are multiples of 16 exactly when ``V`` is (chunk widths are multiples of
+  1024, the last one ``V − c0``), and when ``V`` is not, it runs the twin kernel
+  ``rlk_linear_logprob_fold_ns`` whose stride and bound are not specialised — the same
+  alignment facts as the unfused kernel, hence the same layout and tree;
+* **backward** ``rlk_linear_logprob_dlogits`` overwrites a logits chunk with the gradient of the
+  logits in the logits dtype, element by element with the expressions of
+  ``rlk_token_logprobs_bwd`` and ``rlk_entropy_bwd`` (each rounded once to the dtype; when both
+  outputs enter the loss the two rounded values are added in fp32 and rounded again — exactly
+  what autograd's accumulation of the two unfused gradients does). Elementwise: no layout
+  question; compiled with ``enable_fp_fusion=False`` so that no product is contracted into the
+  following sum (fp32, τ = 1: ``(−p)·g + de`` would become one fma — the H200 run-1 mismatch;
+  :func:`_dlogits_`). Then one pass over the vocabulary chunks, each holding the logits of
+  **all** ``N`` tokens ``[N, cols]`` and their gradient in place:
+
+  - ``dweight[cols]`` by ``gemm.grad_weight`` over ``K = N`` — the unfused dW kernel on the same
+    output rows (fixed configuration, K from row 0 upwards);
+  - ``dhidden += dlogits[:, cols] @ W[cols]`` by ``gemm.grad_input`` **chained** over the chunks:
+    the unrounded fp32 accumulator ``[N, H]`` is stored after each chunk and reloaded by the
+    next, and the last chunk rounds once. The tiles consume K in ``BLOCK_K`` steps from each
+    chunk's first column and every chunk but the last is a multiple of 1024 columns, so this is
+    the unfused dx product over ``K = V`` operation for operation (``gemm.grad_input``).
+    Four ``2·N·H·V`` products in all with the forward (the unfused path has three, and holds the
+    ``[N, V]`` logits); when the fp32 accumulator exceeds ``DX_ACCUMULATOR_BUDGET_BYTES``,
+    ``dhidden`` comes from a separate pass A instead: per token chunk the logits of all ``V``
+    columns ``[rows, V]``, their gradient, and one ``grad_input`` over ``K = V`` (the same bits,
+    one product more).
+
+Memory beyond inputs and outputs: forward ``rows · vocab_chunk`` logits in the dtype plus four
+fp32 values per row of a chunk; backward ``N · vocab_chunk`` in the dtype, a ``[vocab_chunk, H]``
+gradient block and the fp32 ``[N, H]`` accumulator (pass A instead: ``rows · V`` in the dtype and
+a ``[rows, H]`` block). The forward and the backward may use different chunk sizes (none changes
+a bit); the defaults come from byte budgets (``rl_engine/backends/triton/logprob/__init__.py``:
+``_chunks``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_engine.backends.triton import device_guard
+from rl_engine.backends.triton.gemm import kernels as gemm_kernels
+from rl_engine.backends.triton.logprob.kernels import (
+    _NEG_MAX,
+    _WARPS,
+    VOCAB_BLOCK,
+    rlk_load_z,
+    rlk_lse_finish,
+    rlk_lse_merge_block,
+)
+
+__all__ = ["forward", "backward", "KERNEL_NAMES", "DEVICE_FUNCTIONS"]
+
+KERNEL_NAMES = ("rlk_linear_logprob_fold", "rlk_linear_logprob_fold_ns", "rlk_linear_logprob_dlogits")
+#: ``@triton.jit`` device functions used here (the first three from ``kernels.py``; inlined, never launched).
+DEVICE_FUNCTIONS = ("rlk_load_z", "rlk_lse_merge_block", "rlk_lse_finish", "rlk_linear_logprob_fold_body")
+
+@triton.jit
+def rlk_linear_logprob_fold_body(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, lp_ptr, lse_ptr, ent_ptr,
+               temperature, HAS_TEMP: tl.constexpr, ENTROPY: tl.constexpr,
+               FIRST: tl.constexpr, FINISH: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * ld
+    cols = tl.arange(0, BLOCK_V)
+    if FIRST:  # the unfused kernel's initial state
+        m = tl.max(tl.full((BLOCK_V,), float("-inf"), tl.float32), axis=0)
+        s = tl.sum(tl.zeros((BLOCK_V,), tl.float32), axis=0)
+        t = s
+    else:
+        m = tl.load(m_ptr + row)
+        s = tl.load(s_ptr + row)
+        t = tl.load(t_ptr + row)
+    for j0 in range(0, n_cols, BLOCK_V):
+        idx = j0 + cols
+        z = rlk_load_z(x_ptr, base + idx, idx < n_cols, temperature, HAS_TEMP)
+        m, s, t = rlk_lse_merge_block(z, m, s, t, ENTROPY)
+    # the target's scaled logit, as rlk_logprob_fwd forms it, kept until the last chunk
+    local = tl.load(tgt_ptr + row).to(tl.int64) - c0
+    hit = (local >= 0) & (local < n_cols)
+    z_t = tl.load(x_ptr + base + tl.where(hit, local, 0)).to(tl.float32)
+    if HAS_TEMP:
+        z_t = tl.div_rn(z_t, temperature)
+    if FINISH:
+        if not FIRST:
+            z_t = tl.where(hit, z_t, tl.load(zt_ptr + row))
+    else:
+        tl.store(zt_ptr + row, z_t, mask=hit)
+    if FINISH:
+        lse, ent = rlk_lse_finish(m, s, t)
+        tl.store(lse_ptr + row, lse)
+        if ENTROPY:
+            tl.store(ent_ptr + row, ent)
+        tl.store(lp_ptr + row, z_t - lse)
+    else:
+        tl.store(m_ptr + row, m)
+        tl.store(s_ptr + row, s)
+        tl.store(t_ptr + row, t)
+
+
+@triton.jit(do_not_specialize=["R", "c0"])
+def rlk_linear_logprob_fold(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, lp_ptr, lse_ptr,
+                            ent_ptr, R, temperature, HAS_TEMP: tl.constexpr,
+                            ENTROPY: tl.constexpr, FIRST: tl.constexpr, FINISH: tl.constexpr,
+                            BLOCK_V: tl.constexpr):
+    """Fold logits ``x[r, :n_cols]`` (vocabulary columns ``c0 ..``; row stride ``ld``) into row
+    ``r``'s running canonical state; ``FINISH``: write lse, entropy and the token log-prob.
+    For ``V % 16 == 0`` (``ld`` and ``n_cols`` then specialise like ``V`` does)."""
+    rlk_linear_logprob_fold_body(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, lp_ptr, lse_ptr, ent_ptr,
+               temperature, HAS_TEMP, ENTROPY, FIRST, FINISH, BLOCK_V)
+
+
+@triton.jit(do_not_specialize=["R", "c0", "ld", "n_cols"])
+def rlk_linear_logprob_fold_ns(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, lp_ptr, lse_ptr,
+                               ent_ptr, R, temperature, HAS_TEMP: tl.constexpr,
+                               ENTROPY: tl.constexpr, FIRST: tl.constexpr, FINISH: tl.constexpr,
+                               BLOCK_V: tl.constexpr):
+    """``rlk_linear_logprob_fold`` for ``V % 16 != 0``: ``ld`` and ``n_cols`` are not specialised,
+    so (like ``V`` in ``rlk_logprob_fwd``) nothing is known about their divisibility."""
+    rlk_linear_logprob_fold_body(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, lp_ptr, lse_ptr, ent_ptr,
+               temperature, HAS_TEMP, ENTROPY, FIRST, FINISH, BLOCK_V)
+
+
+@triton.jit(do_not_specialize=["R", "c0"])
+def rlk_linear_logprob_dlogits(x_ptr, ld, n_cols, c0, tgt_ptr, lse_ptr, glp_ptr, ent_ptr, gent_ptr, R, temperature,
+                               HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr, HAS_TEMP: tl.constexpr,
+                               BLOCK_V: tl.constexpr):
+    """In place: logits ``x[r, :n_cols]`` (columns ``c0 ..``) → gradient of the logits, in their dtype.
+
+    ``dz = (1 − p)·g`` at the target, ``(−p)·g`` elsewhere (``p = exp(z − lse)``), and/or
+    ``(p·(max(log p, −FLT_MAX) + H))·(−g_H)``; each divided by ``fl32(τ)`` (``div_rn``; not for
+    τ = 1) and rounded to the dtype; both present: the two rounded values added in fp32, rounded.
+    Program ``(r, b)`` handles row ``r``, columns ``b·BLOCK_V ..`` (elementwise: the grid shape
+    changes no bit). Launched with ``enable_fp_fusion=False`` (see :func:`_dlogits_`)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = row * ld
+    idx = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = idx < n_cols
+    lse = tl.load(lse_ptr + row)
+    logp = rlk_load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP) - lse
+    p = tl.exp(logp)
+    if HAS_LP:
+        g = tl.load(glp_ptr + row)
+        local = tl.load(tgt_ptr + row).to(tl.int64) - c0
+        dz = tl.where(idx == local, (1.0 - p) * g, (-p) * g)
+        if HAS_TEMP:
+            dz = tl.div_rn(dz, temperature)
+        out = dz.to(x_ptr.dtype.element_ty)
+    if HAS_ENT:
+        neg_g = -tl.load(gent_ptr + row)
+        ent = tl.load(ent_ptr + row)
+        de = (p * (tl.maximum(logp, _NEG_MAX) + ent)) * neg_g
+        if HAS_TEMP:
+            de = tl.div_rn(de, temperature)
+        de = de.to(x_ptr.dtype.element_ty)
+        if HAS_LP:
+            out = (out.to(tl.float32) + de.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        else:
+            out = de
+    tl.store(x_ptr + base + idx, out, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+
+
+def forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+            return_entropy: bool, token_chunk: int, vocab_chunk: int):
+    """``(logprobs [N], entropy [N] | [0], lse [N])`` fp32 for ``hidden [N, H]``, ``weight [V, H]``."""
+    N = hidden.shape[0]
+    V = weight.shape[0]
+    dev = hidden.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    lp = torch.empty(N, **f32)
+    lse = torch.empty(N, **f32)
+    ent = torch.empty(N if return_entropy else 0, **f32)
+    if N == 0:
+        return lp, ent, lse
+    state = torch.empty((4, min(token_chunk, N)), **f32)  # m, s, t, z_target of the rows of a chunk
+    kernel = rlk_linear_logprob_fold if V % 16 == 0 else rlk_linear_logprob_fold_ns
+    has_temp = temperature != 1.0
+    with device_guard(hidden):
+        for r0 in range(0, N, token_chunk):
+            r1 = min(N, r0 + token_chunk)
+            R = r1 - r0
+            h = hidden[r0:r1]
+            for c0 in range(0, V, vocab_chunk):
+                logits = gemm_kernels.forward(h, weight[c0 : c0 + vocab_chunk], None)
+                C = logits.shape[1]
+                last = c0 + C >= V
+                kernel[(R,)](
+                    logits, C, C, c0, targets[r0:r1], state[0], state[1], state[2], state[3],
+                    lp[r0:r1], lse[r0:r1], ent[r0:r1] if return_entropy else lse[r0:r1], R, float(temperature),
+                    HAS_TEMP=has_temp, ENTROPY=return_entropy, FIRST=c0 == 0, FINISH=last,
+                    BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS,
+                )
+                del logits
+    return lp, ent, lse
+
+
+def _dlogits_(logits: torch.Tensor, c0: int, targets, lse, g_lp, ent, g_ent, temperature: float) -> torch.Tensor:
+    """``logits [R, C]`` (vocabulary columns ``c0 ..``) overwritten by their gradient.
+
+    ``enable_fp_fusion=False``: with both outputs in the loss and τ = 1, fp32's ``.to(float32)``
+    is the identity, so ``dz + de`` is ``(−p)·g + de`` and the compiler would contract it into one
+    fma (one rounding) — while the unfused path rounds ``dz`` and ``de`` in two kernels and adds
+    them in autograd's accumulation (two roundings). That contraction was the H200's fp32 ``grad
+    hidden`` / ``grad weight`` mismatch (a few ulp; bf16 rounds ``dz`` first, τ ≠ 1 divides
+    first, so neither could contract). The unfused kernels ``rlk_token_logprobs_bwd`` /
+    ``rlk_entropy_bwd`` have no multiply feeding an add, so fusion changes nothing there; here,
+    off, every product and sum is rounded on its own, as there."""
+    R, C = logits.shape
+    if R and C:
+        grid = (R, triton.cdiv(C, VOCAB_BLOCK))
+        rlk_linear_logprob_dlogits[grid](
+            logits, C, C, c0, targets, lse, g_lp if g_lp is not None else lse, ent if g_ent is not None else lse,
+            g_ent if g_ent is not None else lse, R, float(temperature),
+            HAS_LP=g_lp is not None, HAS_ENT=g_ent is not None, HAS_TEMP=temperature != 1.0,
+            BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS, enable_fp_fusion=False,
+        )
+    return logits
+
+
+#: The backward computes ``dhidden`` by chaining ``gemm.grad_input`` over the vocabulary chunks of
+#: its one pass (4 products of ``2·N·H·V`` flops in all, with the forward) when the fp32
+#: accumulator ``[N, H]`` fits this many bytes; else it runs pass A (one more product: the logits
+#: recomputed per token chunk). Same bits either way (``test_backward_strategies_give_the_same_bits``).
+DX_ACCUMULATOR_BUDGET_BYTES = 2**30
+
+
+def backward(g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor,
+             targets: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, temperature: float, token_chunk: int,
+             vocab_chunk: int, need_hidden: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dhidden [N, H] | [0], dweight [V, H] | [0])`` in the inputs' dtype.
+
+    One pass over the vocabulary chunks (``vocab_chunk`` columns, all ``N`` tokens): the logits
+    chunk, its gradient in place, then ``dW[cols] = dlogitsᵀ h`` (``gemm.grad_weight``, K = N: the
+    unfused dW kernel on the same output rows) and ``dh += dlogits W[cols]`` (``gemm.grad_input``
+    chained over the chunks in an fp32 ``[N, H]`` accumulator, rounded once after the last: the
+    unfused dx product over K = V, bit for bit, since chunks are multiples of 1024 columns). When
+    that accumulator exceeds :data:`DX_ACCUMULATOR_BUDGET_BYTES`, ``dhidden`` comes from pass A
+    instead: per ``token_chunk`` rows, the logits of all ``V`` columns, their gradient, and one
+    ``grad_input`` over K = V."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dhidden = hidden.new_zeros((N, H) if need_hidden else (0,))
+    dweight = weight.new_zeros((V, H) if need_weight else (0,))
+    if N == 0 or (g_lp is None and g_ent is None):
+        return dhidden, dweight
+
+    def rows(r0: int, r1: int):
+        return (targets[r0:r1], lse[r0:r1], g_lp[r0:r1] if g_lp is not None else None,
+                ent[r0:r1] if g_ent is not None else None, g_ent[r0:r1] if g_ent is not None else None)
+
+    chained = need_hidden and N * H * 4 <= DX_ACCUMULATOR_BUDGET_BYTES
+    with device_guard(hidden):
+        if need_weight or chained:
+            acc = None
+            if chained and V > vocab_chunk:  # the fp32 partial sums of dhidden between chunks
+                acc = torch.empty((N, H), dtype=torch.float32, device=hidden.device)
+            for c0 in range(0, V, vocab_chunk):
+                w = weight[c0 : c0 + vocab_chunk]
+                dl = _dlogits_(gemm_kernels.forward(hidden, w, None), c0, *rows(0, N), temperature)
+                if need_weight:
+                    dweight[c0 : c0 + dl.shape[1]] = gemm_kernels.grad_weight(dl, hidden)
+                if chained:
+                    last = c0 + vocab_chunk >= V
+                    gemm_kernels.grad_input(dl, w, acc=acc if c0 > 0 else None, out=dhidden if last else acc,
+                                            partial=not last)
+                del dl
+        if need_hidden and not chained:  # pass A: dh[rows] = dlogits[rows, :V] @ W, one K = V product per token chunk
+            for r0 in range(0, N, token_chunk):
+                r1 = min(N, r0 + token_chunk)
+                dl = _dlogits_(gemm_kernels.forward(hidden[r0:r1], weight, None), 0, *rows(r0, r1), temperature)
+                dhidden[r0:r1] = gemm_kernels.grad_input(dl, weight)
+                del dl
+    return dhidden, dweight
