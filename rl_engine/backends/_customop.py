@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 __all__ = [
+    "wire_linear",
     "wire_rms_norm",
     "wire_fused_add_rms_norm",
     "wire_apply_rope",
@@ -37,6 +38,37 @@ def _like(t: torch.Tensor) -> torch.Tensor:
 
 def _f32(t: torch.Tensor, *shape: int) -> torch.Tensor:
     return t.new_empty(shape, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- gemm
+
+
+def wire_linear(forward, backward) -> None:
+    """``forward(x, weight, bias) -> y`` with ``x [..., K]``, ``weight [N, K]``, ``bias [N] | None``;
+    ``backward(grad, x, weight, need_dx, need_dw, has_bias) -> (dx, dw, db)``, where a gradient
+    that is not needed comes back as an empty ``[0]`` tensor (it is neither computed nor stored)."""
+    forward.register_fake(lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])))
+
+    def backward_fake(grad, x, weight, need_dx, need_dw, has_bias):
+        n = weight.shape[0]
+        return (x.new_empty(x.shape if need_dx else (0,)), weight.new_empty(weight.shape if need_dw else (0,)),
+                grad.new_empty((n,) if has_bias else (0,)))
+
+    backward.register_fake(backward_fake)
+
+    def setup(ctx, inputs, output):
+        x, weight, bias = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+
+    def grad_fn(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        has_bias = ctx.has_bias and ctx.needs_input_grad[2]
+        dx, dw, db = backward(grad.contiguous(), x, weight, need_dx, need_dw, has_bias)
+        return (dx if need_dx else None), (dw if need_dw else None), (db if has_bias else None)
+
+    forward.register_autograd(grad_fn, setup_context=setup)
 
 
 # --------------------------------------------------------------------------- norm

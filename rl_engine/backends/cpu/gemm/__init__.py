@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.backends._customop import wire_linear
 from rl_engine.backends.cpu.common import exact_matmul
 from rl_engine.utils.reductions import fixed_order_sum
 from rl_engine.runtime.registry import Implementation, register
@@ -32,48 +33,22 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return y.reshape(*shape[:-1], weight.shape[0])
 
 
-@linear_cpu.register_fake
-def _(x, weight, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
 @torch.library.custom_op("rlk::linear_cpu_backward", mutates_args=(), device_types="cpu")
 def linear_cpu_backward(
-    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_dx: bool, need_dw: bool, has_bias: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     K = x.shape[-1]
     N = weight.shape[0]
     g2 = grad.reshape(-1, N).contiguous()
     x2 = x.reshape(-1, K)
-    dx = exact_matmul(g2, weight.t()).reshape(x.shape)
+    dx = exact_matmul(g2, weight.t()).reshape(x.shape) if need_dx else x.new_empty((0,))
     gt = g2.t().contiguous()  # [N, M]
-    dw = exact_matmul(gt, x2.t())  # [N, K], reduction over the M rows
-    if has_bias:
-        db = fixed_order_sum(gt.float()).to(grad.dtype)
-    else:
-        db = grad.new_empty((0,))
+    dw = exact_matmul(gt, x2.t()) if need_dw else weight.new_empty((0,))  # [N, K], reduction over the M rows
+    db = fixed_order_sum(gt.float()).to(grad.dtype) if has_bias else grad.new_empty((0,))
     return dx, dw, db
 
 
-@linear_cpu_backward.register_fake
-def _(grad, x, weight, has_bias):
-    n = weight.shape[0]
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), grad.new_empty((n,) if has_bias else (0,))
-
-
-def _setup(ctx, inputs, output):
-    x, weight, bias = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.has_bias = bias is not None
-
-
-def _backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    dx, dw, db = linear_cpu_backward(grad.contiguous(), x, weight, ctx.has_bias)
-    return dx, dw, (db if ctx.has_bias else None)
-
-
-linear_cpu.register_autograd(_backward, setup_context=_setup)
+wire_linear(linear_cpu, linear_cpu_backward)
 
 register(
     Implementation(

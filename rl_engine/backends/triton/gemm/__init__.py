@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.backends._customop import wire_linear
 from rl_engine.backends.triton import arch_reasons, call_op, unavailable_reasons
 from rl_engine.runtime.registry import Implementation, Request, register
 
@@ -39,11 +40,6 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.reshape(*shape[:-1], weight.shape[0])
 
 
-@linear_triton.register_fake
-def _(x, weight, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
 @torch.library.custom_op("rlk::linear_triton_backward", mutates_args=(), device_types="cuda")
 def linear_triton_backward(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_dx: bool, need_dw: bool, has_bias: bool
@@ -59,31 +55,7 @@ def linear_triton_backward(
     return dx, dw, db
 
 
-@linear_triton_backward.register_fake
-def _(grad, x, weight, need_dx, need_dw, has_bias):
-    n = weight.shape[0]
-    return (
-        x.new_empty(x.shape if need_dx else (0,)),
-        weight.new_empty(weight.shape if need_dw else (0,)),
-        grad.new_empty((n,) if has_bias else (0,)),
-    )
-
-
-def _setup(ctx, inputs, output):
-    x, weight, bias = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.has_bias = bias is not None
-
-
-def _backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    has_bias = ctx.has_bias and ctx.needs_input_grad[2]
-    dx, dw, db = linear_triton_backward(grad.contiguous(), x, weight, need_dx, need_dw, has_bias)
-    return (dx if need_dx else None), (dw if need_dw else None), (db if has_bias else None)
-
-
-linear_triton.register_autograd(_backward, setup_context=_setup)
+wire_linear(linear_triton, linear_triton_backward)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
