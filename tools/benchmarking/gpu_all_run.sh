@@ -40,7 +40,7 @@ OUT=${OUT:-/tmp/rlk_gpu_out}
 FINAL=$OUT; OUT=${WORK:-/tmp/rlk_gpu_work}; rm -rf "$OUT"
 STEPS=${STEPS:-"tests bench_attention bench_logprob"}
 mkdir -p "$OUT/evidence"
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$OUT/site" .whl/*.whl || exit 3
   export PYTHONPATH="$PWD:$OUT/site"
