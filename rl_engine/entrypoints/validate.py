@@ -1,6 +1,8 @@
 """``rlk validate SUITE``: WS1 operator suite, model chain, cross-config scoring, ablation.
 
-``SUITE`` is ``ws1`` (every operator × eligible implementation × dtype: accuracy and raw-bit
+WS1 and WS2 name validation scopes: **WS1** is single-device (every operator and the model on
+one device and one process), **WS2** is distributed (the same bits across tensor- and
+data-parallel layouts). ``SUITE`` is ``ws1`` (every operator × eligible implementation × dtype: accuracy and raw-bit
 invariance, forward and gradient), ``chain`` (the Qwen3 model over layout and decode cells,
 train↔rollout raw bits, gradient invariance across layouts), ``cross-config`` (one knob at a
 time from a baseline on frozen inputs) or ``ablation`` (per-module P/R plans; attributes
@@ -136,7 +138,7 @@ def execute(suite: str, *, workload: str, device: str, as_json: bool, out: str |
 
 
 def command(
-    suite: Suite = typer.Argument(..., help="ws1 | chain | cross-config | ablation"),
+    suite: Suite = typer.Argument(..., help="ws1 (WS1, the single-device scope: every operator x implementation x dtype) | chain (the model, train vs rollout) | cross-config | ablation"),
     workload: str = typer.Option("ws1-tiny", "--workload", help="Shipped workload name[@version] or a workload JSON file."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda:0."),
     plan: str = typer.Option("R/R", "--plan", help="chain: train/rollout plan (R/R, P/P, P/R, R/P)."),
@@ -146,7 +148,10 @@ def command(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     out: str | None = typer.Option(None, "--out", help="Write a run directory (report.json, summary.md, plots, COMPLETE) under DIR."),
 ) -> None:
-    """Run a validation suite. Exit codes: 0 pass, 1 fail, 2 usage or load error."""
+    """Run a validation suite with its negative controls. Exit codes: 0 pass, 1 fail, 2 usage or load error.
+
+    WS1 is the single-device validation scope (operators and the model on one device); WS2 is the
+    distributed scope (bits that do not depend on the tensor- or data-parallel layout)."""
     from rl_engine.runtime.plan import MODULES, Plan, PlanError
 
     try:
