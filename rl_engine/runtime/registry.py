@@ -220,24 +220,30 @@ def _select_key(request: Request) -> tuple | None:
     return key
 
 
-def select(request: Request) -> tuple[Implementation | None, list[tuple[str, list[str]]]]:
-    """The first eligible implementation for ``request`` and the rejections before it.
-
-    Answers are cached per request (a dispatch costs a dictionary lookup after the first call of
-    each kind; eager decode steps call an operator per layer and token), and recomputed after
-    any change to the operator's registered implementations."""
+def _selected(request: Request) -> tuple[Implementation | None, list[tuple[str, list[str]]]]:
+    """:func:`select` without copying the cached rejections (callers must not mutate them)."""
     _load(request.op)
     key = _select_key(request)
     if key is not None:
         hit = _SELECTED.get(key)
         if hit is not None and hit[0] is _REGISTRY.get(request.op):
-            return hit[1], [(i, list(r)) for i, r in hit[2]]
+            return hit[1], hit[2]
     impl, rejections = _select(request)
     if key is not None and request.op in _REGISTRY:
         if len(_SELECTED) >= _SELECTED_MAX:  # features such as a step's token count vary: stay bounded
             _SELECTED.clear()
         _SELECTED[key] = (_REGISTRY[request.op], impl, [(i, list(r)) for i, r in rejections])
     return impl, rejections
+
+
+def select(request: Request) -> tuple[Implementation | None, list[tuple[str, list[str]]]]:
+    """The first eligible implementation for ``request`` and the rejections before it.
+
+    Answers are cached per request (a dispatch costs a dictionary lookup after the first call of
+    each kind; eager decode steps call an operator per layer and token), and recomputed after
+    any change to the operator's registered implementations."""
+    impl, rejections = _selected(request)
+    return impl, [(i, list(r)) for i, r in rejections]
 
 
 def _select(request: Request) -> tuple[Implementation | None, list[tuple[str, list[str]]]]:
@@ -259,25 +265,36 @@ def _select(request: Request) -> tuple[Implementation | None, list[tuple[str, li
     return None, rejections
 
 
+#: ``(op, platform family) -> required invariances`` of the op's contract on that family.
+_REQUIRES: dict[tuple[str, str], frozenset[str]] = {}
+#: ``device -> Platform`` for the devices seen (a device's platform never changes in a process).
+_PLATFORMS: dict[torch.device, Any] = {}
+
+
 def make_request(op: str, device_tensor: torch.Tensor, *, features: Mapping[str, Any] | None = None,
                  requires: frozenset[str] | None = None) -> Request:
-    """Build the :class:`Request` for a call whose device and dtype are those of ``device_tensor``."""
-    from rl_engine.platforms import platform_of
+    """Build the :class:`Request` for a call whose device and dtype are those of ``device_tensor``.
 
-    contract = contracts.load_contract(op)
-    platform = platform_of(device_tensor)
-    return Request(
-        op=op,
-        platform=platform,
-        dtype=device_tensor.dtype,
-        requires=contract.guarantees_on(platform.family) if requires is None else requires,
-        features=dict(features or {}),
-    )
+    The platform of a device and the invariances an op's contract requires on a platform family
+    are looked up once per process (both are fixed for its lifetime), so building a request costs
+    two dictionary lookups on the hot path."""
+    device = device_tensor.device
+    platform = _PLATFORMS.get(device)
+    if platform is None:
+        from rl_engine.platforms import platform_of
+
+        platform = _PLATFORMS.setdefault(device, platform_of(device))
+    if requires is None:
+        requires = _REQUIRES.get((op, platform.family))
+        if requires is None:
+            requires = _REQUIRES.setdefault((op, platform.family), contracts.load_contract(op).guarantees_on(platform.family))
+    return Request(op=op, platform=platform, dtype=device_tensor.dtype, requires=requires,
+                   features=dict(features) if features else {})
 
 
 def dispatch(request: Request, *args: Any, **kwargs: Any) -> Any:
     """Run ``request.op`` on the first eligible implementation (see module docstring)."""
-    impl, rejections = select(request)
+    impl, rejections = _selected(request)
     pol = _policy.current_policy()
     if impl is not None:
         fn, impl_id, version, module, fallback = impl.fn, impl.impl_id, impl.version, impl.module, False
@@ -285,7 +302,7 @@ def dispatch(request: Request, *args: Any, **kwargs: Any) -> Any:
         fn = reference_for(request.op)
         impl_id, version, module, fallback = "reference.float64", "1", fn.__module__, True
     else:
-        raise NoEligibleImplementation(request, rejections)
+        raise NoEligibleImplementation(request, [(i, list(r)) for i, r in rejections])
     if _prov.active():
         _prov.emit(
             _prov.ProvenanceRecord(

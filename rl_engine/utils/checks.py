@@ -6,12 +6,22 @@ the argument's name and says what was expected, e.g.
 
 NaN policy (a context variable, scoped with :func:`nan_policy`):
 
-* ``"raise"`` (default): entry points reject *activation* inputs (``x``, ``hidden``, ``logits``,
-  ``q``/``k``/``v``, ...) that contain NaN, with an error naming the argument. Parameters
-  (weights, biases, embedding tables) are not scanned: scanning a weight on every call reads it
-  once more, which costs as much as a decode-sized matmul (and on a GPU forces a host sync).
+* ``"auto"`` (default): tensors in host memory are scanned as under ``"raise"``; tensors on a GPU
+  are not scanned, because reading a scan's answer on the host synchronises with the device and
+  a CUDA-graph capture cannot contain it. The default GPU path therefore never synchronises: the
+  contract's bits hold for finite inputs, and a NaN or inf input gives non-finite outputs (in its
+  own rows, and possibly in other rows of the same launch, since some GPU kernels load past a
+  block's rows when inputs are finite). Use ``"raise"`` to find the first non-finite tensor.
+* ``"raise"``: entry points reject *activation* inputs (``x``, ``hidden``, ``logits``,
+  ``q``/``k``/``v``, ...) that contain NaN, on every device (on a GPU: one host synchronisation
+  per scanned tensor), with an error naming the argument. Parameters (weights, biases, embedding
+  tables) are not scanned: scanning a weight on every call reads it once more, which costs as
+  much as a decode-sized matmul.
 * ``"raise_all"``: also scan parameters (for debugging a model that produces NaN).
-* ``"propagate"``: scan nothing; NaN propagates by IEEE rules.
+* ``"propagate"``: scan nothing; NaN propagates by IEEE rules, row by row.
+
+:func:`scans` answers whether the policy in effect scans a given tensor; entry points and
+backends ask it rather than comparing policy names.
 """
 
 from __future__ import annotations
@@ -30,13 +40,17 @@ __all__ = [
     "current_nan_policy",
     "check_no_nan",
     "check_finite",
+    "scans",
+    "reads_back",
     "FLOAT_DTYPES",
 ]
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
-NanPolicy = Literal["raise", "raise_all", "propagate"]
-NAN_POLICIES: tuple[str, ...] = ("raise", "raise_all", "propagate")
-_NAN: contextvars.ContextVar[NanPolicy] = contextvars.ContextVar("rlk_nan_policy", default="raise")
+NanPolicy = Literal["auto", "raise", "raise_all", "propagate"]
+NAN_POLICIES: tuple[str, ...] = ("auto", "raise", "raise_all", "propagate")
+_NAN: contextvars.ContextVar[NanPolicy] = contextvars.ContextVar("rlk_nan_policy", default="auto")
+#: Devices whose tensors the ``"auto"`` policy scans (a scan there needs no device synchronisation).
+_HOST_DEVICES = frozenset({"cpu"})
 
 
 def current_nan_policy() -> NanPolicy:
@@ -45,7 +59,7 @@ def current_nan_policy() -> NanPolicy:
 
 @contextlib.contextmanager
 def nan_policy(policy: NanPolicy) -> Iterator[None]:
-    """Scope the NaN policy (``"raise"``, ``"raise_all"`` or ``"propagate"``); restores in ``finally``."""
+    """Scope the NaN policy (``"auto"``, ``"raise"``, ``"raise_all"`` or ``"propagate"``); restores in ``finally``."""
     if policy not in NAN_POLICIES:
         raise ValueError(f"policy: expected one of {NAN_POLICIES}, got {policy!r}")
     token = _NAN.set(policy)
@@ -55,23 +69,42 @@ def nan_policy(policy: NanPolicy) -> Iterator[None]:
         _NAN.reset(token)
 
 
-def check_no_nan(name: str, t: torch.Tensor, *, param: bool = False) -> None:
-    """Raise if ``t`` holds NaN and the policy scans it (``param=True``: only under ``"raise_all"``)."""
+def scans(t: torch.Tensor, *, param: bool = False) -> bool:
+    """Whether the NaN policy in effect scans ``t`` (``param=True``: a parameter, scanned only
+    under ``"raise_all"``). Empty, meta and non-floating tensors are never scanned."""
     pol = _NAN.get()
     if pol == "propagate" or (param and pol != "raise_all"):
-        return
-    if t.is_floating_point() and t.numel() and t.device.type != "meta" and bool(torch.isnan(t).any()):
-        raise ValueError(f"{name}: contains NaN (NaN policy 'raise'; use rl_engine.utils.checks.nan_policy('propagate') to let it propagate)")
+        return False
+    if pol == "auto" and t.device.type not in _HOST_DEVICES:
+        return False
+    return t.is_floating_point() and t.numel() > 0 and t.device.type != "meta"
+
+
+def reads_back(t: torch.Tensor) -> bool:
+    """Whether a check may read a value of ``t`` back to the host: always for host tensors; for
+    device tensors only under ``"raise"`` / ``"raise_all"`` (the default ``"auto"`` and
+    ``"propagate"`` never synchronise with a GPU)."""
+    if t.device.type == "meta":
+        return False
+    return t.device.type in _HOST_DEVICES or _NAN.get() in ("raise", "raise_all")
+
+
+def check_no_nan(name: str, t: torch.Tensor, *, param: bool = False) -> None:
+    """Raise if ``t`` holds NaN and the policy scans it (:func:`scans`)."""
+    if scans(t, param=param) and bool(torch.isnan(t).any()):
+        raise ValueError(f"{name}: contains NaN (NaN policy {_NAN.get()!r}; use rl_engine.utils.checks.nan_policy('propagate') "
+                         "to let it propagate)")
 
 
 def check_finite(name: str, t: torch.Tensor, *, why: str = "expected finite values") -> None:
-    """Raise if ``t`` holds NaN or ±inf, unless the NaN policy is ``"propagate"``.
+    """Raise if ``t`` holds NaN or ±inf and the NaN policy scans it (:func:`scans`).
 
     NaN gives :func:`check_no_nan`'s message; ±inf gives ``"<name>: contains inf (<why>)"``.
     Under a CUDA-graph capture the check (a host read) raises a clear error instead of failing
-    the capture.
+    the capture (the default ``"auto"`` policy does not scan GPU tensors, so a capture needs no
+    policy change).
     """
-    if _NAN.get() == "propagate" or not t.is_floating_point() or t.numel() == 0 or t.device.type == "meta":
+    if not scans(t):
         return
     if t.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{name}: the finite-value check reads the tensor on the host, which a CUDA-graph capture "

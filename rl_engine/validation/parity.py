@@ -170,9 +170,9 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
     # The rollout runs as engines run it, without per-call NaN scans ("propagate": what a CUDA
     # graph capture needs; the weights are checked finite above, and a NaN would reach a log-prob
     # and fail the comparison anyway). The train layouts are scored under the caller's policy
-    # (default "raise": the scans a trainer's calls run, and the kernels they select: on Hopper the
-    # train path's TMA and warpgroup forward need finite inputs and run only under a scanning
-    # policy, kernels.tma_eligible).
+    # (default "auto": the scans a trainer's calls run on host tensors, and the kernels they
+    # select: on Hopper the train path's TMA and warpgroup forward assume finite inputs and run
+    # under every policy but "propagate").
     train_policy = current_nan_policy()
     with prov.record() as records, torch.no_grad():
         with nan_policy("propagate"):

@@ -30,7 +30,7 @@ import torch
 
 from rl_engine.ops.attention.cache import ContiguousKVCache, KVCache, PagedKVCache, _AppendPlan
 from rl_engine.runtime.registry import dispatch, make_request
-from rl_engine.utils.checks import FLOAT_DTYPES, check_finite, current_nan_policy, require_same_device, require_tensor
+from rl_engine.utils.checks import FLOAT_DTYPES, check_finite, require_same_device, require_tensor, scans
 
 __all__ = [
     "varlen_attention",
@@ -51,16 +51,16 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _finite(name: str, t: torch.Tensor) -> None:
-    """No NaN and no ±inf (under the ``"raise"`` NaN policy). Attention needs finite keys and
+    """No NaN and no ±inf (where the NaN policy scans: :func:`rl_engine.utils.checks.scans`). Attention needs finite keys and
     values even where a query must not look: masked slots contribute ``0 · v``."""
     check_finite(name, t, why="attention inputs must be finite")
 
 
 def _finite_output(out: torch.Tensor) -> None:
-    """The output of finite inputs is finite, or the call raises (under the ``"raise"`` NaN
-    policy): a score ``scale · q·k`` or the softmax-weighted sum of ``v`` beyond the float32
+    """The output of finite inputs is finite, or the call raises (where the NaN policy scans
+    the output): a score ``scale · q·k`` or the softmax-weighted sum of ``v`` beyond the float32
     range would otherwise come back as NaN or inf rows."""
-    if current_nan_policy() == "propagate" or out.numel() == 0 or out.device.type == "meta":
+    if not scans(out):
         return
     bad = ~torch.isfinite(out.detach()).reshape(out.shape[0], -1).all(dim=1)
     if bool(bad.any()):

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from rl_engine.utils.reductions import canonical_sum
-from rl_engine.utils.checks import FLOAT_DTYPES, current_nan_policy, require_same_device, require_tensor
+from rl_engine.utils.checks import FLOAT_DTYPES, require_same_device, require_tensor, scans
 
 __all__ = ["REDUCTIONS", "LossOutput", "loss_denominator", "combine_microbatch_losses"]
 
@@ -105,10 +105,8 @@ def check_log_probs(mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
     KL estimators would turn it into a silently clamped or NaN loss). Padding is not read.
     Like the NaN scan, it is skipped under ``nan_policy("propagate")``. Call after
     :func:`check_tokens` (shapes and devices already agree)."""
-    if current_nan_policy() == "propagate":
-        return
     for name, t in tensors.items():
-        if t is None or t.numel() == 0 or t.device.type == "meta":
+        if t is None or not scans(t):
             continue
         bad = mask & ~(torch.isfinite(t) & (t <= 0))
         if bool(bad.any()):

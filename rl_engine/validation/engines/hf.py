@@ -176,7 +176,7 @@ def run_hf_parity(cfg, progress: Callable[[str, int, int], None] | None = None, 
     records: list = []
     try:
         # the rollout without per-call NaN scans, the training forward under the caller's policy
-        # (default "raise"), as in rl_engine.validation.parity.run_parity
+        # (default "auto"), as in rl_engine.validation.parity.run_parity
         train_policy = current_nan_policy()
         with prov.record() as records, torch.no_grad():
             tick("rollout (generate)", 1, total)

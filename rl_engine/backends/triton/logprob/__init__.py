@@ -27,7 +27,7 @@ import torch
 
 from rl_engine.backends._customop import wire_entropy, wire_log_softmax, wire_token_logprobs
 from rl_engine.backends.triton import call_op, register_triton
-from rl_engine.utils.checks import current_nan_policy
+from rl_engine.utils.checks import reads_back, scans
 
 __all__ = [
     "log_softmax_triton",
@@ -72,13 +72,13 @@ def _fused():
 
 def _check_lse(lse: torch.Tensor, what: str, source: str = "logits / temperature") -> None:
     """Rows without any finite logit, or overflow to +inf/NaN, get a clear error (as on CPU)."""
-    if lse.numel() == 0:
+    if lse.numel() == 0 or not reads_back(lse):  # "auto" / "propagate": no host synchronisation
         return
     dead = torch.isneginf(lse)
     if bool(dead.any()):
         rows = torch.nonzero(dead).squeeze(1)[:8].tolist()
         raise ValueError(f"{what}: rows {rows} have no finite entry (all -inf): their log-probs are undefined")
-    if current_nan_policy() != "propagate" and not bool(torch.isfinite(lse).all()):
+    if scans(lse) and not bool(torch.isfinite(lse).all()):
         rows = torch.nonzero(~torch.isfinite(lse)).squeeze(1)[:8].tolist()
         raise ValueError(f"{what}: rows {rows} are not finite in {source} (+inf input or overflow)")
 
