@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[5]
+REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("ds_worker.py")
 ALL = [f"{s}:{d}" for s in range(4) for d in ("float32", "bfloat16")]
 

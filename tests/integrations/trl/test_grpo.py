@@ -14,7 +14,7 @@ from rl_engine import contracts
 from rl_engine.integrations.hf.install import is_installed
 from rl_engine.integrations import trl as rlk_trl
 
-EXAMPLE = Path(__file__).resolve().parents[4] / "examples" / "post_training" / "grpo_trl_cpu.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "post_training" / "grpo_trl_cpu.py"
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="needs the vLLM environment (.venv-vllm, created by make test)")
-EXAMPLE = Path(__file__).resolve().parents[4] / "examples" / "post_training" / "grpo_trl_vllm_colocate_cpu.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "post_training" / "grpo_trl_vllm_colocate_cpu.py"
 
 
 def _example(*args: str, timeout: float = 400) -> dict:

@@ -21,7 +21,7 @@ from rl_engine.integrations.vllm import (
 )
 from rl_engine.integrations.vllm.parity import RolloutSeq, compare
 
-REPO = Path(__file__).resolve().parents[5]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _py(code: str, **env) -> subprocess.CompletedProcess:

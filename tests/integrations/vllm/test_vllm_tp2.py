@@ -24,7 +24,7 @@ from rl_engine.integrations.vllm import QWEN3_KINDS, assert_no_fallbacks  # noqa
 from rl_engine.integrations.vllm.parity import write_tiny_checkpoint  # noqa: E402
 
 WORKER = Path(__file__).with_name("tp2_worker.py")
-REPO = Path(__file__).resolve().parents[5]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
