@@ -27,6 +27,9 @@ __all__ = [
     "wire_token_logprobs",
     "wire_entropy",
     "wire_varlen_attention",
+    "wire_moe_route",
+    "wire_moe_expert_gate_up",
+    "wire_moe_expert_down_combine",
 ]
 
 GradPrep = Callable[[torch.Tensor], torch.Tensor]
@@ -44,20 +47,23 @@ def _f32(t: torch.Tensor, *shape: int) -> torch.Tensor:
 
 
 def wire_linear(forward, backward) -> None:
-    """``forward(x, weight, bias) -> y`` with ``x [..., K]``, ``weight [N, K]``, ``bias [N] | None``;
-    ``backward(grad, x, weight, need_dx, need_dw, has_bias) -> (dx, dw, db)``, where a gradient
-    that is not needed comes back as an empty ``[0]`` tensor (it is neither computed nor stored)."""
-    forward.register_fake(lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])))
+    """``forward(x, weight, bias, fp32_out) -> y`` with ``x [..., K]``, ``weight [N, K]``, ``bias [N] |
+    None`` (``fp32_out``: a float32 ``y`` from 16-bit inputs, the fp32-output variant);
+    ``backward(grad, x, weight, need_dx, need_dw, has_bias) -> (dx, dw, db)`` in ``x``'s dtype (an
+    fp32 ``grad`` of the variant is rounded to it first), where a gradient that is not needed
+    comes back as an empty ``[0]`` tensor (it is neither computed nor stored)."""
+    forward.register_fake(lambda x, weight, bias, fp32_out=False: x.new_empty(
+        (*x.shape[:-1], weight.shape[0]), dtype=torch.float32 if fp32_out else x.dtype))
 
     def backward_fake(grad, x, weight, need_dx, need_dw, has_bias):
         n = weight.shape[0]
         return (x.new_empty(x.shape if need_dx else (0,)), weight.new_empty(weight.shape if need_dw else (0,)),
-                grad.new_empty((n,) if has_bias else (0,)))
+                x.new_empty((n,) if has_bias else (0,)))
 
     backward.register_fake(backward_fake)
 
     def setup(ctx, inputs, output):
-        x, weight, bias = inputs
+        x, weight, bias, _fp32_out = inputs
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
 
@@ -66,7 +72,7 @@ def wire_linear(forward, backward) -> None:
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         has_bias = ctx.has_bias and ctx.needs_input_grad[2]
         dx, dw, db = backward(grad.contiguous(), x, weight, need_dx, need_dw, has_bias)
-        return (dx if need_dx else None), (dw if need_dw else None), (db if has_bias else None)
+        return (dx if need_dx else None), (dw if need_dw else None), (db if has_bias else None), None
 
     forward.register_autograd(grad_fn, setup_context=setup)
 
@@ -184,70 +190,76 @@ def wire_embedding(forward, backward) -> None:
 # The forward ops take logits ``[R, V]`` and return ``(values, lse)`` in fp32; only ``values``
 # carries a gradient (``lse`` is returned for the wrappers' row checks). ``prepare_grad`` is how
 # the backend hands the upstream gradient to its backward op (e.g. ``.float().contiguous()``).
+# ``kept_threshold`` / ``kept_boundary`` (``[R]`` or ``None``) are the rows' kept-set records
+# (rl_engine.utils.kept): the values are those of the distribution renormalised over the kept set.
 
 
 def wire_log_softmax(forward, backward, *, prepare_grad: GradPrep) -> None:
-    """``forward(logits, temperature) -> (out, lse)``;
-    ``backward(grad, out, temperature, dtype) -> dlogits``."""
-    forward.register_fake(lambda logits, temperature: (_f32(logits, *logits.shape), _f32(logits, logits.shape[0])))
-    backward.register_fake(lambda grad, out, temperature, dtype: out.new_empty(out.shape, dtype=dtype))
+    """``forward(logits, temperature, kept_threshold, kept_boundary) -> (out, lse)``;
+    ``backward(grad, out, temperature, dtype, masked) -> dlogits``."""
+    forward.register_fake(lambda logits, temperature, kept_threshold=None, kept_boundary=None: (
+        _f32(logits, *logits.shape), _f32(logits, logits.shape[0])))
+    backward.register_fake(lambda grad, out, temperature, dtype, masked=False: out.new_empty(out.shape, dtype=dtype))
 
     def setup(ctx, inputs, output):
-        logits, temperature = inputs
+        logits, temperature, kept_threshold, kept_boundary = inputs
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(output[0])
         ctx.temperature = temperature
         ctx.dtype = logits.dtype
+        ctx.masked = kept_threshold is not None
 
     def grad_fn(ctx, grad, _grad_lse):
         if grad is None:
-            return None, None
+            return None, None, None, None
         (out,) = ctx.saved_tensors
-        return backward(prepare_grad(grad), out, ctx.temperature, ctx.dtype), None
+        return backward(prepare_grad(grad), out, ctx.temperature, ctx.dtype, ctx.masked), None, None, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
 
 
 def wire_token_logprobs(forward, backward, *, prepare_grad: GradPrep) -> None:
-    """``forward(logits, targets, temperature) -> (logprobs, lse)``;
-    ``backward(grad, logits, targets, lse, temperature) -> dlogits``."""
-    forward.register_fake(
-        lambda logits, targets, temperature: (_f32(logits, logits.shape[0]), _f32(logits, logits.shape[0]))
-    )
-    backward.register_fake(lambda grad, logits, targets, lse, temperature: _like(logits))
+    """``forward(logits, targets, temperature, kept_threshold, kept_boundary) -> (logprobs, lse)``;
+    ``backward(grad, logits, targets, lse, temperature, kept_threshold, kept_boundary) -> dlogits``."""
+    forward.register_fake(lambda logits, targets, temperature, kept_threshold=None, kept_boundary=None: (
+        _f32(logits, logits.shape[0]), _f32(logits, logits.shape[0])))
+    backward.register_fake(
+        lambda grad, logits, targets, lse, temperature, kept_threshold=None, kept_boundary=None: _like(logits))
 
     def setup(ctx, inputs, output):
-        logits, targets, temperature = inputs
+        logits, targets, temperature, kept_threshold, kept_boundary = inputs
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, targets, output[1])
+        ctx.save_for_backward(logits, targets, output[1], kept_threshold, kept_boundary)
         ctx.temperature = temperature
 
     def grad_fn(ctx, grad, _grad_lse):
         if grad is None:
-            return None, None, None
-        logits, targets, lse = ctx.saved_tensors
-        return backward(prepare_grad(grad), logits, targets, lse, ctx.temperature), None, None
+            return None, None, None, None, None
+        logits, targets, lse, kt, kb = ctx.saved_tensors
+        return backward(prepare_grad(grad), logits, targets, lse, ctx.temperature, kt, kb), None, None, None, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
 
 
 def wire_entropy(forward, backward, *, prepare_grad: GradPrep) -> None:
-    """``forward(logits, temperature) -> (entropy, lse)``;
-    ``backward(grad, logits, lse, entropy, temperature) -> dlogits``."""
-    forward.register_fake(lambda logits, temperature: (_f32(logits, logits.shape[0]), _f32(logits, logits.shape[0])))
-    backward.register_fake(lambda grad, logits, lse, ent, temperature: _like(logits))
+    """``forward(logits, temperature, kept_threshold, kept_boundary) -> (entropy, lse)``;
+    ``backward(grad, logits, lse, entropy, temperature, kept_threshold, kept_boundary) -> dlogits``."""
+    forward.register_fake(lambda logits, temperature, kept_threshold=None, kept_boundary=None: (
+        _f32(logits, logits.shape[0]), _f32(logits, logits.shape[0])))
+    backward.register_fake(
+        lambda grad, logits, lse, ent, temperature, kept_threshold=None, kept_boundary=None: _like(logits))
 
     def setup(ctx, inputs, output):
-        logits, temperature = inputs
+        logits, temperature, kept_threshold, kept_boundary = inputs
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, output[1], output[0])
+        ctx.save_for_backward(logits, output[1], output[0], kept_threshold, kept_boundary)
         ctx.temperature = temperature
 
     def grad_fn(ctx, grad, _grad_lse):
         if grad is None:
-            return None, None
-        logits, lse, ent = ctx.saved_tensors
-        return backward(prepare_grad(grad), logits, lse, ent, ctx.temperature), None
+            return None, None, None, None
+        logits, lse, ent, kt, kb = ctx.saved_tensors
+        return backward(prepare_grad(grad), logits, lse, ent, ctx.temperature, kt, kb), None, None, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
 
@@ -282,5 +294,72 @@ def wire_varlen_attention(forward, backward) -> None:
             grad_out = torch.zeros_like(q)
         dq, dk, dv = backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.scale, ctx.window)
         return dq, dk, dv, None, None, None
+
+    forward.register_autograd(grad_fn, setup_context=setup)
+
+
+# --------------------------------------------------------------------------- moe
+
+
+def wire_moe_route(forward, backward) -> None:
+    """``forward(logits, top_k, renormalize) -> (weights fp32 [T, K], ids int64 [T, K])``;
+    ``backward(grad_weights, logits, ids, renormalize) -> dlogits``. ``ids`` is not
+    differentiable (the selection has no gradient)."""
+
+    def fake_forward(logits, top_k, renormalize):
+        T = logits.shape[0]
+        return logits.new_empty((T, top_k), dtype=torch.float32), logits.new_empty((T, top_k), dtype=torch.int64)
+
+    forward.register_fake(fake_forward)
+    backward.register_fake(lambda grad, logits, ids, renormalize: _like(logits))
+
+    def setup(ctx, inputs, output):
+        logits, _, renormalize = inputs
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, output[1])
+        ctx.renormalize = renormalize
+        ctx.mark_non_differentiable(output[1])
+
+    def grad_fn(ctx, grad, _grad_ids):
+        if grad is None:
+            return None, None, None
+        logits, ids = ctx.saved_tensors
+        return backward(grad.float().contiguous(), logits, ids, ctx.renormalize), None, None
+
+    forward.register_autograd(grad_fn, setup_context=setup)
+
+
+def wire_moe_expert_gate_up(forward, backward) -> None:
+    """``forward(x, w_gate_up, ids) -> act`` (``[T, H], [E, 2I, H], [T, K] -> [T, K, I]``);
+    ``backward(grad, x, w_gate_up, ids) -> (dx, dw_gate_up)``."""
+    forward.register_fake(lambda x, w, ids: x.new_empty((*ids.shape, w.shape[1] // 2)))
+    backward.register_fake(lambda grad, x, w, ids: (_like(x), _like(w)))
+
+    def setup(ctx, inputs, output):
+        x, w, ids = inputs
+        ctx.save_for_backward(x, w, ids)
+
+    def grad_fn(ctx, grad):
+        x, w, ids = ctx.saved_tensors
+        dx, dw = backward(grad.contiguous(), x, w, ids)
+        return dx, dw, None
+
+    forward.register_autograd(grad_fn, setup_context=setup)
+
+
+def wire_moe_expert_down_combine(forward, backward) -> None:
+    """``forward(act, w_down, weights, ids) -> out`` (``[T, K, I], [E, H, I], [T, K] fp32,
+    [T, K] -> [T, H]``); ``backward(grad, act, w_down, weights, ids) -> (dact, dw_down, dweights)``."""
+    forward.register_fake(lambda act, w, weights, ids: act.new_empty((act.shape[0], w.shape[1])))
+    backward.register_fake(lambda grad, act, w, weights, ids: (_like(act), _like(w), _like(weights)))
+
+    def setup(ctx, inputs, output):
+        act, w, weights, ids = inputs
+        ctx.save_for_backward(act, w, weights, ids)
+
+    def grad_fn(ctx, grad):
+        act, w, weights, ids = ctx.saved_tensors
+        dact, dw, dweights = backward(grad.contiguous(), act, w, weights, ids)
+        return dact, dw, dweights, None
 
     forward.register_autograd(grad_fn, setup_context=setup)

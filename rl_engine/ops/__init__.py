@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-FAMILIES = ("activation", "attention", "embedding", "gemm", "logprob", "loss", "norm", "packing", "rope")
+FAMILIES = ("activation", "attention", "embedding", "gemm", "logprob", "loss", "moe", "norm", "packing", "rope")
 
 
 def __getattr__(name: str) -> Any:

@@ -66,7 +66,7 @@ def _fwd_bwd(fn: Callable[..., torch.Tensor], *args: torch.Tensor, grad_seed: in
 
 
 def cases() -> dict[str, Callable[[], str]]:
-    from rl_engine.ops import activation, attention, embedding, gemm, logprob, loss, norm, rope
+    from rl_engine.ops import activation, attention, embedding, gemm, logprob, loss, moe, norm, rope
 
     out: dict[str, Callable[[], str]] = {}
     for dt_name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -108,6 +108,14 @@ def cases() -> dict[str, Callable[[], str]]:
         out[f"attention.varlen_attention/{dt_name}"] = lambda aq=aq, ak=ak, av=av, cu=cu: _fwd_bwd(
             lambda a_, b_, c_: attention.varlen_attention(a_, b_, c_, cu), aq, ak, av
         )
+        mx, mr = hashed((96, 1024), 26, 1.0, dt), hashed((16, 1024), 27, 0.05, dt)
+        mgu, md = hashed((16, 512, 1024), 28, 0.05, dt), hashed((16, 1024, 256), 29, 0.08, dt)
+
+        def moe_block(x_, r_, gu_, d_):
+            w_, ids_ = moe.route(gemm.linear(x_, r_), 4, True)
+            return moe.experts(x_, gu_, d_, w_, ids_)
+
+        out[f"moe.route+experts/{dt_name}"] = lambda mx=mx, mr=mr, mgu=mgu, md=md: _fwd_bwd(moe_block, mx, mr, mgu, md)
         sq, sk = hashed((8, 64, 128), 16, 1.0, dt), hashed((8, 128, 64), 17, 1.0, dt)
         out[f"native/bmm/{dt_name}"] = lambda sq=sq, sk=sk: _fwd_bwd(torch.bmm, sq, sk)
     lp = -hashed((6, 300), 20, 1.0).abs() - 0.01

@@ -23,6 +23,7 @@ from rl_engine.reference import attention as ref_attn
 from rl_engine.reference import embedding as ref_emb
 from rl_engine.reference import gemm as ref_gemm
 from rl_engine.reference import logprob as ref_lp
+from rl_engine.reference import moe as ref_moe
 from rl_engine.reference import norm as ref_norm
 from rl_engine.reference import rope as ref_rope
 
@@ -144,6 +145,37 @@ def _attn_ref(q, k, v, lengths, scale):
     return _unpack(ref_attn.varlen_attention_f64(qp, kp, vp, cu, scale), keep, q)
 
 
+# --- mixture of experts: one row = one token (its logits, its hidden row, its K slots) -------------
+_MOE_E, _MOE_K, _MOE_H, _MOE_I = 6, 2, 32, 12
+
+
+def _moe_ids(R, seed):
+    """Distinct experts per token, drawn per row (expert loads differ between re-batchings)."""
+    g = _g(seed + 3)
+    return torch.stack([torch.randperm(_MOE_E, generator=g)[:_MOE_K] for _ in range(R)])
+
+
+def _route_inputs(dtype, R, seed):
+    # distinct logits a quarter apart in every row (exact in bf16): the top-k set is unambiguous,
+    # so the float64 reference chooses the same experts
+    g = _g(seed)
+    z = torch.stack([torch.randperm(_MOE_E, generator=g) for _ in range(R)]).float() * 0.25
+    return [z.to(dtype)], [_MOE_K, True]
+
+
+def _gate_up_inputs(dtype, R, seed):
+    g = _g(seed)
+    return ([_randn((R, _MOE_H), dtype, g), _moe_ids(R, seed)],
+            [_randn((_MOE_E, 2 * _MOE_I, _MOE_H), dtype, g, _MOE_H ** -0.5)])
+
+
+def _down_inputs(dtype, R, seed):
+    g = _g(seed)
+    weights = torch.softmax(torch.randn((R, _MOE_K), generator=g), -1)
+    return ([_randn((R, _MOE_K, _MOE_I), dtype, g), weights, _moe_ids(R, seed)],
+            [_randn((_MOE_E, _MOE_H, _MOE_I), dtype, g, _MOE_I ** -0.5)])
+
+
 CASES: dict[str, OpCase] = {
     "gemm.linear": OpCase(_linear_inputs, lambda fn, x, w, b: fn(x, w, b), ref_gemm.linear_f64),
     "norm.rms_norm": OpCase(_rms_inputs, lambda fn, x, w, eps: fn(x, w, eps), ref_norm.rms_norm_f64),
@@ -156,6 +188,11 @@ CASES: dict[str, OpCase] = {
     "logprob.entropy": OpCase(_logits_inputs, lambda fn, z, t: fn(z, t), ref_lp.entropy_f64),
     "logprob.linear_token_logprobs": OpCase(_lin_tok_inputs, _lin_tok_call, _lin_tok_ref),
     "attention.varlen_attention": OpCase(_attn_inputs, _attn_call, _attn_ref),
+    "moe.route": OpCase(_route_inputs, lambda fn, z, k, r: fn(z, k, r), ref_moe.route_f64),
+    "moe.expert_gate_up": OpCase(_gate_up_inputs, lambda fn, x, ids, w: fn(x, w, ids),
+                                 lambda x, ids, w: ref_moe.expert_gate_up_f64(x, w, ids)),
+    "moe.expert_down_combine": OpCase(_down_inputs, lambda fn, a, wt, ids, w: fn(a, w, wt, ids),
+                                      lambda a, wt, ids, w: ref_moe.expert_down_combine_f64(a, w, wt, ids)),
 }
 
 NOT_COVERED: dict[str, str] = {
