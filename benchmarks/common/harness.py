@@ -54,6 +54,7 @@ __all__ = [
     "percentile",
     "summarize",
     "time_samples",
+    "host_call_samples",
     "measure",
     "measure_interleaved",
     "cuda_graph_ms",
@@ -149,6 +150,32 @@ def time_samples(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 20, d
         fn()
     _sync(device)
     return [_timed_call(fn, device) for _ in range(repeats)]
+
+
+def host_call_samples(fn: Callable[[], Any], *, calls: int = 200, repeats: int = 15, warmup: int = 20,
+                      device: str = "cpu") -> list[float]:
+    """Host time per call, in milliseconds: ``repeats`` loops of ``calls`` calls each (after
+    ``warmup`` untimed calls), one sample per loop (its time / ``calls``).
+
+    On CUDA the stream is first given a sleep longer than the loop, so the kernels queue behind
+    it and the loop times what the host does per call (checks, dispatch, launches). A call that
+    synchronises waits for that sleep instead, so a host synchronisation shows up as a time far
+    above the others rather than hiding in device time."""
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    out = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda._sleep(int(2e9 * max(0.02, calls * 2e-4)))  # ~2 GHz: longer than the loop
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        _sync(device)
+        out.append((t1 - t0) * 1e3 / calls)
+    return out
 
 
 def capture_cuda_graph(fn: Callable[[], Any], *, calls: int = 1) -> tuple[torch.cuda.CUDAGraph, Any]:

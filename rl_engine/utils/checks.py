@@ -42,6 +42,7 @@ __all__ = [
     "check_finite",
     "scans",
     "reads_back",
+    "check_index_range",
     "FLOAT_DTYPES",
 ]
 
@@ -87,6 +88,26 @@ def reads_back(t: torch.Tensor) -> bool:
     if t.device.type == "meta":
         return False
     return t.device.type in _HOST_DEVICES or _NAN.get() in ("raise", "raise_all")
+
+
+def check_index_range(name: str, t: torch.Tensor, high: int, *, what: str, note: str = "") -> None:
+    """Every entry of the integer tensor ``t`` lies in ``[0, high)``.
+
+    Where :func:`reads_back` allows it, the range is read on the host and a violation raises
+    ``ValueError("<name>: expected <what> in [0, high)<note>, got <value>")``. On a GPU under the
+    default policy nothing is read back: a device-side assertion (``torch._assert_async``, as
+    torch's own indexing kernels assert) stops the process at the offending launch instead of
+    letting a kernel read out of bounds — no host synchronisation, and capturable in a CUDA graph.
+    """
+    if t.numel() == 0 or t.device.type == "meta":
+        return
+    if reads_back(t):
+        lo, hi = (int(v) for v in torch.aminmax(t))
+        if lo < 0 or hi >= high:
+            raise ValueError(f"{name}: expected {what} in [0, {high}){note}, got {lo if lo < 0 else hi}")
+        return
+    lo, hi = torch.aminmax(t)
+    torch._assert_async((lo >= 0) & (hi < high), f"{name}: expected {what} in [0, {high})")
 
 
 def check_no_nan(name: str, t: torch.Tensor, *, param: bool = False) -> None:

@@ -38,6 +38,8 @@ import threading
 
 import torch
 
+from rl_engine.utils.checks import reads_back
+
 __all__ = ["MAX_POSITION", "CACHE_ELEMENTS", "rope_inv_freq", "rope_cos_sin"]
 
 #: Positions are accepted in ``[0, MAX_POSITION)``.
@@ -146,6 +148,16 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float = 10000.
     inv = rope_inv_freq(rotary_dim, theta)
     if positions.numel() == 0 or positions.device.type == "meta":
         return _direct(positions, inv)
+    if not reads_back(positions):
+        # No host read (a GPU under the default NaN policy): the largest cacheable table, built
+        # once per (R, theta, device), and a device-side assertion that every position is in it.
+        rows = CACHE_ELEMENTS // (rotary_dim // 2)
+        tab = _cached(rows, rotary_dim, theta, positions.device, inv)
+        lo, hi = torch.aminmax(positions)
+        torch._assert_async((lo >= 0) & (hi < rows), f"positions: expected values in [0, {rows}) "
+                             "(the cached RoPE table; use nan_policy('raise') for positions beyond it)")
+        idx = positions.to(torch.int64)
+        return tab[0].index_select(0, idx), tab[1].index_select(0, idx)
     lo, hi = int(positions.min()), int(positions.max())
     if lo < 0 or hi >= MAX_POSITION:
         raise ValueError(f"positions: expected values in [0, {MAX_POSITION}), got range [{lo}, {hi}]")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.runtime.registry import dispatch, make_request
-from rl_engine.utils.checks import FLOAT_DTYPES, require_same_device, require_tensor
+from rl_engine.utils.checks import check_index_range, FLOAT_DTYPES, require_same_device, require_tensor
 
 __all__ = ["embedding"]
 
@@ -45,9 +45,5 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"weight: expected a non-empty [V, H] table, got shape {tuple(weight.shape)}")
     require_same_device(ids=ids, weight=weight)
     req = make_request("embedding.embedding", weight, features={"H": H})
-    if ids.numel() and ids.device.type != "meta":
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= V:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"ids: expected token ids in [0, {V}) (the rows of weight), got {bad}")
+    check_index_range("ids", ids, V, what="token ids", note=" (the rows of weight)")
     return dispatch(req, ids, weight)
