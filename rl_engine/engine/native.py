@@ -24,6 +24,8 @@ __all__ = [
     "cached_attention",
     "token_logprobs",
     "entropy",
+    "moe_route",
+    "moe_experts",
 ]
 
 
@@ -135,3 +137,26 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     lp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return -(lp.exp() * lp).sum(-1)
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF ``Qwen3MoeTopKRouter``: fp32 softmax, ``torch.topk`` of the probabilities (no documented tie
+    order), renormalised, the weights cast to the logits' dtype."""
+    p = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+    w, ids = torch.topk(p, top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w.to(router_logits.dtype), ids
+
+
+def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+    """HF ``Qwen3MoeExperts`` (eager): per expert, ``F.linear`` on the tokens routed to it, SiLU gate,
+    ``F.linear`` down, scaled by the routing weight and ``index_add_``-ed in the model dtype."""
+    out = torch.zeros_like(x)
+    mask = F.one_hot(ids, num_classes=w_gate_up.shape[0]).permute(2, 1, 0)
+    for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist():
+        rank, tok = torch.where(mask[e])
+        gate, up = F.linear(x[tok], w_gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w_down[e])
+        out.index_add_(0, tok, (y * weights[tok, rank, None].to(y.dtype)).to(out.dtype))
+    return out

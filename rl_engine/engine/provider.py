@@ -19,6 +19,7 @@ from rl_engine.ops import attention as _attention
 from rl_engine.ops import embedding as _embedding
 from rl_engine.ops import gemm as _gemm
 from rl_engine.ops import logprob as _logprob
+from rl_engine.ops import moe as _moe
 from rl_engine.ops import norm as _norm
 from rl_engine.ops import rope as _rope
 from rl_engine.runtime.plan import MODULES, Plan, PlanError
@@ -26,7 +27,7 @@ from rl_engine.runtime.plan import MODULES, Plan, PlanError
 __all__ = ["OpsProvider", "ops_for"]
 
 _FAMILIES = {"activation": _activation, "attention": _attention, "embedding": _embedding, "gemm": _gemm,
-             "logprob": _logprob, "norm": _norm, "rope": _rope}
+             "logprob": _logprob, "moe": _moe, "norm": _norm, "rope": _rope}
 
 
 def _ops(family: str):
@@ -85,6 +86,20 @@ class OpsProvider:
         if self._r("rope"):
             return _ops("rope").apply_rope(x, positions, theta=theta)
         return native.apply_rope(x, positions, theta=theta)
+
+    # --- mixture of experts -----------------------------------------------------------------
+    def moe_route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
+        """``(weights [T, K], ids [T, K])`` of the router logits (``rl_engine.ops.moe.route`` or HF's router)."""
+        if self._r("moe"):
+            return _ops("moe").route(router_logits, top_k, renormalize)
+        return native.moe_route(router_logits, top_k, renormalize)
+
+    def moe_experts(self, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts of a sparse MoE block (``rl_engine.ops.moe.experts`` or HF's eager loop)."""
+        if self._r("moe"):
+            return _ops("moe").experts(x, w_gate_up, w_down, weights, ids)
+        return native.moe_experts(x, w_gate_up, w_down, weights, ids)
 
     # --- attention ------------------------------------------------------------------------
     def varlen_attention(self, q, k, v, cu_seqlens, *, scale: float | None = None) -> torch.Tensor:

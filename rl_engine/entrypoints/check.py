@@ -2,8 +2,9 @@
 
 With no arguments: the embedded default — the ``tiny`` Qwen3 preset with seeded random weights,
 fp32 on CPU, the built-in prompt set, every train layout, plan ``R/R``. ``--model DIR`` loads a
-HF Qwen3 checkpoint directory instead; ``--preset NAME`` takes another preset's dimensions with
-random weights (``qwen3-0.6b``: head dim 128). ``--extra-prompt-tokens N`` lengthens every
+HF Qwen3 or Qwen3-MoE checkpoint directory instead (its ``config.json`` names the model);
+``--preset NAME`` takes another preset's dimensions with random weights (``qwen3-0.6b``: head dim
+128; ``qwen3-moe-tiny``: the Qwen3-MoE assembly, 16 experts, 4 per token). ``--extra-prompt-tokens N`` lengthens every
 prompt by ``N`` tokens: with ``N = 1000`` the contexts pass position 1024, so the rollout's
 decode steps take the split-parallel kernels and the train path merges KV splits. ``--kv-cache
 paged`` gives the rollout 16-token pages from a shared pool instead of one buffer per sequence.
@@ -109,8 +110,8 @@ def render(result: dict[str, Any], console: Console) -> None:
 
 
 def command(
-    model: str | None = typer.Option(None, "--model", help="HF Qwen3 checkpoint directory (config.json + safetensors). Default: tiny random Qwen3."),
-    preset: str = typer.Option("tiny", "--preset", help="Without --model: the Qwen3 preset whose dimensions the random-weight model takes (tiny, qwen3-0.6b, ... qwen3-32b)."),
+    model: str | None = typer.Option(None, "--model", help="HF Qwen3 or Qwen3-MoE checkpoint directory (config.json + safetensors). Default: tiny random Qwen3."),
+    preset: str = typer.Option("tiny", "--preset", help="Without --model: the preset whose dimensions the random-weight model takes (Qwen3: tiny, qwen3-0.6b, ... qwen3-32b; Qwen3-MoE: qwen3-moe-tiny, qwen3-30b-a3b, qwen3-235b-a22b)."),
     dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda:0."),
     num_prompts: int = typer.Option(12, "--num-prompts", min=1, help="Prompts from the built-in set (varied lengths)."),
@@ -153,7 +154,7 @@ def command(
     if not temperature < float("inf"):
         raise typer.BadParameter(f"expected a finite value >= 0, got {temperature}", param_hint="--temperature")
     from rl_engine.models.qwen3 import ModelLoadError as _UnknownPreset
-    from rl_engine.models.qwen3 import preset as preset_spec
+    from rl_engine.models.registry import preset as preset_spec
 
     try:
         preset_spec(preset)

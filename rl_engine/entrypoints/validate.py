@@ -142,7 +142,7 @@ def command(
     workload: str = typer.Option("ws1-tiny", "--workload", help="Shipped workload name[@version] or a workload JSON file."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda:0."),
     plan: str = typer.Option("R/R", "--plan", help="chain: train/rollout plan (R/R, P/P, P/R, R/P)."),
-    inject: str | None = typer.Option(None, "--inject", help="Negative control (chain, cross-config, ablation): make this module of the R provider batch-dependent (attention, gemm, norm, rope, activation, embedding, logprob)."),
+    inject: str | None = typer.Option(None, "--inject", help="Negative control (chain, cross-config, ablation): make this module of the R provider batch-dependent (attention, gemm, norm, rope, activation, embedding, logprob, moe)."),
     rollout_threads: int | None = typer.Option(None, "--rollout-threads", min=1, help="chain: torch intra-op threads of the rollout side (the bits must not depend on it)."),
     train_threads: int | None = typer.Option(None, "--train-threads", min=1, help="chain: torch intra-op threads of the train side."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),

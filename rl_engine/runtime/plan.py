@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 __all__ = ["MODULES", "SIDES", "Plan", "PlanError"]
 
-MODULES: tuple[str, ...] = ("attention", "gemm", "norm", "rope", "activation", "embedding", "logprob")
+MODULES: tuple[str, ...] = ("attention", "gemm", "norm", "rope", "activation", "embedding", "logprob", "moe")
 SIDES: tuple[str, ...] = ("train", "rollout")
 Letter = Literal["P", "R"]
 

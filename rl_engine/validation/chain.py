@@ -52,13 +52,14 @@ class ChainCell:
 
 
 def build_model(w: Workload, *, device: str = "cpu", dtype: str | None = None):
-    from rl_engine.models.qwen3 import PRESETS, Qwen3ForCausalLM, dtype_from_name
+    from rl_engine.models.qwen3 import dtype_from_name
+    from rl_engine.models.registry import PRESETS, from_pretrained, random_model
 
     if w.model.path is not None:
-        return Qwen3ForCausalLM.from_pretrained(w.model.path, dtype=dtype_from_name(dtype or w.model.dtype), device=device)
+        return from_pretrained(w.model.path, dtype=dtype_from_name(dtype or w.model.dtype), device=device)
     if w.model.preset not in PRESETS:
-        raise ValueError(f"model.preset: unknown Qwen3 preset {w.model.preset!r}; known: {sorted(PRESETS)}")
-    return Qwen3ForCausalLM.random(PRESETS[w.model.preset], seed=w.model.seed,
+        raise ValueError(f"model.preset: unknown preset {w.model.preset!r}; known: {sorted(PRESETS)}")
+    return random_model(PRESETS[w.model.preset], seed=w.model.seed,
                                    dtype=dtype_from_name(dtype or w.model.dtype), device=device)
 
 

@@ -32,6 +32,7 @@ METHODS: dict[str, tuple[str, ...]] = {
     "activation": ("silu_and_mul",),
     "embedding": ("embedding",),
     "logprob": ("token_logprobs", "lm_head_logprobs"),
+    "moe": ("moe_route", "moe_experts"),
 }
 
 

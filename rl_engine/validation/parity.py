@@ -2,7 +2,7 @@
 
 One run:
 
-1. load the model (a HF Qwen3 checkpoint directory, or a preset's dimensions — ``tiny`` by
+1. load the model (a HF Qwen3 or Qwen3-MoE checkpoint directory, or a preset's dimensions — ``tiny`` by
    default — with seeded random weights) in the requested dtype on the requested device;
 2. **rollout** the built-in prompt set (:func:`builtin_prompts`: varied lengths, staggered
    arrivals, different response lengths; ``extra_prompt_tokens`` lengthens every prompt so that
@@ -48,7 +48,7 @@ class ParityConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str | None = None  # HF checkpoint directory; None = ``preset``'s dimensions, random weights
-    #: the preset (``rl_engine.models.qwen3.PRESETS``) whose dimensions the random-weight model
+    #: the preset (``rl_engine.models.registry.PRESETS``: Qwen3 dense and Qwen3-MoE) whose dimensions the random-weight model
     #: takes when ``model`` is None: ``tiny`` (head dim 32), or a Qwen3 size such as
     #: ``qwen3-0.6b`` (head dim 128: the GPU kernels' value-sliced decode steps)
     preset: str = "tiny"
@@ -82,7 +82,7 @@ class ParityConfig(BaseModel):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, v: str) -> str:
-        from rl_engine.models.qwen3 import preset
+        from rl_engine.models.registry import preset
 
         preset(v)  # ModelLoadError (a ValueError) naming the known presets
         return v
@@ -120,13 +120,14 @@ def check_context(reqs: list[RolloutRequest], max_positions: int) -> int:
 
 def load_model(cfg: ParityConfig):
     """The model of ``cfg`` (raises ModelLoadError / ValueError on a bad directory or dtype)."""
-    from rl_engine.models.qwen3 import PRESETS, Qwen3ForCausalLM, dtype_from_name
+    from rl_engine.models.qwen3 import dtype_from_name
+    from rl_engine.models.registry import from_pretrained, preset, random_model
 
     dtype = dtype_from_name(cfg.dtype)
     if cfg.model is None:
-        return (Qwen3ForCausalLM.random(PRESETS[cfg.preset], seed=cfg.seed, dtype=dtype, device=cfg.device),
+        return (random_model(preset(cfg.preset), seed=cfg.seed, dtype=dtype, device=cfg.device),
                 f"{cfg.preset} (random weights)")
-    return Qwen3ForCausalLM.from_pretrained(cfg.model, dtype=dtype, device=cfg.device), str(Path(cfg.model))
+    return from_pretrained(cfg.model, dtype=dtype, device=cfg.device), str(Path(cfg.model))
 
 
 def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | None = None,

@@ -34,7 +34,7 @@ def test_plan_parse_rejects(text):
 
 def test_plan_rejects_bad_modules_and_letters():
     with pytest.raises(PlanError, match="module"):
-        Plan.parse("R/R").with_module("moe", train="P")
+        Plan.parse("R/R").with_module("ssm", train="P")
     with pytest.raises(PlanError, match="must be 'P' or 'R'"):
         Plan.parse("R/R").with_module("gemm", train="Q")
     with pytest.raises(PlanError, match="side"):

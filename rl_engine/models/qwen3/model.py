@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -88,10 +88,34 @@ class Qwen3ForCausalLM:
         self.device = first.device
 
     # --- construction ----------------------------------------------------------------------
+    #: What :meth:`from_hf_state_dict` calls the checkpoint in its errors.
+    checkpoint_kind = "Qwen3 dense"
+
+    @classmethod
+    def load_spec(cls, model_dir: str | Path) -> Qwen3Spec:
+        """The spec of a checkpoint directory (its ``config.json``)."""
+        return load_spec(model_dir)
+
+    @classmethod
+    def parameter_shapes(cls, spec: Qwen3Spec) -> dict[str, tuple[int, ...]]:
+        """Every HF checkpoint tensor name of ``spec`` and its shape."""
+        return hf_parameter_shapes(spec)
+
+    @classmethod
+    def fusions(cls, spec: Qwen3Spec) -> dict[str, tuple[list[str], Callable[[list[torch.Tensor]], torch.Tensor]]]:
+        """``fused parameter -> (its HF tensors, how they combine)``: q/k/v and gate/up concatenated."""
+        fused: dict[str, tuple[list[str], Callable[[list[torch.Tensor]], torch.Tensor]]] = {}
+        for i in range(spec.num_hidden_layers):
+            p = f"model.layers.{i}."
+            fused[p + "mlp.gate_up_proj.weight"] = ([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], torch.cat)
+            for kind in ("weight", "bias") if spec.attention_bias else ("weight",):
+                fused[p + f"self_attn.qkv_proj.{kind}"] = ([p + f"self_attn.{x}_proj.{kind}" for x in "qkv"], torch.cat)
+        return fused
+
     @classmethod
     def from_hf_state_dict(cls, spec: Qwen3Spec, sd: dict[str, torch.Tensor], *, dtype: torch.dtype,
                            device: torch.device | str = "cpu") -> "Qwen3ForCausalLM":
-        shapes = hf_parameter_shapes(spec)
+        shapes = cls.parameter_shapes(spec)
         if spec.tie_word_embeddings:
             sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}  # a tied copy may be saved
         missing = [k for k in shapes if k not in sd]
@@ -99,23 +123,18 @@ class Qwen3ForCausalLM:
             raise ModelLoadError(f"weights: missing {len(missing)} tensor(s), e.g. {missing[:3]}")
         unexpected = [k for k in sd if k not in shapes and not k.endswith("rotary_emb.inv_freq")]
         if unexpected:
-            raise ModelLoadError(f"weights: unexpected tensor(s) {unexpected[:3]} (is this a Qwen3 dense checkpoint?)")
+            raise ModelLoadError(f"weights: unexpected tensor(s) {unexpected[:3]} (is this a {cls.checkpoint_kind} checkpoint?)")
         for k, shp in shapes.items():
             if tuple(sd[k].shape) != shp:
                 raise ModelLoadError(f"weights: {k} has shape {tuple(sd[k].shape)}, config says {shp}")
-        fused = {}
-        for i in range(spec.num_hidden_layers):
-            p = f"model.layers.{i}."
-            fused[p + "mlp.gate_up_proj.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-            for kind in ("weight", "bias") if spec.attention_bias else ("weight",):
-                fused[p + f"self_attn.qkv_proj.{kind}"] = [p + f"self_attn.{x}_proj.{kind}" for x in "qkv"]
-        parts = {k for v in fused.values() for k in v}
+        fused = cls.fusions(spec)
+        parts = {k for srcs, _ in fused.values() for k in srcs}
         params: dict[str, torch.Tensor] = {}
         for k in shapes:
             if k not in parts:
                 params[k] = sd[k].to(device=device, dtype=dtype).contiguous()
-        for k, srcs in fused.items():
-            params[k] = torch.cat([sd[x] for x in srcs]).to(device=device, dtype=dtype).contiguous()
+        for k, (srcs, combine) in fused.items():
+            params[k] = combine([sd[x].to(device=device, dtype=dtype) for x in srcs]).contiguous()
         return cls(spec, params)
 
     @classmethod
@@ -124,7 +143,7 @@ class Qwen3ForCausalLM:
         """Load ``config.json`` and ``model.safetensors`` (or the sharded index) from a directory."""
         from safetensors.torch import load_file
 
-        spec = load_spec(model_dir)
+        spec = cls.load_spec(model_dir)
         path = Path(model_dir)
         index = path / "model.safetensors.index.json"
         if index.is_file():
@@ -162,7 +181,7 @@ class Qwen3ForCausalLM:
         """
         g = torch.Generator().manual_seed(seed)
         sd = {}
-        for name, shape in hf_parameter_shapes(spec).items():
+        for name, shape in cls.parameter_shapes(spec).items():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 t = 1.0 + 0.1 * portable.normal(shape, g)
             elif name == "model.embed_tokens.weight" or name == "lm_head.weight":
@@ -245,8 +264,7 @@ class Qwen3ForCausalLM:
             x = ops.rms_norm(h, P[p + "post_attention_layernorm.weight"], eps)
             if tap:
                 tap(i, "post_attention_norm", x)
-            x = ops.silu_and_mul(ops.linear(x, P[p + "mlp.gate_up_proj.weight"]))
-            x = ops.linear(x.contiguous(), P[p + "mlp.down_proj.weight"])
+            x = self._mlp(i, x, ops, tap)
             if tap:
                 tap(i, "mlp", x)
             h = h + x
@@ -256,6 +274,13 @@ class Qwen3ForCausalLM:
         if tap:
             tap(-1, "final_norm", out)
         return out
+
+    def _mlp(self, i: int, x: torch.Tensor, ops, tap) -> torch.Tensor:
+        """The MLP of layer ``i`` on the post-attention-norm rows ``x [T, H]`` (``tap``: the stage
+        hook or ``None``)."""
+        p = f"model.layers.{i}."
+        x = ops.silu_and_mul(ops.linear(x, self.params[p + "mlp.gate_up_proj.weight"]))
+        return ops.linear(x.contiguous(), self.params[p + "mlp.down_proj.weight"])
 
     def hidden_train(self, ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, ops) -> torch.Tensor:
         """Final-norm hidden states ``[T, H]`` of a packed batch (train path, causal per segment).

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-__all__ = ["Qwen3Spec", "PRESETS", "OPERATOR_INVENTORY", "ModelLoadError", "load_spec", "preset"]
+__all__ = ["Qwen3Spec", "PRESETS", "OPERATOR_INVENTORY", "ModelLoadError", "load_spec", "preset", "read_config"]
 
 #: Every operator the assembly calls, per plan module (see ``rl_engine.runtime.plan.MODULES``).
 OPERATOR_INVENTORY: dict[str, tuple[str, ...]] = {
@@ -27,6 +27,7 @@ OPERATOR_INVENTORY: dict[str, tuple[str, ...]] = {
     "attention": ("attention.varlen_attention", "attention.cached_attention"),
     "activation": ("activation.silu_and_mul",),
     "logprob": ("logprob.token_logprobs", "logprob.entropy", "logprob.log_softmax", "logprob.linear_token_logprobs"),
+    "moe": (),  # a dense model calls no mixture-of-experts operator (rl_engine.models.qwen3_moe does)
 }
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -222,6 +223,11 @@ def preset(name: str) -> Qwen3Spec:
 
 def load_spec(model_dir: str | Path) -> Qwen3Spec:
     """Read ``<model_dir>/config.json`` into a :class:`Qwen3Spec`."""
+    return Qwen3Spec.from_hf_config(read_config(model_dir), name=Path(model_dir).name)
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """The parsed ``<model_dir>/config.json`` (ModelLoadError for a missing directory or file, or bad JSON)."""
     path = Path(model_dir)
     if not path.exists():
         raise ModelLoadError(f"model: directory {str(path)!r} does not exist")
@@ -234,4 +240,4 @@ def load_spec(model_dir: str | Path) -> Qwen3Spec:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"config: {str(cfg_path)!r} is not valid JSON: {exc}") from exc
-    return Qwen3Spec.from_hf_config(cfg, name=path.name)
+    return cfg

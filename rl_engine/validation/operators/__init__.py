@@ -203,6 +203,7 @@ NOT_COVERED: dict[str, str] = {
     "loss.policy": "loss operator; covered by tests/ops/loss with the micro-batch checker",
     "loss.rollout_correction": "loss operator; covered by tests/ops/loss with the micro-batch checker",
     "models.qwen3": "model-level contract; checked by the model chain suite (rlk validate chain)",
+    "models.qwen3_moe": "model-level contract; checked by the model chain suite (rlk validate chain --workload ws1-moe-tiny)",
     "packing.pack": "pure index movement (no arithmetic); covered by tests/ops/packing",
     "packing.unpack": "pure index movement (no arithmetic); covered by tests/ops/packing",
 }
