@@ -486,6 +486,9 @@ def plan_paged_attention(
     seq_lens: torch.Tensor,
     *,
     num_blocks: int,
+    device: torch.device | str | None = None,
+    pages: int | None = None,
+    out: PagedAttentionPlan | None = None,
 ) -> PagedAttentionPlan:
     r"""Validate one step's paged-cache metadata once, for every layer of the step.
 
@@ -496,13 +499,32 @@ def plan_paged_attention(
     layer with no host synchronisation of its own, so a decode step of ``L`` layers validates
     once instead of ``L`` times, and the per-layer calls can be captured in a CUDA graph.
 
+    **No host synchronisation, CUDA graphs.** Metadata given in host memory (CPU tensors, as an
+    engine builds them before copying them to the GPU) is validated there, and the plan's device
+    tensors are made on ``device`` by asynchronous copies from pinned memory: planning then never
+    waits for the GPU. For a captured step, make the plan once with ``pages`` (the page-table
+    width the graph is captured for, at least the widest sequence's page count) and capture
+    :func:`paged_attention_step` with it; before each replay, plan the new step with
+    ``out=plan``: its tensors are overwritten **in place** (same token and sequence counts, same
+    caches), so the graph reads the new step's metadata. A step's bits do not depend on the
+    page-table width (the kernels read a sequence's own pages only), so the replay equals the
+    eager step bit for bit.
+
     Shapes:
         slot_mapping: ``[T]``; block_table: ``[B', max_blocks]`` with ``B' >= B``;
         cu_seqlens_q: ``[B+1]`` ending at ``T``; seq_lens: ``[B]`` (int32/int64, one device).
 
+    Args:
+        device: where the plan's tensors live (default: the metadata's device); metadata on the
+            host with a GPU ``device`` is the synchronisation-free form.
+        pages: pad the page table to this many columns (default: the widest sequence's pages).
+        out: a plan to update in place (its token count, sequence count, block size, block
+            count, device, width and decode flag must fit this step).
+
     Raises:
         TypeError / ValueError: as :func:`paged_attention` for these arguments; ``num_blocks``
-            not a positive int.
+            not a positive int; ``pages`` narrower than a sequence needs; ``out`` that does not
+            fit this step (the message names what differs).
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
@@ -510,7 +532,10 @@ def plan_paged_attention(
         raise ValueError(f"num_blocks: expected a positive int (k_cache.shape[0]), got {num_blocks!r}")
     if not isinstance(slot_mapping, torch.Tensor):
         raise TypeError(f"slot_mapping: expected a torch.Tensor, got {type(slot_mapping).__name__}")
+    if out is not None and not isinstance(out, PagedAttentionPlan):
+        raise TypeError(f"out: expected a PagedAttentionPlan to update, got {type(out).__name__}")
     dev = slot_mapping.device
+    target = torch.empty(0, device=device).device if device is not None else dev
     slot_mapping = _index_tensor("slot_mapping", slot_mapping, 1, dev)
     T = slot_mapping.shape[0]
     block_table = _index_tensor("block_table", block_table, 2, dev)
@@ -525,13 +550,15 @@ def plan_paged_attention(
         i = int((lens < n_new).nonzero()[0, 0])
         raise ValueError(f"seq_lens: sequence {i} has {int(lens[i])} tokens but {int(n_new[i])} new ones "
                          f"(seq_lens counts the new tokens too)")
-    pages = -(-lens // block_size)
-    width = max(1, int(pages.max())) if B else 1
+    n_pages = -(-lens // block_size)
+    width = max(1, int(n_pages.max())) if B else 1
     if width > block_table.shape[1]:
         raise ValueError(f"block_table: {width} blocks of {block_size} are needed for seq_lens up to {int(lens.max())}, "
                          f"the table has {block_table.shape[1]} columns")
+    if pages is not None and (isinstance(pages, bool) or not isinstance(pages, int) or pages < width):
+        raise ValueError(f"pages: expected an int >= {width} (the widest sequence's pages), got {pages!r}")
     bt = block_table[:B, :width].to(torch.int64).cpu()
-    used = torch.arange(width)[None, :] < pages[:, None]
+    used = torch.arange(width)[None, :] < n_pages[:, None]
     if B and bool(((bt < 0) | (bt >= num_blocks))[used].any()):
         raise ValueError(f"block_table: expected block ids in [0, {num_blocks}) for every used block")
     _check_block_ownership(bt, used, slot_mapping, block_size)
@@ -543,8 +570,42 @@ def plan_paged_attention(
         bad = int((slots.cpu() != expect).nonzero()[0, 0])
         raise ValueError(f"slot_mapping: token {bad} (sequence {int(q_seq[bad])}, position {int(q_pos[bad])}) maps to row "
                          f"{int(slots[bad])}, its block table says row {int(expect[bad])}")
-    return PagedAttentionPlan(T, B, block_size, num_blocks, dev, slots.contiguous(), page_rows.to(dev),
-                              q_seq.to(dev), q_pos.to(dev), decode_only=decode_only)
+    if pages is not None and pages > width:
+        page_rows = torch.nn.functional.pad(page_rows, (0, pages - width))
+    if out is not None:
+        _update_plan(out, T, B, block_size, num_blocks, target, decode_only, slots, page_rows, q_seq, q_pos)
+        return out
+    return PagedAttentionPlan(T, B, block_size, num_blocks, target, _to(slots.contiguous(), target),
+                              _to(page_rows, target), _to(q_seq, target), _to(q_pos, target), decode_only=decode_only)
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; a host tensor goes to a GPU by an asynchronous copy from pinned memory
+    (the copy is ordered on the current stream: no host wait)."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _update_plan(out: PagedAttentionPlan, T: int, B: int, block_size: int, num_blocks: int, device: torch.device,
+                 decode_only: bool, slots: torch.Tensor, page_rows: torch.Tensor, q_seq: torch.Tensor,
+                 q_pos: torch.Tensor) -> None:
+    """Copy a freshly planned step into ``out``'s tensors in place (checked first: nothing is
+    written when the step does not fit)."""
+    want = {"num_tokens": T, "num_seqs": B, "block_size": block_size, "num_blocks": num_blocks, "device": device,
+            "decode_only": decode_only}
+    for name, v in want.items():
+        if getattr(out, name) != v:
+            raise ValueError(f"out: planned for {name}={getattr(out, name)!r}, this step has {name}={v!r}")
+    if page_rows.shape[1] > out.page_rows.shape[1]:
+        raise ValueError(f"out: its page table has {out.page_rows.shape[1]} columns, this step needs {page_rows.shape[1]} "
+                         "(plan the captured step with a larger pages=)")
+    if page_rows.shape[1] < out.page_rows.shape[1]:
+        page_rows = torch.nn.functional.pad(page_rows, (0, out.page_rows.shape[1] - page_rows.shape[1]))
+    for dst, src in ((out.slot_mapping, slots), (out.page_rows, page_rows), (out.q_seq, q_seq), (out.q_pos, q_pos)):
+        dst.copy_(src.pin_memory() if src.device.type == "cpu" and dst.is_cuda else src, non_blocking=True)
 
 
 def _check_block_ownership(bt: torch.Tensor, used: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:

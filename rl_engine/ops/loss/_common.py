@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from rl_engine.utils.reductions import canonical_sum
-from rl_engine.utils.checks import FLOAT_DTYPES, require_same_device, require_tensor, scans
+from rl_engine.utils.checks import FLOAT_DTYPES, reads_back, require_same_device, require_tensor, scans
 
 __all__ = ["REDUCTIONS", "LossOutput", "loss_denominator", "combine_microbatch_losses"]
 
@@ -80,7 +80,7 @@ def as_mask(mask: object) -> torch.Tensor:
     assert isinstance(mask, torch.Tensor)
     if mask.dtype == torch.bool:
         return mask
-    if mask.numel() and mask.device.type != "meta" and not bool(((mask == 0) | (mask == 1)).all()):
+    if mask.numel() and reads_back(mask) and not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError("mask: expected values in {0, 1} (or a bool tensor)")
     return mask != 0
 
