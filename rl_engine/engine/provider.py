@@ -125,6 +125,13 @@ class OpsProvider:
             return _ops("attention").cached_attention(q, k_new, v_new, cache, seq_ids, cu_seqlens_q, scale=scale)
         return native.cached_attention(q, k_new, v_new, cache, seq_ids, cu_seqlens_q, scale=scale)
 
+    def paged_attention_step(self, q, k_new, v_new, k_cache, v_cache, plan, *, scale: float | None = None):
+        """One layer of a planned step over engine-owned paged caches (rl-kernel only: the native
+        path has no engine-cache form)."""
+        if not self._r("attention"):
+            raise PlanError("attention: the native (P) path has no engine-owned paged cache; run the rollout side on R")
+        return _ops("attention").paged_attention_step(q, k_new, v_new, k_cache, v_cache, plan, scale=scale)
+
     def cached_attention_layers(self, caches, seq_ids, cu_seqlens_q, *, scale: float | None = None):
         """``attend(i, q, k_new, v_new)`` for layer ``i`` of one rollout step over the per-layer
         ``caches``: on rl-kernel, the step is planned once for every layer
@@ -138,18 +145,24 @@ class OpsProvider:
         return lambda i, q, k, v: native.cached_attention(q, k, v, caches[i], seq_ids, cu_seqlens_q, scale=scale)
 
     # --- log-probs --------------------------------------------------------------------------
-    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
+                       kept=None) -> torch.Tensor:
+        """Log-probs of ``targets``; with ``kept`` (a ``KeptSet`` per row) renormalised over each
+        row's kept set (the processed log-prob)."""
         if self._r("logprob"):
-            return _ops("logprob").token_logprobs(logits, targets, temperature)
-        return native.token_logprobs(logits, targets, temperature)
+            return _ops("logprob").token_logprobs(logits, targets, temperature, kept=kept)
+        return native.token_logprobs(logits, targets, temperature, kept)
 
-    def entropy(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        return _ops("logprob").entropy(logits, temperature) if self._r("logprob") else native.entropy(logits, temperature)
+    def entropy(self, logits: torch.Tensor, temperature: float = 1.0, *, kept=None) -> torch.Tensor:
+        if self._r("logprob"):
+            return _ops("logprob").entropy(logits, temperature, kept=kept)
+        return native.entropy(logits, temperature, kept)
 
     def lm_head_logprobs(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          temperature: float = 1.0, *, return_entropy: bool = False,
-                         token_chunk: int | None = None, vocab_chunk: int | None = None):
-        """Log-probs (and entropy) of ``targets`` under ``softmax(hidden Wᵀ / T)``.
+                         token_chunk: int | None = None, vocab_chunk: int | None = None, kept=None):
+        """Log-probs (and entropy) of ``targets`` under ``softmax(hidden Wᵀ / T)``, renormalised
+        over each row's kept set when ``kept`` (a ``KeptSet`` per row) is given.
 
         With gemm and logprob both on R this is the fused, chunked
         ``rl_engine.ops.logprob.linear_token_logprobs`` (raw-bit equal to the unfused pair by
@@ -158,9 +171,10 @@ class OpsProvider:
         """
         if self._r("gemm") and self._r("logprob"):
             out = _ops("logprob").linear_token_logprobs(
-                hidden, weight, targets, temperature, return_entropy, token_chunk=token_chunk, vocab_chunk=vocab_chunk
+                hidden, weight, targets, temperature, return_entropy, token_chunk=token_chunk, vocab_chunk=vocab_chunk,
+                kept=kept,
             )
             return (out[0], out[1]) if return_entropy else (out, None)
         logits = self.linear(hidden, weight)
-        lp = self.token_logprobs(logits, targets, temperature)
-        return lp, (self.entropy(logits, temperature) if return_entropy else None)
+        lp = self.token_logprobs(logits, targets, temperature, kept=kept)
+        return lp, (self.entropy(logits, temperature, kept=kept) if return_entropy else None)

@@ -317,6 +317,25 @@ class Qwen3ForCausalLM:
                 c.restore(snap)
             raise
 
+    def hidden_paged(self, ids: torch.Tensor, positions: torch.Tensor, k_caches: list, v_caches: list, plan,
+                     ops) -> torch.Tensor:
+        """Final-norm hidden states ``[T, H]`` of one rollout step over engine-owned paged caches.
+
+        The engine form of :meth:`hidden_cached`: ``k_caches[i]`` / ``v_caches[i]`` are layer
+        ``i``'s ``[num_blocks, block_size, Hkv, D]`` caches, and ``plan`` is the step's
+        :class:`~rl_engine.ops.attention.PagedAttentionPlan` (``plan_paged_attention``), shared
+        by every layer. Nothing in the step reads the host, so it can be captured in a CUDA graph
+        and replayed after the plan is updated in place for the next step
+        (``plan_paged_attention(..., out=plan)``); the new tokens' keys and values are written at
+        ``plan.slot_mapping``.
+        """
+        scale = self.spec.head_dim ** -0.5
+        if len(k_caches) != self.spec.num_hidden_layers or len(v_caches) != self.spec.num_hidden_layers:
+            raise ValueError(f"k_caches: expected {self.spec.num_hidden_layers} per-layer caches (and as many v_caches), "
+                             f"got {len(k_caches)} and {len(v_caches)}")
+        return self._layers(ids, positions, ops,
+                            lambda i, q, k, v: ops.paged_attention_step(q, k, v, k_caches[i], v_caches[i], plan, scale=scale))
+
     def logits(self, hidden: torch.Tensor, ops) -> torch.Tensor:
         return ops.linear(hidden, self.lm_head_weight)
 
