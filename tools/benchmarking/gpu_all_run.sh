@@ -9,7 +9,8 @@
 # check_cuda (`rlk check --device cuda`: fp32 and bf16 R/R, the P/P control, bf16 R/R past the first KV
 # split at Qwen3-0.6B's dimensions over contiguous and paged caches; CHECK_RUNS overrides), ablation
 # (tools/benchmarking/attention_ablation_gpu.py), sweep (tools/benchmarking/gemm_sweep.py),
-# host_overhead (tools/benchmarking/host_overhead_gpu.py), breakdown
+# host_overhead (tools/benchmarking/host_overhead_gpu.py), overhead (benchmarks/operators/bench_call_overhead.py),
+# breakdown
 # (tools/benchmarking/attention_breakdown_gpu.py). Two jobs can share a 2-GPU machine: give each
 # its CUDA_VISIBLE_DEVICES, OUT and WORK.
 #
@@ -59,8 +60,8 @@ export RLK_EVIDENCE_DIR="$OUT/evidence" TRITON_CACHE_DIR=/tmp/rlk_triton_cache
 # whole set takes more than one device call (over 498 s at 16 workers), so a full run is two
 # calls, one per shard (TESTS, when set, wins)
 case ${SHARD:-all} in
-  attention) DEFAULT_TESTS="tests/backends/triton/test_attention_triton.py" ;;
-  rest) DEFAULT_TESTS="tests --ignore=tests/integrations/vllm --ignore=tests/backends/triton/test_attention_triton.py" ;;
+  attention) DEFAULT_TESTS="tests/backends/triton/attention" ;;
+  rest) DEFAULT_TESTS="tests --ignore=tests/integrations/vllm --ignore=tests/backends/triton/attention" ;;
   all) DEFAULT_TESTS="tests --ignore=tests/integrations/vllm" ;;
   *) echo "SHARD: expected attention, rest or all, got ${SHARD}" >&2; exit 2 ;;
 esac
@@ -124,6 +125,10 @@ for step in $STEPS; do
     host_overhead)  # host time per eager call, where it goes (tools/benchmarking/host_overhead_gpu.py)
       timeout $(lim ${HOST_TIMEOUT:-90}) python3 tools/benchmarking/host_overhead_gpu.py --out "$OUT/bench_host_overhead.json" \
         > "$OUT/host_overhead.log" 2>&1; head -60 "$OUT/host_overhead.log" ;;
+    overhead)  # host cost per small call through the public API (benchmarks/operators/bench_call_overhead.py)
+      timeout $(lim ${OVERHEAD_TIMEOUT:-120}) python3 benchmarks/operators/bench_call_overhead.py --device cuda \
+        --out "$OUT/bench_call_overhead.json" ${OVERHEAD_ARGS:-} > "$OUT/bench_call_overhead.log" 2>&1
+      tail -12 "$OUT/bench_call_overhead.log" ;;
     bench_gemm)
       timeout $(lim ${BENCH_GEMM_TIMEOUT:-150}) python3 benchmarks/operators/bench_gemm_gpu.py --out "$OUT/bench_gemm_gpu.json" \
         ${BENCH_GEMM_ARGS:-} > "$OUT/bench_gemm_gpu.log" 2>&1; tail -32 "$OUT/bench_gemm_gpu.log" ;;
