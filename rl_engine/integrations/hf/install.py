@@ -23,7 +23,10 @@ What the install does, per model instance (never a library global):
   ``activation.silu_and_mul``, ``Qwen3Attention`` → the HF forward with QK-norm and RoPE from
   :func:`~rl_engine.ops.rope.apply_rope` at logical positions derived from the padding mask,
   so a left-padded training forward without ``position_ids`` gets the same positions as
-  ``generate``). Each replacement is bound to the instance and logged on one line.
+  ``generate``; the ``Qwen3Moe*`` norm, MLP and attention classes take the same forwards, and
+  Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``, ``Qwen3MoeTopKRouter`` and ``Qwen3MoeExperts`` the
+  ``moe.route`` / ``moe.experts`` forwards of :mod:`rl_engine.integrations.hf.moe`). Each
+  replacement is bound to the instance and logged on one line.
 * **conflicts** — a module whose ``forward`` is already overridden on the instance (another
   patch, a hook framework), a class whose ``forward`` no longer comes from ``transformers``
   (a global monkey-patch such as a kernel library's ``apply_*``), a model already installed,
@@ -41,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from rl_engine.integrations.hf.moe import MOE_SUBSTITUTIONS
 
 __all__ = [
     "ATTN_NAME",
@@ -237,6 +242,10 @@ SUBSTITUTIONS: dict[str, Callable] = {
     "Qwen3RMSNorm": _rms_norm_forward,
     "Qwen3MLP": _mlp_forward,
     "Qwen3Attention": _attention_forward,
+    "Qwen3MoeRMSNorm": _rms_norm_forward,
+    "Qwen3MoeMLP": _mlp_forward,
+    "Qwen3MoeAttention": _attention_forward,
+    **MOE_SUBSTITUTIONS,
 }
 
 
@@ -324,8 +333,10 @@ def install(model: torch.nn.Module, *, table: dict[str, Callable] | None = None)
             problems.append(f"{name or '<root>'} ({type(m).__name__}): class forward patched globally by {origin!r}")
     if problems:
         raise InstallConflict("model: conflicting patches found:\n  " + "\n  ".join(problems))
-    if not any(type(m).__name__ == "Qwen3Attention" for _, m in targets) and "Qwen3Attention" in table:
-        raise TypeError(f"model: expected a transformers Qwen3 model (no Qwen3Attention in {type(model).__name__})")
+    attention = [c for c in ("Qwen3Attention", "Qwen3MoeAttention") if c in table]
+    if attention and not any(type(m).__name__ in attention for _, m in targets):
+        raise TypeError(f"model: expected a transformers Qwen3 or Qwen3-MoE model (no {' or '.join(attention)} in "
+                        f"{type(model).__name__})")
     _register_attention()
     prev = getattr(model.config, "_attn_implementation", None)
     inst = HFInstall(model=model, previous_attn_implementation=prev)
