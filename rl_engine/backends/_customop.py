@@ -47,20 +47,23 @@ def _f32(t: torch.Tensor, *shape: int) -> torch.Tensor:
 
 
 def wire_linear(forward, backward) -> None:
-    """``forward(x, weight, bias) -> y`` with ``x [..., K]``, ``weight [N, K]``, ``bias [N] | None``;
-    ``backward(grad, x, weight, need_dx, need_dw, has_bias) -> (dx, dw, db)``, where a gradient
-    that is not needed comes back as an empty ``[0]`` tensor (it is neither computed nor stored)."""
-    forward.register_fake(lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])))
+    """``forward(x, weight, bias, fp32_out) -> y`` with ``x [..., K]``, ``weight [N, K]``, ``bias [N] |
+    None`` (``fp32_out``: a float32 ``y`` from 16-bit inputs, the fp32-output variant);
+    ``backward(grad, x, weight, need_dx, need_dw, has_bias) -> (dx, dw, db)`` in ``x``'s dtype (an
+    fp32 ``grad`` of the variant is rounded to it first), where a gradient that is not needed
+    comes back as an empty ``[0]`` tensor (it is neither computed nor stored)."""
+    forward.register_fake(lambda x, weight, bias, fp32_out=False: x.new_empty(
+        (*x.shape[:-1], weight.shape[0]), dtype=torch.float32 if fp32_out else x.dtype))
 
     def backward_fake(grad, x, weight, need_dx, need_dw, has_bias):
         n = weight.shape[0]
         return (x.new_empty(x.shape if need_dx else (0,)), weight.new_empty(weight.shape if need_dw else (0,)),
-                grad.new_empty((n,) if has_bias else (0,)))
+                x.new_empty((n,) if has_bias else (0,)))
 
     backward.register_fake(backward_fake)
 
     def setup(ctx, inputs, output):
-        x, weight, bias = inputs
+        x, weight, bias, _fp32_out = inputs
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
 
@@ -69,7 +72,7 @@ def wire_linear(forward, backward) -> None:
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         has_bias = ctx.has_bias and ctx.needs_input_grad[2]
         dx, dw, db = backward(grad.contiguous(), x, weight, need_dx, need_dw, has_bias)
-        return (dx if need_dx else None), (dw if need_dw else None), (db if has_bias else None)
+        return (dx if need_dx else None), (dw if need_dw else None), (db if has_bias else None), None
 
     forward.register_autograd(grad_fn, setup_context=setup)
 
@@ -187,70 +190,76 @@ def wire_embedding(forward, backward) -> None:
 # The forward ops take logits ``[R, V]`` and return ``(values, lse)`` in fp32; only ``values``
 # carries a gradient (``lse`` is returned for the wrappers' row checks). ``prepare_grad`` is how
 # the backend hands the upstream gradient to its backward op (e.g. ``.float().contiguous()``).
+# ``kept_threshold`` / ``kept_boundary`` (``[R]`` or ``None``) are the rows' kept-set records
+# (rl_engine.utils.kept): the values are those of the distribution renormalised over the kept set.
 
 
 def wire_log_softmax(forward, backward, *, prepare_grad: GradPrep) -> None:
-    """``forward(logits, temperature) -> (out, lse)``;
-    ``backward(grad, out, temperature, dtype) -> dlogits``."""
-    forward.register_fake(lambda logits, temperature: (_f32(logits, *logits.shape), _f32(logits, logits.shape[0])))
-    backward.register_fake(lambda grad, out, temperature, dtype: out.new_empty(out.shape, dtype=dtype))
+    """``forward(logits, temperature, kept_threshold, kept_boundary) -> (out, lse)``;
+    ``backward(grad, out, temperature, dtype, masked) -> dlogits``."""
+    forward.register_fake(lambda logits, temperature, kept_threshold=None, kept_boundary=None: (
+        _f32(logits, *logits.shape), _f32(logits, logits.shape[0])))
+    backward.register_fake(lambda grad, out, temperature, dtype, masked=False: out.new_empty(out.shape, dtype=dtype))
 
     def setup(ctx, inputs, output):
-        logits, temperature = inputs
+        logits, temperature, kept_threshold, kept_boundary = inputs
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(output[0])
         ctx.temperature = temperature
         ctx.dtype = logits.dtype
+        ctx.masked = kept_threshold is not None
 
     def grad_fn(ctx, grad, _grad_lse):
         if grad is None:
-            return None, None
+            return None, None, None, None
         (out,) = ctx.saved_tensors
-        return backward(prepare_grad(grad), out, ctx.temperature, ctx.dtype), None
+        return backward(prepare_grad(grad), out, ctx.temperature, ctx.dtype, ctx.masked), None, None, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
 
 
 def wire_token_logprobs(forward, backward, *, prepare_grad: GradPrep) -> None:
-    """``forward(logits, targets, temperature) -> (logprobs, lse)``;
-    ``backward(grad, logits, targets, lse, temperature) -> dlogits``."""
-    forward.register_fake(
-        lambda logits, targets, temperature: (_f32(logits, logits.shape[0]), _f32(logits, logits.shape[0]))
-    )
-    backward.register_fake(lambda grad, logits, targets, lse, temperature: _like(logits))
+    """``forward(logits, targets, temperature, kept_threshold, kept_boundary) -> (logprobs, lse)``;
+    ``backward(grad, logits, targets, lse, temperature, kept_threshold, kept_boundary) -> dlogits``."""
+    forward.register_fake(lambda logits, targets, temperature, kept_threshold=None, kept_boundary=None: (
+        _f32(logits, logits.shape[0]), _f32(logits, logits.shape[0])))
+    backward.register_fake(
+        lambda grad, logits, targets, lse, temperature, kept_threshold=None, kept_boundary=None: _like(logits))
 
     def setup(ctx, inputs, output):
-        logits, targets, temperature = inputs
+        logits, targets, temperature, kept_threshold, kept_boundary = inputs
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, targets, output[1])
+        ctx.save_for_backward(logits, targets, output[1], kept_threshold, kept_boundary)
         ctx.temperature = temperature
 
     def grad_fn(ctx, grad, _grad_lse):
         if grad is None:
-            return None, None, None
-        logits, targets, lse = ctx.saved_tensors
-        return backward(prepare_grad(grad), logits, targets, lse, ctx.temperature), None, None
+            return None, None, None, None, None
+        logits, targets, lse, kt, kb = ctx.saved_tensors
+        return backward(prepare_grad(grad), logits, targets, lse, ctx.temperature, kt, kb), None, None, None, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
 
 
 def wire_entropy(forward, backward, *, prepare_grad: GradPrep) -> None:
-    """``forward(logits, temperature) -> (entropy, lse)``;
-    ``backward(grad, logits, lse, entropy, temperature) -> dlogits``."""
-    forward.register_fake(lambda logits, temperature: (_f32(logits, logits.shape[0]), _f32(logits, logits.shape[0])))
-    backward.register_fake(lambda grad, logits, lse, ent, temperature: _like(logits))
+    """``forward(logits, temperature, kept_threshold, kept_boundary) -> (entropy, lse)``;
+    ``backward(grad, logits, lse, entropy, temperature, kept_threshold, kept_boundary) -> dlogits``."""
+    forward.register_fake(lambda logits, temperature, kept_threshold=None, kept_boundary=None: (
+        _f32(logits, logits.shape[0]), _f32(logits, logits.shape[0])))
+    backward.register_fake(
+        lambda grad, logits, lse, ent, temperature, kept_threshold=None, kept_boundary=None: _like(logits))
 
     def setup(ctx, inputs, output):
-        logits, temperature = inputs
+        logits, temperature, kept_threshold, kept_boundary = inputs
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, output[1], output[0])
+        ctx.save_for_backward(logits, output[1], output[0], kept_threshold, kept_boundary)
         ctx.temperature = temperature
 
     def grad_fn(ctx, grad, _grad_lse):
         if grad is None:
-            return None, None
-        logits, lse, ent = ctx.saved_tensors
-        return backward(prepare_grad(grad), logits, lse, ent, ctx.temperature), None
+            return None, None, None, None
+        logits, lse, ent, kt, kb = ctx.saved_tensors
+        return backward(prepare_grad(grad), logits, lse, ent, ctx.temperature, kt, kb), None, None, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
 

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 __all__ = [
     "Tolerance",
     "OperatorContract",
+    "ContractVariant",
     "PrecisionProfile",
     "InvarianceDefinition",
     "ContractError",
@@ -125,6 +126,17 @@ class InvarianceSet(_Strict):
     backward: list[str]
 
 
+class ContractVariant(_Strict):
+    """A named mode of an operator that changes what it computes (not how well): e.g. the
+    processed log-probs of a kept-set record, or fp32 logits from bf16 inputs. The variant keeps
+    the operator's invariances; ``dtypes`` (a subset of the operator's) are the input dtypes it
+    applies to, and ``equality`` states the raw-bit equality it promises."""
+
+    summary: str = Field(min_length=8)
+    dtypes: list[str]
+    equality: str = Field(min_length=8)
+
+
 class OperatorContract(_Strict):
     """One operator's declared numerical contract (see module docstring)."""
 
@@ -140,6 +152,9 @@ class OperatorContract(_Strict):
     #: backward), e.g. ``{"cpu": ["threads", "isa"]}``: host thread counts and instruction sets
     #: are CPU notions
     platform_invariances: dict[Literal["cpu", "cuda", "rocm"], list[str]] = Field(default_factory=dict)
+    #: named variants (``ContractVariant``); a request names the variants it uses and only
+    #: implementations that declare them are eligible
+    variants: dict[str, ContractVariant] = Field(default_factory=dict)
     notes: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("dtypes")
@@ -164,6 +179,10 @@ class OperatorContract(_Strict):
         for o in self.tolerance_overrides:
             if o.dtype not in self.dtypes:
                 raise ValueError(f"override for dtype {o.dtype!r} which the contract does not support")
+        for name, v in self.variants.items():
+            bad = [d for d in v.dtypes if d not in self.dtypes]
+            if bad or not v.dtypes:
+                raise ValueError(f"variant {name!r}: dtypes must be a non-empty subset of the contract's {self.dtypes}, got {v.dtypes}")
         return self
 
     @property

@@ -15,5 +15,6 @@ def linear_f64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 @register_reference("gemm.linear")
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return linear_f64(x, weight, bias).to(x.dtype)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return linear_f64(x, weight, bias).to(out_dtype or x.dtype)

@@ -67,6 +67,8 @@ class Request:
     dtype: torch.dtype
     requires: frozenset[str]
     features: Mapping[str, Any] = field(default_factory=dict)
+    #: contract variants the call uses (``OperatorContract.variants``)
+    variants: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,6 +87,7 @@ class Implementation:
         static_check: ``() -> list[str]``, reasons it is unavailable in this process.
         call_check: ``(Request) -> list[str]``, reasons it cannot take this call.
         untested_families: families declared eligible from the same source but not validated.
+        variants: contract variants it implements (names from the contract's ``variants``).
     """
 
     op: str
@@ -98,6 +101,7 @@ class Implementation:
     static_check: Callable[[], list[str]] | None = None
     call_check: Callable[[Request], list[str]] | None = None
     untested_families: tuple[str, ...] = ()
+    variants: frozenset[str] = frozenset()
 
     @property
     def module(self) -> str:
@@ -121,6 +125,9 @@ class Implementation:
         missing = request.requires - self.guarantees
         if missing:
             reasons.append(f"does not guarantee invariances {sorted(missing)}")
+        absent = request.variants - self.variants
+        if absent:
+            reasons.append(f"does not implement contract variants {sorted(absent)}")
         if not reasons and self.call_check is not None:
             reasons.extend(self.call_check(request))
         return reasons
@@ -151,7 +158,11 @@ _LOADED_FAMILIES: set[str] = set()
 
 def register(impl: Implementation) -> Implementation:
     """Add ``impl`` to the registry. Re-registering the same ``(op, impl_id)`` replaces it."""
-    contracts.load_contract(impl.op)  # an implementation of an operator without a contract is a bug
+    contract = contracts.load_contract(impl.op)  # an implementation of an operator without a contract is a bug
+    unknown = set(impl.variants) - set(contract.variants)
+    if unknown:
+        raise ValueError(f"variants: {impl.impl_id} declares {sorted(unknown)}, which the {impl.op} contract does not "
+                         f"define (known: {sorted(contract.variants)})")
     impls = [i for i in _REGISTRY.get(impl.op, []) if i.impl_id != impl.impl_id]
     impls.append(impl)
     impls.sort(key=lambda i: (i.priority, i.impl_id))
@@ -212,7 +223,7 @@ _SELECTED_MAX = 4096
 def _select_key(request: Request) -> tuple | None:
     """``request`` as a cache key, or ``None`` where a feature value is unhashable."""
     try:
-        key = (request.op, request.platform, request.dtype, request.requires,
+        key = (request.op, request.platform, request.dtype, request.requires, request.variants,
                tuple(sorted(request.features.items())))
         hash(key)
     except TypeError:
@@ -272,8 +283,9 @@ _PLATFORMS: dict[torch.device, Any] = {}
 
 
 def make_request(op: str, device_tensor: torch.Tensor, *, features: Mapping[str, Any] | None = None,
-                 requires: frozenset[str] | None = None) -> Request:
-    """Build the :class:`Request` for a call whose device and dtype are those of ``device_tensor``.
+                 requires: frozenset[str] | None = None, variants: frozenset[str] = frozenset()) -> Request:
+    """Build the :class:`Request` for a call whose device and dtype are those of ``device_tensor``
+    (``variants``: the contract variants the call uses).
 
     The platform of a device and the invariances an op's contract requires on a platform family
     are looked up once per process (both are fixed for its lifetime), so building a request costs
@@ -289,7 +301,7 @@ def make_request(op: str, device_tensor: torch.Tensor, *, features: Mapping[str,
         if requires is None:
             requires = _REQUIRES.setdefault((op, platform.family), contracts.load_contract(op).guarantees_on(platform.family))
     return Request(op=op, platform=platform, dtype=device_tensor.dtype, requires=requires,
-                   features=dict(features) if features else {})
+                   features=dict(features) if features else {}, variants=variants)
 
 
 def dispatch(request: Request, *args: Any, **kwargs: Any) -> Any:

@@ -106,6 +106,9 @@ def _mutated(**changes):
 def test_valid_test_contract_is_accepted():
     c = OperatorContract.model_validate(VALID)
     assert c.supports(torch.float32) and not c.supports(torch.float16)
+    v = OperatorContract.model_validate(_mutated(variants={"wide": {"summary": "fp32 output of bf16 input", "dtypes": ["bfloat16"],
+                                                                    "equality": "row and chunk invariant as the default"}}))
+    assert list(v.variants) == ["wide"] and v.variants["wide"].dtypes == ["bfloat16"]
 
 
 @pytest.mark.parametrize(
@@ -123,6 +126,9 @@ def test_valid_test_contract_is_accepted():
         (_mutated(tolerance_overrides=[{"dtype": "float32", "quantity": "forward", "atol": 1, "rtol": 1, "reason": "short"}]), "reason"),
         (_mutated(tolerance_overrides=[{"dtype": "float32", "quantity": "sideways", "atol": 1, "rtol": 1, "reason": "bad quantity name"}]), "quantity"),
         (_mutated(tolerance_overrides=[{"dtype": "float32", "quantity": "forward", "atol": -1, "rtol": 1, "reason": "negative tolerance"}]), "atol"),
+        (_mutated(variants={"fp32_out": {"summary": "fp32 output variant", "dtypes": ["float16"], "equality": "same bits as ..."}}),
+         "variant 'fp32_out': dtypes must be a non-empty subset"),
+        (_mutated(variants={"fp32_out": {"summary": "fp32 output variant", "dtypes": ["bfloat16"]}}), "equality"),
         (_mutated(schema_version=2), "schema_version"),
         (_mutated(version=0), "version"),
         (_mutated(surprise="field"), "surprise"),

@@ -102,14 +102,16 @@ def test_ops_json_lists_gemm_linear_with_the_cpu_implementation():
     by_op = {o["op"]: o for o in report["operators"]}
     linear = by_op["gemm.linear"]
     c = linear["contract"]
-    assert set(c) == {"version", "summary", "dtypes", "invariances", "precision_profile", "tolerance_overrides"}
+    assert set(c) == {"version", "summary", "dtypes", "invariances", "precision_profile", "tolerance_overrides", "variants"}
+    assert set(c["variants"]) == {"fp32_out"} and set(c["variants"]["fp32_out"]) == {"summary", "dtypes", "equality"}
     assert {"float32", "bfloat16"} <= set(c["dtypes"])
     assert {"row", "chunk", "run_to_run"} <= set(c["invariances"]["forward"])
     impl = next(i for i in linear["implementations"] if i["impl_id"] == "cpu.exact_sum")
     assert set(impl) == {
-        "impl_id", "version", "priority", "families", "dtypes", "guarantees", "untested_families",
+        "impl_id", "version", "priority", "families", "dtypes", "guarantees", "untested_families", "variants",
         "available", "unavailable_reasons", "eligible", "rejections",
     }
+    assert impl["variants"] == ["fp32_out"]
     assert impl["families"] == ["cpu"] and impl["available"] is True
     assert impl["eligible"]["float32"] is True and impl["eligible"]["bfloat16"] is True
     assert impl["rejections"]["float32"] == [] and impl["rejections"]["bfloat16"] == []

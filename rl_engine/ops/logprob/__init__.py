@@ -8,6 +8,13 @@ merged sequentially in block order, in fp32 from ``z = fl32(logits) / fl32(tempe
 
 Outputs are **always float32** (also for bf16 logits): an importance ratio ``exp(lp_new -
 lp_old)`` needs the log-prob's fp32 bits, and every token's value is computed in fp32 anyway.
+
+**Processed log-probs** (top-k / top-p replay): every op takes ``kept``, a
+:class:`~rl_engine.ops.logprob.kept.KeptSet` record per row (the kept set of the sampling step,
+:mod:`~rl_engine.ops.logprob.kept`), and then computes the same quantities of the distribution
+renormalised over the kept set — the entries outside it are ``-inf`` before the canonical
+log-sum-exp — forward and backward, fused and chunked alike. ``kept=None`` is the full
+vocabulary (and a keep-all record gives the same bits). See docs/operators/processed-logprobs.md.
 """
 
 from __future__ import annotations
@@ -16,10 +23,13 @@ import math
 
 import torch
 
+from rl_engine.ops.gemm import check_out_dtype
+from rl_engine.ops.logprob.kept import KEEP_ALL_BOUNDARY, KeptSet, canonical_prefix, kept_set, scale_logits
 from rl_engine.runtime.registry import dispatch, make_request
 from rl_engine.utils.checks import FLOAT_DTYPES, check_finite, require_same_device, require_tensor
 
-__all__ = ["VOCAB_BLOCK", "log_softmax", "token_logprobs", "entropy", "linear_token_logprobs"]
+__all__ = ["VOCAB_BLOCK", "log_softmax", "token_logprobs", "entropy", "linear_token_logprobs", "KeptSet",
+           "KEEP_ALL_BOUNDARY", "kept_set", "canonical_prefix", "scale_logits"]
 
 #: Vocabulary block of the canonical log-sum-exp (= the GEMM's column tile ``TILE_N``).
 VOCAB_BLOCK = 1024
@@ -58,14 +68,50 @@ def _targets(targets: object, lead: torch.Size, vocab: int, lead_name: str) -> t
     return targets
 
 
-def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def _kept(kept: object, lead: torch.Size, device: torch.device) -> dict[str, torch.Tensor]:
+    """The backend keywords of a kept-set record (``{}`` for ``None``), validated."""
+    if kept is None:
+        return {}
+    if not isinstance(kept, KeptSet):
+        raise TypeError(f"kept: expected a rl_engine.ops.logprob.KeptSet or None, got {type(kept).__name__}")
+    require_tensor("kept.threshold", kept.threshold, dtypes=(torch.float32,), contiguous=False)
+    require_tensor("kept.boundary", kept.boundary, dtypes=_INDEX_DTYPES, contiguous=False)
+    for name, t in (("kept.threshold", kept.threshold), ("kept.boundary", kept.boundary)):
+        if t.shape != lead:
+            raise ValueError(f"{name}: expected shape {tuple(lead)} (one record per row), got {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name}: expected device {device} (the logits' device), got {t.device}")
+    thr = kept.threshold.reshape(-1).contiguous()
+    if thr.numel() and thr.device.type != "meta" and bool((torch.isnan(thr) | torch.isposinf(thr)).any()):
+        raise ValueError("kept.threshold: expected scaled logits below +inf (no NaN), got NaN or +inf")
+    return {"kept_threshold": thr, "kept_boundary": kept.boundary.reshape(-1).contiguous()}
+
+
+_PROCESSED = frozenset({"processed"})
+_FP32_LOGITS = frozenset({"fp32_logits"})
+
+
+def _variants(kw: dict) -> frozenset[str]:
+    """The contract variants a call's backend keywords use."""
+    out = frozenset()
+    if "kept_threshold" in kw:
+        out |= _PROCESSED
+    if "logits_dtype" in kw:
+        out |= _FP32_LOGITS
+    return out
+
+
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, kept: KeptSet | None = None) -> torch.Tensor:
     r"""Log-softmax over the last dimension at a temperature.
 
     .. math:: y_{\dots,j} = z_{\dots,j} - \log \sum_k e^{z_{\dots,k}}, \qquad
               z = \mathrm{fl}_{32}(\text{logits}) / \mathrm{fl}_{32}(\tau)
 
+    With ``kept`` (records ``[...]``): the log-softmax renormalised over each row's kept set,
+    ``-inf`` outside it; the gradient at an entry whose output is ``-inf`` is ``+0``.
+
     Shapes:
-        logits: ``[..., V]`` (fp32 or bf16); returns ``[..., V]`` **float32**.
+        logits: ``[..., V]`` (fp32 or bf16); kept: records ``[...]``; returns ``[..., V]`` **float32**.
 
     Contract ``logprob.log_softmax``: row invariant (a row depends only on itself), any split of
     the rows gives the same bits, deterministic; the log-sum-exp is the canonical blocked one
@@ -80,18 +126,24 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """
     _logits(logits)
     t = _temperature(temperature)
-    req = make_request("logprob.log_softmax", logits, features={"V": logits.shape[-1]})
-    return dispatch(req, logits, t)
+    kw = _kept(kept, logits.shape[:-1], logits.device)
+    req = make_request("logprob.log_softmax", logits, features={"V": logits.shape[-1]}, variants=_variants(kw))
+    return dispatch(req, logits, t, **kw)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
+                   kept: KeptSet | None = None) -> torch.Tensor:
     r"""Log-probability of each target token under ``softmax(logits / temperature)``.
 
-    .. math:: \mathrm{lp}_i = z_{i, t_i} - \log \sum_k e^{z_{i,k}}
+    .. math:: \mathrm{lp}_i = z_{i, t_i} - \log \sum_{k \in K_i} e^{z_{i,k}}
+
+    ``K_i`` is the whole vocabulary, or with ``kept`` the kept set of row ``i`` (the processed
+    log-prob of a top-k / top-p sampling step: raw-bit equal to what the rollout reported for
+    the same record, logits and temperature).
 
     Shapes:
-        logits: ``[..., V]``; targets: ``[...]`` (int64 or int32, in ``[0, V)``);
-        returns ``[...]`` **float32**.
+        logits: ``[..., V]``; targets: ``[...]`` (int64 or int32, in ``[0, V)``); kept: records
+        ``[...]``; returns ``[...]`` **float32**.
 
     Contract ``logprob.token_logprobs``: row invariant, chunk invariant over tokens,
     deterministic; raw-bit equal to ``log_softmax(logits, temperature)[..., t]`` and to
@@ -101,25 +153,29 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     Raises:
         TypeError / ValueError: bad ``logits`` (as :func:`log_softmax`), ``targets`` of the wrong
             dtype or shape or out of range (ignore indices such as ``-100`` must be masked
-            first), bad temperature.
+            first), bad temperature, a ``kept`` record of the wrong type, dtype, shape or device,
+            a NaN or ``+inf`` threshold, or a target outside its kept set.
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     _logits(logits)
     _targets(targets, logits.shape[:-1], logits.shape[-1], "logits")
     t = _temperature(temperature)
     require_same_device(logits=logits, targets=targets)
-    req = make_request("logprob.token_logprobs", logits, features={"V": logits.shape[-1]})
-    return dispatch(req, logits, targets, t)
+    kw = _kept(kept, logits.shape[:-1], logits.device)
+    req = make_request("logprob.token_logprobs", logits, features={"V": logits.shape[-1]}, variants=_variants(kw))
+    return dispatch(req, logits, targets, t, **kw)
 
 
-def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def entropy(logits: torch.Tensor, temperature: float = 1.0, *, kept: KeptSet | None = None) -> torch.Tensor:
     r"""Entropy of ``softmax(logits / temperature)`` per row.
 
     .. math:: H_i = -\sum_j p_{ij} \log p_{ij} = \log s_i - t_i / s_i, \quad
               s_i = \sum_j e^{z_{ij} - m_i}, \; t_i = \sum_j e^{z_{ij} - m_i}(z_{ij} - m_i)
 
+    With ``kept``: the entropy of the distribution renormalised over each row's kept set.
+
     Shapes:
-        logits: ``[..., V]``; returns ``[...]`` **float32**.
+        logits: ``[..., V]``; kept: records ``[...]``; returns ``[...]`` **float32**.
 
     Contract ``logprob.entropy``: row invariant, deterministic; the same canonical block
     accumulation as the log-sum-exp, so it is raw-bit equal to the entropy of
@@ -131,8 +187,9 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """
     _logits(logits)
     t = _temperature(temperature)
-    req = make_request("logprob.entropy", logits, features={"V": logits.shape[-1]})
-    return dispatch(req, logits, t)
+    kw = _kept(kept, logits.shape[:-1], logits.device)
+    req = make_request("logprob.entropy", logits, features={"V": logits.shape[-1]}, variants=_variants(kw))
+    return dispatch(req, logits, t, **kw)
 
 
 def linear_token_logprobs(
@@ -144,10 +201,12 @@ def linear_token_logprobs(
     *,
     token_chunk: int | None = None,
     vocab_chunk: int | None = None,
+    kept: KeptSet | None = None,
+    logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""LM head + selected-token log-prob (+ entropy) without materialising the ``[N, V]`` logits.
 
-    .. math:: \ell = h W^\top \ (\text{rounded to } h\text{'s dtype}), \qquad
+    .. math:: \ell = h W^\top \ (\text{rounded to } h\text{'s dtype, or to fp32}), \qquad
               \mathrm{lp}_i = \mathrm{token\_logprobs}(\ell, t, \tau)_i, \quad
               H_i = \mathrm{entropy}(\ell, \tau)_i
 
@@ -165,6 +224,17 @@ def linear_token_logprobs(
             budget, see docs/operators/logprob.md). No value changes a bit.
         vocab_chunk: vocabulary columns per chunk, a positive multiple of :data:`VOCAB_BLOCK`
             (default: CPU 4096, GPU sized from a memory budget). No value changes a bit.
+        kept: kept-set records ``[...]`` (one per target): the processed log-probs (and
+            entropy) renormalised over each row's kept set, each chunk masked with absolute
+            column ids — raw-bit equal to ``token_logprobs(gemm.linear(hidden, weight), targets,
+            temperature, kept=kept)``, forward and backward.
+        logits_dtype: ``None`` (the logits are rounded to ``hidden``'s dtype, as
+            ``gemm.linear`` gives them) or ``torch.float32``: the **fp32 LM-head variant** for
+            bf16 inputs — the logits are the GEMM's sums rounded once to fp32 (the bits of
+            ``gemm.linear(hidden, weight, out_dtype=torch.float32)``), log-probs and entropy
+            computed from them, the logits gradient formed in fp32 and rounded once to bf16
+            before the backward products; raw-bit equal to the unfused path on the fp32
+            logits, forward and backward.
 
     Contract ``logprob.linear_token_logprobs``: **raw-bit equal** to
     ``token_logprobs(gemm.linear(hidden, weight), targets, temperature)`` (and the entropy to
@@ -177,7 +247,9 @@ def linear_token_logprobs(
     Raises:
         TypeError / ValueError: bad dtype, shape, device, contiguity or NaN of any tensor;
             targets out of range; a chunk size that is not a positive int or a ``vocab_chunk``
-            that is not a multiple of ``VOCAB_BLOCK``; bad temperature; logits that overflow
+            that is not a multiple of ``VOCAB_BLOCK``; bad temperature; a bad ``kept`` record or
+            a target outside its kept set; ``logits_dtype`` other than ``None``, ``hidden``'s
+            dtype or ``torch.float32``; logits that overflow
             (``hidden: ...``) or that are not finite because ``weight`` holds NaN or inf
             (``weight: ...``: the weight is read for this diagnosis only when a logits row is
             not finite; ``nan_policy("raise_all")`` scans it up front).
@@ -200,14 +272,19 @@ def linear_token_logprobs(
             f"canonical log-sum-exp blocks), got {vocab_chunk}"
         )
     require_same_device(hidden=hidden, weight=weight, targets=targets)
+    kw = _kept(kept, hidden.shape[:-1], hidden.device)
+    ldt = check_out_dtype("logits_dtype", logits_dtype, hidden.dtype)
+    if ldt is not None:
+        kw["logits_dtype"] = ldt
     req = make_request(
         "logprob.linear_token_logprobs",
         hidden,
         features={"H": hidden.shape[-1], "V": weight.shape[0], "entropy": return_entropy},
+        variants=_variants(kw),
     )
     try:
         return dispatch(
-            req, hidden, weight, targets, t, return_entropy, token_chunk=token_chunk, vocab_chunk=vocab_chunk
+            req, hidden, weight, targets, t, return_entropy, token_chunk=token_chunk, vocab_chunk=vocab_chunk, **kw
         )
     except ValueError as exc:
         # hidden is finite (checked above), so non-finite logits rows come from the weight (not

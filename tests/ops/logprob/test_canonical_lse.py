@@ -168,5 +168,34 @@ def test_custom_ops_pass_opcheck(dtype):
         (ops.linear_token_logprobs_cpu.default, (h.clone().requires_grad_(), w.clone().requires_grad_(), t, 0.8, True, 2, 1024)),
         (ops.linear_token_logprobs_cpu_backward.default, (up, up.clone(), h, w, t, lse, ent, 0.8, 2, 1024, True, True)),
     ]
+    # the processed variant (kept-set records) and the fp32-logits variant of the fused op
+    from rl_engine.ops.logprob import kept_set
+
+    kept = kept_set(x, 0.8, 30, 0.9)
+    t_in = kept.mask(x.float() / 0.8).float().argmax(1)  # a kept target per row
+    kt, kb = kept.threshold, kept.boundary
+    klp, klse = ops.token_logprobs_cpu(x, t_in, 0.8, kt, kb)
+    kent, _ = ops.entropy_cpu(x, 0.8, kt, kb)
+    kls, _ = ops.log_softmax_cpu(x, 0.8, kt, kb)
+    cases += [
+        (ops.log_softmax_cpu.default, (x.clone().requires_grad_(), 0.8, kt, kb)),
+        (ops.log_softmax_cpu_backward.default, (torch.randn(5, 1100, generator=g), kls, 0.8, dtype, True)),
+        (ops.token_logprobs_cpu.default, (x.clone().requires_grad_(), t_in, 0.8, kt, kb)),
+        (ops.token_logprobs_cpu_backward.default, (up, x, t_in, klse, 0.8, kt, kb)),
+        (ops.entropy_cpu.default, (x.clone().requires_grad_(), 0.8, kt, kb)),
+        (ops.entropy_cpu_backward.default, (up, x, klse, kent, 0.8, kt, kb)),
+    ]
+    from rl_engine.ops.gemm import linear
+
+    fp32 = dtype == torch.bfloat16  # the fp32-logits variant where it applies
+    hk = kept_set(linear(h, w, out_dtype=torch.float32 if fp32 else None), 0.8, 30, 0.9)
+    ht = hk.mask(linear(h, w, out_dtype=torch.float32).float() / 0.8).float().argmax(1)
+    hlp, hent, hlse = ops.linear_token_logprobs_cpu(h, w, ht, 0.8, True, 2, 1024, hk.threshold, hk.boundary, fp32)
+    cases += [
+        (ops.linear_token_logprobs_cpu.default, (h.clone().requires_grad_(), w.clone().requires_grad_(), ht, 0.8, True, 2,
+                                                 1024, hk.threshold, hk.boundary, fp32)),
+        (ops.linear_token_logprobs_cpu_backward.default, (up, up.clone(), h, w, ht, hlse, hent, 0.8, 2, 1024, True, True,
+                                                          hk.threshold, hk.boundary, fp32)),
+    ]
     for op, args in cases:
         torch.library.opcheck(op, args)

@@ -5,6 +5,11 @@ Forward ``y = x Wᵀ + b``; backward ``dx = dy W`` (row invariant), ``dW = dyᵀ
 and :func:`fixed_order_sum` make them the same bits run to run, at any thread count and on
 any instruction set).
 Bias is added in the output dtype after the matmul, exactly as in the forward of every path.
+
+fp32-output variant (``out_dtype=torch.float32`` for bf16 inputs, ``rlk::linear_cpu`` with
+``fp32_out``): the exact sum rounded once to float32 (``exact_matmul(..., out_dtype=float32)``),
+the bias added in fp32; its backward rounds the fp32 output gradient once to bf16 and runs the
+bf16 backward.
 """
 
 from __future__ import annotations
@@ -19,17 +24,17 @@ from rl_engine.runtime.registry import Implementation, register
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = exact_matmul(x2, weight)
+def _forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool) -> torch.Tensor:
+    y = exact_matmul(x2, weight, torch.float32 if fp32_out else None)
     if bias is not None:
-        y = y + bias
+        y = y + bias.to(y.dtype)
     return y
 
 
 @torch.library.custom_op("rlk::linear_cpu", mutates_args=(), device_types="cpu")
-def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool = False) -> torch.Tensor:
     shape = x.shape
-    y = _forward(x.reshape(-1, shape[-1]), weight, bias)
+    y = _forward(x.reshape(-1, shape[-1]), weight, bias, fp32_out)
     return y.reshape(*shape[:-1], weight.shape[0])
 
 
@@ -39,26 +44,33 @@ def linear_cpu_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     K = x.shape[-1]
     N = weight.shape[0]
-    g2 = grad.reshape(-1, N).contiguous()
+    g2 = grad.reshape(-1, N).to(x.dtype).contiguous()
     x2 = x.reshape(-1, K)
     dx = exact_matmul(g2, weight.t()).reshape(x.shape) if need_dx else x.new_empty((0,))
     gt = g2.t().contiguous()  # [N, M]
     dw = exact_matmul(gt, x2.t()) if need_dw else weight.new_empty((0,))  # [N, K], reduction over the M rows
-    db = fixed_order_sum(gt.float()).to(grad.dtype) if has_bias else grad.new_empty((0,))
+    db = fixed_order_sum(gt.float()).to(x.dtype) if has_bias else x.new_empty((0,))
     return dx, dw, db
 
 
 wire_linear(linear_cpu, linear_cpu_backward)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The registered entry (the reference's signature): ``rlk::linear_cpu``."""
+    return linear_cpu(x, weight, bias, out_dtype == torch.float32 and x.dtype != torch.float32)
 
 register(
     Implementation(
         op="gemm.linear",
         impl_id="cpu.exact_sum",
         version="2",
-        fn=linear_cpu,
+        fn=linear,
         families=("cpu",),
         dtypes=_DTYPES,
         guarantees=frozenset({"row", "chunk", "run_to_run", "threads", "isa"}),
         priority=10,
+        variants=frozenset({"fp32_out"}),
     )
 )

@@ -23,6 +23,19 @@ Fused backward (bitwise equal to the unfused path's backward, see docs/operators
 
 Both passes recompute the logits (two extra GEMMs) so memory stays bounded by
 ``O(token_chunk · V + T · vocab_chunk)`` instead of ``O(T · V)``.
+
+**Kept sets** (``kept_threshold`` / ``kept_boundary``, one record per row: top-k / top-p
+replay): every op masks the scaled logits of the entries outside a row's kept set to ``-inf``
+before the canonical accumulation (:func:`~.lse.mask_kept`, per vocabulary chunk with absolute
+column ids in the fused op), so the values are those of the renormalised distribution and the
+fused op stays raw-bit equal to the unfused one; gradients at dropped entries are ``+0``.
+
+**fp32 logits** (``fp32_logits`` of the fused op, for bf16 inputs): the logits chunks are the
+exact sums rounded once to float32 (``exact_matmul(..., out_dtype=float32)``, the bits of
+``gemm.linear(h, W, out_dtype=torch.float32)``), never rounded to bf16; the logits gradient is
+formed in fp32 (both outputs' terms added in fp32) and rounded once to the inputs' dtype before
+the two backward products — what the unfused ``token_logprobs`` / ``entropy`` backward followed
+by the fp32-output ``gemm.linear`` backward does.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from rl_engine.backends.cpu.logprob.lse import (
     grad_entropy,
     grad_log_softmax,
     grad_logprob,
+    mask_kept,
     scale_logits,
 )
 from rl_engine.runtime.registry import Implementation, register
@@ -60,8 +74,8 @@ DEFAULT_TOKEN_CHUNK = 256
 DEFAULT_VOCAB_CHUNK = 4 * VOCAB_BLOCK
 
 
-def _stats(logits2: torch.Tensor, temperature: float, entropy: bool):
-    z = scale_logits(logits2, temperature)
+def _stats(logits2: torch.Tensor, temperature: float, entropy: bool, kept_threshold=None, kept_boundary=None):
+    z, _ = mask_kept(scale_logits(logits2, temperature), 0, kept_threshold, kept_boundary)
     acc = LseAccumulator(z.shape[0], entropy=entropy, vocab_size=z.shape[1])
     acc.update(z, 0)
     return z, acc.finish()
@@ -90,14 +104,16 @@ def _as_is(grad: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("rlk::log_softmax_cpu", mutates_args=(), device_types="cpu")
-def log_softmax_cpu(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    z, res = _stats(logits, temperature, False)
+def log_softmax_cpu(logits: torch.Tensor, temperature: float, kept_threshold: torch.Tensor | None = None,
+                    kept_boundary: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    z, res = _stats(logits, temperature, False, kept_threshold, kept_boundary)
     return z - res.lse.unsqueeze(1), res.lse
 
 
 @torch.library.custom_op("rlk::log_softmax_cpu_backward", mutates_args=(), device_types="cpu")
-def log_softmax_cpu_backward(grad: torch.Tensor, out: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    return finish_grad(grad_log_softmax(out, grad), temperature, dtype)
+def log_softmax_cpu_backward(grad: torch.Tensor, out: torch.Tensor, temperature: float, dtype: torch.dtype,
+                             masked: bool = False) -> torch.Tensor:
+    return finish_grad(grad_log_softmax(out, grad, masked), temperature, dtype)
 
 
 wire_log_softmax(log_softmax_cpu, log_softmax_cpu_backward, prepare_grad=torch.Tensor.contiguous)
@@ -108,18 +124,26 @@ wire_log_softmax(log_softmax_cpu, log_softmax_cpu_backward, prepare_grad=torch.T
 
 
 @torch.library.custom_op("rlk::token_logprobs_cpu", mutates_args=(), device_types="cpu")
-def token_logprobs_cpu(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    z, res = _stats(logits, temperature, False)
+def token_logprobs_cpu(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                       kept_threshold: torch.Tensor | None = None,
+                       kept_boundary: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    z, res = _stats(logits, temperature, False, kept_threshold, kept_boundary)
     z_t = z.gather(1, targets.long().unsqueeze(1)).squeeze(1)
     return z_t - res.lse, res.lse
 
 
+def _drop(dz: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``+0`` at the entries outside the kept set (none without a record)."""
+    return dz if keep is None else dz.masked_fill_(~keep, 0.0)
+
+
 @torch.library.custom_op("rlk::token_logprobs_cpu_backward", mutates_args=(), device_types="cpu")
 def token_logprobs_cpu_backward(
-    grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, temperature: float
+    grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, temperature: float,
+    kept_threshold: torch.Tensor | None = None, kept_boundary: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    z = scale_logits(logits, temperature)
-    return finish_grad(grad_logprob(z, 0, lse, targets.long(), grad), temperature, logits.dtype)
+    z, keep = mask_kept(scale_logits(logits, temperature), 0, kept_threshold, kept_boundary)
+    return finish_grad(_drop(grad_logprob(z, 0, lse, targets.long(), grad), keep), temperature, logits.dtype)
 
 
 wire_token_logprobs(token_logprobs_cpu, token_logprobs_cpu_backward, prepare_grad=_as_is)
@@ -130,17 +154,19 @@ wire_token_logprobs(token_logprobs_cpu, token_logprobs_cpu_backward, prepare_gra
 
 
 @torch.library.custom_op("rlk::entropy_cpu", mutates_args=(), device_types="cpu")
-def entropy_cpu(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    _, res = _stats(logits, temperature, True)
+def entropy_cpu(logits: torch.Tensor, temperature: float, kept_threshold: torch.Tensor | None = None,
+                kept_boundary: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    _, res = _stats(logits, temperature, True, kept_threshold, kept_boundary)
     return res.entropy, res.lse
 
 
 @torch.library.custom_op("rlk::entropy_cpu_backward", mutates_args=(), device_types="cpu")
 def entropy_cpu_backward(
-    grad: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, temperature: float
+    grad: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, temperature: float,
+    kept_threshold: torch.Tensor | None = None, kept_boundary: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    z = scale_logits(logits, temperature)
-    return finish_grad(grad_entropy(z, lse, ent, grad), temperature, logits.dtype)
+    z, keep = mask_kept(scale_logits(logits, temperature), 0, kept_threshold, kept_boundary)
+    return finish_grad(_drop(grad_entropy(z, lse, ent, grad), keep), temperature, logits.dtype)
 
 
 wire_entropy(entropy_cpu, entropy_cpu_backward, prepare_grad=_as_is)
@@ -159,9 +185,13 @@ def linear_token_logprobs_cpu(
     return_entropy: bool,
     token_chunk: int,
     vocab_chunk: int,
+    kept_threshold: torch.Tensor | None = None,
+    kept_boundary: torch.Tensor | None = None,
+    fp32_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N = hidden.shape[0]
     V = weight.shape[0]
+    logits_dtype = torch.float32 if fp32_logits else None
     logprobs = torch.empty(N, dtype=torch.float32)
     lse = torch.empty(N, dtype=torch.float32)
     ent = torch.empty(N if return_entropy else 0, dtype=torch.float32)
@@ -169,11 +199,13 @@ def linear_token_logprobs_cpu(
     for r0 in range(0, N, token_chunk):
         h = hidden[r0 : r0 + token_chunk]
         tgt = targets[r0 : r0 + token_chunk]
+        kt, kb = _kept_rows(kept_threshold, kept_boundary, r0, r0 + token_chunk)
         R = h.shape[0]
         acc = LseAccumulator(R, entropy=return_entropy, vocab_size=V)
         z_t = torch.empty(R, dtype=torch.float32)
         for c0 in range(0, V, vocab_chunk):
-            z = scale_logits(exact_matmul(h, weight[c0 : c0 + vocab_chunk]), temperature)
+            z, _ = mask_kept(scale_logits(exact_matmul(h, weight[c0 : c0 + vocab_chunk], logits_dtype), temperature),
+                             c0, kt, kb)
             acc.update(z, c0)
             local = tgt - c0
             hit = (local >= 0) & (local < z.shape[1])
@@ -189,10 +221,17 @@ def linear_token_logprobs_cpu(
 
 
 @linear_token_logprobs_cpu.register_fake
-def _(hidden, weight, targets, temperature, return_entropy, token_chunk, vocab_chunk):
+def _(hidden, weight, targets, temperature, return_entropy, token_chunk, vocab_chunk, kept_threshold=None,
+      kept_boundary=None, fp32_logits=False):
     n = hidden.shape[0]
     f = dict(dtype=torch.float32)
     return hidden.new_empty((n,), **f), hidden.new_empty((n if return_entropy else 0,), **f), hidden.new_empty((n,), **f)
+
+
+def _kept_rows(kept_threshold: torch.Tensor | None, kept_boundary: torch.Tensor | None, r0: int, r1: int):
+    if kept_threshold is None:
+        return None, None
+    return kept_threshold[r0:r1], kept_boundary[r0:r1]
 
 
 def _fused_dlogits(
@@ -204,16 +243,19 @@ def _fused_dlogits(
     g_lp: torch.Tensor | None,
     g_ent: torch.Tensor | None,
     temperature: float,
+    kept_threshold: torch.Tensor | None = None,
+    kept_boundary: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gradient of the logits block in the logits dtype, exactly as the unfused ops produce it:
     each op's gradient is rounded to the dtype on its own, and autograd adds the two (one IEEE
-    addition in the dtype, which is commutative, so the order autograd uses does not matter)."""
-    z = scale_logits(logits, temperature)
+    addition in the dtype, which is commutative, so the order autograd uses does not matter).
+    Entries outside the kept set get ``+0``."""
+    z, keep = mask_kept(scale_logits(logits, temperature), start, kept_threshold, kept_boundary)
     out = None
     if g_lp is not None:
-        out = finish_grad(grad_logprob(z, start, lse, targets, g_lp), temperature, logits.dtype)
+        out = finish_grad(_drop(grad_logprob(z, start, lse, targets, g_lp), keep), temperature, logits.dtype)
     if g_ent is not None:
-        d_ent = finish_grad(grad_entropy(z, lse, ent, g_ent), temperature, logits.dtype)
+        d_ent = finish_grad(_drop(grad_entropy(z, lse, ent, g_ent), keep), temperature, logits.dtype)
         out = d_ent if out is None else out + d_ent
     return out
 
@@ -232,9 +274,13 @@ def linear_token_logprobs_cpu_backward(
     vocab_chunk: int,
     need_hidden: bool,
     need_weight: bool,
+    kept_threshold: torch.Tensor | None = None,
+    kept_boundary: torch.Tensor | None = None,
+    fp32_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     N, H = hidden.shape
     V = weight.shape[0]
+    logits_dtype = torch.float32 if fp32_logits else None
     targets = targets.long()
     ent_ = ent if grad_ent is not None else None
     dhidden = hidden.new_zeros((N, H) if need_hidden else (0,))
@@ -249,19 +295,23 @@ def linear_token_logprobs_cpu_backward(
             ent_[r0:r1] if ent_ is not None else None,
             grad_logprobs[r0:r1] if grad_logprobs is not None else None,
             grad_ent[r0:r1] if grad_ent is not None else None,
+            temperature,
+            *_kept_rows(kept_threshold, kept_boundary, r0, r1),
         )
 
+    # The logits gradient block is stored in the inputs' dtype: in fp32-logits mode the fp32
+    # gradient (both terms already added in fp32) is rounded to it once, here.
     if need_hidden:
         # Pass A: dh[rows] = dlogits[rows, :V] @ W, one K = V product per token chunk.
         w_t = weight.t()  # [H, V]
         for r0 in range(0, N, token_chunk):
             h = hidden[r0 : r0 + token_chunk]
             R = h.shape[0]
-            tgt, l, e, gl, ge = rows(r0, r0 + R)
+            args = rows(r0, r0 + R)
             dl = hidden.new_empty((R, V))
             for c0 in range(0, V, vocab_chunk):
-                logits = exact_matmul(h, weight[c0 : c0 + vocab_chunk])
-                dl[:, c0 : c0 + logits.shape[1]] = _fused_dlogits(logits, c0, tgt, l, e, gl, ge, temperature)
+                logits = exact_matmul(h, weight[c0 : c0 + vocab_chunk], logits_dtype)
+                dl[:, c0 : c0 + logits.shape[1]] = _fused_dlogits(logits, c0, *args)
             dhidden[r0 : r0 + R] = exact_matmul(dl, w_t)
             del dl
         del w_t
@@ -274,15 +324,15 @@ def linear_token_logprobs_cpu_backward(
             dl = hidden.new_empty((N, C))
             for r0 in range(0, N, token_chunk):
                 h = hidden[r0 : r0 + token_chunk]
-                tgt, l, e, gl, ge = rows(r0, r0 + h.shape[0])
-                dl[r0 : r0 + h.shape[0]] = _fused_dlogits(exact_matmul(h, w), c0, tgt, l, e, gl, ge, temperature)
+                dl[r0 : r0 + h.shape[0]] = _fused_dlogits(exact_matmul(h, w, logits_dtype), c0, *rows(r0, r0 + h.shape[0]))
             dweight[c0 : c0 + C] = exact_matmul(dl.t(), h_t)
             del dl
     return dhidden, dweight
 
 
 @linear_token_logprobs_cpu_backward.register_fake
-def _(grad_logprobs, grad_ent, hidden, weight, targets, lse, ent, temperature, token_chunk, vocab_chunk, need_hidden, need_weight):
+def _(grad_logprobs, grad_ent, hidden, weight, targets, lse, ent, temperature, token_chunk, vocab_chunk, need_hidden,
+      need_weight, kept_threshold=None, kept_boundary=None, fp32_logits=False):
     return (
         hidden.new_empty(hidden.shape if need_hidden else (0,)),
         weight.new_empty(weight.shape if need_weight else (0,)),
@@ -290,18 +340,20 @@ def _(grad_logprobs, grad_ent, hidden, weight, targets, lse, ent, temperature, t
 
 
 def _lt_setup(ctx, inputs, output):
-    hidden, weight, targets, temperature, return_entropy, token_chunk, vocab_chunk = inputs
+    (hidden, weight, targets, temperature, return_entropy, token_chunk, vocab_chunk, kept_threshold, kept_boundary,
+     fp32_logits) = inputs
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(hidden, weight, targets, output[2], output[1])
-    ctx.args = (temperature, token_chunk, vocab_chunk)
+    ctx.save_for_backward(hidden, weight, targets, output[2], output[1], kept_threshold, kept_boundary)
+    ctx.args = (temperature, token_chunk, vocab_chunk, fp32_logits)
 
 
 def _lt_backward(ctx, g_lp, g_ent, _g_lse):
-    hidden, weight, targets, lse, ent = ctx.saved_tensors
+    hidden, weight, targets, lse, ent, kept_threshold, kept_boundary = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    none = (None,) * 10
     if (g_lp is None and g_ent is None) or not (need_h or need_w):
-        return None, None, None, None, None, None, None
-    temperature, token_chunk, vocab_chunk = ctx.args
+        return none
+    temperature, token_chunk, vocab_chunk, fp32_logits = ctx.args
     dh, dw = linear_token_logprobs_cpu_backward(
         g_lp.contiguous() if g_lp is not None else None,
         g_ent.contiguous() if (g_ent is not None and ent.numel()) else None,
@@ -315,8 +367,11 @@ def _lt_backward(ctx, g_lp, g_ent, _g_lse):
         vocab_chunk,
         need_h,
         need_w,
+        kept_threshold,
+        kept_boundary,
+        fp32_logits,
     )
-    return (dh if need_h else None), (dw if need_w else None), None, None, None, None, None
+    return (dh if need_h else None), (dw if need_w else None), *none[2:]
 
 
 linear_token_logprobs_cpu.register_autograd(_lt_backward, setup_context=_lt_setup)
@@ -326,23 +381,54 @@ linear_token_logprobs_cpu.register_autograd(_lt_backward, setup_context=_lt_setu
 # operator-signature wrappers (what the runtime dispatches to; same signatures as the references)
 
 
-def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def _check_kept_rows(lse: torch.Tensor, kept_threshold: torch.Tensor | None) -> None:
+    """With a kept-set record, a row that keeps no finite logit has a record that does not belong
+    to its logits."""
+    if kept_threshold is None or lse.numel() == 0:
+        return
+    dead = torch.isneginf(lse)
+    if bool(dead.any()):
+        rows = torch.nonzero(dead).squeeze(1)[:8].tolist()
+        raise ValueError(f"kept: rows {rows} keep no finite logit (a record above every logit of its row: the records "
+                         "do not belong to these logits)")
+
+
+def _check_targets_kept(lp: torch.Tensor, kept_threshold: torch.Tensor | None) -> None:
+    """With a kept-set record, a target outside its row's kept set has no processed log-prob."""
+    if kept_threshold is None or lp.numel() == 0:
+        return
+    dead = torch.isneginf(lp)
+    if bool(dead.any()):
+        rows = torch.nonzero(dead.reshape(-1)).squeeze(1)[:8].tolist()
+        raise ValueError(f"kept: the targets of rows {rows} are outside their kept sets (the sampler cannot have "
+                         "drawn them): their processed log-probs are -inf")
+
+
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, kept_threshold: torch.Tensor | None = None,
+                kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
-    out, lse = log_softmax_cpu(logits.reshape(-1, V), float(temperature))
+    out, lse = log_softmax_cpu(logits.reshape(-1, V), float(temperature), kept_threshold, kept_boundary)
+    _check_kept_rows(lse, kept_threshold)
     _check_lse(lse, "logits")
     return out.reshape(logits.shape)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
+                   kept_threshold: torch.Tensor | None = None, kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
-    lp, lse = token_logprobs_cpu(logits.reshape(-1, V), targets.reshape(-1), float(temperature))
+    lp, lse = token_logprobs_cpu(logits.reshape(-1, V), targets.reshape(-1), float(temperature), kept_threshold,
+                                 kept_boundary)
+    _check_kept_rows(lse, kept_threshold)
     _check_lse(lse, "logits")
+    _check_targets_kept(lp, kept_threshold)
     return lp.reshape(targets.shape)
 
 
-def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def entropy(logits: torch.Tensor, temperature: float = 1.0, *, kept_threshold: torch.Tensor | None = None,
+            kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
-    ent, lse = entropy_cpu(logits.reshape(-1, V), float(temperature))
+    ent, lse = entropy_cpu(logits.reshape(-1, V), float(temperature), kept_threshold, kept_boundary)
+    _check_kept_rows(lse, kept_threshold)
     _check_lse(lse, "logits")
     return ent.reshape(logits.shape[:-1])
 
@@ -356,6 +442,9 @@ def linear_token_logprobs(
     *,
     token_chunk: int | None = None,
     vocab_chunk: int | None = None,
+    kept_threshold: torch.Tensor | None = None,
+    kept_boundary: torch.Tensor | None = None,
+    logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     H = hidden.shape[-1]
     lp, ent, lse = linear_token_logprobs_cpu(
@@ -366,18 +455,24 @@ def linear_token_logprobs(
         bool(return_entropy),
         int(token_chunk or DEFAULT_TOKEN_CHUNK),
         int(vocab_chunk or DEFAULT_VOCAB_CHUNK),
+        kept_threshold,
+        kept_boundary,
+        logits_dtype == torch.float32 and hidden.dtype != torch.float32,
     )
+    _check_kept_rows(lse, kept_threshold)
     _check_lse(lse, "hidden", "the logits hidden @ weight.T / temperature")
+    _check_targets_kept(lp, kept_threshold)
     lp = lp.reshape(targets.shape)
     return (lp, ent.reshape(targets.shape)) if return_entropy else lp
 
 
 _GUARANTEES = frozenset({"row", "chunk", "run_to_run", "threads", "isa"})
-for _op, _fn in (
-    ("logprob.log_softmax", log_softmax),
-    ("logprob.token_logprobs", token_logprobs),
-    ("logprob.entropy", entropy),
-    ("logprob.linear_token_logprobs", linear_token_logprobs),
+_PROCESSED = frozenset({"processed"})
+for _op, _fn, _variants in (
+    ("logprob.log_softmax", log_softmax, _PROCESSED),
+    ("logprob.token_logprobs", token_logprobs, _PROCESSED),
+    ("logprob.entropy", entropy, _PROCESSED),
+    ("logprob.linear_token_logprobs", linear_token_logprobs, _PROCESSED | {"fp32_logits"}),
 ):
     register(
         Implementation(
@@ -389,5 +484,6 @@ for _op, _fn in (
             dtypes=_DTYPES,
             guarantees=_GUARANTEES,
             priority=10,
+            variants=_variants,
         )
     )

@@ -37,6 +37,11 @@ is divided by ``fl32(τ)`` in fp32 — skipped when τ = 1 — then rounded once
 * token log-prob: ``dz_j = (−p_j)·g`` for ``j ≠ target``, ``dz_t = (1 − p_t)·g``;
 * entropy: ``dz_j = (p_j · (max(log p_j, -FLT_MAX) + H)) · (−g)`` with ``p_j = exp(log p_j)``;
 * log-softmax: ``dz_j = g_j − p_j · fixed_order_sum(g)``.
+
+**Kept sets** (top-k / top-p records, :mod:`rl_engine.utils.kept`): the entries of ``z`` outside a
+row's kept set are replaced by ``-inf`` before step 1 (:func:`mask_kept`), so every quantity
+above is that of the distribution renormalised over the kept set, with the same order of
+operations; the gradient at a dropped entry is ``+0`` (it cannot change any kept probability).
 """
 
 from __future__ import annotations
@@ -45,12 +50,14 @@ import torch
 import torch.nn.functional as F
 
 from rl_engine.backends.cpu.common import TILE_N
-from rl_engine.utils.reductions import fixed_order_sum
 from rl_engine.utils import portable
+from rl_engine.utils.kept import keep_mask
+from rl_engine.utils.reductions import fixed_order_sum
 
 __all__ = [
     "VOCAB_BLOCK",
     "scale_logits",
+    "mask_kept",
     "LseAccumulator",
     "LseResult",
     "grad_logprob",
@@ -77,6 +84,16 @@ def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if temperature != 1.0:
         z = z / temperature
     return z
+
+
+def mask_kept(z: torch.Tensor, start: int, threshold: torch.Tensor | None,
+              boundary: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(z', keep)``: ``z`` ``[R, L]`` (columns ``start ..``) with the entries outside each row's
+    kept set set to ``-inf``, and the ``[R, L]`` keep mask — or ``(z, None)`` without a record."""
+    if threshold is None:
+        return z, None
+    keep = keep_mask(z, start, threshold, boundary)
+    return z.masked_fill(~keep, float("-inf")), keep
 
 
 class LseResult:
@@ -180,8 +197,14 @@ def grad_entropy(z: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor, g: t
     return (p * logp.add_(entropy.unsqueeze(1))).mul_(-g.unsqueeze(1))
 
 
-def grad_log_softmax(out: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``d log_softmax / d z`` applied to ``g`` ``[R, V]``, with ``out`` the log-softmax (fp32)."""
+def grad_log_softmax(out: torch.Tensor, g: torch.Tensor, masked: bool = False) -> torch.Tensor:
+    """``d log_softmax / d z`` applied to ``g`` ``[R, V]``, with ``out`` the log-softmax (fp32).
+
+    ``masked`` (a kept-set record was applied): an entry whose output is ``-inf`` (dropped, or a
+    ``-inf`` logit) is a constant, so its upstream gradient is left out of ``Σ g`` and its own
+    gradient is ``+0``."""
+    if masked:
+        g = g.float().masked_fill(torch.isneginf(out), 0.0)
     p = portable.exp(out)
     return g - p.mul_(fixed_order_sum(g.float()).unsqueeze(1))
 
