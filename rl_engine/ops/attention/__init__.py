@@ -95,14 +95,15 @@ def _window(window: object) -> int | None:
 def _cu_seqlens(name: str, cu: object, total: int | None, device: torch.device, batch: int | None = None,
                 where: str = "the device of q") -> torch.Tensor:
     """Validate a ``[B+1]`` offsets tensor (0, non-decreasing, last = ``total`` unless ``None``);
-    returns int64 on the host."""
+    returns int64 on the host. Offsets may live on ``device`` or on the host (CPU): host offsets
+    are read without synchronising with a GPU."""
     if isinstance(cu, (list, tuple)):
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in cu):
             raise TypeError(f"{name}: expected an int32/int64 tensor or a list of ints, got {list(cu)[:16]}")
-        cu = torch.tensor(cu, dtype=torch.int64, device=device)
+        cu = torch.tensor(cu, dtype=torch.int64)
     require_tensor(name, cu, dtypes=_INDEX_DTYPES, ndim=1, contiguous=False, non_empty=True)
-    if cu.device != device:
-        raise ValueError(f"{name}: expected device {device} ({where}), got {cu.device}")
+    if cu.device != device and cu.device.type != "cpu":
+        raise ValueError(f"{name}: expected device {device} ({where}) or the host (cpu), got {cu.device}")
     if batch is not None and cu.shape[0] != batch + 1:
         raise ValueError(f"{name}: expected {batch + 1} entries (one more than seq_ids), got {cu.shape[0]}")
     c = cu.to(torch.int64).cpu()
@@ -171,8 +172,9 @@ def varlen_attention(
 
     Shapes:
         q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` with ``Hq % Hkv == 0``; cu_seqlens: ``[B+1]``
-        int32/int64, ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] == T``.
-        Returns ``[T, Hq, D]`` in ``q.dtype``.
+        int32/int64, ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] == T``, on ``q``'s
+        device or on the host (host offsets: no synchronisation with a GPU; see
+        docs/design/host-path.md). Returns ``[T, Hq, D]`` in ``q.dtype``.
 
     Args:
         scale: score scale, default ``D ** -0.5``.
