@@ -9,7 +9,7 @@ import torch
 
 from rl_engine.utils.portable import pow2
 
-__all__ = ["TILE_N", "exact_matmul", "exact_bmm"]
+__all__ = ["TILE_N", "exact_matmul", "exact_bmm", "exact_beta", "row_exponents", "exact_partial_sums", "exact_finish"]
 
 #: Output-feature block of the vocabulary-chunked paths (the canonical log-sum-exp's block):
 #: the fused LM head splits the vocabulary at multiples of it.
@@ -36,7 +36,7 @@ def _row_exponents(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
     A row holding ``±inf`` or nan gets ``e = 1025`` or garbage: callers replace non-finite
     values before splitting.
     """
-    hi, lo = torch.aminmax(t, dim=dim, keepdim=True)
+    lo, hi = torch.aminmax(t, dim=dim, keepdim=True)  # (min, max)
     amax = torch.maximum(hi.to(torch.float64), lo.to(torch.float64).neg_())
     e = ((amax.view(torch.int64) >> 52) & 0x7FF) - 1022
     return torch.where(amax == 0, 0, e)
@@ -139,7 +139,7 @@ def exact_matmul(
     lead = x.shape[:-2]
     M, N = x.shape[-2], w.shape[-2]
     if M == 0 or N == 0 or K == 0:
-        return torch.zeros((*lead, M, N), dtype=out_dtype)
+        return torch.zeros((*lead, M, N), dtype=out_dtype, device=x.device)
     terms = K if sx == sw == 1 else 2 * K
     beta = (_F64_BITS - (terms - 1).bit_length()) // 2
     if scale_by not in ("rows", "k"):
@@ -161,20 +161,87 @@ def exact_matmul(
         ew = torch.zeros((*w.shape[:-1], 1), dtype=torch.int64)
         acc = _products(_split(xd, ex, sx, beta), _split(wd, ew, sw, beta), beta)
         return _finish(acc, ex, ew, beta, x, w, finite, out_dtype)
-    out = torch.empty((*lead, M, N), dtype=out_dtype)
-    # Blocks of rows and of K bound the float64 temporaries; the sums over K blocks are exact
-    # integer additions, so blocking changes no bit.
+    out = torch.empty((*lead, M, N), dtype=out_dtype, device=x.device)
+    # Blocks of rows bound the float64 temporaries (exact_partial_sums blocks K as well).
     for r0 in range(0, M, _ROW_BLOCK):
         r1 = min(M, r0 + _ROW_BLOCK)
-        acc = None
-        for k0 in range(0, K, _K_BLOCK):
-            k1 = min(K, k0 + _K_BLOCK)
-            px = _split(xf[..., r0:r1, k0:k1].to(torch.float64), ex[..., r0:r1, :], sx, beta)
-            pw = _split(wf[..., k0:k1].to(torch.float64), ew, sw, beta)
-            part = _products(px, pw, beta, split_sum=True)
-            acc = part if acc is None else [a_.add_(p_) for a_, p_ in zip(acc, part)]
+        acc = exact_partial_sums(xf[..., r0:r1, :], wf, ex[..., r0:r1, :], ew, beta)
         out[..., r0:r1, :] = _finish(_combine(acc, beta), ex[..., r0:r1, :], ew, beta, x[..., r0:r1, :], w, finite, out_dtype)
     return out
+
+
+def exact_beta(k_terms: int, x_dtype: torch.dtype, w_dtype: torch.dtype) -> int:
+    """Slice width ``β`` of :func:`exact_matmul` for a ``k_terms``-term dot product.
+
+    ``β = ⌊(53 - ⌈log2 K'⌉) / 2⌋`` with ``K' = K`` (both operands 16-bit, one slice each) or
+    ``2K`` (a float32 operand, two slices): every partial sum of slice products is then an
+    integer below ``2^53``, so float64 adds them exactly in any order and any grouping.
+    """
+    if k_terms < 1:
+        raise ValueError(f"k_terms: expected a reduction length >= 1, got {k_terms}")
+    terms = k_terms if _slices_of(x_dtype) == _slices_of(w_dtype) == 1 else 2 * k_terms
+    return (_F64_BITS - (terms - 1).bit_length()) // 2
+
+
+def row_exponents(t: torch.Tensor, dim: int = -1, *, zero: int = 0) -> torch.Tensor:
+    """Per row of ``t``: the smallest ``e`` with ``max |t| < 2^e`` along ``dim`` (``zero`` for an all-zero row).
+
+    int64, ``dim`` kept with size 1. These are :func:`exact_matmul`'s power-of-two row scales.
+    The exponent is monotone in the row maximum, so the exponent of a row split into pieces is
+    the maximum of the pieces' exponents — provided an all-zero piece reports a value below
+    every real exponent (``zero=-2**20``), which the caller maps back to 0 after the maximum.
+    """
+    e = _row_exponents(t, dim)
+    if zero != 0:
+        lo, hi = torch.aminmax(t, dim=dim, keepdim=True)
+        e = torch.where((hi == 0) & (lo == 0), zero, e)
+    return e
+
+
+def exact_partial_sums(x: torch.Tensor, w: torch.Tensor, ex: torch.Tensor, ew: torch.Tensor, beta: int) -> list[torch.Tensor]:
+    """The integer slice-product sums of ``x @ w.T`` over this ``K`` range, as float64 ``[..., M, N]``.
+
+    Args:
+        x: ``[..., M, K]`` finite float32/bfloat16/float16; w: ``[..., N, K]`` finite.
+        ex: ``[..., M, 1]`` and ew: ``[..., N, 1]`` int64 row exponents (:func:`row_exponents`)
+            of the **whole** rows (over every K range that is summed).
+        beta: :func:`exact_beta` of the whole reduction length.
+
+    Returns:
+        ``[hh]`` (both operands 16-bit) or ``[hh, cross]``: integer-valued float64 tensors. Sums
+        of these over disjoint K ranges that cover ``K`` — in any order, e.g. by an all-reduce
+        across ranks holding K shards — are exact, and :func:`exact_finish` of the total is
+        bit-identical to :func:`exact_matmul` of the whole operands.
+    """
+    sx, sw = _slices_of(x.dtype), _slices_of(w.dtype)
+    K = x.shape[-1]
+    acc = None
+    # Blocks of K bound the float64 temporaries; the sums over K blocks are exact integer
+    # additions, so blocking changes no bit.
+    for k0 in range(0, K, _K_BLOCK):
+        k1 = min(K, k0 + _K_BLOCK)
+        px = _split(x[..., k0:k1].to(torch.float64), ex, sx, beta)
+        pw = _split(w[..., k0:k1].to(torch.float64), ew, sw, beta)
+        part = _products(px, pw, beta, split_sum=True)
+        acc = part if acc is None else [a_.add_(p_) for a_, p_ in zip(acc, part)]
+    if acc is None:  # an empty K range contributes exact zeros
+        n = 1 if sx == sw == 1 else 2
+        shape = (*x.shape[:-1], w.shape[-2])
+        acc = [torch.zeros(shape, dtype=torch.float64, device=x.device) for _ in range(n)]
+    return acc
+
+
+def exact_finish(parts: list[torch.Tensor], ex: torch.Tensor, ew: torch.Tensor, beta: int,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """Round the summed :func:`exact_partial_sums` ``parts`` to ``out_dtype`` exactly as
+    :func:`exact_matmul` does (combine, rescale by powers of two, one rounding to float32, cast).
+
+    Finite operands only (the caller checks the exponents: a finite float32 row has ``e <= 129``).
+    The first part is updated in place.
+    """
+    acc = _combine(list(parts), beta)
+    acc.add_(0.0).mul_(pow2(ex - beta)).mul_(pow2(ew - beta).transpose(-1, -2))
+    return acc.to(torch.float32).to(out_dtype)
 
 
 def _products(px: list[torch.Tensor], pw: list[torch.Tensor], beta: int, split_sum: bool = False):

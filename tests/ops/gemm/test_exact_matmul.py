@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import rl_engine.backends.cpu.common as common
-from rl_engine.backends.cpu.common import exact_bmm, exact_matmul
+from rl_engine.backends.cpu.common import exact_beta, exact_bmm, exact_finish, exact_matmul, exact_partial_sums, row_exponents
 from rl_engine.utils.bits import same_bits
 
 
@@ -90,3 +90,27 @@ def test_bad_arguments():
         exact_matmul(torch.ones((2, 2), dtype=torch.float64), torch.ones((2, 2), dtype=torch.float64))
     with pytest.raises(ValueError, match="scale_by"):
         exact_matmul(torch.ones((2, 2)), torch.ones((2, 2)), scale_by="cols")
+
+
+@pytest.mark.parametrize("row", [[1e-6, 1.0, 0.5], [-1e-6, -1.0, -0.5], [-0.01, 0.3], [0.3, -0.01], [-3.0, 2.0]])
+def test_row_exponent_is_that_of_the_largest_magnitude(row):
+    # 2^(e-1) <= max|t| < 2^e; a one-signed or lopsided row must not take its smaller end's exponent
+    # (that scale would let the integer slices outgrow 2^β and the float64 sums stop being exact)
+    e = row_exponents(torch.tensor([row])).item()
+    m = max(abs(v) for v in row)
+    assert 2.0 ** (e - 1) <= m < 2.0**e
+
+
+def test_k_split_partial_sums_are_exact():
+    # one-signed rows with a wide range: the integer partial sums of any K split add up to the whole
+    g = torch.Generator().manual_seed(11)
+    x = torch.rand((9, 3000), generator=g) * torch.logspace(-6, 0, 3000)
+    w = torch.randn((7, 3000), generator=g)
+    beta = exact_beta(3000, x.dtype, w.dtype)
+    ex, ew = row_exponents(x), row_exponents(w)
+    whole = exact_partial_sums(x, w, ex, ew, beta)
+    a = exact_partial_sums(x[:, :1111].contiguous(), w[:, :1111].contiguous(), ex, ew, beta)
+    b = exact_partial_sums(x[:, 1111:].contiguous(), w[:, 1111:].contiguous(), ex, ew, beta)
+    for p, q, r in zip(whole, a, b):
+        assert torch.equal(q + r, p) and torch.equal(p, p.round()) and bool((p.abs() < 2.0**53).all())
+    assert same_bits(exact_finish([q + r for q, r in zip(a, b)], ex, ew, beta, torch.float32), exact_matmul(x, w))

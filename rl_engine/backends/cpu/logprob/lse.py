@@ -59,6 +59,7 @@ __all__ = [
     "scale_logits",
     "mask_kept",
     "LseAccumulator",
+    "block_stats",
     "LseResult",
     "grad_logprob",
     "grad_entropy",
@@ -96,6 +97,43 @@ def mask_kept(z: torch.Tensor, start: int, threshold: torch.Tensor | None,
     return z.masked_fill(~keep, float("-inf")), keep
 
 
+def block_stats(z: torch.Tensor, *, entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Step 1 for every block of ``z`` ``[R, L]`` (columns starting at a block-aligned offset).
+
+    Returns ``(m_b, s_b, t_b)``, each ``[R, ceil(L / VOCAB_BLOCK)]`` fp32 (``t_b`` ``None``
+    without ``entropy``); a short last block is padded with ``-inf`` to :data:`VOCAB_BLOCK`
+    columns. Each block's statistics depend only on that block of that row.
+    """
+    R, L = z.shape
+    n_full = L // VOCAB_BLOCK
+    parts = []
+    if n_full:
+        parts.append(z[:, : n_full * VOCAB_BLOCK].reshape(R, n_full, VOCAB_BLOCK))
+    if L % VOCAB_BLOCK:
+        tail = F.pad(z[:, n_full * VOCAB_BLOCK :], (0, VOCAB_BLOCK - L % VOCAB_BLOCK), value=_NEG_INF)
+        parts.append(tail.reshape(R, 1, VOCAB_BLOCK))
+    stats = [_block_stats(z3, entropy) for z3 in parts]
+    if len(stats) == 1:
+        return stats[0]
+    if not stats:
+        empty = z.new_empty((R, 0))
+        return empty, empty, (empty if entropy else None)
+    cat = lambda i: torch.cat([st[i] for st in stats], dim=1)  # noqa: E731
+    return cat(0), cat(1), (cat(2) if entropy else None)
+
+
+def _block_stats(z3: torch.Tensor, entropy: bool):
+    # step 1 for all blocks at once (elementwise over rows and blocks)
+    m_b = z3.amax(dim=-1) + 0.0  # + 0.0 turns a -0 maximum into +0
+    shift = m_b.masked_fill(m_b == _NEG_INF, 0.0)
+    d = z3 - shift.unsqueeze(-1)
+    e = portable.exp(d)  # exp(-inf) = 0 for masked entries and padding
+    s_b = fixed_order_sum(e)
+    # clamp only for e·d (0 · -inf would be NaN); exp of -FLT_MAX is a slow path, so not before exp
+    t_b = fixed_order_sum(e.mul_(d.clamp_min_(_NEG_MAX))) if entropy else None
+    return m_b, s_b, t_b
+
+
 class LseResult:
     """Finished statistics of a batch of rows: ``lse`` ``[R]`` and, if requested, ``entropy``."""
 
@@ -130,26 +168,21 @@ class LseAccumulator:
         if end != self.vocab_size and L % VOCAB_BLOCK:
             raise ValueError(f"z: a chunk that does not end the vocabulary must span whole blocks of {VOCAB_BLOCK}, got {L} columns")
         self._next = end
-        n_full = L // VOCAB_BLOCK
-        if n_full:
-            self._merge_blocks(z[:, : n_full * VOCAB_BLOCK].reshape(R, n_full, VOCAB_BLOCK))
-        if L % VOCAB_BLOCK:
-            tail = F.pad(z[:, n_full * VOCAB_BLOCK :], (0, VOCAB_BLOCK - L % VOCAB_BLOCK), value=_NEG_INF)
-            self._merge_blocks(tail.reshape(R, 1, VOCAB_BLOCK))
+        self.merge_block_stats(*block_stats(z, entropy=self.entropy))
 
-    def _merge_blocks(self, z3: torch.Tensor) -> None:
-        # step 1 for all blocks of the chunk at once (elementwise over rows and blocks)
-        m_b = z3.amax(dim=-1) + 0.0  # + 0.0 turns a -0 maximum into +0
-        shift = m_b.masked_fill(m_b == _NEG_INF, 0.0)
-        d = z3 - shift.unsqueeze(-1)
-        e = portable.exp(d)  # exp(-inf) = 0 for masked entries and padding
-        s_b = fixed_order_sum(e)
-        # clamp only for e·d (0 · -inf would be NaN); exp of -FLT_MAX is a slow path, so not before exp
-        t_b = fixed_order_sum(e.mul_(d.clamp_min_(_NEG_MAX))) if self.entropy else None
-        del d, e
-        # step 2: sequential merge in block order
-        for k in range(z3.shape[1]):
+    def merge_block_stats(self, m_b: torch.Tensor, s_b: torch.Tensor, t_b: torch.Tensor | None) -> None:
+        """Step 2: merge per-block statistics ``[R, nb]`` (from :func:`block_stats`) in block order.
+
+        :meth:`update` is ``block_stats`` of the chunk followed by this; a caller that computed the
+        statistics of the blocks elsewhere (e.g. on the ranks holding vocabulary shards) merges
+        them here and accounts for the columns with :meth:`advance`.
+        """
+        for k in range(m_b.shape[1]):
             self._merge(m_b[:, k], s_b[:, k], t_b[:, k] if t_b is not None else None)
+
+    def advance(self, columns: int) -> None:
+        """Count ``columns`` vocabulary columns as merged (after :meth:`merge_block_stats`)."""
+        self._next += columns
 
     def _merge(self, m_b: torch.Tensor, s_b: torch.Tensor, t_b: torch.Tensor | None) -> None:
         m, s = self.m, self.s
