@@ -39,28 +39,35 @@ HF_LAYOUTS: dict[str, tuple[str, int | None, int | None]] = {
 
 
 def load_hf_model(model_dir: str | None, dtype: torch.dtype, device: str, seed: int, preset: str = "tiny"):
-    """A transformers ``Qwen3ForCausalLM`` (eval mode) and its display name.
+    """A transformers ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` (eval mode) and its display name.
 
-    ``model_dir=None`` builds ``preset``'s dimensions (``rl_engine.models.qwen3.PRESETS``) with
-    the same seeded weights as the reference check (``Qwen3ForCausalLM.random``); otherwise
-    ``from_pretrained`` (no hub).
+    ``model_dir=None`` builds ``preset``'s dimensions (``rl_engine.models.registry.PRESETS``) with
+    the same seeded weights as the reference check (``random_model``); otherwise
+    ``from_pretrained`` (no hub), the class named by the directory's ``config.json``.
     """
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config, Qwen3MoeConfig
     from transformers import Qwen3ForCausalLM as HFQwen3
+    from transformers import Qwen3MoeForCausalLM as HFQwen3Moe
+
+    from rl_engine.models.qwen3_moe import Qwen3MoeSpec
+    from rl_engine.models.registry import load_spec, random_model
+    from rl_engine.models.registry import preset as preset_spec
 
     if model_dir is None:
-        from rl_engine.models.qwen3 import Qwen3ForCausalLM as Ours
-        from rl_engine.models.qwen3 import preset as preset_spec
-
         spec = preset_spec(preset)
-        cfg = Qwen3Config(**{k: v for k, v in spec.to_hf_config().items() if k not in ("architectures", "rope_theta")})
-        hf = HFQwen3(cfg)
-        missing, unexpected = hf.load_state_dict(Ours.random(spec, seed=seed).to_hf_state_dict(), strict=False)
+        moe = isinstance(spec, Qwen3MoeSpec)
+        fields = {k: v for k, v in spec.to_hf_config().items() if k not in ("architectures", "rope_theta", "model_type")}
+        hf = HFQwen3Moe(Qwen3MoeConfig(**fields)) if moe else HFQwen3(Qwen3Config(**fields))
+        ours = random_model(spec, seed=seed)
+        sd = ours.to_hf_state_dict(fused_experts=True) if moe else ours.to_hf_state_dict()
+        missing, unexpected = hf.load_state_dict(sd, strict=False)
         if unexpected or set(missing) - {"lm_head.weight"}:
             raise ValueError(f"model: state dict mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        hf.tie_weights()
         name = f"{preset} (random weights)"
     else:
-        hf = HFQwen3.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+        cls = HFQwen3Moe if isinstance(load_spec(model_dir), Qwen3MoeSpec) else HFQwen3
+        hf = cls.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
         name = str(model_dir)
     hf = hf.to(device=device, dtype=dtype).eval()
     if hf.generation_config.pad_token_id is None:

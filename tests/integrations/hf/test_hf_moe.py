@@ -164,3 +164,24 @@ def test_install_table_has_the_moe_forwards():
 
     for cls, fn in MOE_SUBSTITUTIONS.items():
         assert SUBSTITUTIONS[cls] is fn
+
+
+def test_rlk_check_engine_hf_on_qwen3_moe():
+    """``rlk check --engine hf --preset qwen3-moe-tiny``: generate vs the training forward through
+    transformers' Qwen3-MoE, installed (R/R: 0 mismatches) and unpatched (P/P: the negative control)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from rl_engine.entrypoints.cli import app
+
+    def run(plan):
+        res = CliRunner().invoke(app, ["check", "--engine", "hf", "--preset", "qwen3-moe-tiny", "--num-prompts", "4",
+                                       "--max-new-tokens", "6", "--plan", plan, "--json"])
+        return res.exit_code, json.loads(res.stdout)
+
+    code, rr = run("R/R")
+    assert code == 0 and rr["passed"] and rr["compared_tokens"] > 0
+    assert rr["model_spec"]["model_type"] == "qwen3_moe"
+    code, pp = run("P/P")
+    assert code == 1 and pp["mismatched_tokens"] > 0
