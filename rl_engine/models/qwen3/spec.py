@@ -199,7 +199,8 @@ def _p(name, hidden, inter, layers, heads, kv, tie) -> Qwen3Spec:
 
 
 #: Official Qwen3 dense dimensions (Qwen/Qwen3-*/config.json), plus ``tiny`` for the embedded
-#: default (random weights; head_dim 32 so vLLM's CPU attention can run the same model).
+#: default (random weights; head_dim 32 so vLLM's CPU attention can run the same model) and
+#: ``tiny-tp`` for tensor-parallel validation.
 PRESETS: dict[str, Qwen3Spec] = {
     "qwen3-0.6b": _p("qwen3-0.6b", 1024, 3072, 28, 16, 8, True),
     "qwen3-1.7b": _p("qwen3-1.7b", 2048, 6144, 28, 16, 8, True),
@@ -210,6 +211,13 @@ PRESETS: dict[str, Qwen3Spec] = {
     "tiny": Qwen3Spec(
         name="tiny", vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, tie_word_embeddings=True, max_position_embeddings=4096,
+    ),
+    # the tensor-parallel validation model (rlk validate ws2): heads, KV heads and the MLP width
+    # divide by 4, and the vocabulary spans 5 blocks of 1024 (whole-block shards at TP 1, 2, 4).
+    "tiny-tp": Qwen3Spec(
+        name="tiny-tp", vocab_size=4608, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-6,
         rope_theta=1_000_000.0, tie_word_embeddings=True, max_position_embeddings=4096,
     ),
 }

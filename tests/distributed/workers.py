@@ -1,0 +1,168 @@
+"""Rank functions the distributed tests start with :func:`rl_engine.distributed.launch.spawn`.
+
+Every rank builds the same full inputs from fixed seeds, keeps its shard, runs the block forward
+and backward, and returns its outputs; the tests compare them with the single-process operators
+computed in the test process. One world per size runs every check (:func:`all_checks`), so a
+test session starts each world once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.distributed.transports import Group
+
+DTYPES = (torch.float32, torch.bfloat16)
+# linear shapes: M rows, K in, N out (divisible by 8 = k_tree's K blocks, and by 4 ranks)
+M, K, N = 11, 64, 48
+# vocabulary: 3 blocks of 1024 plus a short block (4 ranks: one block each; 2 ranks: two each)
+V, H, T = 3 * 1024 + 333, 32, 13
+TEMPERATURE = 0.7
+MICROBATCHES = 4
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def linear_inputs(dtype: torch.dtype):
+    g = gen(1)
+    x, w, b, dy = (torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) / 8, torch.randn(N, generator=g),
+                   torch.randn(M, N, generator=g))
+    return x.to(dtype), w.to(dtype), b.to(dtype), dy.to(dtype)
+
+
+def vocab_inputs(dtype: torch.dtype):
+    g = gen(2)
+    h = torch.randn(T, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
+    ids = torch.randint(0, V, (T,), generator=g)
+    ids[3] = ids[7] = ids[0]  # repeated ids: one table row gets several tokens' gradients
+    ids[5] = V - 1  # the short last block
+    g_lp, g_ent = torch.randn(T, generator=g), torch.randn(T, generator=g)
+    dy_emb = torch.randn(T, H, generator=g).to(dtype)
+    w[ids[9], 4] = -0.0  # a -0.0 table entry: the combination must keep its sign
+    return h, w, ids, g_lp, g_ent, dy_emb
+
+
+def mlp_params():
+    g = gen(3)
+    return [torch.randn(24, 16, generator=g) / 4, torch.randn(24, generator=g), torch.randn(8, 24, generator=g) / 5]
+
+
+def microbatch(j: int):
+    g = gen(100 + j)
+    return torch.randn(5, 16, generator=g), torch.randn(5, 8, generator=g)
+
+
+def mlp_loss(params, j: int) -> torch.Tensor:
+    from rl_engine.ops.gemm import linear
+
+    w1, b1, w2 = params
+    x, target = microbatch(j)
+    y = linear(torch.relu(linear(x, w1, b1)), w2)
+    return ((y - target) ** 2).sum() / 64.0  # one constant of the global batch
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+def _grads(*ts):
+    return tuple(None if t.grad is None else t.grad.clone() for t in ts)
+
+
+def linear_checks(group: Group) -> dict:
+    from rl_engine.distributed import tensor_parallel as tp
+
+    p, r = group.size, group.rank
+    n, k = N // p, K // p
+    out = {}
+    for dtype in DTYPES:
+        x, w, b, dy = linear_inputs(dtype)
+        xc, wc, bc = _leaf(x), _leaf(w[r * n:(r + 1) * n]), _leaf(b[r * n:(r + 1) * n])
+        y = tp.column_parallel_linear(xc, wc, bc, group)
+        y.backward(dy[:, r * n:(r + 1) * n])
+        out[("column", dtype)] = (y.detach(), *_grads(xc, wc, bc))
+        for scheme in tp.ROW_SCHEMES:
+            xs = _leaf(x[:, r * k:(r + 1) * k])
+            if scheme == "full_k":
+                ws, bs = _leaf(w[r * n:(r + 1) * n]), _leaf(b[r * n:(r + 1) * n])
+            else:
+                ws, bs = _leaf(w[:, r * k:(r + 1) * k]), _leaf(b)
+            y = tp.row_parallel_linear(xs, ws, bs, group, scheme=scheme)
+            y.backward(dy)
+            out[(scheme, dtype)] = (y.detach(), *_grads(xs, ws, bs))
+    return out
+
+
+def vocab_checks(group: Group) -> dict:
+    from rl_engine.distributed import tensor_parallel as tp
+    from rl_engine.distributed.algorithms.vocab import vocab_partition
+
+    parts = vocab_partition(V, group.size)
+    lo, hi = parts[group.rank]
+    blocks = [-(-(e - s) // 1024) for s, e in parts]
+    out = {}
+    for dtype in DTYPES:
+        h, w, ids, g_lp, g_ent, dy_emb = vocab_inputs(dtype)
+        hl, wl = _leaf(h), _leaf(w[lo:hi])
+        lp, ent = tp.vocab_parallel_logprobs(hl, wl, ids, group, start=lo, vocab_size=V, blocks=blocks,
+                                             temperature=TEMPERATURE, return_entropy=True, token_chunk=5)
+        torch.autograd.backward([lp, ent], [g_lp, g_ent])
+        out[("logprobs", dtype)] = (lp.detach(), ent.detach(), *_grads(hl, wl))
+        we = _leaf(w[lo:hi])
+        e = tp.vocab_parallel_embedding(ids, we, lo, group)
+        e.backward(dy_emb)
+        out[("embedding", dtype)] = (e.detach(), *_grads(we))
+        # negative control: the zero-masked shards combined by the float all-reduce
+        flat = ids.reshape(-1)
+        mask = (flat >= lo) & (flat < hi)
+        masked = torch.zeros(T, H, dtype=dtype)
+        masked[mask] = w[flat[mask]]
+        out[("embedding_native", dtype)] = group.all_reduce_native(masked)
+    return out
+
+
+def dp_checks(group: Group) -> dict:
+    from rl_engine.distributed.data_parallel import TreeGradReducer
+
+    params = [_leaf(t) for t in mlp_params()]
+    red = TreeGradReducer(params, num_microbatches=MICROBATCHES, group=group)
+    for j in red.microbatches():
+        mlp_loss(params, j).backward()
+        red.accumulate()
+    red.finish()
+    tree = [q.grad.clone() for q in params]
+    # negative control: autograd's sequential accumulation over the local micro-batches, then
+    # the backend's all-reduce
+    for q in params:
+        q.grad = None
+    for j in red.microbatches():
+        mlp_loss(params, j).backward()
+    native = [group.all_reduce_native(q.grad) for q in params]
+    return {"tree": tree, "native": native}
+
+
+def transport_checks(group: Group) -> dict:
+    from rl_engine.distributed.algorithms.exact_k import tree_all_reduce
+
+    r = group.rank
+    t = torch.randn(7, 5, generator=gen(50 + r))
+    owner = torch.zeros(6, dtype=torch.bfloat16)
+    if r == group.size - 1:
+        owner[:] = torch.tensor([-0.0, 1.5, -2.0, 0.0, 3.0, -0.0])
+    return {"tree_all_reduce": tree_all_reduce(t, group), "inputs": t,
+            "one_owner": group.all_reduce_one_owner(owner),
+            "sizes": group.all_gather_sizes(torch.full((2, r + 1), float(r)), [q + 1 for q in range(group.size)], dim=1)}
+
+
+def checks(group: Group) -> dict:
+    return {"linear": linear_checks(group), "vocab": vocab_checks(group), "dp": dp_checks(group),
+            "transport": transport_checks(group)}
+
+
+def all_checks(world: Group) -> dict:
+    """Every check on the world (4 ranks) and on its two halves (2 ranks each): ``{size: result}``."""
+    half = world.subgroups([list(range(0, world.size // 2)), list(range(world.size // 2, world.size))])
+    return {world.size: checks(world), half.size: checks(half)}
