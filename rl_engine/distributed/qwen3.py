@@ -46,7 +46,7 @@ from rl_engine.distributed.tensor_parallel import (
 )
 from rl_engine.distributed.transports import Group
 
-__all__ = ["TPLayout", "shard_qwen3", "TensorParallelOps", "SHARDED_STAGES"]
+__all__ = ["TPLayout", "shard_qwen3", "unshard_qwen3", "TensorParallelOps", "SHARDED_STAGES"]
 
 #: Stages whose tensor is sharded across the TP ranks (along the last dim); all others are replicated.
 SHARDED_STAGES = ("attention",)
@@ -186,3 +186,40 @@ class TensorParallelOps:
                                       vocab_size=self._vocab_size, blocks=self._blocks, temperature=temperature,
                                       return_entropy=return_entropy, token_chunk=token_chunk)
         return (out[0], out[1]) if return_entropy else (out, None)
+
+
+def unshard_qwen3(local: dict[str, torch.Tensor], model_spec, layout: TPLayout, group: Group) -> dict[str, torch.Tensor]:
+    """The full tensors of the model's parameter names from every TP rank's ``local`` shards
+    (parameters or their gradients; a collective over ``group``, every rank gets the result).
+
+    Args:
+        local: this rank's tensors by parameter name (``None`` entries are taken as zeros).
+        model_spec: the **full** model's spec; layout: this rank's :class:`TPLayout`.
+    """
+    s = model_spec
+    p = group.size
+    I = s.intermediate_size
+    full_k = layout.row_scheme == "full_k"
+    vocab_sizes = [hi - lo for lo, hi in layout.vocab]
+    out: dict[str, torch.Tensor] = {}
+    for k in sorted(local):
+        t = local[k]
+        kind = layout.kinds[k]
+        if kind in ("replicated", "head_norm") or (kind == "row_bias" and not full_k):
+            out[k] = t
+            continue
+        if kind == "vocab":
+            out[k] = group.all_gather_sizes(t.contiguous(), vocab_sizes, dim=0)
+            continue
+        if kind in ("row", "row_bias"):
+            out[k] = group.all_gather(t.contiguous(), dim=0 if (full_k or t.dim() == 1) else 1)
+            continue
+        parts = group.all_gather(t.contiguous(), dim=0).chunk(p, dim=0)
+        if ".self_attn.qkv_proj." in k:
+            qn, kvn = s.q_size // p, s.kv_size // p
+            split = [q.split([qn, kvn, kvn]) for q in parts]
+            out[k] = torch.cat([torch.cat([x[i] for x in split]) for i in range(3)])
+        else:  # gate_up: [gate_r; up_r] per rank
+            n = I // p
+            out[k] = torch.cat([torch.cat([q[:n] for q in parts]), torch.cat([q[n:] for q in parts])])
+    return out

@@ -5,8 +5,10 @@ one device and one process), **WS2** is distributed (the same bits across tensor
 data-parallel layouts). ``SUITE`` is ``ws1`` (every operator × eligible implementation × dtype: accuracy and raw-bit
 invariance, forward and gradient), ``chain`` (the Qwen3 model over layout and decode cells,
 train↔rollout raw bits, gradient invariance across layouts), ``cross-config`` (one knob at a
-time from a baseline on frozen inputs) or ``ablation`` (per-module P/R plans; attributes
-drift to modules). Each suite runs its negative controls. ``--workload`` names a shipped
+time from a baseline on frozen inputs), ``ablation`` (per-module P/R plans; attributes
+drift to modules) or ``ws2`` (the model trained at every ``--tp`` × ``--dp`` layout on gloo
+ranks it spawns: log-probs, every layer's stages with the first divergence, and gradients
+against one process; docs/distributed.md). Each suite runs its negative controls. ``--workload`` names a shipped
 workload (``ws1-tiny``, ``ws1-tiny@1``) or a workload JSON file; ``--out DIR`` writes a run
 directory (report.json, summary.md, plots, COMPLETE); ``--inject MODULE`` makes that module of
 the rl-kernel provider batch-dependent (a negative control you can watch fail).
@@ -40,11 +42,17 @@ class Suite(str, enum.Enum):
     chain = "chain"
     cross_config = "cross-config"
     ablation = "ablation"
+    ws2 = "ws2"
+
+
+#: The workload each suite runs when ``--workload`` is not given.
+DEFAULT_WORKLOAD = {"ws2": "ws2-tiny"}
 
 
 def run_suite(suite: str, lw, *, device: str = "cpu", plan: str = "R/R", inject: str | None = None,
               progress=None, rollout_threads: int | None = None,
-              train_threads: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+              train_threads: int | None = None, tp: tuple[int, ...] = (1, 2, 4),
+              dp: tuple[int, ...] = (1, 2)) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run one suite; returns ``(result, provenance)``."""
     import torch
 
@@ -71,6 +79,10 @@ def run_suite(suite: str, lw, *, device: str = "cpu", plan: str = "R/R", inject:
             from rl_engine.validation.ablation import run_ablation
 
             result = run_ablation(lw, device=device, factory=factory, progress=progress)
+        elif suite == "ws2":
+            from rl_engine.validation.ws2 import run_ws2
+
+            result = run_ws2(lw, tp=tp, dp=dp, device=device, progress=progress)
         else:
             raise ValueError(f"suite: expected one of {[s.value for s in Suite]}, got {suite!r}")
     summary = prov.summarize(records)
@@ -138,13 +150,15 @@ def execute(suite: str, *, workload: str, device: str, as_json: bool, out: str |
 
 
 def command(
-    suite: Suite = typer.Argument(..., help="ws1 (WS1, the single-device scope: every operator x implementation x dtype) | chain (the model, train vs rollout) | cross-config | ablation"),
-    workload: str = typer.Option("ws1-tiny", "--workload", help="Shipped workload name[@version] or a workload JSON file."),
+    suite: Suite = typer.Argument(..., help="ws1 (WS1, the single-device scope: every operator x implementation x dtype) | chain (the model, train vs rollout) | cross-config | ablation | ws2 (WS2, the distributed scope: TP x DP layouts)"),
+    workload: str | None = typer.Option(None, "--workload", help="Shipped workload name[@version] or a workload JSON file (default: ws2-tiny for ws2, ws1-tiny otherwise)."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda:0."),
     plan: str = typer.Option("R/R", "--plan", help="chain: train/rollout plan (R/R, P/P, P/R, R/P)."),
     inject: str | None = typer.Option(None, "--inject", help="Negative control (chain, cross-config, ablation): make this module of the R provider batch-dependent (attention, gemm, norm, rope, activation, embedding, logprob, moe)."),
     rollout_threads: int | None = typer.Option(None, "--rollout-threads", min=1, help="chain: torch intra-op threads of the rollout side (the bits must not depend on it)."),
     train_threads: int | None = typer.Option(None, "--train-threads", min=1, help="chain: torch intra-op threads of the train side."),
+    tp: str | None = typer.Option(None, "--tp", help="ws2: tensor-parallel sizes, comma-separated powers of two (default 1,2,4)."),
+    dp: str | None = typer.Option(None, "--dp", help="ws2: data-parallel sizes, comma-separated powers of two (default 1,2)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     out: str | None = typer.Option(None, "--out", help="Write a run directory (report.json, summary.md, plots, COMPLETE) under DIR."),
 ) -> None:
@@ -166,8 +180,30 @@ def command(
     if (rollout_threads or train_threads) and suite is not Suite.chain:
         raise typer.BadParameter("--rollout-threads and --train-threads apply to the chain suite (a rollout and a "
                                  "train side)", param_hint="--rollout-threads")
+    if (tp or dp) and suite is not Suite.ws2:
+        raise typer.BadParameter("--tp and --dp apply to the ws2 suite (tensor- and data-parallel layouts)",
+                                 param_hint="--tp")
+    if inject is not None and suite is Suite.ws2:
+        raise typer.BadParameter("ws2 runs its own negative controls (the native row-parallel and DP reductions)",
+                                 param_hint="--inject")
+    from rl_engine.validation.ws2 import parse_sizes
+
+    from rl_engine.distributed.launch import MAX_LOCAL_WORLD
+
+    try:
+        tps = parse_sizes(tp if tp is not None else "1,2,4", "--tp")
+        dps = parse_sizes(dp if dp is not None else "1,2", "--dp")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--tp" if "--tp" in str(exc) else "--dp") from exc
+    if suite is Suite.ws2 and max(tps) * max(dps) > MAX_LOCAL_WORLD:
+        raise typer.BadParameter(f"the layout tp={max(tps)} x dp={max(dps)} needs {max(tps) * max(dps)} ranks; at most "
+                                 f"{MAX_LOCAL_WORLD} run on one host", param_hint="--tp")
+    workload = workload or DEFAULT_WORKLOAD.get(suite.value, "ws1-tiny")
     options = {"suite": suite.value, "device": device, "plan": plan, "inject": inject,
                "rollout_threads": rollout_threads, "train_threads": train_threads}
+    if suite is Suite.ws2:
+        options.update(tp=list(tps), dp=list(dps))
     execute(suite.value, workload=workload, device=device, as_json=as_json, out=out, options=options, label=f"validate {suite.value}",
             runner=lambda lw, progress: run_suite(suite.value, lw, device=device, plan=plan, inject=inject, progress=progress,
-                                                  rollout_threads=rollout_threads, train_threads=train_threads))
+                                                  rollout_threads=rollout_threads, train_threads=train_threads,
+                                                  tp=tps, dp=dps))

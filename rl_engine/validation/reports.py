@@ -288,6 +288,23 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
                         [[k, v["compared_tokens"], v["mismatched_tokens"], v["max_abs_diff"], v["passed"]] for k, v in r["runs"].items()])
         a = r["attribution"]
         lines += [f"**Drift attributed to:** {', '.join(a['modules']) or 'none'} ({a['basis']}).", ""]
+    elif s == "ws2":
+        rv = r["reference_vs_rollout"]
+        lines += [f"TP {r['tp']} × DP {r['dp']} on {r['world']} gloo ranks; {r['samples']} samples, one micro-batch each; "
+                  f"every layout against one process (reference vs rollout: {rv['mismatched']} of {rv['compared']} "
+                  "log-probs differ).", ""]
+
+        def first(f):
+            if not f:
+                return "none"
+            return f"layer {f['layer']} {f['stage']}" + (f", sample {f['sample']} position {f['position']}" if "sample" in f else "")
+
+        lines += _table(["layout", "log-probs", "mismatched", "vs rollout", "stages equal", "first divergence",
+                         "gradients differing", "result"],
+                        [[x["layout"], x["logprobs"]["compared"], x["logprobs"]["mismatched"],
+                          x["logprobs_vs_rollout"]["mismatched"], f"{sum(y['equal'] for y in x['stages'])}/{len(x['stages'])}",
+                          first(x["first_divergence"]), len(x["gradients"]["mismatched"]),
+                          "bitwise equal" if x["passed"] else "MISMATCH"] for x in r["layouts"]])
     elif s == "cross-config":
         lines += _table(["knob", "value", "status", "expected", "tokens", "max |Δ log p|"],
                         [[x["knob"], x["value"], x["status"], x["expect"], x["tokens"], x.get("max_abs_diff", 0.0)] for x in r["results"]])
@@ -303,7 +320,8 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
     controls = r.get("negative_controls")
     if controls:
         lines += ["Negative controls (must be detected):", ""]
-        lines += _table(["control", "detected"], [[c["name"], c["detected"]] for c in controls])
+        lines += _table(["control", "detected"], [[c["name"], "n.a." if c["detected"] is None else c["detected"]]
+                                                  for c in controls])
     for p in plots:
         lines += [f"![{Path(p).stem}]({p})", ""]
     return "\n".join(lines)

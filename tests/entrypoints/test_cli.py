@@ -34,8 +34,8 @@ CLI_SURFACE = {
         "--max-seqs", "--max-step-tokens", "--model", "--num-prompts", "--plan", "--prefill-chunk", "--preset", "--rollout-threads", "--seed",
         "--temperature", "--threads", "--top-k", "--top-p", "--train-threads",
     ],
-    "validate": ["--device", "--help", "--inject", "--json", "--out", "--plan", "--rollout-threads", "--train-threads",
-                 "--workload", "<suite>"],
+    "validate": ["--device", "--dp", "--help", "--inject", "--json", "--out", "--plan", "--rollout-threads", "--tp",
+                 "--train-threads", "--workload", "<suite>"],
     "debug": ["--device", "--help", "--inject", "--json", "--out", "--plan-a", "--plan-b", "--sample", "--workload"],
     "report": ["--help", "--json", "<run_dir>"],
 }

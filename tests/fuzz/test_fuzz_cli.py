@@ -32,6 +32,8 @@ SURFACE = {
                  "--model": ["/nonexistent/model"]},
     ("validate", "chain"): {"--device": BAD_DEVICE, "--plan": ["X/Y", ""], "--inject": BAD_CHOICE,
                             "--workload": ["/nonexistent.json", "no-such-workload"], "--out": ["/proc/rlk-out"]},
+    ("validate", "ws2"): {"--tp": ["3", "0", "abc", "16", ""], "--dp": ["3", "", "1,x"], "--device": BAD_DEVICE,
+                          "--inject": ["gemm"], "--workload": ["/nonexistent.json"]},
     ("debug",): {"--device": BAD_DEVICE, "--plan-a": ["X/Y"], "--sample": ["-1", "abc"], "--out": ["/proc/rlk-out"]},
     ("ops",): {"--device": BAD_CHOICE + ["meta"]},
     ("report",): {"": ["/nonexistent/run", "/proc"]},

@@ -13,6 +13,7 @@ from rl_engine.workloads import Workload, WorkloadError, load_workload, shipped_
 # Adding a version: add its file and its sha256 below (never change an existing line).
 PINNED_SHA256 = {
     "ws1-tiny.v1.json": "1e5495a0fa888a4a3904dbc8a364c601d2d093f33a8af0c13222003e0f3cb0a9",
+    "ws2-tiny.v1.json": "a55f1915421849c4f420e1c4ba4d9a1aca47edabc48cc8f5fdfd9b8dc01338d8",
 }
 
 
@@ -78,7 +79,7 @@ def test_suite_configs_reference_shipped_workloads():
 
     root = Path(__file__).resolve().parents[3] / "configs" / "suites"
     files = sorted(root.glob("*.json"))
-    assert {f.stem for f in files} == {"ws1", "chain", "cross-config", "ablation"}
+    assert {f.stem for f in files} == {"ws1", "chain", "cross-config", "ablation", "ws2"}
     for f in files:
         cfg = json.loads(f.read_text())
         assert cfg["suite"] == f.stem
