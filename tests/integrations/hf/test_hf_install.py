@@ -150,11 +150,13 @@ def test_unapply_restores_exactly(models, caplog):
     assert sum("replaced" in r.getMessage() for r in caplog.records) == n_targets  # one log line per replacement
     assert {c for _, c in inst.replaced} == set(SUBSTITUTIONS) & classes
     assert model.config._attn_implementation == ATTN_NAME and is_installed(model)
+    assert inst.generation_cache and "_prepare_cache_for_generation" in model.__dict__
     with torch.no_grad():
         during = model(input_ids=ids, attention_mask=mask).logits
     inst.unapply()
     assert model.config._attn_implementation == impl and not is_installed(model)
     assert all("forward" not in m.__dict__ for m in model.modules())
+    assert "_prepare_cache_for_generation" not in model.__dict__
     with torch.no_grad():
         after = model(input_ids=ids, attention_mask=mask).logits
     assert same_bits(before, after).equal
