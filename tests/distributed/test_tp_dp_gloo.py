@@ -17,7 +17,6 @@ import torch
 
 from rl_engine.distributed.algorithms.tree import tree_sum
 from rl_engine.distributed.algorithms.vocab import vocab_partition
-from rl_engine.distributed.launch import spawn
 from rl_engine.distributed.tensor_parallel import K_TREE_BLOCKS, ROW_SCHEMES
 from rl_engine.utils.bits import same_bits
 from tests.distributed import workers as W
@@ -26,10 +25,9 @@ SIZES = (2, 4)
 
 
 @pytest.fixture(scope="module")
-def worlds():
-    """``{size: [rank results]}``: one world of 4 ranks runs the checks on itself and on its halves."""
-    ranks = spawn(W.all_checks, 4)
-    return {2: [r[2] for r in ranks[:2]], 4: [r[4] for r in ranks]}
+def worlds(gloo_world):
+    """``{size: [rank results]}``: the world of 4 ranks ran the checks on itself and on its halves."""
+    return {2: [r[2] for r in gloo_world[:2]], 4: [r[4] for r in gloo_world]}
 
 
 def _leaf(t):

@@ -165,4 +165,83 @@ def checks(group: Group) -> dict:
 def all_checks(world: Group) -> dict:
     """Every check on the world (4 ranks) and on its two halves (2 ranks each): ``{size: result}``."""
     half = world.subgroups([list(range(0, world.size // 2)), list(range(world.size // 2, world.size))])
-    return {world.size: checks(world), half.size: checks(half)}
+    return {world.size: checks(world), half.size: checks(half), "fsdp": fsdp_checks(world)}
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP2 on an HF Qwen3 with rl_engine installed
+
+FSDP_CFG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+FSDP_MICROBATCHES, FSDP_B, FSDP_P, FSDP_N = 4, 2, 5, 4
+
+
+def fsdp_batch(j: int):
+    """Micro-batch ``j``: ``[B, P + N]`` tokens (row 1 left-padded by 2), its mask, per-token loss weights."""
+    g = gen(200 + j)
+    seq = torch.randint(1, FSDP_CFG["vocab_size"], (FSDP_B, FSDP_P + FSDP_N), generator=g)
+    mask = torch.ones_like(seq)
+    mask[1, :2] = 0
+    seq[1, :2] = 0
+    u = torch.randn(FSDP_B, FSDP_N, generator=g)
+    return seq, mask, u
+
+
+def fsdp_model():
+    from rl_engine.integrations.hf import install
+    from tests.helpers.qwen3 import build_hf_model
+
+    model = build_hf_model(FSDP_CFG, seed=0).train()
+    install(model)
+    return model
+
+
+def fsdp_step(model, j: int) -> torch.Tensor:
+    from rl_engine.integrations.hf import train_token_logprobs
+
+    seq, mask, u = fsdp_batch(j)
+    lp = train_token_logprobs(model, seq, mask, FSDP_P)
+    (lp * u).sum().backward()
+    return lp.detach()
+
+
+def _fsdp_run(group: Group, native: bool) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from rl_engine.integrations.fsdp import ShardedGradTree, shard_model
+
+    model = fsdp_model()
+    mesh = DeviceMesh.from_group(group.pg if group.pg is not None else dist.group.WORLD, "cpu")
+    lps = {}
+    if native:  # FSDP2's own reduce-scatter (gloo) and gradient accumulation, summed (no averaging)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+                m.set_gradient_divide_factor(1.0)
+        for j in range(group.rank, FSDP_MICROBATCHES, group.size):
+            lps[j] = fsdp_step(model, j)
+    else:
+        shard_model(model, mesh=mesh)
+        tree = ShardedGradTree(model, num_microbatches=FSDP_MICROBATCHES, group=group)
+        for j in tree.microbatches():
+            lps[j] = fsdp_step(model, j)
+            tree.accumulate()
+        tree.finish()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {"logprobs": lps, "grads": grads}
+
+
+def fsdp_checks(world: Group) -> dict:
+    """FSDP2 at 1, 2 and 4 ranks (groups of the world), tree reduction; the native control at 1 and 2."""
+    out = {}
+    for W in (1, 2, 4):
+        g = world if W == world.size else world.subgroups([list(range(i, i + W)) for i in range(0, world.size, W)])
+        out[("tree", W)] = _fsdp_run(g, native=False)
+        if W < 4:
+            out[("native", W)] = _fsdp_run(g, native=True)
+    return out
