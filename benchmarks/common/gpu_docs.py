@@ -10,7 +10,10 @@ holds the exact ``command`` that produced it, ``device``, ``versions``, ``commit
 the benchmark's ``rows`` as written, and a ``summary``: one entry per case with ``case``,
 ``metric``, ``achieved``, ``target`` (text; ``"(no target)"`` when the case is reported only)
 and ``met`` (true / false / null). ``gpu_tests.json`` holds the GPU test-run summary (passed and
-skipped per shard and per module) and the ``rlk check --device cuda`` results.
+skipped per shard and per module) and the ``rlk check --device cuda`` results. ``matrix.json``,
+when present, is the public-API benchmark matrix (``benchmarks/operators/bench_matrix_gpu.py``'s
+report as written, optionally with ``miss_reasons``: ``[{"case", "reason", "evidence"}]`` naming
+what the profiler showed for a missed point); it is rendered with its misses first.
 
 The page is text generated from those files and nothing else, so
 ``tests/benchmarks/test_gpu_docs.py`` regenerates it in memory and fails when the committed page
@@ -26,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILIES", "load_reports", "render", "write_plots", "main"]
+__all__ = ["FAMILIES", "MATRIX", "load_reports", "render", "write_plots", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORTS = ROOT / "reports" / "gpu"
@@ -43,6 +46,11 @@ FAMILIES: dict[str, str] = {
     "host_overhead": "Host time per eager call",
 }
 
+#: the public-API benchmark matrix's file stem and section heading (rendered after the families)
+MATRIX = ("matrix", "Benchmark matrix (public API)")
+MATRIX_FAMILIES = {"gemm": "GEMM", "attention": "Attention, training prefill", "decode": "Attention, decode",
+                   "lmhead": "Fused LM head"}
+
 #: attention implementations as table columns (shipped paths first, then the ablations)
 ATTENTION_COLUMNS: dict[str, str] = {
     "rlk.triton.blocked_online_softmax": "contiguous",
@@ -57,7 +65,7 @@ ATTENTION_COLUMNS: dict[str, str] = {
 def load_reports(reports: Path = REPORTS) -> dict[str, dict[str, dict[str, Any]]]:
     """``{platform: {family: report}}`` for every ``reports/gpu/<platform>/<family>.json``."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    known = {*FAMILIES, "gpu_tests"}
+    known = {*FAMILIES, MATRIX[0], "gpu_tests"}
     for plat in sorted(p for p in reports.iterdir() if p.is_dir()):
         fams = {f.stem: json.loads(f.read_text(encoding="utf-8")) for f in sorted(plat.glob("*.json")) if f.stem in known}
         if fams:
@@ -133,6 +141,100 @@ def _attention_table(summary: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+def _miss_order(s: Mapping[str, Any]) -> tuple:
+    """Misses first: points that could not run, then those beyond their family's limit, then by
+    how far from the goal (``_score``, lowest first)."""
+    score = _score(s)
+    return (s.get("error") is None, s.get("within_limit") is not False, score if score is not None else 0.0)
+
+
+def _score(s: Mapping[str, Any]) -> float | None:
+    """Achieved as a fraction of the goal, >= 1 when met: goal / time ratio, throughput ratio / goal."""
+    goal, achieved = s.get("goal"), s.get("achieved")
+    if not goal or not achieved:
+        return None
+    return goal / achieved if s.get("ratio_metric") == "time_ratio" else achieved / goal
+
+
+def _mcell(s: Mapping[str, Any]) -> str:
+    """A matrix value: 3 decimals (1 from 10 up), bold when met, ✗ when missed, ``error`` for a
+    point that could not run."""
+    v = s.get("achieved")
+    text = "error" if v is None and s.get("error") else "—" if v is None else f"{v:.3f}" if abs(v) < 10 else f"{v:,.1f}"
+    return f"**{text}**" if s.get("met") is True else f"{text} ✗" if s.get("met") is False else text
+
+
+def _matrix_section(rep: Mapping[str, Any], path: str, plat: str, images: bool) -> list[str]:
+    """The matrix of record: counts, the misses (with the recorded reason), then every point per
+    family with its graph and eager values side by side."""
+    summary = rep["summary"]
+    lines = [f"## {MATRIX[1]}", ""] + _header(rep, path)
+    meta = rep.get("meta", {})
+    if meta.get("stopped") or meta.get("partial"):
+        why = (meta.get("stopped") or {}).get("reason", "the run ended early")
+        lines += [f"The run measured {meta.get('points_done', '?')} of {meta.get('points', '?')} points ({why}).", ""]
+    judged = [s for s in summary if s.get("met") is not None]
+    by_mode = {}
+    for s in judged:
+        m = by_mode.setdefault(s.get("mode", "?"), [0, 0])
+        m[0] += bool(s["met"])
+        m[1] += 1
+    modes = "; ".join(f"{mode}: {met} of {n}" for mode, (met, n) in sorted(by_mode.items()))
+    over = sum(1 for s in judged if s.get("within_limit") is False)
+    lines += [f"{_met_count(summary)[:-1]} ({modes}); beyond the family's limit: **{over}**. "
+              "How to run it and the parity gate: [Benchmark matrix](matrix.md).", ""]
+    reasons = {r["case"]: r for r in rep.get("miss_reasons", [])}
+    misses = sorted((s for s in judged if not s["met"]), key=_miss_order)
+    lines += ["### Misses", ""]
+    if not misses:
+        lines += ["None.", ""]
+    else:
+        lines += ["| case | achieved | target | reason |", "|---|---|---|---|"]
+        for s in misses:
+            r = reasons.get(s["case"])
+            why = s.get("error") or (f"{r['reason']} ({r['evidence']})" if r and r.get("evidence") else
+                                     r["reason"] if r else "not yet profiled")
+            lines.append(f"| {s['case']} | {_mcell(s)} | {s['target']} | {str(why).replace('|', '/')} |")
+        lines.append("")
+    points: dict[str, dict[str, dict[str, Mapping[str, Any]]]] = {}
+    for s in summary:
+        case = s["case"].rsplit(" [", 1)[0]
+        points.setdefault(s.get("family", "?"), {}).setdefault(case, {})[s.get("mode", "?")] = s
+    for fam, cases in points.items():
+        lines += [f"### {MATRIX_FAMILIES.get(fam, fam)}", "", "| case | graph | eager | metric | target |",
+                  "|---|---|---|---|---|"]
+        for case, by in cases.items():
+            any_s = next(iter(by.values()))
+            cells = [_mcell(by[m]) if m in by else "—" for m in ("graph", "eager")]
+            lines.append(f"| {case.split(': ', 1)[-1]} | {cells[0]} | {cells[1]} | {any_s['metric']} | {any_s['target']} |")
+        lines.append("")
+    if images:
+        lines += [f"![matrix on {plat}](img/{plat}_{MATRIX[0]}.png)", ""]
+    return lines
+
+
+def _matrix_plot(plt, rep: Mapping[str, Any], plat: str, path: Path) -> None:
+    """One dot per point and mode: achieved as a fraction of its goal (>= 1: met), per family."""
+    colour = {True: "#2a7f3f", False: "#c0392b"}
+    fams = list(MATRIX_FAMILIES)
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    for s in rep["summary"]:
+        score = _score(s)
+        if score is None or s.get("family") not in fams:
+            continue
+        y = fams.index(s["family"]) + (0.15 if s.get("mode") == "eager" else -0.15)
+        ax.scatter([score], [y], s=10, marker="o" if s.get("mode") == "graph" else "x", color=colour[bool(s.get("met"))])
+    ax.set_yticks(range(len(fams)), [MATRIX_FAMILIES[f] for f in fams], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="black", linewidth=0.6)
+    ax.set_xlabel("achieved / goal (>= 1: target met); o graph, x eager", fontsize=8)
+    ax.set_title(f"{MATRIX[1]} — {plat}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+
+
 def _tests_section(rep: Mapping[str, Any], path: str) -> list[str]:
     dev = rep["device"]
     vers = ", ".join(f"{k} {v}" for k, v in rep["versions"].items())
@@ -174,7 +276,8 @@ def render(reports: Mapping[str, Mapping[str, Mapping[str, Any]]], *, images: bo
              "In the tables a value that meets its target is **bold**, one that misses it is marked ✗; "
              "the rest are reported without a target. Timings are medians of repeated CUDA-graph replays "
              "(host-synchronised wall time for the fused LM head and the host-time rows); points near "
-             "1.0x move by a few percent between runs of the same code.", ""]
+             "1.0x move by a few percent between runs of the same code. How the public-API matrix and the "
+             "parity gate run, and how a missed point's reason is recorded: [Benchmark matrix](matrix.md).", ""]
     for plat, fams in reports.items():
         lines += [f"Platform: **{plat}**.", ""]
         for fam, heading in FAMILIES.items():
@@ -191,6 +294,8 @@ def render(reports: Mapping[str, Mapping[str, Mapping[str, Any]]], *, images: bo
             lines.append("")
             if images:
                 lines += [f"![{fam} on {plat}](img/{plat}_{fam}.png)", ""]
+        if MATRIX[0] in fams:
+            lines += _matrix_section(fams[MATRIX[0]], f"reports/gpu/{plat}/{MATRIX[0]}.json", plat, images) + [""]
         if "gpu_tests" in fams:
             lines += _tests_section(fams["gpu_tests"], f"reports/gpu/{plat}/gpu_tests.json") + [""]
     return "\n".join(lines).rstrip("\n") + "\n"
@@ -235,6 +340,10 @@ def write_plots(reports: Mapping[str, Mapping[str, Mapping[str, Any]]], out: Pat
             path = out / f"{plat}_{fam}.png"
             fig.savefig(path, dpi=90, metadata={"Software": None})
             plt.close(fig)
+            written.append(path)
+        if MATRIX[0] in fams:
+            path = out / f"{plat}_{MATRIX[0]}.png"
+            _matrix_plot(plt, fams[MATRIX[0]], plat, path)
             written.append(path)
     return written
 

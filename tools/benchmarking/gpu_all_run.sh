@@ -10,6 +10,9 @@
 # split at Qwen3-0.6B's dimensions over contiguous and paged caches; CHECK_RUNS overrides), ablation
 # (tools/benchmarking/attention_ablation_gpu.py), sweep (tools/benchmarking/gemm_sweep.py),
 # host_overhead (tools/benchmarking/host_overhead_gpu.py), overhead (benchmarks/operators/bench_call_overhead.py),
+# matrix (benchmarks/operators/bench_matrix_gpu.py, MATRIX_ARGS, default --quick), gate (the parity gate:
+# tools/benchmarking/matrix_gate_gpu.py, the matrix of this tree against GATE_BASE, default .whl/base.tgz
+# made by `git archive --format=tar.gz -o .whl/base.tgz BASE rl_engine`; GATE_ARGS, default --quick --modes graph),
 # breakdown
 # (tools/benchmarking/attention_breakdown_gpu.py). Two jobs can share a 2-GPU machine: give each
 # its CUDA_VISIBLE_DEVICES, OUT and WORK.
@@ -129,6 +132,17 @@ for step in $STEPS; do
       timeout $(lim ${OVERHEAD_TIMEOUT:-120}) python3 benchmarks/operators/bench_call_overhead.py --device cuda \
         --out "$OUT/bench_call_overhead.json" ${OVERHEAD_ARGS:-} > "$OUT/bench_call_overhead.log" 2>&1
       tail -12 "$OUT/bench_call_overhead.log" ;;
+    matrix)  # the public-API matrix; --max-seconds ends it cleanly (the report keeps the finished points)
+      maxs=$(( $(lim ${MATRIX_TIMEOUT:-300}) - 30 )); [ "$maxs" -lt 1 ] && maxs=1
+      timeout $(lim ${MATRIX_TIMEOUT:-300}) python3 benchmarks/operators/bench_matrix_gpu.py --out "$OUT/bench_matrix_gpu.json" \
+        --max-seconds $maxs ${MATRIX_ARGS:---quick} > "$OUT/bench_matrix_gpu.log" 2>&1
+      grep -E "MISSED|targets met|stopped|error" "$OUT/bench_matrix_gpu.log" | cut -c1-220 | tail -60 ;;
+    gate)  # parity gate: fails when a point is > 5 % slower than GATE_BASE or its bits differ (runs alternate)
+      gl=$(lim ${GATE_TIMEOUT:-540})
+      timeout $gl python3 tools/benchmarking/matrix_gate_gpu.py --base base=${GATE_BASE:-.whl/base.tgz} --new new=. \
+        --rounds ${GATE_ROUNDS:-2} --out-dir "$OUT/gate" --work /tmp/rlk_gate_trees --deadline $(( gl > 20 ? gl - 10 : gl )) \
+        -- ${GATE_ARGS:---quick --modes graph} > "$OUT/matrix_gate.log" 2>&1; echo "gate rc=$?"
+      cp "$OUT/gate/matrix_gate.json" "$OUT/bench_matrix_gate.json" 2>/dev/null; tail -80 "$OUT/matrix_gate.log" | cut -c1-240 ;;
     bench_gemm)
       timeout $(lim ${BENCH_GEMM_TIMEOUT:-150}) python3 benchmarks/operators/bench_gemm_gpu.py --out "$OUT/bench_gemm_gpu.json" \
         ${BENCH_GEMM_ARGS:-} > "$OUT/bench_gemm_gpu.log" 2>&1; tail -32 "$OUT/bench_gemm_gpu.log" ;;

@@ -17,6 +17,10 @@ extracted under ``--work``. Rows are the benchmark harness's (``benchmarks/commo
 
 Exit status: 0 when every run wrote its rows, 1 when a run failed or timed out (its log is
 ``<out-dir>/<stem>_<tree><round>.log``; the others are still tabulated), 2 for bad arguments.
+
+The parity gate on the public-API benchmark matrix (a verdict: no point more than 5 % slower than
+the baseline, the same bits) is ``tools/benchmarking/matrix_gate_gpu.py``, built on this tool's
+tree handling.
 """
 
 from __future__ import annotations
