@@ -14,8 +14,11 @@
 # tools/benchmarking/matrix_gate_gpu.py, the matrix of this tree against GATE_BASE, default .whl/base.tgz
 # made by `git archive --format=tar.gz -o .whl/base.tgz BASE rl_engine`; GATE_ARGS, default --quick --modes graph),
 # breakdown
-# (tools/benchmarking/attention_breakdown_gpu.py). Two jobs can share a 2-GPU machine: give each
-# its CUDA_VISIBLE_DEVICES, OUT and WORK.
+# (tools/benchmarking/attention_breakdown_gpu.py), e2e (benchmarks/e2e/bench_hf_qwen3.py: transformers'
+# Qwen3 at 8B dimensions, plain against rl_engine installed, training step and generate; E2E_ARGS,
+# E2E_TIMEOUT; needs transformers >= 5.24, and trl for E2E_ARGS=--trl: carry their wheels in .whl
+# where the image's are older). Two jobs can share a 2-GPU machine: give each its
+# CUDA_VISIBLE_DEVICES, OUT and WORK.
 #
 # SHARD (attention | rest | all, default all) picks the tests step's default TESTS: a full GPU
 # test run takes two device calls of 600 s (one per shard); reports/gpu/h200/gpu_tests.json
@@ -143,6 +146,9 @@ for step in $STEPS; do
         --rounds ${GATE_ROUNDS:-2} --out-dir "$OUT/gate" --work /tmp/rlk_gate_trees --deadline $(( gl > 20 ? gl - 10 : gl )) \
         -- ${GATE_ARGS:---quick --modes graph} > "$OUT/matrix_gate.log" 2>&1; echo "gate rc=$?"
       cp "$OUT/gate/matrix_gate.json" "$OUT/bench_matrix_gate.json" 2>/dev/null; tail -80 "$OUT/matrix_gate.log" | cut -c1-240 ;;
+    e2e)  # end to end through transformers; the report is rewritten after each section: a time limit keeps what finished
+      timeout $(lim ${E2E_TIMEOUT:-540}) python3 benchmarks/e2e/bench_hf_qwen3.py --out "$OUT/bench_hf_qwen3.json" \
+        ${E2E_ARGS:-} > "$OUT/bench_hf_qwen3.log" 2>&1; echo "rc=$?"; grep -v -i warn "$OUT/bench_hf_qwen3.log" | tail -40 ;;
     bench_gemm)
       timeout $(lim ${BENCH_GEMM_TIMEOUT:-150}) python3 benchmarks/operators/bench_gemm_gpu.py --out "$OUT/bench_gemm_gpu.json" \
         ${BENCH_GEMM_ARGS:-} > "$OUT/bench_gemm_gpu.log" 2>&1; tail -32 "$OUT/bench_gemm_gpu.log" ;;
