@@ -5,21 +5,27 @@ the same code runs the rl-kernel (``R``) and native (``P``) operators.
 
 **Train side** (:func:`score`): teacher forcing. The log-prob of token ``t`` of a sequence is
 taken from the logits at position ``t - 1``:
-``logprob[t] = log softmax(z[t-1] / T)[tokens[t]]``, so position 0 has no log-prob (its mask
-is forced to 0). Layouts (:data:`LAYOUTS`) change only how sequences are laid into the flat
-token stream the model sees; every active token must come out with the same bits.
+``logprob[t] = log softmax(z[t-1] / T)[tokens[t]]`` — renormalised over the kept set of token
+``t`` when the sequence carries kept-set records (:attr:`TrainSequence.kept`, the *processed*
+log-prob) — so position 0 has no log-prob (its mask is forced to 0). Layouts (:data:`LAYOUTS`)
+change only how sequences are laid into the flat token stream the model sees; every active token
+must come out with the same bits.
 
 **Rollout side** (:class:`RolloutExecutor`): prefill (chunked) + decode against per-layer KV
 caches with continuous batching: sequences arrive at different steps, finish after different
 numbers of tokens, and a token budget makes prefills wait, so the batch changes every step.
-Each sampled token's recorded log-prob is ``log softmax(z / T)[token]`` of the
-temperature-scaled **full** distribution, *before* top-k/top-p filtering — the same quantity
-the trainer recomputes. Greedy decoding (``temperature == 0``) records ``log softmax(z)`` (T = 1).
+Each sampled token's recorded log-prob is the **processed** log-prob: ``log softmax(z / T)``
+renormalised over the tokens the top-k / top-p filter kept — the distribution the token was
+drawn from — and the step's kept-set record (:class:`~rl_engine.ops.logprob.KeptSet`, 8 bytes)
+travels with it (:attr:`RolloutSample.kept`), so the trainer can replay the same value. Without
+filters the kept set is the whole vocabulary and the processed log-prob is the full one, bit for
+bit. Greedy decoding (``temperature == 0``) records ``log softmax(z)`` (T = 1, nothing filtered).
 
-**Sampling** (:func:`sample_token`): the uniform draw for (seed, sample id, position) comes from
-a counter-based hash (SplitMix64), never from a stateful generator, so it does not depend on
-the batch; the filtered distribution is computed from the logits row alone in float64, in one
-fixed order (probabilities sorted descending, ties by token id), and inverted by CDF.
+**Sampling** (:func:`sample`): the uniform draw for (seed, sample id, position) comes from a
+counter-based hash (SplitMix64), never from a stateful generator, so it does not depend on the
+batch; the kept set is rl_engine's canonical top-k / top-p filter of the logits row
+(:func:`rl_engine.ops.logprob.canonical_prefix`: float64 weights in the canonical order, ``z``
+descending with ties by token id), and the draw inverts the kept prefix's running sums.
 """
 
 from __future__ import annotations
@@ -32,11 +38,13 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from rl_engine.utils import portable
+from rl_engine.ops.logprob.kept import KeptSet, canonical_prefix, scale_logits
 
 __all__ = [
     "SamplingParams",
+    "LOGPROB_MODES",
     "uniform",
+    "sample",
     "sample_token",
     "TrainSequence",
     "ScoredSequence",
@@ -56,6 +64,12 @@ _M64 = (1 << 64) - 1
 # ------------------------------------------------------------------------------------------
 # Sampling
 # ------------------------------------------------------------------------------------------
+#: What the train side scores against a rollout's records: ``processed`` — renormalised over each
+#: token's kept set (the distribution the rollout sampled from; what it reports) — or ``full`` —
+#: the whole vocabulary (differs from the rollout's value wherever a filter dropped mass).
+LOGPROB_MODES = ("processed", "full")
+
+
 class SamplingParams(BaseModel):
     """Decoding parameters. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1``
     disable the filters."""
@@ -91,34 +105,33 @@ def uniform(seed: int, sample_id: int, position: int) -> float:
     return (h >> 11) / float(1 << 53)
 
 
-def sample_token(logits_row: torch.Tensor, params: SamplingParams, sample_id: int, position: int) -> int:
-    """Pick the token at ``position`` of ``sample_id`` from one row of logits ``[V]``.
+def sample(logits_row: torch.Tensor, params: SamplingParams, sample_id: int, position: int) -> tuple[int, KeptSet]:
+    """The token at ``position`` of ``sample_id`` drawn from one row of logits ``[V]``, and the
+    kept-set record (0-d :class:`~rl_engine.ops.logprob.KeptSet`) of the distribution it was
+    drawn from.
 
-    Greedy: the first index of the maximum. Otherwise the weights ``w = exp(z/T - max(z/T))``
-    in float64 (:func:`rl_engine.utils.portable.exp`: the same bits on every CPU), sorted
-    descending (stable: ties by token id), with ``c`` their running sum (sequential) and
-    ``W = c[-1]`` the total; cut to the ``top_k`` first, then to the shortest prefix with
-    ``c ≥ top_p · W``, and inverted at ``u · c[-1]`` with ``u = uniform(seed, sample_id, position)``.
-    Depends on the row and the triple only, not on the row's device, the thread count or the
-    instruction set: the float64 arithmetic runs on the CPU (one ``[V]`` copy per token).
+    Greedy: the first index of the maximum, nothing filtered (the keep-all record). Otherwise the
+    canonical filter of ``z = fl32(logits) / fl32(T)`` (:func:`rl_engine.ops.logprob.canonical_prefix`:
+    top-k, then top-p of the top-k mass, over the float64 weights ``exp(z - max z)`` in the
+    canonical order) keeps a prefix of ``n`` tokens with running sums ``c``; the draw is the
+    first kept token with ``c > u · c_n``, ``u = uniform(seed, sample_id, position)``. Depends on
+    the row and the triple only, not on the row's device, the batch, the thread count or the
+    instruction set (the float64 arithmetic runs on the CPU: one ``[V]`` copy per token).
     """
-    z = logits_row.detach().to("cpu", torch.float64)
     if params.greedy:
-        return int(torch.argmax(z))
-    zt = z / params.temperature
-    w = portable.exp(zt - zt.max())
-    ws, order = torch.sort(w, descending=True, stable=True)
-    cum = torch.cumsum(ws, dim=0)
-    total = float(cum[-1])
-    if params.top_k:
-        ws, order, cum = ws[: params.top_k], order[: params.top_k], cum[: params.top_k]
-    if params.top_p < 1.0:
-        bound = torch.tensor([params.top_p * total], dtype=torch.float64)
-        keep = int(torch.searchsorted(cum, bound).item()) + 1
-        ws, order, cum = ws[:keep], order[:keep], cum[:keep]
+        return int(torch.argmax(logits_row.detach().to("cpu", torch.float64))), KeptSet.everything(())
+    z = scale_logits(logits_row.detach().reshape(1, -1).to("cpu"), params.temperature)
+    pre = canonical_prefix(z, params.top_k, params.top_p)
+    n = int(pre.count[0])
+    cum = pre.cumulative[0, :n]
     target = uniform(params.seed, sample_id, position) * float(cum[-1])
     idx = int(torch.searchsorted(cum, torch.tensor([target], dtype=torch.float64), right=True).item())
-    return int(order[min(idx, order.shape[0] - 1)])
+    return int(pre.order[0, min(idx, n - 1)]), pre.kept[0]
+
+
+def sample_token(logits_row: torch.Tensor, params: SamplingParams, sample_id: int, position: int) -> int:
+    """The token of :func:`sample` alone."""
+    return sample(logits_row, params, sample_id, position)[0]
 
 
 # ------------------------------------------------------------------------------------------
@@ -126,17 +139,37 @@ def sample_token(logits_row: torch.Tensor, params: SamplingParams, sample_id: in
 # ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TrainSequence:
-    """One sequence to score: ``tokens`` (prompt + response) and a per-token loss mask."""
+    """One sequence to score: ``tokens`` (prompt + response), a per-token loss mask and, for
+    processed log-probs, ``kept``: one kept-set record per token (``[L]``; keep-all for the prompt
+    and unfiltered steps), the record of the sampling step that produced it."""
 
     sample_id: int
     tokens: tuple[int, ...]
     loss_mask: tuple[int, ...]
+    kept: KeptSet | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.loss_mask):
             raise ValueError(f"loss_mask: expected {len(self.tokens)} entries (one per token), got {len(self.loss_mask)}")
         if len(self.tokens) < 2:
             raise ValueError(f"tokens: sample {self.sample_id} needs at least 2 tokens to score, got {len(self.tokens)}")
+        if self.kept is not None and tuple(self.kept.shape) != (len(self.tokens),):
+            raise ValueError(f"kept: expected {len(self.tokens)} records (one per token) for sample {self.sample_id}, "
+                             f"got shape {tuple(self.kept.shape)}")
+
+    @classmethod
+    def of(cls, sample: "RolloutSample", logprobs: str = "processed") -> "TrainSequence":
+        """The train-side view of a rollout sample: the response is the active part; with
+        ``logprobs="processed"`` the sample's kept-set records come along (scored renormalised
+        over each token's kept set, as the rollout reported), with ``"full"`` they do not (the
+        whole vocabulary)."""
+        if logprobs not in LOGPROB_MODES:
+            raise ValueError(f"logprobs: expected one of {LOGPROB_MODES}, got {logprobs!r}")
+        mask = (0,) * len(sample.prompt) + (1,) * len(sample.response)
+        kept = None
+        if logprobs == "processed":
+            kept = KeptSet.cat([KeptSet.everything((len(sample.prompt),)), sample.kept_set()])
+        return cls(sample.sample_id, sample.tokens, mask, kept)
 
 
 @dataclass
@@ -226,11 +259,27 @@ def layout_stream(seqs: Sequence[TrainSequence], lay: Layout, pad_id: int):
     return t(ids), t(pos), torch.tensor(cu, dtype=torch.int32), t(tgt), offsets
 
 
+def stream_kept(seqs: Sequence[TrainSequence], offsets: dict[int, int], rows: int) -> KeptSet:
+    """The kept-set records ``[rows]`` of a flat stream of :func:`layout_stream`: row ``o + p`` of
+    a sequence predicts its token ``p + 1`` and takes that token's record; pads, the last row of
+    each sequence and sequences without records keep everything."""
+    thr = torch.full((rows,), float("-inf"), dtype=torch.float32)
+    bnd = KeptSet.everything((rows,)).boundary
+    for s in seqs:
+        if s.kept is None:
+            continue
+        o, L = offsets[s.sample_id], len(s.tokens)
+        thr[o : o + L - 1] = s.kept.threshold[1:]
+        bnd[o : o + L - 1] = s.kept.boundary[1:].to(bnd.dtype)
+    return KeptSet(thr, bnd)
+
+
 def score(model: Any, ops: Any, seqs: Sequence[TrainSequence], lay: Layout | str = "packed", *,
           temperature: float = 1.0, with_entropy: bool = False, pad_id: int = 0) -> dict[int, ScoredSequence]:
     """Teacher-forcing log-probs (and entropy) of ``seqs`` under ``model`` on the train path.
 
-    ``logprobs[t] = log softmax(z[t-1] / temperature)[tokens[t]]`` for ``t ≥ 1``. Gradients
+    ``logprobs[t] = log softmax(z[t-1] / temperature)[tokens[t]]`` for ``t ≥ 1``, renormalised
+    over token ``t``'s kept set for sequences with records (:attr:`TrainSequence.kept`). Gradients
     flow to the model parameters that require grad. Returns ``{sample_id: ScoredSequence}``.
     """
     if isinstance(lay, str):
@@ -247,13 +296,15 @@ def score(model: Any, ops: Any, seqs: Sequence[TrainSequence], lay: Layout | str
     mb = lay.micro_batch or len(order)
     out: dict[int, ScoredSequence] = {}
     W = model.lm_head_weight
+    with_kept = any(s.kept is not None for s in order)
     for b in range(0, len(order), mb):
         group = order[b : b + mb]
         ids, pos, cu, tgt, offsets = layout_stream(group, lay, pad_id)
         dev = model.device
+        kept = stream_kept(group, offsets, ids.shape[0]).to(dev) if with_kept else None
         hidden = model.hidden_train(ids.to(dev), pos.to(dev), cu.to(dev), ops)
         lp, ent = ops.lm_head_logprobs(hidden, W, tgt.to(dev), temperature, return_entropy=with_entropy,
-                                       token_chunk=lay.token_chunk, vocab_chunk=lay.vocab_chunk)
+                                       token_chunk=lay.token_chunk, vocab_chunk=lay.vocab_chunk, kept=kept)
         for s in group:
             o, L = offsets[s.sample_id], len(s.tokens)
             zero = lp.new_zeros(1)
@@ -286,12 +337,15 @@ class RolloutRequest:
 
 @dataclass
 class RolloutSample:
-    """A finished sequence: prompt, sampled response and each response token's log-prob."""
+    """A finished sequence: prompt, sampled response, each response token's processed log-prob
+    and the kept-set record of the step that sampled it (``kept``: 0-d records, one per
+    response token; an empty list means no filter ran: every step kept the whole vocabulary)."""
 
     sample_id: int
     prompt: tuple[int, ...]
     response: list[int] = field(default_factory=list)
     logprobs: list[torch.Tensor] = field(default_factory=list)  # 0-d fp32 tensors, bits as recorded
+    kept: list[KeptSet] = field(default_factory=list)  # 0-d records, one per response token
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -299,6 +353,24 @@ class RolloutSample:
 
     def logprob_tensor(self) -> torch.Tensor:
         return torch.stack(self.logprobs) if self.logprobs else torch.empty(0)
+
+    def kept_set(self) -> KeptSet:
+        """The records ``[len(response)]`` (keep-all records when none were stored).
+
+        Raises:
+            ValueError: records are stored but not one per response token.
+        """
+        if not self.kept:
+            return KeptSet.everything((len(self.response),))
+        if len(self.kept) != len(self.response):
+            raise ValueError(f"kept: sample {self.sample_id} has {len(self.kept)} kept-set records for "
+                             f"{len(self.response)} response tokens")
+        return KeptSet.stack([k.to("cpu") for k in self.kept])
+
+    def filtered_tokens(self) -> int:
+        """How many response tokens were drawn from a filtered distribution (a kept set smaller
+        than the vocabulary)."""
+        return int((~self.kept_set().keeps_everything()).sum()) if self.response else 0
 
 
 @dataclass
@@ -397,11 +469,14 @@ class RolloutExecutor:
             if ready:
                 rows = torch.tensor([r for _, r in ready], dtype=torch.int64, device=dev)
                 logits = self.ops.linear(hidden.index_select(0, rows), W)
-                toks = [sample_token(logits[k], sampling, st.req.sample_id, st.known) for k, (st, _) in enumerate(ready)]
-                lps = self.ops.token_logprobs(logits, torch.tensor(toks, dtype=torch.int64, device=dev), t_lp)
+                drawn = [sample(logits[k], sampling, st.req.sample_id, st.known) for k, (st, _) in enumerate(ready)]
+                toks = [tok for tok, _ in drawn]
+                kept = KeptSet.stack([k for _, k in drawn]).to(dev)
+                lps = self.ops.token_logprobs(logits, torch.tensor(toks, dtype=torch.int64, device=dev), t_lp, kept=kept)
                 for k, (st, _) in enumerate(ready):
                     st.sample.response.append(toks[k])
                     st.sample.logprobs.append(lps[k].detach().cpu())
+                    st.sample.kept.append(drawn[k][1])
                     if len(st.sample.response) >= st.req.max_new_tokens:
                         for c in caches:
                             c.free(st.slot)

@@ -129,14 +129,23 @@ def cached_attention(q, k_new, v_new, cache: NativeKVCache, seq_ids, cu_seqlens_
     return torch.cat(outs) if outs else q.new_empty(q.shape)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+def _scaled(logits: torch.Tensor, temperature: float, kept) -> torch.Tensor:
+    """``logits / T`` in fp32, ``-inf`` outside each row's kept set (``kept``: a
+    ``rl_engine.ops.logprob.KeptSet`` of shape ``logits.shape[:-1]``, or ``None``)."""
+    z = logits.float() / temperature
+    return z if kept is None else z.masked_fill(~kept.mask(z), float("-inf"))
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, kept=None) -> torch.Tensor:
+    lp = torch.log_softmax(_scaled(logits, temperature, kept), dim=-1)
     return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    lp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return -(lp.exp() * lp).sum(-1)
+def entropy(logits: torch.Tensor, temperature: float = 1.0, kept=None) -> torch.Tensor:
+    lp = torch.log_softmax(_scaled(logits, temperature, kept), dim=-1)
+    p = lp.exp()
+    return -torch.where(p > 0, p * lp, torch.zeros_like(p)).sum(-1)
+
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """HF ``Qwen3MoeTopKRouter``: fp32 softmax, ``torch.topk`` of the probabilities (no documented tie

@@ -9,7 +9,10 @@ prompt by ``N`` tokens: with ``N = 1000`` the contexts pass position 1024, so th
 decode steps take the split-parallel kernels and the train path merges KV splits. ``--kv-cache
 paged`` gives the rollout 16-token pages from a shared pool instead of one buffer per sequence.
 ``--plan P/P`` runs native torch on both sides: the negative control, which is expected to
-report mismatches. See docs/check.md for the JSON fields.
+report mismatches. ``--logprobs processed`` (default) scores each sampled token renormalised over
+the kept set its top-k / top-p step recorded — what the rollout reports; ``--logprobs full``
+scores the whole vocabulary: the bias of a trainer that ignores the filter (mismatches wherever a
+filter dropped mass). See docs/check.md for the JSON fields.
 ``--engine hf`` runs the same flow through transformers instead of the reference executors:
 ``generate`` is the rollout and the model's training forward the train side, with rl_engine
 installed (plan ``R/R``) or unpatched (``P/P``); see docs/integrations/hf.md. ``--engine vllm``
@@ -60,6 +63,11 @@ class DType(str, enum.Enum):
     bfloat16 = "bfloat16"
 
 
+class Logprobs(str, enum.Enum):
+    processed = "processed"
+    full = "full"
+
+
 def _fmt(v: float) -> str:
     return "0" if v == 0 else f"{v:.3e}"
 
@@ -78,11 +86,13 @@ def render(result: dict[str, Any], console: Console) -> None:
                if result.get("extra_prompt_tokens") else "")
     if result.get("kv_cache", "contiguous") != "contiguous":
         context += f", {result['kv_cache']} KV cache"
+    sp = result["sampling"]
     console.print(
         f"rollout: {result['num_prompts']} prompts{context}, {ro['active_tokens']} sampled tokens, {steps} "
-        f"(temperature={result['sampling']['temperature']}, top_k={result['sampling']['top_k']}, "
-        f"top_p={result['sampling']['top_p']})"
+        f"(temperature={sp['temperature']}, top_k={sp['top_k']}, top_p={sp['top_p']}; "
+        f"{sp.get('filtered_tokens', 0)} drawn from a filtered distribution)"
     )
+    console.print(f"log-probs: {sp.get('logprobs', 'processed')} ({sp['logprob_distribution']})")
     table = Table(title="train layout vs rollout (active tokens, raw bits)")
     for h in ("layout", "compared", "mismatched", "max |Δ|", "K3-KL", "mean |Δp|", "result"):
         table.add_column(h, justify="right" if h not in ("layout", "result") else "left")
@@ -125,6 +135,7 @@ def command(
     temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Sampling temperature; 0 = greedy."),
     top_k: int = typer.Option(50, "--top-k", min=0, help="Keep the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Nucleus mass (1 = off)."),
+    logprobs: Logprobs = typer.Option(Logprobs.processed, "--logprobs", help="What the train side scores: processed (renormalised over each token's recorded top-k/top-p kept set: what the rollout reports) or full (the whole vocabulary: mismatches wherever a filter dropped mass, the negative control)."),
     plan: str = typer.Option("R/R", "--plan", help="train/rollout implementations: R/R (rl-kernel), P/P (native torch), P/R, R/P."),
     threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads while checking; 0 = auto (1 for models under 50M parameters, else torch's default)."),
     rollout_threads: int | None = typer.Option(None, "--rollout-threads", min=1, help="torch intra-op threads of the rollout side (default: --threads). The bits must not depend on it (the 'threads' invariance; --engine reference)."),
@@ -181,7 +192,7 @@ def command(
                        max_new_tokens=max_new_tokens, extra_prompt_tokens=extra_prompt_tokens,
                        kv_cache=kv_cache.value, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
                        max_step_tokens=max_step_tokens, seed=seed,
-                       temperature=temperature, top_k=top_k, top_p=top_p, plan=plan,
+                       temperature=temperature, top_k=top_k, top_p=top_p, plan=plan, logprobs=logprobs.value,
                        rollout_threads=rollout_threads, train_threads=train_threads)
     if engine is Engine.vllm:
         _check_vllm(cfg, threads, as_json, err)

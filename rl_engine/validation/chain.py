@@ -90,7 +90,8 @@ def rollout(model, ops, w: Workload, reqs: Sequence[RolloutRequest], *, max_seqs
 
 
 def sequences_of(samples) -> list[TrainSequence]:
-    return [TrainSequence(s.sample_id, s.tokens, (0,) * len(s.prompt) + (1,) * len(s.response)) for s in samples.values()]
+    """The rollout's samples as train sequences with their kept-set records (processed log-probs)."""
+    return [TrainSequence.of(s) for s in samples.values()]
 
 
 def train_layouts(w: Workload) -> dict[str, Layout]:

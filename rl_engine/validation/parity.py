@@ -7,11 +7,15 @@ One run:
 2. **rollout** the built-in prompt set (:func:`builtin_prompts`: varied lengths, staggered
    arrivals, different response lengths; ``extra_prompt_tokens`` lengthens every prompt so that
    the contexts cross the 1024-key KV splits) with the plan's rollout provider: chunked prefill +
-   decode over KV caches, continuous batching, recording each sampled token's log-prob
-   (``log softmax(z / T)`` of the full distribution, before top-k/top-p filtering);
+   decode over KV caches, continuous batching, recording each sampled token's **processed**
+   log-prob (``log softmax(z / T)`` renormalised over the tokens top-k / top-p kept: the
+   distribution it was drawn from) and that step's kept-set record;
 3. **score** the same sequences on the train path under every layout in ``layouts``
    (packed, padded left/right, permuted, micro-batched, chunked LM head) with the plan's
-   train provider;
+   train provider — ``logprobs="processed"``: renormalised over each token's recorded kept set
+   (the replay: raw-bit equal); ``"full"``: over the whole vocabulary (the systematic bias of a
+   trainer that ignores the filter: mismatches wherever a filter dropped mass — the negative
+   control of the replay);
 4. **align** by ``(sample_id, position)`` on the active (response) tokens and compare raw bits.
 
 ``passed`` means: every layout compared at least one token and no active token differs in
@@ -34,8 +38,8 @@ from rl_engine.utils.threads import intra_op_threads
 from rl_engine.validation.alignment import align, bits_digest, compare
 from rl_engine.engine import ops_for
 
-__all__ = ["ParityConfig", "builtin_prompts", "check_context", "load_model", "run_parity", "SCHEMA_VERSION",
-           "PROMPT_LENGTHS"]
+__all__ = ["ParityConfig", "builtin_prompts", "check_context", "load_model", "run_parity", "sampling_summary",
+           "SCHEMA_VERSION", "PROMPT_LENGTHS", "LOGPROB_DISTRIBUTIONS"]
 
 SCHEMA_VERSION = 1
 #: Prompt lengths of the built-in prompt set (cycled): short, long, odd, one-token.
@@ -63,6 +67,9 @@ class ParityConfig(BaseModel):
     #: slot, or 16-token pages handed out from a shared pool (``PagedKVCache``: a sequence's pages
     #: interleave with the others', so the kernels gather each block through the page table)
     kv_cache: Literal["contiguous", "paged"] = "contiguous"
+    #: what the train side scores: ``processed`` (renormalised over each token's kept set, as the
+    #: rollout reports) or ``full`` (the whole vocabulary)
+    logprobs: Literal["processed", "full"] = "processed"
     seed: int = 0
     temperature: float = Field(default=1.0, ge=0.0)
     top_k: int = Field(default=50, ge=0)
@@ -86,6 +93,23 @@ class ParityConfig(BaseModel):
 
         preset(v)  # ModelLoadError (a ValueError) naming the known presets
         return v
+
+
+#: What each side's log-prob is, by ``--logprobs`` (the ``sampling.logprob_distribution`` field).
+LOGPROB_DISTRIBUTIONS = {
+    "processed": "rollout and train: log_softmax(logits / T) renormalised over the kept set of the token's sampling "
+                 "step (top-k, then top-p of the top-k mass; the whole vocabulary without filters; T = 1 when greedy)",
+    "full": "rollout: renormalised over the kept set (what it sampled from); train: log_softmax(logits / T) over the "
+            "whole vocabulary (T = 1 when greedy) -- differs wherever a filter dropped mass",
+}
+
+
+def sampling_summary(sampling: SamplingParams, logprobs: str, samples, kept_by: str) -> dict[str, Any]:
+    """The ``sampling`` field of a check result: the parameters, ``logprobs`` (the mode), what
+    the compared log-probs are, who produced the kept sets and ``filtered_tokens`` (sampled
+    tokens whose kept set is smaller than the vocabulary: the tokens where ``full`` differs)."""
+    return {**sampling.model_dump(), "logprobs": logprobs, "logprob_distribution": LOGPROB_DISTRIBUTIONS[logprobs],
+            "kept_sets": kept_by, "filtered_tokens": sum(s.filtered_tokens() for s in samples)}
 
 
 def builtin_prompts(n: int, vocab_size: int, max_new_tokens: int, seed: int,
@@ -185,8 +209,7 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
                 rollout = ex.generate(reqs, sampling,
                                       progress=lambda done, n: tick(f"rollout: {done}/{n} tokens", 1, total))
             rollout_s = time.perf_counter() - t_r
-        seqs = [TrainSequence(s.sample_id, s.tokens, (0,) * len(s.prompt) + (1,) * len(s.response))
-                for s in rollout.values()]
+        seqs = [TrainSequence.of(s, cfg.logprobs) for s in rollout.values()]
         layouts = []
         aligned = []
         for k, name in enumerate(cfg.layouts):
@@ -212,8 +235,8 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
         "device": cfg.device,
         "plan": plan.label,
         "plan_detail": plan.as_dict(),
-        "sampling": {**sampling.model_dump(), "logprob_distribution":
-                     "log_softmax(logits / T) of the full distribution, before top-k/top-p (T = 1 when greedy)"},
+        "sampling": sampling_summary(sampling, cfg.logprobs, rollout.values(),
+                                     "the reference executor's canonical top-k / top-p filter"),
         "num_prompts": cfg.num_prompts,
         "max_new_tokens": cfg.max_new_tokens,
         "extra_prompt_tokens": cfg.extra_prompt_tokens,

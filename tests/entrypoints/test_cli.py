@@ -31,7 +31,8 @@ CLI_SURFACE = {
     "ops": ["--device", "--help", "--json"],
     "check": [
         "--device", "--dtype", "--engine", "--extra-prompt-tokens", "--help", "--json", "--kv-cache", "--max-new-tokens",
-        "--max-seqs", "--max-step-tokens", "--model", "--num-prompts", "--plan", "--prefill-chunk", "--preset", "--rollout-threads", "--seed",
+        "--logprobs", "--max-seqs", "--max-step-tokens", "--model", "--num-prompts", "--plan", "--prefill-chunk", "--preset",
+        "--rollout-threads", "--seed",
         "--temperature", "--threads", "--top-k", "--top-p", "--train-threads",
     ],
     "validate": ["--device", "--dp", "--help", "--inject", "--json", "--out", "--plan", "--rollout-threads", "--tp",
