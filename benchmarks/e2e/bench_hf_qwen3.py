@@ -479,8 +479,9 @@ def main(argv=None) -> int:
                 m.eval()
             write()
         if "generate" in sections:
-            rows += generate_section(ctx, models, shapes)
-            write()
+            for mode in modes:  # one mode at a time, the report rewritten after each
+                rows += generate_section(dict(ctx, modes=[mode]), models, shapes)
+                write()
         del models, base
     if a.trl:
         rows += trl_section(ctx, shapes)
