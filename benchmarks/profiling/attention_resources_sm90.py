@@ -1,8 +1,10 @@
 """Registers, spills and software pipelining of the attention kernels for sm_90, without a GPU.
 
-Compiles each shipped forward launch of ``rl_engine.backends.triton.attention.kernels``
-ahead of time for an H100/H200 (``GPUTarget("cuda", 90, 128)``) with the Triton installed here,
-assembles the PTX with the ``ptxas`` that Triton bundles (``-v``), and reports per kernel
+Compiles each shipped forward launch of the attention kernels (``rl_engine.backends.triton.attention``:
+``portable_forward``, ``split_kv_combine``; with ``--split-wg`` / ``--split-wgt`` / ``--fwd-wg``
+the Hopper ``hopper_warpgroup`` / ``hopper_transposed_decode`` kernels) ahead of time for an
+H100/H200 (``GPUTarget("cuda", 90, 128)``) with the Triton installed here, assembles the PTX with
+the ``ptxas`` that Triton bundles (``-v``), and reports per kernel
 variant: registers per thread, spill stores, whether the key/value loads are software-pipelined
 (``cp.async`` copies in the PTX) and the PTX size. A proxy, not a measurement: the Triton here
 may differ from the device's (the H200 image has Triton 3.6), and only a timed run on the device
@@ -69,7 +71,7 @@ class Resources:
     ptx_lines: int
     seconds: float
     #: TMA copies (``cp.async.bulk.tensor``) in the PTX: the train path's key / value blocks with
-    #: ``TMA=True`` (``kernels.TMA_LOADS``)
+    #: ``TMA=True`` (``Variant.PACKED_TMA``)
     tma_copies: int = 0
     #: shared memory per program (bytes, Triton's compiled metadata: pipeline buffers and layout
     #: conversions); an H200 SM has 228 KiB, of which each resident program takes this plus 1 KiB
@@ -91,7 +93,7 @@ class Resources:
 
 
 def stages_of(cfg, head_dim: int) -> int:
-    """The pipeline depth ``kernels.attend`` launches ``cfg`` with (16-bit): four-block steps keep
+    """The pipeline depth ``launch.attend`` launches ``cfg`` with (16-bit): four-block steps keep
     three stages only with at most 64 value columns."""
     if cfg.unroll == 4 and head_dim // cfg.v_slices > 64:
         return min(cfg.num_stages, 2)
@@ -115,15 +117,24 @@ def signature(fn, dtype: str, constexprs: dict) -> dict:
     return sig
 
 
+def kernel(name: str):
+    """The ``@triton.jit`` / ``@gluon.jit`` kernel ``name`` from the attention module that defines it."""
+    import importlib
+
+    for module in ("portable_forward", "split_kv_combine", "hopper_warpgroup", "hopper_transposed_decode"):
+        mod = importlib.import_module(f"rl_engine.backends.triton.attention.{module}")
+        if name in mod.KERNEL_NAMES:
+            return getattr(mod, name)
+    raise KeyError(f"no attention kernel named {name!r}")
+
+
 def compile_sm90(variant: Variant, dtype: str = "bf16", divisibility: bool = True) -> Resources:
     """Compile ``variant`` for sm_90 and read its resources from ``ptxas -v``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from rl_engine.backends.triton.attention import kernels as K
-
-    fn = getattr(K, variant.kernel)
+    fn = kernel(variant.kernel)
     sig = signature(fn, dtype, variant.constexprs)
     attrs = ({(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
               if n in DIVISIBLE and t != "constexpr"} if divisibility else {})
@@ -181,42 +192,43 @@ def ptx_digest(ptx: str, ordered: bool = True) -> str:
 
 
 def compile_fwd_wg_sm90(multi: bool, window: bool, store: bool) -> Resources:
-    """Compile the train path's Gluon forward (``hopper.rlk_attn_fwd_wg``, bf16, D = 128, G = 4, 64-row
-    tiles) for sm_90a with ``hopper.CONFIGS[multi]``: KV splits merged (``multi``), a window, the
+    """Compile the train path's Gluon forward (``hopper_warpgroup.rlk_attn_fwd_wg``, bf16, D = 128, G = 4,
+    ``AttentionTuning.wg_forward_block_m``-row tiles) for sm_90a with ``AttentionTuning.wg_forward_rings[multi]``: KV splits merged (``multi``), a window, the
     backward's fp32 output and lse stored (``store``). Needs Triton 3.6's Gluon Hopper API."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from rl_engine.backends.triton.attention import hopper
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention.hopper_common import BLOCK_N
+    from rl_engine.backends.triton.attention.tuning import current_tuning
 
-    fn = hopper.rlk_attn_fwd_wg
+    fn = kernel("rlk_attn_fwd_wg")
+    tuning = current_tuning()
     d = 128
-    layout = gl.NVMMASharedLayout.get_default_for([hopper.BLOCK_N, d], gl.bfloat16)
-    desc = f"tensordesc<bf16[{hopper.BLOCK_N},{d}],{layout!r}>"
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gl.bfloat16)
+    desc = f"tensordesc<bf16[{BLOCK_N},{d}],{layout!r}>"
     sig = {"q_ptr": "*bf16", "k_desc": desc, "v_desc": desc, "out_ptr": "*bf16", "out32_ptr": "*fp32",
            "lse_ptr": "*fp32", "scr_ptr": "*fp32", "tab_ptr": "*i64", "pr_ptr": "*i64", "pr_stride": "i64",
            "W": "i32", "qk_scale": "fp32", "HQ": "i32", "HKV": "i32"}
-    k_st, v_st, regs = hopper.CONFIGS[multi]
+    k_st, v_st, regs = tuning.wg_forward_rings[multi]
     const = {"G": 4, "HEAD_D": d, "HAS_WINDOW": window, "STORE_F32": store, "STORE_LSE": store, "MULTI": multi,
-             "SB": K.SPLIT_BLOCKS, "K_ST": k_st, "V_ST": v_st, "BLOCK_ROWS": hopper.BLOCK_M, "PDL": True}
+             "SB": tuning.split_blocks, "K_ST": k_st, "V_ST": v_st, "BLOCK_ROWS": tuning.wg_forward_block_m, "PDL": True}
     sig.update({n: "constexpr" for n in const})
     label = f"fwd_wg multi={multi} window={window} store={store}"
     t0 = time.perf_counter()
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                              options={"num_warps": hopper.BLOCK_M // 16, "enable_fp_fusion": False, "launch_pdl": True,
+                              options={"num_warps": tuning.wg_forward_block_m // 16, "enable_fp_fusion": False, "launch_pdl": True,
                                        **({} if regs is None else {"maxnreg": int(regs)})})
     return _assembled(compiled, label, "rlk_attn_fwd_wg", t0, no_frame_is_zero=True)
 
 
 def compile_split_wg_sm90(page_size: int, dv: int, slots: int, one: bool, finish: bool = False,
                           group: int = 4) -> Resources:
-    """Compile the Gluon paged decode split kernel (``hopper.rlk_attn_split_wg``, bf16, D = 128)
-    for sm_90a and read its resources from ``ptxas -v``. Needs Triton 3.6's Gluon Hopper API
-    (``kernels._has_gluon_hopper``)."""
+    """Compile the Gluon paged decode split kernel (``hopper_warpgroup.rlk_attn_split_wg``, bf16,
+    D = 128) for sm_90a and read its resources from ``ptxas -v``. Needs Triton 3.6's Gluon Hopper API
+    (``eligibility.has_gluon_hopper``)."""
     label = f"split_wg pages{page_size} dv{dv} slots{slots} one={one}{' finish' if finish else ''}"
     return _compile_decode_gluon("rlk_attn_split_wg", label, page_size, dv, {"PS": page_size, "G": group, "ONE": one,
                                                                              "ST": slots, "FINISH": finish})
@@ -224,14 +236,14 @@ def compile_split_wg_sm90(page_size: int, dv: int, slots: int, one: bool, finish
 
 def compile_split_wgt_sm90(page_size: int | None, dv: int, slots: int, one: bool, finish: bool = False,
                            quad: bool = False, rows: int = 8, group: int = 4) -> Resources:
-    """Compile the transposed decode split kernel (``hopper.rlk_attn_split_wgt``, bf16, D = 128)
+    """Compile the transposed decode split kernel (``hopper_transposed_decode.rlk_attn_split_wgt``, bf16, D = 128)
     for sm_90a: a contiguous cache (``page_size=None``: 64-row block copies) or ``page_size``-key
     pages, ``rows`` query rows (``NQ``), one or four blocks a step (``quad``, ``slots`` four-block
     slots). ``barriers_per_step`` counts the CTA barriers (``bar.sync``) in the unmasked run's loop
     of one (four) blocks. Needs Triton 3.6's Gluon Hopper API."""
-    from rl_engine.backends.triton.attention import hopper
+    from rl_engine.backends.triton.attention.hopper_transposed_decode import exchange_layouts
 
-    x_layout, f_layout = hopper._wgt_exchange_layouts(rows)
+    x_layout, f_layout = exchange_layouts(rows)
     ps = 64 if page_size is None else page_size
     label = (f"split_wgt {'contiguous' if page_size is None else f'pages{page_size}'} dv{dv} nq{rows} "
              f"{'quad ' if quad else ''}slots{slots} one={one}{' finish' if finish else ''}")
@@ -240,7 +252,7 @@ def compile_split_wgt_sm90(page_size: int | None, dv: int, slots: int, one: bool
         "X_LAYOUT": x_layout, "F_LAYOUT": f_layout, "QUAD": quad})
 
 
-def _compile_decode_gluon(kernel: str, label: str, box_rows: int, dv: int, const: dict) -> Resources:
+def _compile_decode_gluon(name: str, label: str, box_rows: int, dv: int, const: dict) -> Resources:
     """One of the Gluon decode split kernels compiled for sm_90a (``box_rows``-row TMA boxes of the
     keys and ``dv`` value columns; ``const``: its compile-time constants besides the shared ones),
     with the CTA barriers of its first loop that issues ``wgmma`` (the unmasked run's walk)."""
@@ -249,10 +261,9 @@ def _compile_decode_gluon(kernel: str, label: str, box_rows: int, dv: int, const
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from rl_engine.backends.triton.attention import hopper
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention.tuning import current_tuning
 
-    fn = getattr(hopper, kernel)
+    fn = kernel(name)
     d = 128
 
     def desc(cols: int) -> str:
@@ -262,13 +273,13 @@ def _compile_decode_gluon(kernel: str, label: str, box_rows: int, dv: int, const
            "out_ptr": "*bf16", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_a_ptr": "*fp32", "tab_ptr": "*i64", "pr_ptr": "*i64",
            **{n: _SCALARS[n] for n in ("pr_stride", "qk_scale", "sk_row", "sk_head", "sv_row", "sv_head", "NS", "HQ",
                                        "HKV")}}
-    const = {"HEAD_D": d, "DV": dv, "WS_M": 16, "PDL": True, "SB": K.SPLIT_BLOCKS, "ORDER": 2, **const}
+    const = {"HEAD_D": d, "DV": dv, "WS_M": 16, "PDL": True, "SB": current_tuning().split_blocks, "ORDER": 2, **const}
     sig.update({n: "constexpr" for n in const})
     t0 = time.perf_counter()
     src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                               options={"num_warps": 4, "enable_fp_fusion": False, "launch_pdl": True})
-    r = _assembled(compiled, label, kernel, t0, no_frame_is_zero=True)
+    r = _assembled(compiled, label, name, t0, no_frame_is_zero=True)
     r.barriers_per_step = _loop_barriers(compiled.asm["ptx"])
     return r
 
@@ -292,30 +303,31 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
     import torch
     from dataclasses import replace
 
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import configs as C
+    from rl_engine.backends.triton.attention.tuning import current_tuning
 
-    common = {"G": group, "HEAD_D": head_dim, "HAS_WINDOW": False, "PDL": True, "SB": K.SPLIT_BLOCKS}
+    common = {"G": group, "HEAD_D": head_dim, "HAS_WINDOW": False, "PDL": True, "SB": current_tuning().split_blocks}
     if "decode" in kinds:
         for paged, page in ((False, None), (True, 16)):
             # the split tile, the many-pairs tile, the few-programs tile (sliced, one or two blocks
-            # per step: kernels.pair_blocks); a tile two selections share is compiled once
-            tiles = {K.select_decode(torch.bfloat16, head_dim, page): (1,),
-                     K.select_decode(torch.bfloat16, head_dim, page, many=True): (1,)}
-            few = K.select_decode(torch.bfloat16, head_dim, page, few=True)
+            # per step: configs.pair_blocks); a tile two selections share is compiled once
+            tiles = {C.select_decode(torch.bfloat16, head_dim, page): (1,),
+                     C.select_decode(torch.bfloat16, head_dim, page, many=True): (1,)}
+            few = C.select_decode(torch.bfloat16, head_dim, page, few=True)
             for u in (1, 2):
                 tiles[replace(few, unroll=u)] = (1, *(v for v in (2, 4, 8) if head_dim // v >= 16))
-            # four blocks a step where the step is sliced (kernels.quad_blocks), at value_slices' slicings
-            tiles[K.quad_tile(few)] = tuple(v for v in (2, 4) if v <= K.MAX_V_SLICES
-                                                  and head_dim // v >= K.MIN_V_COLUMNS)
-            few_tiles = {replace(few, unroll=u) for u in (1, 2)} | {K.quad_tile(few)}
+            # four blocks a step where the step is sliced (configs.quad_blocks), at value_slices' slicings
+            tiles[C.quad_tile(few)] = tuple(v for v in (2, 4) if v <= C.MAX_V_SLICES
+                                                  and head_dim // v >= C.MIN_V_COLUMNS)
+            few_tiles = {replace(few, unroll=u) for u in (1, 2)} | {C.quad_tile(few)}
             for base, slicings in tiles.items():
-                # the grid order kernels.split_grid_order's rule gives: splits first for the
+                # the grid order configs.split_grid_order's rule gives: splits first for the
                 # few-programs tiles, kv heads first otherwise (program-id arithmetic only)
                 order = 2 if base in few_tiles else 1
                 for vs in slicings:
                     cfg = replace(base, v_slices=vs)
                     for one in (False, True):
-                        # contiguous caches: the unmasked run by TMA copies (kernels.decode_tma_eligible)
+                        # contiguous caches: the unmasked run by TMA copies (eligibility.decode_tma_eligible)
                         yield Variant(f"split {'paged16' if paged else 'contiguous'} {cfg.key} one={one}",
                                       "rlk_attn_fwd_split",
                                       {**common, "page_size": page or 1, "DV": head_dim // vs, "BLOCK_M": cfg.block_m,
@@ -323,11 +335,11 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
                                        "TMA": not paged, "ORDER": order},
                                       cfg.num_warps, stages_of(cfg, head_dim))
         # a decode step of one KV split runs the prefill kernel with the few-programs tile; over a
-        # contiguous cache its unmasked run by TMA copies (kernels.decode_tma_eligible); unsliced,
-        # one or two blocks a step (kernels.pair_blocks), sliced, four (kernels.quad_blocks)
-        few = K.select_decode(torch.bfloat16, head_dim, None, few=True)
-        one_split = [replace(K.quad_tile(few) if K.quad_blocks(vs) else few, v_slices=vs)
-                     for vs in (1, 2, 4) if vs <= K.MAX_V_SLICES and head_dim // vs >= K.MIN_V_COLUMNS]
+        # contiguous cache its unmasked run by TMA copies (eligibility.decode_tma_eligible); unsliced,
+        # one or two blocks a step (configs.pair_blocks), sliced, four (configs.quad_blocks)
+        few = C.select_decode(torch.bfloat16, head_dim, None, few=True)
+        one_split = [replace(C.quad_tile(few) if C.quad_blocks(vs) else few, v_slices=vs)
+                     for vs in (1, 2, 4) if vs <= C.MAX_V_SLICES and head_dim // vs >= C.MIN_V_COLUMNS]
         for cfg in one_split + [replace(few, unroll=2)]:
             vs = cfg.v_slices
             yield Variant(f"fwd contiguous {cfg.key} one=True tma", "rlk_attn_fwd",
@@ -337,7 +349,7 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
                           stages_of(cfg, head_dim))
     if "prefill" in kinds:
         for paged, page in ((False, None), (True, 16)):
-            cfg = K.select_prefill(torch.bfloat16, head_dim, page)
+            cfg = C.select_prefill(torch.bfloat16, head_dim, page)
             for multi in (False, True):
                 yield Variant(f"prefill {'paged16' if paged else 'contiguous'} {cfg.key} multi={multi}", "rlk_attn_fwd",
                               {**common, "page_size": page or 1, "DV": head_dim, "BLOCK_M": cfg.block_m, "PAGED": paged,
@@ -345,17 +357,17 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
                                "ONE": False, "TMA": False, "U": cfg.unroll, "TMA_EDGE": False}, cfg.num_warps,
                               cfg.num_stages)
         # the train path (varlen_forward, packed rows): TMA copies, fp32 output and lse stored
-        cfg = K.select_prefill(torch.bfloat16, head_dim)
+        cfg = C.select_prefill(torch.bfloat16, head_dim)
         for multi in (False, True):
             yield Variant(f"train tma {cfg.key} multi={multi}", "rlk_attn_fwd",
                           {**common, "page_size": 1, "DV": head_dim, "BLOCK_M": cfg.block_m, "PAGED": False,
                            "IEEE": False, "STORE_F32": True, "STORE_LSE": True, "SPLIT": True, "MULTI": multi,
                            "ONE": False, "TMA": True, "U": cfg.unroll, "TMA_EDGE": True}, cfg.num_warps, cfg.num_stages)
     if "combine" in kinds:
-        cfg = K.select_decode(torch.bfloat16, head_dim)
-        for grp in (1, 2, 4, 8, 16):  # kernels.combine_group: the launch's splits, a power of two up to 16
+        cfg = C.select_decode(torch.bfloat16, head_dim)
+        for grp in (1, 2, 4, 8, 16):  # configs.combine_group: the launch's splits, a power of two up to 16
             yield Variant(f"combine {cfg.key} group={grp}", "rlk_attn_combine",
-                          {**common, "BLOCK_M": cfg.block_m, "DC": min(head_dim, K.COMBINE_COLUMNS),
+                          {**common, "BLOCK_M": cfg.block_m, "DC": min(head_dim, C.COMBINE_COLUMNS),
                            "STORE_F32": False, "STORE_LSE": False, "ONE": True, "GROUP": grp}, cfg.num_warps, 1)
 
 
@@ -364,11 +376,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="JSON file for the rows")
     ap.add_argument("--kernels", default="decode,prefill,combine", help="comma-separated subset of decode,prefill,combine")
     ap.add_argument("--split-wg", action="store_true",
-                    help="also the Gluon paged decode split kernel (hopper.rlk_attn_split_wg; needs Triton 3.6)")
+                    help="also the Gluon paged decode split kernel (hopper_warpgroup.rlk_attn_split_wg; needs Triton 3.6)")
     ap.add_argument("--split-wgt", action="store_true",
-                    help="also the transposed decode split kernel (hopper.rlk_attn_split_wgt; needs Triton 3.6)")
+                    help="also the transposed decode split kernel (hopper_transposed_decode.rlk_attn_split_wgt; "
+                         "needs Triton 3.6)")
     ap.add_argument("--fwd-wg", action="store_true",
-                    help="also the train path's Gluon forward (hopper.rlk_attn_fwd_wg; needs Triton 3.6)")
+                    help="also the train path's Gluon forward (hopper_warpgroup.rlk_attn_fwd_wg; needs Triton 3.6)")
     ap.add_argument("--no-divisibility", action="store_true",
                     help="compile without the divisibility a real launch specialises (negative control)")
     args = ap.parse_args(argv)
@@ -385,10 +398,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     rows = []
     if args.split_wg or args.split_wgt or args.fwd_wg:
-        from rl_engine.backends.triton.attention import hopper
-        from rl_engine.backends.triton.attention import kernels as K
+        from rl_engine.backends.triton.attention.eligibility import WG_DECODE_PAGE_SIZES, has_gluon_hopper
+        from rl_engine.backends.triton.attention.tuning import current_tuning
 
-        if not K._has_gluon_hopper():
+        tuning = current_tuning()
+        if not has_gluon_hopper():
             print(f"attention_resources_sm90: --split-wg / --split-wgt / --fwd-wg need Triton 3.6's Gluon Hopper API, "
                   f"found triton {triton.__version__}", file=sys.stderr)
             return 2
@@ -397,19 +411,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             gluon_rows += [(compile_fwd_wg_sm90, (multi, window, store)) for multi in (False, True)
                            for window in (False, True) for store in (False, True)]
         if args.split_wg:
-            gluon_rows += [(compile_split_wg_sm90, (ps, dv, hopper.SPLIT_SLOTS, one, finish))
-                           for ps in K.WG_DECODE_PAGE_SIZES for dv in (128, 64)
+            gluon_rows += [(compile_split_wg_sm90, (ps, dv, tuning.wg_decode_slots, one, finish))
+                           for ps in WG_DECODE_PAGE_SIZES for dv in (128, 64)
                            for one, finish in ((True, False), (False, False), (True, True))]
         if args.split_wgt:
             # one block a step at the shipped value slices (64 columns) and one slice; four blocks a
             # step (64 columns, two four-block slots), contiguous caches and pages
-            for ps in (None, *K.WG_DECODE_PAGE_SIZES):
+            for ps in (None, *WG_DECODE_PAGE_SIZES):
                 for nq in (8, 16):
                     for one, finish in ((True, False), (False, False), (True, True)):
-                        gluon_rows += [(compile_split_wgt_sm90, (ps, dv, hopper.SPLIT_T_SLOTS, one, finish, False, nq))
+                        gluon_rows += [(compile_split_wgt_sm90, (ps, dv, tuning.wgt_decode_slots, one, finish, False, nq))
                                        for dv in (64, 128)]
                         gluon_rows.append((compile_split_wgt_sm90,
-                                           (ps, 64, hopper.SPLIT_T_QUAD_SLOTS, one, finish, True, nq)))
+                                           (ps, 64, tuning.wgt_quad_slots, one, finish, True, nq)))
         for compile_fn, fn_args in gluon_rows:
             r = compile_fn(*fn_args)
             rows.append(asdict(r))

@@ -229,7 +229,8 @@ def test_long_context_qwen3_shape_passes_bitwise_on_gpu(capsys, kv_cache):
     """The main job past the first KV split on the GPU, at Qwen3-0.6B's dimensions (random
     weights: 16 query / 8 KV heads of 128, 28 layers), bf16: prompts of 1001-1064 tokens, so
     every decode step reads a cache of two 1024-key splits (a split kernel, ``rlk_attn_fwd_split``
-    or, where their bands take the step, ``hopper.rlk_attn_split_wgt`` / ``rlk_attn_split_wg``,
+    or, where their bands take the step, ``hopper_transposed_decode.rlk_attn_split_wgt`` /
+    ``hopper_warpgroup.rlk_attn_split_wg``,
     then ``rlk_attn_combine``)
     and the train path merges the splits (in the Hopper warpgroup forward). Every active
     token's bits must match; the attention launches the rollout made are recorded to show those
@@ -239,22 +240,22 @@ def test_long_context_qwen3_shape_passes_bitwise_on_gpu(capsys, kv_cache):
 
     from torch.profiler import ProfilerActivity, profile
 
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import configs, launch
     from tests.backends.triton._rowwise_common import evidence
 
     seen: dict[str, int] = {}
-    real = K.attend
+    real = launch.attend
 
     def spy(*args, **kw):
         cfg, path = kw.get("config"), kw["path"]
-        ns = K.num_splits(args[8])
+        ns = configs.num_splits(args[8])
         kind = "decode" if path == "decode" and ns > 1 else "prefill-kernel"
         layout = "paged" if args[3].shape[1] > 1 else "contiguous"  # page_rows: one column when contiguous
         key = f"{kind} splits={ns} {layout} {cfg.key if cfg is not None else 'default'}"
         seen[key] = seen.get(key, 0) + 1
         return real(*args, **kw)
 
-    with mock.patch.object(K, "attend", spy), profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with mock.patch.object(launch, "attend", spy), profile(activities=[ProfilerActivity.CUDA]) as prof:
         code, out, _ = _run(capsys, "--device", "cuda", "--dtype", "bfloat16", "--preset", "qwen3-0.6b",
                             "--extra-prompt-tokens", "1000", "--num-prompts", "8", "--kv-cache", kv_cache, "--json")
     res = json.loads(out)
@@ -272,7 +273,7 @@ def test_long_context_qwen3_shape_passes_bitwise_on_gpu(capsys, kv_cache):
     # D = 128, sm90; scored under the default NaN policy, as a trainer's calls run)
     assert res["provenance"]["nan_policy"] == {"rollout": "propagate", "train": "raise"}
     # (the decode steps' splits on the Triton split kernel or on a Hopper split kernel where its band
-    # takes the step: on the H200 the transposed one, kernels.wgt_decode_programs)
+    # takes the step: on the H200 the transposed one, configs.wgt_decode_programs)
     assert names & {"rlk_attn_fwd_split", "rlk_attn_split_wg", "rlk_attn_split_wgt"}, sorted(names)
     assert {"rlk_attn_combine", "rlk_attn_fwd_wg"} <= names, sorted(names)
 

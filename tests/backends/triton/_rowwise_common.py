@@ -136,15 +136,18 @@ def gpu_kernel_events(call) -> list[str]:
     return sorted({e.name for e in prof.events() if e.device_type == DeviceType.CUDA})
 
 
-def check_profiler_names(kernels_module: str, call, must_see: set[str], tag: str) -> None:
-    """Every JIT kernel the module defines and launches is named ``rlk_*`` and listed in its
-    ``KERNEL_NAMES``; profiling ``call`` (forward + backward of the public op) shows ``must_see``
-    and no kernel of ours without the prefix."""
-    mod = importlib.import_module(kernels_module)
-    defined = defined_kernel_names(kernels_module)
-    launchable = {n for n in defined if not n.startswith("_")} - set(getattr(mod, "DEVICE_FUNCTIONS", ()))
-    assert launchable == set(mod.KERNEL_NAMES), (launchable, mod.KERNEL_NAMES)
-    assert all(n.startswith("rlk_") for n in launchable), launchable
+def check_profiler_names(kernels_module: str | tuple[str, ...], call, must_see: set[str], tag: str) -> None:
+    """Every JIT kernel the module (or each of the modules) defines and launches is named ``rlk_*``
+    and listed in its ``KERNEL_NAMES``; profiling ``call`` (forward + backward of the public op)
+    shows ``must_see`` and no kernel of ours without the prefix."""
+    defined: set[str] = set()
+    for name in (kernels_module,) if isinstance(kernels_module, str) else kernels_module:
+        mod = importlib.import_module(name)
+        names = defined_kernel_names(name)
+        launchable = {n for n in names if not n.startswith("_")} - set(getattr(mod, "DEVICE_FUNCTIONS", ()))
+        assert launchable == set(mod.KERNEL_NAMES), (name, launchable, mod.KERNEL_NAMES)
+        assert all(n.startswith("rlk_") for n in launchable), launchable
+        defined |= names
     names = gpu_kernel_events(call)
     assert names, "profiler recorded no GPU events"
     ours = sorted(n for n in names if n in defined or n.startswith("rlk") or any(n.startswith(d) for d in defined))

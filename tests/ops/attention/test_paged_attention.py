@@ -394,7 +394,9 @@ def test_gpu_paged_attention_profiler_names():
     def call():
         run_schedule(lens, torch.bfloat16, 16, seed=4, split=True, device="cuda")
 
-    check_profiler_names("rl_engine.backends.triton.attention.kernels", call, {"rlk_attn"}, "paged_attention")
+    modules = tuple(f"rl_engine.backends.triton.attention.{m}"
+                    for m in ("portable_forward", "portable_backward", "split_kv_combine", "tile_tables"))
+    check_profiler_names(modules, call, {"rlk_attn"}, "paged_attention")
 
 
 @pytest.mark.gpu

@@ -24,7 +24,8 @@ any page size, any packing). The rules that make this true:
   and the GPU tests prove the rows bitwise equal across every shipped configuration.
 * **Row sums never use ``tl.sum``** (whose association follows the register layout): ``rowsum(P)``
   and ``Σ dO⊙O`` are a fixed pairwise tree (``rlk_attn_rowsum``: the CPU's ``fold_sum``,
-  ``x[:, :N/2] + x[:, N/2:]`` then halving). ``max`` is exact (``+ 0.0`` turns a ``-0`` maximum into ``+0``).
+  ``x[:, :N/2] + x[:, N/2:]`` then halving). ``max`` is exact (``+ 0.0`` turns a ``-0`` maximum into
+  ``+0``).
 * **Per-row activity**: a row's state changes only in the blocks of its range ``[lo, hi]``:
   outside it every score is ``-inf``, so ``m' = m``, ``α = 1`` and ``P = +0`` exactly (a ``-inf``
   guard on the softmax shift keeps a row that has seen no key at ``(-inf, 0, +0)``), and ``acc``
@@ -35,35 +36,36 @@ any page size, any packing). The rules that make this true:
   fp32 scratch between splits (one accumulator in registers); the store/reload is exact. When no
   query position reaches 1024 it is compiled without the merge (one split per tile: merging it
   into the initial state is an exact identity).
-* **Shared device functions** (``rlk_attn_block``, ``rlk_attn_split``, ``rlk_attn_merge``,
-  ``rlk_attn_finish``) are used by every kernel; every kernel is compiled with
+* **Shared device functions** (``device``: ``rlk_attn_block``, ``rlk_attn_split``,
+  ``rlk_attn_merge``, ``rlk_attn_finish``) are used by every kernel; every kernel is compiled with
   ``enable_fp_fusion=False`` and the wanted multiply-adds are explicit ``tl.fma``, so no kernel
   or block variant contracts differently from another.
 * **Masks only where needed** (16-bit inputs): a tile walks masked blocks, then the blocks every
   valid row sees entirely without any mask or select (identities there), then masked blocks;
   same operations on the visible entries, so the same bits (fp32 walks all blocks masked;
-  ``kernels.FORCE_SPLIT_RUNS`` forces either walk, the tests compare both).
+  ``AttentionTuning.split_runs`` forces either walk, the tests compare both).
 * **Flash-decoding**: the decode path runs ``rlk_attn_fwd_split`` with grid (tiles, kv heads,
   splits), one 1024-key split per program into an fp32 workspace, then ``rlk_attn_combine``
-  folds the splits left to right with the same merge. The prefill path folds the same splits in
-  the same order inside one program. ``cached_attention`` picks the path by
-  ``kernels.use_decode_path`` (rows per sequence), which cannot change a row's bits.
-* **Tile tables** without host sync: one kernel ``rlk_attn_varlen_tiles`` from ``cu_seqlens``
+  (``split_kv_combine``) folds the splits left to right with the same merge. The prefill path
+  folds the same splits in the same order inside one program (``portable_forward``).
+  ``cached_attention`` picks the path by ``configs.use_decode_path`` (rows per sequence), which
+  cannot change a row's bits.
+* **Tile tables** without host sync (``tile_tables``): one kernel ``rlk_attn_varlen_tiles`` from ``cu_seqlens``
   (train path), one single-program kernel ``rlk_attn_tiles`` from ``q_seq``/``q_pos`` (rollout
   path: a decode step is three launches, not ~30 small torch kernels and two launches; a
   decode step with one token per sequence, ``decode_only``, forms its tile rows from ``q_pos``
-  and launches no table kernel where ``kernels.tile_free_rows`` says so). On
+  and launches no table kernel where ``configs.tile_free_rows`` says so). On
   sm90+ the kernel reading a table (and the combine after the split kernel) is launched with
   programmatic dependent launch and waits on the device for its predecessor
-  (``kernels.PDL``): the launch gap is hidden, nothing computed changes.
+  (``AttentionTuning.pdl``): the launch gap is hidden, nothing computed changes.
 * **Paged cache**: key/value rows of position ``pos`` of batch sequence ``i`` are at storage row
   ``page_rows[i, pos // page_size] + pos % page_size`` (packed varlen layout and contiguous
   caches: one column, row ``page_rows[i, 0] + pos``), gathered per block; positions past the
   tile's last query are clamped (never read outside the stored rows) and masked. On sm90+ the
-  train path's packed rows arrive by TMA copies of whole blocks (``kernels.tma_eligible``), and
-  a decode step over a contiguous cache copies the blocks every row of a tile sees entirely
-  (``kernels.decode_tma_eligible``; its masked blocks keep the clamped loads).
-* **Backward** (varlen, deterministic, no atomics): ``rlk_attn_bwd_delta`` (``Σ dO⊙O`` with the
+  train path's packed rows arrive by TMA copies of whole blocks (``eligibility.tma_eligible``),
+  and a decode step over a contiguous cache copies the blocks every row of a tile sees entirely
+  (``eligibility.decode_tma_eligible``; its masked blocks keep the clamped loads).
+* **Backward** (``portable_backward``; varlen, deterministic, no atomics): ``rlk_attn_bwd_delta`` (``Σ dO⊙O`` with the
   unrounded fp32 ``O`` for 16-bit inputs), ``rlk_attn_bwd_dq`` (each query tile over its KV
   blocks, increasing, ``P = 2^fma(s, c, -lse·log2 e)`` recomputed) and ``rlk_attn_bwd_dkdv`` (each 64-key
   block of a sequence and kv head over the query blocks that see it, increasing, ``g = 0..G-1``).
@@ -72,7 +74,21 @@ Head dims 32, 64 and 128 are supported; others are rejected by the call check (a
 strict-policy error). The rollout layout must be what ``rl_engine.ops.attention.cached_attention``
 builds (a sequence's query rows contiguous, in batch order, at consecutive positions).
 
-Nothing here imports triton: the kernels (``kernels.py``) are imported on the first call.
+Modules, by role (none imports a module above it in this list; ``launch`` imports the Hopper
+modules inside the functions that launch them):
+
+* ``__init__``: the registration of both operators with the runtime registry (this module);
+* ``launch``: the host launchers (``attend``, ``varlen_forward``, ``cached_forward``,
+  ``varlen_backward``, the tile tables);
+* ``hopper_warpgroup``, ``hopper_transposed_decode``: the Hopper (sm90) Gluon kernels and their
+  launchers, over ``hopper_common`` (their shared Gluon device functions);
+* ``portable_forward``, ``portable_backward``, ``split_kv_combine``, ``tile_tables``: the portable
+  Triton kernels, over ``device`` (their shared ``@triton.jit`` device functions);
+* ``eligibility``: where each kernel variant may run, and the variant a call gets;
+* ``configs``: the launch configurations and selection rules, as data;
+* ``tuning``: the context-scoped switches (``attention_tuning``).
+
+Nothing here imports triton: ``launch`` (and with it the kernels) is imported on the first call.
 """
 
 from __future__ import annotations
@@ -97,10 +113,10 @@ _DTYPES = (torch.float32, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 
 
-def _kernels():
-    from rl_engine.backends.triton.attention import kernels
+def _launch():
+    from rl_engine.backends.triton.attention import launch
 
-    return kernels
+    return launch
 
 
 def call_reasons(request: Request) -> list[str]:
@@ -130,13 +146,21 @@ def varlen_attention_fwd_triton(
     return _varlen_forward(q, k, v, cu_seqlens, scale, window, for_backward=True)
 
 
+def _device_offsets(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``cu_seqlens`` on ``device``: host offsets are copied asynchronously from pinned memory (the
+    copy is ordered on the current stream, the host does not wait)."""
+    if cu_seqlens.device == device:
+        return cu_seqlens
+    return cu_seqlens.pin_memory().to(device, non_blocking=True)
+
+
 def _varlen_forward(q, k, v, cu_seqlens, scale, window, *, for_backward: bool):
     _check_head_dim(q.shape[2])
-    # the longest sequence (one host sync; the public op has synced on cu_seqlens to validate it)
-    # picks the launch specialisation only: sequences of at most 1024 tokens skip the split merge
+    # the longest sequence picks the launch specialisation only (sequences of at most 1024 tokens
+    # skip the split merge): free from host offsets, one synchronisation from device offsets
     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
-    return _kernels().varlen_forward(q, k, v, cu_seqlens, scale, window, max_seqlen=max_seqlen,
-                                     for_backward=for_backward)
+    return _launch().varlen_forward(q, k, v, _device_offsets(cu_seqlens, q.device), scale, window,
+                                     max_seqlen=max_seqlen, for_backward=for_backward)
 
 
 @torch.library.custom_op("rlk::varlen_attention_triton_backward", mutates_args=(), device_types="cuda")
@@ -151,7 +175,7 @@ def varlen_attention_bwd_triton(
     scale: float,
     window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels().varlen_backward(grad, q, k, v, out, lse, cu_seqlens, scale, window)
+    return _launch().varlen_backward(grad, q, k, v, out, lse, _device_offsets(cu_seqlens, q.device), scale, window)
 
 
 wire_varlen_attention(varlen_attention_fwd_triton, varlen_attention_bwd_triton)
@@ -195,7 +219,7 @@ def cached_attention_triton(
     _check_head_dim(q.shape[2])
     k_cache.index_copy_(0, slot_mapping, k_new)
     v_cache.index_copy_(0, slot_mapping, v_new)
-    return _kernels().cached_forward(q, k_cache, v_cache, page_rows, page_size, q_seq, q_pos, scale, window,
+    return _launch().cached_forward(q, k_cache, v_cache, page_rows, page_size, q_seq, q_pos, scale, window,
                                      decode_only=decode_only)
 
 

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rl_engine.backends.triton.attention.kernels import rlk_attn_rowsum
+from rl_engine.backends.triton.attention.device import rlk_attn_rowsum
 
 
 @triton.jit
