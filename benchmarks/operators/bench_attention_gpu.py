@@ -3,37 +3,37 @@
 Qwen3-8B heads (32 query / 8 kv heads, head dim 128), bf16:
 
 * ``prefill``  causal forward, S ∈ {512, 4096} with B = 32 × 512 and 4 × 4096 (16k tokens).
-  Ours: the varlen launcher (``kernels.varlen_forward(for_backward=False)``, packed
+  Ours: the varlen launcher (``launch.varlen_forward(for_backward=False)``, packed
   ``[T, H, D]``: the output only, what a no-grad call of the public op stores), and the training
   forward (``.train_forward``: also the fp32 output and lse the backward reads); SDPA:
   ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` on
   ``[B, H, S, D]`` (the layout it is fastest in; the transposes are not timed).
 * ``decode``   one query token per sequence, batch ∈ {1, 64} × context ∈ {512, 4096, 32768}.
-  Ours: ``kernels.cached_forward(decode_only=True)`` (what ``cached_attention`` and
+  Ours: ``launch.cached_forward(decode_only=True)`` (what ``cached_attention`` and
   ``paged_attention_step`` pass for such a step: no tile-table kernel; split-parallel path,
   ``rlk_attn_fwd_split`` + ``rlk_attn_combine``, or one ``rlk_attn_fwd`` launch at 512 keys)
   over a contiguous cache, and over a paged cache of 16-token pages in shuffled order
   (``rlk.paged16``); rows ending ``.tile_table`` are the same step with the tile table built
   first (``rlk_attn_tiles``, what a step of mixed lengths runs); at batch 1 (fewer (sequence,
   kv head) pairs than SMs) rows ``@v1`` … ``@v8`` force each value slicing of the few-programs
-  tile (``AttnConfig.v_slices``; the default row lets ``kernels.value_slices`` pick it, rows
-  ``.no_v`` run without it: ``kernels.auto_value_slices(False)``; rows ``.no_quad`` run the sliced
-  step without four blocks a step, ``kernels.four_block_steps(False)``); at batch 64, rows ``@v2`` and
+  tile (``AttnConfig.v_slices``; the default row lets ``configs.value_slices`` pick it, rows
+  ``.no_v`` run without it: ``attention_tuning(auto_value_slices=False)``; rows ``.no_quad`` run the
+  sliced step without four blocks a step, ``attention_tuning(four_block_steps=False)``); at batch 64, rows ``@v2`` and
   ``@v4`` slice the decode tile (a finer grain for the last wave of programs); SDPA: a ``[B, 32, 1, D]`` query against ``[B, 8, ctx, D]``
   K/V with ``enable_gqa=True`` (no expanded copies).
 * ``train``    varlen forward + backward at S = 4096 (B = 4) vs SDPA forward + backward.
 
 Rows ending ``.no_tma`` (prefill and train) run the train path's forward with its key / value blocks
-by pointer loads (``kernels.tma_loads(False)``), beside the default rows' TMA copies; decode rows
-ending ``.no_dtma`` run the contiguous step with every block by pointer loads
-(``kernels.decode_tma_loads(False)``), beside the default's TMA copies of the unmasked run. Rows
-ending ``.no_wg`` (prefill and train) run the train path's forward with the Triton kernel
-(``kernels.wg_forward(False)``), beside the default's Hopper warpgroup kernel
-(``hopper.rlk_attn_fwd_wg``, sm90 with Triton 3.6); decode rows ending ``.paged16.no_wg`` run the
-paged step on the Triton kernels (``kernels.wg_decode(False)`` and ``wgt_decode(False)``), beside
-the default's Hopper split kernels where their bands take the step; rows ending ``.no_wgt`` run
-either step without the transposed split kernel (``hopper.rlk_attn_split_wgt``,
-``kernels.wgt_decode_programs``).
+by pointer loads (``attention_tuning(tma_loads=False)``), beside the default rows' TMA copies;
+decode rows ending ``.no_dtma`` run the contiguous step with every block by pointer loads
+(``attention_tuning(decode_tma_loads=False)``), beside the default's TMA copies of the unmasked
+run. Rows ending ``.no_wg`` (prefill and train) run the train path's forward with the Triton kernel
+(``attention_tuning(wg_forward=False)``), beside the default's Hopper warpgroup kernel
+(``hopper_warpgroup.rlk_attn_fwd_wg``, sm90 with Triton 3.6); decode rows ending ``.paged16.no_wg``
+run the paged step on the Triton kernels (``attention_tuning(wg_decode=False, wgt_decode=False)``),
+beside the default's Hopper split kernels where their bands take the step; rows ending ``.no_wgt``
+run either step without the transposed split kernel (``hopper_transposed_decode.rlk_attn_split_wgt``,
+``configs.wgt_decode_programs``).
 
 Rows ending ``~sb<n>`` (``--split-blocks``) run the shipped call with the KV split set to ``n``
 64-key blocks instead of the contract's 16 (an experiment: fewer blocks per split give a decode
@@ -49,12 +49,12 @@ is rewritten after every case (``meta.partial`` until the run ends), so a run cu
 limit keeps the cases it finished.
 
 Decode rows ending ``.grid_tiles``, ``.grid_heads`` and ``.grid_splits`` run the step with the split
-kernel's grid in that order (``kernels.split_grid``: tiles, kv heads or splits scheduled fastest;
-launch order only, the same bits), side by side with the default's rule (``kernels.SPLIT_GRID =
-"auto"``: splits first at batch 1, kv heads first at batch 64).
+kernel's grid in that order (``AttentionTuning.split_grid``: tiles, kv heads or splits scheduled
+fastest; launch order only, the same bits), side by side with the default's rule (``"auto"``:
+splits first at batch 1, kv heads first at batch 64).
 
 Rows ending ``.no_pdl`` (prefill output-only and both decode launchers) are the same calls with
-every kernel launched plainly (``kernels.PDL = False``), side by side with the default's
+every kernel launched plainly (``attention_tuning(pdl=False)``), side by side with the default's
 programmatic dependent launch.
 
 Timing: ``prefill`` and ``decode`` are captured ``n`` times in a CUDA graph per implementation,
@@ -68,7 +68,7 @@ public entry points add host-side validation (a device sync for ``cu_seqlens``, 
 scan, cache planning) that is not part of these numbers.
 
 ``--configs all`` also times every candidate launch configuration of
-``kernels.CANDIDATE_CONFIGS`` (rows ``rlk.triton.blocked_online_softmax@m128_w8_s2`` etc.;
+``configs.CANDIDATE_CONFIGS`` (rows ``rlk.triton.blocked_online_softmax@m128_w8_s2`` etc.;
 prefill/decode: forward candidates, train: backward candidates after the shipped forward) and
 the report's ``best`` lists the fastest configuration per case, to be copied into the config
 tables (every candidate is proven raw-bit equal to the shipped ones by the GPU tests).
@@ -101,6 +101,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common.harness import (cuda_graphs_interleaved_ms, device_info, make_row, summarize,  # noqa: E402
                                       versions, write_report)
+from rl_engine.backends.triton.attention.tuning import attention_tuning  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -134,25 +135,23 @@ OURS = "rlk.triton.blocked_online_softmax"
 
 
 def _candidates(kind: str, all_configs: bool):
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention.configs import CANDIDATE_CONFIGS
 
-    return K.CANDIDATE_CONFIGS[kind] if all_configs else ()
+    return CANDIDATE_CONFIGS[kind] if all_configs else ()
 
 
 @contextlib.contextmanager
 def _triton_decode():
     """A decode step's splits on the Triton kernels: both Hopper decode kernels off
-    (``kernels.wg_decode(False)``, ``kernels.wgt_decode(False)``)."""
-    from rl_engine.backends.triton.attention import kernels as K
-
-    with K.wg_decode(False), K.wgt_decode(False):
+    (``attention_tuning(wg_decode=False, wgt_decode=False)``)."""
+    with attention_tuning(wg_decode=False, wgt_decode=False):
         yield
 
 
 def _within(fn: Callable[[], object], mode: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], object]:
-    """``fn`` called inside a fresh ``mode()`` context: the side-by-side rows of a kernels switch
-    (``kernels.launch_plainly`` for ``.no_pdl``, ``auto_value_slices(False)`` for ``.no_v``,
-    ``tma_loads(False)`` for ``.no_tma``, another KV split size for ``~sb<n>``, another block walk
+    """``fn`` called inside a fresh ``mode()`` context: the side-by-side rows of a tuning switch
+    (``attention_tuning(pdl=False)`` for ``.no_pdl``, ``auto_value_slices=False`` for ``.no_v``,
+    ``tma_loads=False`` for ``.no_tma``, another KV split size for ``~sb<n>``, another block walk
     for ``~u<n>``). The context is entered at every call, so a CUDA-graph capture
     records the kernels it selects."""
 
@@ -166,39 +165,40 @@ def _within(fn: Callable[[], object], mode: Callable[[], contextlib.AbstractCont
 def _with_experiment_rows(impls: dict, names: Sequence[str], split_blocks: Sequence[int],
                          unrolls: Sequence[int] = ()) -> None:
     """Add a ``name~sb{n}`` row for each of ``names`` and each KV split size ``n`` (64-key blocks)
-    instead of the contract's ``kernels.SPLIT_BLOCKS``: an experiment that changes the bits of
+    instead of the contract's ``configs.SPLIT_BLOCKS`` (``AttentionTuning.split_blocks``): an
+    experiment that changes the bits of
     rows past a split boundary, so a benchmark-only override, not an API (the train path and the
     rollout path must share the value for parity). And a ``name~u{n}`` row for each ``unrolls``
     value: the selected forward tiles with ``AttnConfig.unroll = n`` (the same bits, proven on the
     GPU by ``test_paired_blocks_give_the_same_rows``; 4 only on 16-row tiles), to decide the tables'
     choice."""
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import configs as C
 
     def unrolled(n: int) -> contextlib.ExitStack:
         # every selected tile with unroll = n (n = 4: the 16-row tiles, the only ones it takes);
-        # the few-pairs rules kernels.pair_blocks / quad_blocks answer for n alone
+        # the few-pairs rules configs.pair_blocks / quad_blocks answer for n alone
         stack = contextlib.ExitStack()
         for select in ("select_prefill", "select_decode"):
-            orig = getattr(K, select)
+            orig = getattr(C, select)
             stack.enter_context(mock.patch.object(
-                K, select, lambda *a, _orig=orig, **kw: (lambda c: replace(c, unroll=n)
+                C, select, lambda *a, _orig=orig, **kw: (lambda c: replace(c, unroll=n)
                                                          if n != 4 or c.block_m == 16 else c)(_orig(*a, **kw))))
-        stack.enter_context(mock.patch.object(K, "pair_blocks", lambda *a: n == 2))
-        stack.enter_context(mock.patch.object(K, "quad_blocks", lambda *a: n == 4))
+        stack.enter_context(mock.patch.object(C, "pair_blocks", lambda *a: n == 2))
+        stack.enter_context(mock.patch.object(C, "quad_blocks", lambda *a: n == 4))
         return stack
 
     for name in names:
         if name not in impls:
             continue
         for n in split_blocks:
-            impls[f"{name}~sb{n}"] = _within(impls[name], lambda n=n: mock.patch.object(K, "SPLIT_BLOCKS", n))
+            impls[f"{name}~sb{n}"] = _within(impls[name], lambda n=n: attention_tuning(split_blocks=n))
         for n in unrolls:
             impls[f"{name}~u{n}"] = _within(impls[name], lambda n=n: unrolled(n))
 
 
 def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence[int] = (),
                  unrolls: Sequence[int] = ()):
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import launch as L
 
     g = torch.Generator(device="cuda").manual_seed(B * S)
     T = B * S
@@ -208,27 +208,28 @@ def prefill_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequen
     flop = 4 * B * HQ * D * S * (S + 1) / 2  # causal: two matmuls over the visible half
     impls = {
         # a forward no backward follows (what SDPA is timed doing): out only
-        "rlk.triton.blocked_online_softmax": lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S,
+        "rlk.triton.blocked_online_softmax": lambda: L.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S,
                                                                       for_backward=False),
         # the training forward: also the fp32 output and lse the backward reads
-        f"{OURS}.train_forward": lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S),
+        f"{OURS}.train_forward": lambda: L.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S),
         "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
     }
-    impls[f"{OURS}.no_pdl"] = _within(impls[OURS], K.launch_plainly)
-    impls[f"{OURS}.no_tma"] = _within(impls[OURS], lambda: K.tma_loads(False))
-    impls[f"{OURS}.train_forward.no_tma"] = _within(impls[f"{OURS}.train_forward"], lambda: K.tma_loads(False))
-    impls[f"{OURS}.no_wg"] = _within(impls[OURS], lambda: K.wg_forward(False))
-    impls[f"{OURS}.train_forward.no_wg"] = _within(impls[f"{OURS}.train_forward"], lambda: K.wg_forward(False))
+    impls[f"{OURS}.no_pdl"] = _within(impls[OURS], lambda: attention_tuning(pdl=False))
+    impls[f"{OURS}.no_tma"] = _within(impls[OURS], lambda: attention_tuning(tma_loads=False))
+    impls[f"{OURS}.train_forward.no_tma"] = _within(impls[f"{OURS}.train_forward"], lambda: attention_tuning(tma_loads=False))
+    impls[f"{OURS}.no_wg"] = _within(impls[OURS], lambda: attention_tuning(wg_forward=False))
+    impls[f"{OURS}.train_forward.no_wg"] = _within(impls[f"{OURS}.train_forward"], lambda: attention_tuning(wg_forward=False))
     _with_experiment_rows(impls, (OURS, f"{OURS}.train_forward"), split_blocks, unrolls)
     for c in _candidates("prefill", all_configs):
-        impls[f"{OURS}@{c.key}"] = lambda c=c: K.varlen_forward(q, k, v, cu, D**-0.5, None, config=c, max_seqlen=S,
+        impls[f"{OURS}@{c.key}"] = lambda c=c: L.varlen_forward(q, k, v, cu, D**-0.5, None, config=c, max_seqlen=S,
                                                                 for_backward=False)
     return impls, flop, {"B": B, "S": S, "tokens": T}
 
 
 def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Sequence[int] = (),
                 unrolls: Sequence[int] = ()):
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import configs as C
+    from rl_engine.backends.triton.attention import launch as L
 
     g = torch.Generator(device="cuda").manual_seed(B + ctx)
     kc, vc = _randn((B * ctx, HKV, D), g), _randn((B * ctx, HKV, D), g)
@@ -251,55 +252,55 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
     # q_pos. The ".tile_table" rows run the same step through the tile-table kernel (a step of
     # mixed lengths always does), side by side.
     impls = {
-        OURS: lambda: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5, None, decode_only=True),
-        f"{OURS}.paged16": lambda: K.cached_forward(q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None,
+        OURS: lambda: L.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5, None, decode_only=True),
+        f"{OURS}.paged16": lambda: L.cached_forward(q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None,
                                                     decode_only=True),
         "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
-        f"{OURS}.tile_table": lambda: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5, None),
-        f"{OURS}.paged16.tile_table": lambda: K.cached_forward(q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos,
+        f"{OURS}.tile_table": lambda: L.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5, None),
+        f"{OURS}.paged16.tile_table": lambda: L.cached_forward(q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos,
                                                                D**-0.5, None),
     }
-    impls[f"{OURS}.no_pdl"] = _within(impls[OURS], K.launch_plainly)
-    # the contiguous step with every block by pointer loads (kernels.decode_tma_eligible), side by side
-    impls[f"{OURS}.no_dtma"] = _within(impls[OURS], lambda: K.decode_tma_loads(False))
-    impls[f"{OURS}.paged16.no_pdl"] = _within(impls[f"{OURS}.paged16"], K.launch_plainly)
-    # the paged step with its splits on the Triton kernels (kernels.wg_decode(False)), beside the
-    # default's warpgroup kernel where kernels.wg_decode_programs takes the step
+    impls[f"{OURS}.no_pdl"] = _within(impls[OURS], lambda: attention_tuning(pdl=False))
+    # the contiguous step with every block by pointer loads (eligibility.decode_tma_eligible), side by side
+    impls[f"{OURS}.no_dtma"] = _within(impls[OURS], lambda: attention_tuning(decode_tma_loads=False))
+    impls[f"{OURS}.paged16.no_pdl"] = _within(impls[f"{OURS}.paged16"], lambda: attention_tuning(pdl=False))
+    # the paged step with its splits on the Triton kernels (wg_decode=False), beside the
+    # default's warpgroup kernel where configs.wg_decode_programs takes the step
     impls[f"{OURS}.paged16.no_wg"] = _within(impls[f"{OURS}.paged16"], _triton_decode)
-    # either step with its splits off the transposed kernel (kernels.wgt_decode(False)): the
+    # either step with its splits off the transposed kernel (wgt_decode=False): the
     # Triton kernels or, over pages, the warpgroup kernel where its band takes the step
-    impls[f"{OURS}.no_wgt"] = _within(impls[OURS], lambda: K.wgt_decode(False))
-    impls[f"{OURS}.paged16.no_wgt"] = _within(impls[f"{OURS}.paged16"], lambda: K.wgt_decode(False))
-    # the split kernel's grid in another order (kernels.split_grid), side by side
+    impls[f"{OURS}.no_wgt"] = _within(impls[OURS], lambda: attention_tuning(wgt_decode=False))
+    impls[f"{OURS}.paged16.no_wgt"] = _within(impls[f"{OURS}.paged16"], lambda: attention_tuning(wgt_decode=False))
+    # the split kernel's grid in another order (AttentionTuning.split_grid), side by side
     for order in ("tiles", "heads", "splits"):
         for name in (OURS, f"{OURS}.paged16"):
-            impls[f"{name}.grid_{order}"] = _within(impls[name], lambda o=order: K.split_grid(o))
-    few = K.few_programs(B, HKV, q.device)
+            impls[f"{name}.grid_{order}"] = _within(impls[name], lambda o=order: attention_tuning(split_grid=o))
+    few = C.few_programs(B, HKV, q.device)
     if few:
-        # the step without the value slicing kernels.value_slices picks (".no_v"), beside the
+        # the step without the value slicing configs.value_slices picks (".no_v"), beside the
         # default and each slicing forced (@v1 ...): the measurement the rule is checked against
-        impls[f"{OURS}.no_v"] = _within(impls[OURS], lambda: K.auto_value_slices(False))
-        impls[f"{OURS}.paged16.no_v"] = _within(impls[f"{OURS}.paged16"], lambda: K.auto_value_slices(False))
-        # the sliced step without four blocks a step (kernels.quad_blocks): the walk it replaced
-        impls[f"{OURS}.no_quad"] = _within(impls[OURS], lambda: K.four_block_steps(False))
-        impls[f"{OURS}.paged16.no_quad"] = _within(impls[f"{OURS}.paged16"], lambda: K.four_block_steps(False))
-    ns = K.num_splits(ctx)
-    few_tile = few and K.one_wave(B * HKV * ns, q.device)  # cached_forward's choice
+        impls[f"{OURS}.no_v"] = _within(impls[OURS], lambda: attention_tuning(auto_value_slices=False))
+        impls[f"{OURS}.paged16.no_v"] = _within(impls[f"{OURS}.paged16"], lambda: attention_tuning(auto_value_slices=False))
+        # the sliced step without four blocks a step (configs.quad_blocks): the walk it replaced
+        impls[f"{OURS}.no_quad"] = _within(impls[OURS], lambda: attention_tuning(four_block_steps=False))
+        impls[f"{OURS}.paged16.no_quad"] = _within(impls[f"{OURS}.paged16"], lambda: attention_tuning(four_block_steps=False))
+    ns = C.num_splits(ctx)
+    few_tile = few and C.one_wave(B * HKV * ns, q.device)  # cached_forward's choice
     _with_experiment_rows(impls, (OURS, f"{OURS}.paged16"), split_blocks, unrolls)
     # many programs: the tail of the last wave is a program's work (batch 64 x 4096 keys: 2048
     # programs, about 5.2 waves at three programs per SM); value slices make the grain finer
     for v in (1, 2, 4, 8) if few else (2, 4):
-        contiguous_cfg = replace(K.select_decode(q.dtype, D, None, few=few_tile, many=not few_tile), v_slices=v)
-        paged_cfg = replace(K.select_decode(q.dtype, D, ps, few=few_tile, many=not few_tile), v_slices=v)
-        impls[f"{OURS}@v{v}"] = lambda c=contiguous_cfg: K.cached_forward(
+        contiguous_cfg = replace(C.select_decode(q.dtype, D, None, few=few_tile, many=not few_tile), v_slices=v)
+        paged_cfg = replace(C.select_decode(q.dtype, D, ps, few=few_tile, many=not few_tile), v_slices=v)
+        impls[f"{OURS}@v{v}"] = lambda c=contiguous_cfg: L.cached_forward(
             q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5, None, path="decode", config=c, decode_only=True)
-        impls[f"{OURS}.paged16@v{v}"] = lambda c=paged_cfg: K.cached_forward(
+        impls[f"{OURS}.paged16@v{v}"] = lambda c=paged_cfg: L.cached_forward(
             q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None, path="decode", config=c,
             decode_only=True)
     for c in _candidates("decode", all_configs):
-        impls[f"{OURS}@{c.key}"] = lambda c=c: K.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5,
+        impls[f"{OURS}@{c.key}"] = lambda c=c: L.cached_forward(q, kc, vc, contiguous_rows, ctx, q_seq, q_pos, D**-0.5,
                                                                 None, path="decode", config=c, decode_only=True)
-        impls[f"{OURS}.paged16@{c.key}"] = lambda c=c: K.cached_forward(
+        impls[f"{OURS}.paged16@{c.key}"] = lambda c=c: L.cached_forward(
             q, kp, vp, page_table.contiguous(), ps, q_seq, q_pos, D**-0.5, None, path="decode", config=c,
             decode_only=True)
     kv_bytes = 2 * B * ctx * HKV * D * 2
@@ -308,7 +309,7 @@ def decode_case(B: int, ctx: int, all_configs: bool = False, split_blocks: Seque
 
 def train_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence[int] = (),
                unrolls: Sequence[int] = ()):
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import launch as L
     from rl_engine.backends.triton.attention import varlen_attention_fwd_triton
 
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -331,14 +332,14 @@ def train_case(B: int, S: int, all_configs: bool = False, split_blocks: Sequence
 
     flop = 2.5 * 4 * B * HQ * D * S * (S + 1) / 2  # forward + backward (2.5x the forward's matmuls)
     impls = {OURS: ours, "torch.sdpa": sdpa}
-    impls[f"{OURS}.no_tma"] = _within(ours, lambda: K.tma_loads(False))
-    impls[f"{OURS}.no_wg"] = _within(ours, lambda: K.wg_forward(False))
+    impls[f"{OURS}.no_tma"] = _within(ours, lambda: attention_tuning(tma_loads=False))
+    impls[f"{OURS}.no_wg"] = _within(ours, lambda: attention_tuning(wg_forward=False))
     _with_experiment_rows(impls, (OURS,), split_blocks, unrolls)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     for c in _candidates("backward", all_configs):
         def cand(c=c):
-            out, lse, out32 = K.varlen_forward(qd, kd, vd, cu, D**-0.5, None)
-            K.varlen_backward(up, qd, kd, vd, out32, lse, cu, D**-0.5, None, config=c)
+            out, lse, out32 = L.varlen_forward(qd, kd, vd, cu, D**-0.5, None)
+            L.varlen_backward(up, qd, kd, vd, out32, lse, cu, D**-0.5, None, config=c)
 
         impls[f"{OURS}@bwd_{c.key}"] = cand
     return impls, flop, {"B": B, "S": S, "tokens": T}
@@ -410,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: fewer shapes and samples")
     ap.add_argument("--repeats", type=int, default=None, help="samples per implementation (default 15; quick 3)")
     ap.add_argument("--configs", choices=("default", "all"), default="default",
-                    help="all: also time every candidate launch configuration (kernels.CANDIDATE_CONFIGS)")
+                    help="all: also time every candidate launch configuration (configs.CANDIDATE_CONFIGS)")
     ap.add_argument("--kinds", default="prefill,decode,train", help="comma-separated subset of prefill,decode,train")
     ap.add_argument("--decode-batch", default=",".join(map(str, DECODE_BATCH)),
                     help="comma-separated decode batch sizes (default: the issue's 1,64)")

@@ -51,9 +51,9 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common.harness import cuda_graph_ms, device_info, summarize, versions  # noqa: E402
-from rl_engine.backends.triton.attention.kernels import rlk_attn_rowsum  # noqa: E402
+from rl_engine.backends.triton.attention.device import rlk_attn_rowsum  # noqa: E402
 # the adjacent-pair fixed tree, the row-sum tests' negative control, timed side by side
-from tests.backends.triton._rowsum_probe import rlk_test_adjacent_rowsum  # noqa: E402
+from tests.backends.triton.attention._rowsum_probe import rlk_test_adjacent_rowsum  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -246,13 +246,13 @@ TMA_VARIANTS = {
 
 
 def probe_tab(q, k, v, cu, B, S, *, warps=8, stages=2):
-    """``+ind`` on the shipped tile table (``kernels.varlen_tiles``, built outside the timing)."""
-    from rl_engine.backends.triton.attention import kernels as K
+    """``+ind`` on the shipped tile table (``launch.varlen_tiles``, built outside the timing)."""
+    from rl_engine.backends.triton.attention import launch as L
 
     out = torch.empty_like(q)
     tab = probe_tab.tables.get((B, S))
     if tab is None:
-        tab = probe_tab.tables[(B, S)] = K.varlen_tiles(cu, HQ // HKV, 128, q.shape[0])
+        tab = probe_tab.tables[(B, S)] = L.varlen_tiles(cu, HQ // HKV, 128, q.shape[0])
     rlk_probe_attn_fwd_tab[(tab.shape[0], HKV)](q, k, v, out, cu, tab, S, D**-0.5, HQ=HQ, HKV=HKV, D=D, BM=128, BN=64,
                                                 LOG2BN=6, TREE=1, EXP2=False, num_warps=warps, num_stages=stages,
                                                 enable_fp_fusion=False)
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
                          "the run to put under ncu (-k regex:rlk_)")
     args = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in c.split("x")) for c in args.shapes.split(",")]
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import launch as L
 
     rows = []
     for B, S in shapes:
@@ -323,8 +323,8 @@ def main(argv=None) -> int:
         page_rows = (torch.arange(B, device="cuda") * S)[:, None].contiguous()
         impls = {
             "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
-            "rlk.varlen_forward(train: out+f32+lse)": lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S),
-            "rlk.cached_forward(prefill: out)": lambda: K.cached_forward(q, k, v, page_rows, S, q_seq, q_pos,
+            "rlk.varlen_forward(train: out+f32+lse)": lambda: L.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S),
+            "rlk.cached_forward(prefill: out)": lambda: L.cached_forward(q, k, v, page_rows, S, q_seq, q_pos,
                                                                         D**-0.5, None, path="prefill"),
         }
         for name, cfg in VARIANTS.items():

@@ -1,6 +1,6 @@
 """Where the device time of one attention launcher call goes: every kernel it launches, on the GPU.
 
-Each shipped launcher (``rl_engine.backends.triton.attention.kernels``) runs ``--iters``
+Each shipped launcher (``rl_engine.backends.triton.attention.launch``) runs ``--iters``
 times under ``torch.profiler`` (CUDA activity) after warm-up; the kernels' device time is summed
 per name and divided by the iterations, next to the wall time of one CUDA-graph replay of the
 same call (``benchmarks.common.harness.cuda_graph_ms``). So a launcher's time splits into its
@@ -30,7 +30,8 @@ HQ, HKV, D = 32, 8, 128
 
 
 def cases():
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import launch as L
+    from rl_engine.backends.triton.attention.configs import AttnConfig
 
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -45,10 +46,10 @@ def cases():
     q_seq = torch.arange(B, device="cuda").repeat_interleave(S)
     q_pos = torch.arange(S, device="cuda").repeat(B)
     rows = (torch.arange(B, device="cuda") * S)[:, None].contiguous()
-    out["prefill 32x512 varlen (out only)"] = lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S,
+    out["prefill 32x512 varlen (out only)"] = lambda: L.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S,
                                                                          for_backward=False)
-    out["prefill 32x512 varlen (train: out+f32+lse)"] = lambda: K.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S)
-    out["prefill 32x512 cached (rollout)"] = lambda: K.cached_forward(q, k, v, rows, S, q_seq, q_pos, D**-0.5, None,
+    out["prefill 32x512 varlen (train: out+f32+lse)"] = lambda: L.varlen_forward(q, k, v, cu, D**-0.5, None, max_seqlen=S)
+    out["prefill 32x512 cached (rollout)"] = lambda: L.cached_forward(q, k, v, rows, S, q_seq, q_pos, D**-0.5, None,
                                                                        path="prefill")
     # the rollout prefill over a paged cache of 16-token pages (shuffled), shipped and two smaller tiles
     ps = 16
@@ -57,9 +58,9 @@ def cases():
     prow = (ptab[:, torch.arange(S, device="cuda") // ps] + torch.arange(S, device="cuda") % ps).reshape(-1)
     kp, vp = torch.empty_like(k), torch.empty_like(v)
     kp[prow], vp[prow] = k, v
-    for cfg in (None, K.AttnConfig(128, 4, 2), K.AttnConfig(64, 4, 2)):
+    for cfg in (None, AttnConfig(128, 4, 2), AttnConfig(64, 4, 2)):
         tag = "shipped" if cfg is None else cfg.key
-        out[f"prefill 32x512 cached paged16 ({tag})"] = (lambda cfg=cfg: K.cached_forward(
+        out[f"prefill 32x512 cached paged16 ({tag})"] = (lambda cfg=cfg: L.cached_forward(
             q, kp, vp, ptab, ps, q_seq, q_pos, D**-0.5, None, path="prefill", config=cfg))
     # the same at 4 x 4096 (the long-prompt shape of the prefill target)
     B4, S4 = 4, 4096
@@ -71,9 +72,9 @@ def cases():
     prow4 = (ptab4[:, torch.arange(S4, device="cuda") // ps] + torch.arange(S4, device="cuda") % ps).reshape(-1)
     kp4, vp4 = randn(B4 * S4, HKV, D), randn(B4 * S4, HKV, D)
     kp4[prow4], vp4[prow4] = kp4.clone(), vp4.clone()
-    for cfg in (None, K.AttnConfig(128, 4, 2)):
+    for cfg in (None, AttnConfig(128, 4, 2)):
         tag = "shipped" if cfg is None else cfg.key
-        out[f"prefill 4x4096 cached paged16 ({tag})"] = (lambda cfg=cfg: K.cached_forward(
+        out[f"prefill 4x4096 cached paged16 ({tag})"] = (lambda cfg=cfg: L.cached_forward(
             q4, kp4, vp4, ptab4, ps, qs4, qp4, D**-0.5, None, path="prefill", config=cfg))
     for b, ctx in ((1, 512), (1, 4096), (1, 32768), (64, 512), (64, 4096)):
         kc, vc, qd = randn(b * ctx, HKV, D), randn(b * ctx, HKV, D), randn(b, HQ, D)
@@ -84,7 +85,7 @@ def cases():
             tag = "" if one else " (tile table)"
             out[f"decode B={b} ctx={ctx}{tag}"] = (
                 lambda kc=kc, vc=vc, qd=qd, qs=qs, qp=qp, crow=crow, ctx=ctx, one=one:
-                K.cached_forward(qd, kc, vc, crow, ctx, qs, qp, D**-0.5, None, decode_only=one))
+                L.cached_forward(qd, kc, vc, crow, ctx, qs, qp, D**-0.5, None, decode_only=one))
     return out
 
 

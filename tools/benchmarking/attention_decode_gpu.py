@@ -2,7 +2,7 @@
 
 For each case (batch ``B`` × context ``ctx``, one query token per sequence, Qwen3-8B heads: 32
 query / 8 kv heads, D = 128, bf16) over a contiguous cache and over 16-token pages in shuffled
-order, it runs ``kernels.cached_forward(decode_only=True)`` with the shipped selection, with
+order, it runs ``launch.cached_forward(decode_only=True)`` with the shipped selection, with
 every ``--configs`` key (``AttnConfig.key`` spelling: ``m16_w4_s3_v4_u4`` = 16-row tile, 4 warps,
 3 stages, 4 value slices, 4 blocks a step) and with the Hopper split kernels forced
 (``--wg-slots``, ``--wgt``), checks each output raw-bit against the Triton kernels' (both Hopper
@@ -20,7 +20,6 @@ benchmark of record is ``benchmarks/operators/bench_attention_gpu.py``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import re
 import sys
@@ -39,13 +38,13 @@ _KEY = re.compile(r"m(\d+)_w(\d+)_s(\d+)(?:_v(\d+))?(?:_u(\d+))?$")
 
 def parse_config(key: str):
     """``AttnConfig`` from its ``key`` spelling (``m16_w4_s3``, ``m16_w4_s3_v4_u4``)."""
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention.configs import AttnConfig
 
     m = _KEY.match(key)
     if not m:
         raise SystemExit(f"--configs: {key!r} is not a config key like m16_w4_s3_v4_u4")
     bm, w, s, v, u = m.groups()
-    return K.AttnConfig(int(bm), int(w), int(s), v_slices=int(v or 1), unroll=int(u or 1))
+    return AttnConfig(int(bm), int(w), int(s), v_slices=int(v or 1), unroll=int(u or 1))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -92,13 +91,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="1x512,1x4096,1x32768", help="BxCTX,... (contexts multiples of 16)")
     ap.add_argument("--configs", default="", help="config keys, comma-separated (both caches)")
-    ap.add_argument("--no-wg", action="store_true", help="also the steps with kernels.wg_decode(False) and "
-                    "wgt_decode(False) (the splits on the Triton kernels instead of the Hopper ones; the reference bits)")
-    ap.add_argument("--wg-slots", default="", help="ring slots of hopper.rlk_attn_split_wg to time the paged steps "
-                    "with (hopper.split_configured; every step size: kernels.wg_decode_band), comma-separated; a "
+    ap.add_argument("--no-wg", action="store_true", help="also the steps with attention_tuning(wg_decode=False, "
+                    "wgt_decode=False) (the splits on the Triton kernels instead of the Hopper ones; the reference bits)")
+    ap.add_argument("--wg-slots", default="", help="ring slots of hopper_warpgroup.rlk_attn_split_wg to time the paged "
+                    "steps with (AttentionTuning.wg_decode_slots; every step size: wg_decode_band), comma-separated; a "
                     "suffix caps the value slices: 3v1 one slice, 3v4 up to four")
-    ap.add_argument("--wgt", default="", help="the steps' splits on the transposed kernel (hopper.rlk_attn_split_wgt, "
-                    "forced at every size with kernels.wgt_decode_band, both caches): ring slots and value slices, "
+    ap.add_argument("--wgt", default="", help="the steps' splits on the transposed kernel "
+                    "(hopper_transposed_decode.rlk_attn_split_wgt, forced at every size with wgt_decode_bands, both "
+                    "caches): ring slots and value slices, "
                     "comma-separated: 2v2 = 2 slots, 2 value slices (four blocks a step by the rule); 2v2q1 = "
                     "four blocks a step with 1 four-block slot; 2v2q0 = one block a step")
     ap.add_argument("--calls", type=int, default=20)
@@ -106,7 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="", help="implementations (names as printed) to run under the torch "
                     "profiler after timing: per-kernel device time per call")
     args = ap.parse_args(argv)
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import launch
+    from rl_engine.backends.triton.attention.tuning import attention_tuning
 
     configs = [parse_config(k) for k in args.configs.split(",") if k]
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",") if c]
@@ -118,16 +119,16 @@ def main(argv=None) -> int:
         impls = {"torch.sdpa": lambda s=sdpa: F.scaled_dot_product_attention(*s, enable_gqa=True)}
         for cache_name, (kk, vv, pr, psz) in (("contiguous", contiguous), ("paged16", paged)):
             def step(cfg=None, kk=kk, vv=vv, pr=pr, psz=psz):
-                return K.cached_forward(q, kk, vv, pr, psz, q_seq, q_pos, D**-0.5, None, config=cfg,
-                                        path="decode" if cfg is not None else None, decode_only=True)
+                return launch.cached_forward(q, kk, vv, pr, psz, q_seq, q_pos, D**-0.5, None, config=cfg,
+                                             path="decode" if cfg is not None else None, decode_only=True)
 
-            with K.wg_decode(False), K.wgt_decode(False):
+            with attention_tuning(wg_decode=False, wgt_decode=False):
                 want = step()  # the Triton kernels: every other variant is checked against these bits
             if not torch.equal(_bits(step()), _bits(want)):
                 failures.append(f"{B}x{ctx} {cache_name}: the shipped step's bits differ from the Triton kernels'")
             k2 = kk.clone()
             k2[pr[0, 0] + 3, 0, 5] += 1.0  # position 3 of sequence 0 (page 0 on either cache), kv head 0
-            moved = K.cached_forward(q, k2, vv, pr, psz, q_seq, q_pos, D**-0.5, None, decode_only=True)
+            moved = launch.cached_forward(q, k2, vv, pr, psz, q_seq, q_pos, D**-0.5, None, decode_only=True)
             control = bool(torch.equal(_bits(moved), _bits(want)))
             if control:
                 failures.append(f"{B}x{ctx} {cache_name}: negative control (a perturbed key) left the output unchanged")
@@ -144,27 +145,21 @@ def main(argv=None) -> int:
             if args.no_wg:
                 # the same step with the splits on the Triton kernel
                 def plain(step=step):
-                    with K.wg_decode(False), K.wgt_decode(False):
+                    with attention_tuning(wg_decode=False, wgt_decode=False):
                         return step()
 
                 register(f"{cache_name}.no_wg", "no_wg", plain)
             for spec in (x for x in args.wg_slots.split(",") if x and cache_name == "paged16"):
-                # the step's splits on the warpgroup kernel whatever its size (kernels.wg_decode_band)
-                # with ``slots`` ring slots; ``3v1``: one value slice (auto_value_slices(False)),
-                # ``3v4``: up to four (MAX_PAGED_V_SLICES)
+                # the step's splits on the warpgroup kernel whatever its size (wg_decode_band) with
+                # ``slots`` ring slots; ``3v1``: one value slice (auto_value_slices=False), ``3v4``: up
+                # to four (max_paged_v_slices)
                 slots, vmax = (int(x) for x in (spec.split("v") + ["0"])[:2])
 
                 def ring(step=step, slots=slots, vmax=vmax):
-                    from rl_engine.backends.triton.attention import hopper
-
-                    saved = K.MAX_PAGED_V_SLICES
-                    K.MAX_PAGED_V_SLICES = vmax or saved
-                    try:
-                        with hopper.split_configured(slots), K.auto_value_slices(vmax != 1), \
-                                K.wg_decode_band(0, float("inf")):
-                            return step()
-                    finally:
-                        K.MAX_PAGED_V_SLICES = saved
+                    cap = {"max_paged_v_slices": vmax} if vmax else {}
+                    with attention_tuning(wg_decode_slots=slots, auto_value_slices=vmax != 1,
+                                          wg_decode_band=(0.0, float("inf")), **cap):
+                        return step()
 
                 register(f"{cache_name}.wg_s{spec}", f"wg_s{spec}", ring)
             for spec in (x for x in args.wgt.split(",") if x):
@@ -175,12 +170,10 @@ def main(argv=None) -> int:
                 qslots = None if m.group(3) is None else int(m.group(3))
 
                 def transposed(step=step, slots=slots, vsl=vsl, qslots=qslots):
-                    from rl_engine.backends.triton.attention import hopper
-
-                    quad = (K.wgt_quad_band(float("inf") if qslots else 0.0) if qslots is not None
-                            else contextlib.nullcontext())
-                    with hopper.split_t_configured(slots, qslots or None), K.wgt_value_slices(vsl), \
-                            K.wg_decode(False), K.wgt_decode_band(0, float("inf")), quad:
+                    quad = ({"wgt_quad_programs": float("inf") if qslots else 0.0} if qslots is not None else {})
+                    quad_slots = {"wgt_quad_slots": qslots} if qslots else {}
+                    with attention_tuning(wgt_decode_slots=slots, **quad_slots, wgt_value_slices=vsl, wg_decode=False,
+                                          wgt_decode_bands=((0.0, float("inf")),) * 2, **quad):
                         return step()
 
                 register(f"{cache_name}.wgt_s{spec}", f"wgt_s{spec}", transposed)

@@ -3,17 +3,17 @@ inside an NVTX range, for a profiler.
 
 ``ncu --nvtx --nvtx-include "rlk_profile/"`` then profiles only the kernels of the last call
 (the earlier calls compile and warm up). Implementations: ``wg`` (the shipped train-path forward,
-the Hopper warpgroup kernel where eligible), ``triton`` (``kernels.wg_forward(False)``), ``sdpa``
+the Hopper warpgroup kernel where eligible), ``triton`` (``attention_tuning(wg_forward=False)``), ``sdpa``
 (``torch.nn.functional.scaled_dot_product_attention`` on the padded ``[B, H, S, D]`` layout).
 
 ``--decode BxCTX``: instead, one decode step (one query token per sequence at position
-``CTX - 1``, ``kernels.cached_forward(decode_only=True)``, what ``bench_attention_gpu.py``'s
+``CTX - 1``, ``launch.cached_forward(decode_only=True)``, what ``bench_attention_gpu.py``'s
 decode rows time) over a contiguous cache (``--impl wg`` or ``triton``: the shipped selection)
 or, with ``--paged``, over 16-token pages in shuffled order; ``--impl sdpa``: SDPA's decode
 (``enable_gqa=True``). ``--decode-kernel`` picks the step's split kernel instead of the shipped
 selection: ``triton`` (both Hopper decode kernels off), ``wgt`` / ``wgt-quad`` (the transposed
 Hopper kernel at any size, one block a step / four where the cache allows), each call under the
-scoped switches of ``kernels``.
+scoped switches of ``attention_tuning``.
 
     ncu --clock-control none --nvtx --nvtx-include "rlk_profile/" --set full -o prof \\
         python tools/benchmarking/attention_profile_once.py --shape 4x4096 --impl wg
@@ -62,12 +62,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("attention_profile_once: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import launch
+    from rl_engine.backends.triton.attention.tuning import attention_tuning
 
     g = torch.Generator(device="cuda").manual_seed(0)
     if args.decode is not None:
-        fn = _decode_step(K, B, S, hq, hkv, args.impl, args.paged, g)
-        return _profile(_with_decode_kernel(K, fn, args.decode_kernel))
+        fn = _decode_step(launch, B, S, hq, hkv, args.impl, args.paged, g)
+        return _profile(_with_decode_kernel(fn, args.decode_kernel))
     q, k, v = (torch.randn((B * S, h, 128), device="cuda", generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
     cu = torch.arange(0, (B + 1) * S, S, device="cuda", dtype=torch.int32)
     if args.impl == "sdpa":
@@ -78,13 +79,13 @@ def main(argv=None) -> int:
     else:
         def fn():
             if args.impl == "triton":
-                with K.wg_forward(False):
-                    return K.varlen_forward(q, k, v, cu, 128**-0.5, None, max_seqlen=S, for_backward=args.train)
-            return K.varlen_forward(q, k, v, cu, 128**-0.5, None, max_seqlen=S, for_backward=args.train)
+                with attention_tuning(wg_forward=False):
+                    return launch.varlen_forward(q, k, v, cu, 128**-0.5, None, max_seqlen=S, for_backward=args.train)
+            return launch.varlen_forward(q, k, v, cu, 128**-0.5, None, max_seqlen=S, for_backward=args.train)
     return _profile(fn)
 
 
-def _decode_step(K, B: int, ctx: int, hq: int, hkv: int, impl: str, paged: bool, g: torch.Generator):
+def _decode_step(launch, B: int, ctx: int, hq: int, hkv: int, impl: str, paged: bool, g: torch.Generator):
     """A decode step's call: one query token per sequence at position ``ctx - 1``."""
     kc, vc = (torch.randn((B * ctx, hkv, 128), device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
     q = torch.randn((B, hq, 128), device="cuda", generator=g).to(torch.bfloat16)
@@ -105,22 +106,22 @@ def _decode_step(K, B: int, ctx: int, hq: int, hkv: int, impl: str, paged: bool,
         kk, vv = torch.empty_like(kc), torch.empty_like(vc)
         at = (rows[:, pos // ps] + pos % ps).reshape(-1)
         kk[at], vv[at] = kc, vc
-    return lambda: K.cached_forward(q, kk, vv, rows, ps, q_seq, q_pos, 128**-0.5, None, decode_only=True)
+    return lambda: launch.cached_forward(q, kk, vv, rows, ps, q_seq, q_pos, 128**-0.5, None, decode_only=True)
 
 
-def _with_decode_kernel(K, fn, which: str):
+def _with_decode_kernel(fn, which: str):
     """``fn`` run under the switches that pick ``which`` decode split kernel (scoped to each call)."""
     import contextlib
+
+    from rl_engine.backends.triton.attention.tuning import attention_tuning
 
     def scoped():
         with contextlib.ExitStack() as st:
             if which == "triton":
-                st.enter_context(K.wg_decode(False))
-                st.enter_context(K.wgt_decode(False))
+                st.enter_context(attention_tuning(wg_decode=False, wgt_decode=False))
             elif which in ("wgt", "wgt-quad"):
-                st.enter_context(K.wg_decode(False))
-                st.enter_context(K.wgt_decode_band(0, float("inf")))
-                st.enter_context(K.wgt_quad_band(float("inf") if which == "wgt-quad" else 0.0))
+                st.enter_context(attention_tuning(wg_decode=False, wgt_decode_bands=((0.0, float("inf")),) * 2,
+                                                  wgt_quad_programs=float("inf") if which == "wgt-quad" else 0.0))
             return fn()
 
     return fn if which == "shipped" else scoped

@@ -1,21 +1,23 @@
-"""The Hopper warpgroup forward (``hopper.rlk_attn_fwd_wg``) against the Triton kernel: raw bits and time.
+"""The Hopper warpgroup forward (``hopper_warpgroup.rlk_attn_fwd_wg``) against the Triton kernel: raw
+bits and time.
 
-For each case (packed causal sequences, GQA group, window, dtype) it runs ``kernels.varlen_forward``
-with the warpgroup kernel and with ``kernels.wg_forward(False)`` (the Triton kernel) and compares
-``out``, ``lse`` and the fp32 output raw-bit (integer views; a negative control perturbs one key
-and must move rows). Then it times, in CUDA graphs replayed round-robin
+For each case (packed causal sequences, GQA group, window, dtype) it runs ``launch.varlen_forward``
+with the warpgroup kernel and with ``attention_tuning(wg_forward=False)`` (the Triton kernel) and
+compares ``out``, ``lse`` and the fp32 output raw-bit (integer views; a negative control perturbs
+one key and must move rows). Then it times, in CUDA graphs replayed round-robin
 (``cuda_graphs_interleaved_ms``: drift over the run falls on every candidate alike), SDPA, the
 Triton kernel and the warpgroup kernel in each configuration (``--stages``: the shipped
-``hopper.CONFIGS``, or ring depths, tile rows and a register cap for every launch), output-only
-and training forward, and writes JSON rows (``--out``). ``--baseline FILE`` adds another version
-of ``hopper.py`` (e.g. the previous commit's, ``git show
-HEAD~1:rl_engine/backends/triton/attention/hopper.py > /tmp/hopper_prev.py``), checked and
-timed with its own ``CONFIGS`` in the same run (stage ``baseline``). A tool for choosing
-``hopper.CONFIGS`` and for a first look; the benchmark of record is
+``AttentionTuning.wg_forward_rings``, or ring depths, tile rows and a register cap for every
+launch), output-only and training forward, and writes JSON rows (``--out``). ``--baseline FILE``
+adds another version of ``hopper_warpgroup.py`` (e.g. the previous commit's, ``git show
+HEAD~1:rl_engine/backends/triton/attention/hopper_warpgroup.py > /tmp/hopper_warpgroup_prev.py``),
+checked and timed under the shipped tuning in the same run (stage ``baseline``). A tool for
+choosing ``AttentionTuning.wg_forward_rings`` and for a first look; the benchmark of record is
 ``benchmarks/operators/bench_attention_gpu.py`` (rows ``.no_wg``).
 
     python tools/benchmarking/attention_wg_gpu.py --out /tmp/wg.json
-    python tools/benchmarking/attention_wg_gpu.py --out /tmp/wg.json --stages shipped --baseline /tmp/hopper_prev.py
+    python tools/benchmarking/attention_wg_gpu.py --out /tmp/wg.json --stages shipped \\
+        --baseline /tmp/hopper_warpgroup_prev.py
 """
 
 from __future__ import annotations
@@ -47,27 +49,28 @@ def _case(lens, hq, hkv, dtype, window, seed):
     return q, k, v, cu, window
 
 
-_HOPPER = "rl_engine.backends.triton.attention.hopper"
+_HOPPER = "rl_engine.backends.triton.attention.hopper_warpgroup"
 
 
 @contextlib.contextmanager
 def _kernel_from(module):
-    """``kernels.varlen_forward`` launches ``module``'s warpgroup kernel inside the block (it
-    imports ``hopper`` at each call): the package attribute and ``sys.modules`` entry are swapped
+    """``launch.varlen_forward`` launches ``module``'s warpgroup kernel inside the block (it imports
+    ``hopper_warpgroup`` at each call): the package attribute and ``sys.modules`` entry are swapped
     and restored in ``finally``."""
     from rl_engine.backends.triton import attention
-    from rl_engine.backends.triton.attention import hopper
+    from rl_engine.backends.triton.attention import hopper_warpgroup
 
-    saved = hopper, sys.modules[_HOPPER]
-    attention.hopper = sys.modules[_HOPPER] = module
+    saved = hopper_warpgroup, sys.modules[_HOPPER]
+    attention.hopper_warpgroup = sys.modules[_HOPPER] = module
     try:
         yield
     finally:
-        attention.hopper, sys.modules[_HOPPER] = saved
+        attention.hopper_warpgroup, sys.modules[_HOPPER] = saved
 
 
 def _load_baseline(path: Path):
-    """``path`` (a version of ``hopper.py``) imported as its own module: its kernels compile apart."""
+    """``path`` (a version of ``hopper_warpgroup.py``) imported as its own module: its kernels
+    compile apart."""
     spec = importlib.util.spec_from_file_location("rlk_hopper_baseline", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -75,17 +78,18 @@ def _load_baseline(path: Path):
 
 
 def _variant(var):
-    """``hopper``'s configuration for a block (restored after): ``None`` keeps the shipped
-    ``hopper.CONFIGS``; ``(K, V, rows, regs)`` sets every launch to K key and V value ring slots,
-    ``rows``-row tiles and the register cap ``regs`` (``None``: the compiler's choice); a module
-    (``--baseline``) launches that version of the kernel with its own ``CONFIGS``."""
-    from rl_engine.backends.triton.attention import hopper
+    """The warpgroup forward's configuration for a block (restored after): ``None`` keeps the
+    shipped ``AttentionTuning.wg_forward_rings``; ``(K, V, rows, regs)`` sets every launch to K key
+    and V value ring slots, ``rows``-row tiles and the register cap ``regs`` (``None``: the
+    compiler's choice); a module (``--baseline``) launches that version of the kernel."""
+    from rl_engine.backends.triton.attention.tuning import attention_tuning
 
     if var is None:
         return contextlib.nullcontext()
     if not isinstance(var, tuple):
         return _kernel_from(var)
-    return hopper.configured(var[0], var[1], var[3], var[2])
+    ring = (var[0], var[1], var[3])
+    return attention_tuning(wg_forward_rings=(ring, ring), wg_forward_block_m=var[2])
 
 
 def _tag(var) -> str:
@@ -114,22 +118,23 @@ def check_bits(cases, variants) -> list[dict]:
 
 
 def _check_bits(cases, tag) -> list[dict]:
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import eligibility, launch
+    from rl_engine.backends.triton.attention.tuning import attention_tuning
 
     rows = []
     for name, (q, k, v, cu, window) in cases:
         name = f"{name} {tag}"
-        assert K.wg_eligible(q, k, v, None), name
-        a = K.varlen_forward(q, k, v, cu, 128**-0.5, window)
-        with K.wg_forward(False):
-            b = K.varlen_forward(q, k, v, cu, 128**-0.5, window)
-        a_nb = K.varlen_forward(q, k, v, cu, 128**-0.5, window, for_backward=False)[0]
+        assert eligibility.wg_eligible(q, k, v, None), name
+        a = launch.varlen_forward(q, k, v, cu, 128**-0.5, window)
+        with attention_tuning(wg_forward=False):
+            b = launch.varlen_forward(q, k, v, cu, 128**-0.5, window)
+        a_nb = launch.varlen_forward(q, k, v, cu, 128**-0.5, window, for_backward=False)[0]
         diff = [int((_bits(x) != _bits(y)).sum()) for x, y in zip(a, b)]
         diff.append(int((_bits(a_nb) != _bits(b[0])).sum()))
         # negative control: a perturbed key moves some rows
         k2 = k.clone()
         k2[k.shape[0] // 2, 0, 0] += 1.0
-        c = K.varlen_forward(q, k2, v, cu, 128**-0.5, window)[0]
+        c = launch.varlen_forward(q, k2, v, cu, 128**-0.5, window)[0]
         moved = int((_bits(c) != _bits(a[0])).sum())
         ok = all(d == 0 for d in diff) and moved > 0 and bool(torch.isfinite(a[0].float()).all())
         rows.append({"case": name, "mismatched": diff, "control_moved": moved, "ok": ok})
@@ -140,7 +145,8 @@ def _check_bits(cases, tag) -> list[dict]:
 
 
 def timing(stages, repeats: int) -> list[dict]:
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import launch
+    from rl_engine.backends.triton.attention.tuning import attention_tuning
 
     dev, ver = device_info("cuda"), versions()
     out = []
@@ -153,14 +159,14 @@ def timing(stages, repeats: int) -> list[dict]:
             tag = "train_forward" if fb else "out"
 
             def triton_fwd(fb=fb):
-                with K.wg_forward(False):
-                    return K.varlen_forward(q, k, v, cu, 128**-0.5, None, max_seqlen=S, for_backward=fb)
+                with attention_tuning(wg_forward=False):
+                    return launch.varlen_forward(q, k, v, cu, 128**-0.5, None, max_seqlen=S, for_backward=fb)
 
             impls[f"triton.{tag}"] = triton_fwd
             for var in stages:
                 def wg(fb=fb, var=var):
                     with _variant(var):
-                        return K.varlen_forward(q, k, v, cu, 128**-0.5, None, max_seqlen=S, for_backward=fb)
+                        return launch.varlen_forward(q, k, v, cu, 128**-0.5, None, max_seqlen=S, for_backward=fb)
 
                 impls[f"wg.{_tag(var)}.{tag}"] = wg
         res = {n: summarize(v) for n, v in cuda_graphs_interleaved_ms(impls, calls=5, repeats=repeats,
@@ -180,11 +186,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--stages", default="shipped,2x2x64",
-                    help="configurations to check bits at and to time: 'shipped' (hopper.CONFIGS) or "
+                    help="configurations to check bits at and to time: 'shipped' (AttentionTuning.wg_forward_rings) or "
                          "KxVxROWS[rREGS] for every launch (e.g. 2x1x64r160: 2 key slots, 1 value slot, "
                          "64-row tiles, maxnreg 160)")
     ap.add_argument("--baseline", type=Path, default=None,
-                    help="another version of hopper.py, checked and timed beside the stages with its own CONFIGS")
+                    help="another version of hopper_warpgroup.py, checked and timed beside the stages")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
     if args.baseline is not None and not args.baseline.is_file():

@@ -18,7 +18,7 @@ rows are the query), grid (kv heads, KV splits, value slices), each program writ
 * ``pv_only``   ``P`` = ones (no scores): the value loads and the PV chain.
 
 each with 1, 2 and 4 warps, 1 or 4 value slices, beside the shipped one-pass step
-(``kernels.cached_forward(decode_only=True)``, its own split kernel and combine) and SDPA, at 4096
+(``launch.cached_forward(decode_only=True)``, its own split kernel and combine) and SDPA, at 4096
 and 32768 keys. CUDA-graph replays (``benchmarks.common.harness.cuda_graph_ms``), median of the
 samples; a variant that does not compile is recorded with its error.
 
@@ -40,7 +40,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common.harness import cuda_graph_ms, device_info, summarize, versions  # noqa: E402
-from rl_engine.backends.triton.attention.kernels import rlk_attn_rowsum  # noqa: E402
+from rl_engine.backends.triton.attention.device import rlk_attn_rowsum  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 G = HQ // HKV
@@ -103,7 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--contexts", default="4096,32768")
     args = ap.parse_args(argv)
-    from rl_engine.backends.triton.attention import kernels as K
+    from rl_engine.backends.triton.attention import launch as L
+    from rl_engine.backends.triton.attention.configs import score_scale
 
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
@@ -117,14 +118,14 @@ def main(argv=None) -> int:
         zero = torch.zeros(1, dtype=torch.int64, device="cuda")
         impls = {
             "torch.sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs_, enable_gqa=True),
-            "rlk.cached_forward (shipped step)": lambda: K.cached_forward(q, k, v, zero[:, None], ctx, zero, zero + ctx - 1,
+            "rlk.cached_forward (shipped step)": lambda: L.cached_forward(q, k, v, zero[:, None], ctx, zero, zero + ctx - 1,
                                                                           D**-0.5, None, decode_only=True),
         }
         for mode, code in MODES.items():
             for warps in (1, 2, 4):
                 for vsl in (1, 4):
                     def fn(code=code, warps=warps, vsl=vsl):
-                        rlk_probe_decode[(HKV, ns, vsl)](q, k, v, ws, K.score_scale(D**-0.5), ns, HKV=HKV, G=G, D=D,
+                        rlk_probe_decode[(HKV, ns, vsl)](q, k, v, ws, score_scale(D**-0.5), ns, HKV=HKV, G=G, D=D,
                                                          DV=D // vsl, SB=16, MODE=code, num_warps=warps, num_stages=3,
                                                          enable_fp_fusion=False)
                         return ws

@@ -12,7 +12,7 @@ eager speed (HF ``generate`` without graphs). This times, per call, at qkv M = 1
 * ``public_nan``  the same under the default NaN policy (a NaN scan and a host sync per input);
 
 then other decode-step operators at batch 1 (``rms_norm``, ``silu_and_mul``, attention over a
-4096-token cache: kernels launcher, public ``cached_attention``, the engine form
+4096-token cache: the launcher (``launch.cached_forward``), public ``cached_attention``, the engine form
 ``paged_attention`` against a step's ``plan_paged_attention`` + per-layer
 ``paged_attention_step``; a whole 36-layer decode step of per-layer caches, one
 ``cached_attention`` per layer against ``plan_cached_attention`` + ``cached_attention_step``)
@@ -73,7 +73,7 @@ def per_call_us(fn, n: int = 400, reps: int = 7, syncs: bool = False) -> dict:
 GEMM_CASES = ("cublas", "launch", "descriptors", "kernels", "custom_op", "public", "public_nan", "empty_like")
 OTHER_CASES = (
     "rms_norm torch", "rms_norm public", "silu_and_mul torch", "silu_and_mul public", "decode attn sdpa (ctx 4096)",
-    "decode attn kernels.cached_forward", "decode attn public cached_attention", "decode attn public paged_attention",
+    "decode attn launch.cached_forward", "decode attn public cached_attention", "decode attn public paged_attention",
     "decode attn plan_paged_attention (once per step)", "decode attn paged_attention_step (per layer)",
     "decode step x36 layers: cached_attention per layer",
     "decode step x36 layers: plan_cached_attention + cached_attention_step",
@@ -101,7 +101,7 @@ def profile_text(fn, calls: int, top: int = 30) -> str:
 
 def other_ops() -> dict[str, tuple]:
     """Decode-step operators at Qwen3-8B widths, batch 1: (callable, syncs, n) per case."""
-    from rl_engine.backends.triton.attention import kernels as AK
+    from rl_engine.backends.triton.attention import launch as attention_launch
     from rl_engine.ops.activation import silu_and_mul
     from rl_engine.ops.attention import (ContiguousKVCache, cached_attention, cached_attention_step, paged_attention,
                                          paged_attention_step, plan_cached_attention, plan_paged_attention)
@@ -163,7 +163,8 @@ def other_ops() -> dict[str, tuple]:
         "silu_and_mul public": (propagate(lambda: silu_and_mul(gu)), False, 400),
         "decode attn sdpa (ctx 4096)": (lambda: torch.nn.functional.scaled_dot_product_attention(q4, ks, ks, enable_gqa=True),
                                         False, 400),
-        "decode attn kernels.cached_forward": (lambda: AK.cached_forward(q, kc, kc, rows, 4096, qs, qp, 0.088, None), False, 400),
+        "decode attn launch.cached_forward": (lambda: attention_launch.cached_forward(q, kc, kc, rows, 4096, qs, qp, 0.088,
+                                                                                    None), False, 400),
         "decode attn public cached_attention": (propagate(lambda: cached_attention(q, kv, kv, cache, [0], cu1)), True, 200),
         # the engine form: one call validating its metadata per layer, or a plan per step + a step per layer
         "decode attn public paged_attention": (propagate(lambda: paged_attention(q, kv, kv, pk, pv, *meta)), True, 200),
