@@ -155,7 +155,10 @@ def exact_matmul(
     if scale_by == "k":
         # Per-k scales folded into x; attention tiles are small, so one block.
         ek = _row_exponents(wf, dim=-2)  # [..., 1, K]
-        xd = xf.to(torch.float64).mul_(pow2(ek))
+        # A slot whose w column is all zero contributes exactly zero; its x column is zeroed too, so
+        # that its x values stay out of x's row scales (they would coarsen the other terms' slices):
+        # an attention query with a zero upstream gradient (a right pad) then changes no bit of dK/dV.
+        xd = xf.to(torch.float64).mul_(pow2(ek)).masked_fill_((wf == 0).all(dim=-2, keepdim=True), 0.0)
         wd = wf.to(torch.float64).mul_(pow2(-ek))
         ex = _row_exponents(xd)
         ew = torch.zeros((*w.shape[:-1], 1), dtype=torch.int64)

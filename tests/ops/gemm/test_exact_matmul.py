@@ -2,7 +2,8 @@
 
 Its claims, each on raw bits: blocking over rows and K changes nothing (the block sums are exact);
 element (m, n) depends only on x[m] and w[n]; with scale_by="k" a masked slot's contents do not
-reach the other terms (negative control: per-row scales do let them in); fp32 accuracy is float32
+reach the other terms, nor do the x values of a slot whose w column is zero (negative control:
+per-row scales do let them in); fp32 accuracy is float32
 rounding; zero sums are +0; non-finite operands follow IEEE rules.
 """
 
@@ -64,6 +65,21 @@ def test_scale_by_k_keeps_masked_slots_out():
     assert same_bits(exact_bmm(p, v, scale_by="k"), exact_bmm(p, v_stale, scale_by="k"))
     # negative control: per-row scales of w = vᵀ span the masked keys, so their values leak in
     assert not torch.equal(exact_bmm(p, v), exact_bmm(p, v_stale))
+
+
+def test_scale_by_k_keeps_slots_with_a_zero_weight_column_out():
+    """dV = Pᵀ dO of an attention block where queries 40..63 have a zero upstream gradient (right
+    pads): their probabilities must not coarsen the other queries' terms, so the result equals the
+    block without them. Negative control: per-row scales of x = Pᵀ span those queries."""
+    g = torch.Generator().manual_seed(11)
+    pt = torch.rand((4, 64, 64), generator=g)  # [keys, queries]
+    pt[:, :, :40] *= 2.0**-12  # the real queries' probabilities are small beside the pads'
+    do = 1e-6 * torch.randn((4, 64, 128), generator=g)  # small upstream gradients of the real queries
+    do[:, 40:] = 0
+    alone = pt.clone()
+    alone[:, :, 40:] = 0  # the same block without the zero-gradient queries
+    assert same_bits(exact_bmm(pt, do, scale_by="k"), exact_bmm(alone, do, scale_by="k"))
+    assert not torch.equal(exact_bmm(pt, do), exact_bmm(alone, do))
 
 
 def test_zero_sums_are_positive_zero_and_empty_shapes():

@@ -583,7 +583,7 @@ register(
     Implementation(
         op="attention.varlen_attention",
         impl_id="cpu.blocked_online_softmax",
-        version="2",
+        version="3",
         fn=varlen_attention_cpu,
         families=("cpu",),
         dtypes=_DTYPES,
@@ -595,7 +595,7 @@ register(
     Implementation(
         op="attention.cached_attention",
         impl_id="cpu.blocked_online_softmax",
-        version="2",
+        version="3",
         fn=cached_attention_cpu,
         families=("cpu",),
         dtypes=_DTYPES,
