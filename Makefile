@@ -34,6 +34,9 @@ $(STAMP): pyproject.toml Makefile
 	# (an sdist: no build isolation so it cannot pull another torch, and no C++ ops built).
 	$(BIN)/python -m pip install -q transformers==5.24.0 trl==1.16.0 torch==2.13.0
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation deepspeed==0.19.8 torch==2.13.0
+	# megatron-core for the Megatron adapter (docs/distributed.md): 0.16.1 is the last release for
+	# Python 3.11 (0.17+ needs 3.12); it pulls only torch, numpy and packaging.
+	$(BIN)/python -m pip install -q megatron-core==0.16.1 torch==2.13.0
 	touch $(STAMP)
 
 $(VSTAMP): pyproject.toml Makefile
