@@ -26,11 +26,14 @@ import torch
 
 from rl_engine.models.hooks import stage_hook, use_stage_hook
 
-__all__ = ["STAGES", "Record", "Capture", "capture", "tap", "active"]
+__all__ = ["STAGES", "LAYER_STAGES", "ROUTING_STAGES", "Record", "Capture", "capture", "tap", "active"]
 
 #: Stage names in execution order within one layer (``layer = -1`` for the model-level ones).
 LAYER_STAGES: tuple[str, ...] = ("input_norm", "attention", "attn_proj", "post_attention_norm", "mlp", "residual")
-STAGES: tuple[str, ...] = ("embedding", *LAYER_STAGES, "final_norm", "logits", "logprob")
+#: Stages of a sparse mixture-of-experts layer, between ``post_attention_norm`` and ``mlp``: the
+#: router logits, the expert ids each token chose (``[T, K]`` int64) and their mixing weights.
+ROUTING_STAGES: tuple[str, ...] = ("router_logits", "routing", "routing_weights")
+STAGES: tuple[str, ...] = ("embedding", *LAYER_STAGES, *ROUTING_STAGES, "final_norm", "logits", "logprob")
 
 _ACTIVE: ContextVar["Capture | None"] = ContextVar("rl_engine_capture", default=None)
 

@@ -1,4 +1,4 @@
-"""WS1 model chain: the Qwen3 model over layout and decode cells, raw bits.
+"""WS1 model chain: the Qwen3 (or Qwen3-MoE) model over layout and decode cells, raw bits.
 
 Every cell rolls out the workload's prompts on the rollout side (chunked prefill + decode over
 KV caches, continuous batching) and scores the sampled sequences on the train side in one
@@ -59,8 +59,8 @@ def build_model(w: Workload, *, device: str = "cpu", dtype: str | None = None):
         return from_pretrained(w.model.path, dtype=dtype_from_name(dtype or w.model.dtype), device=device)
     if w.model.preset not in PRESETS:
         raise ValueError(f"model.preset: unknown preset {w.model.preset!r}; known: {sorted(PRESETS)}")
-    return random_model(PRESETS[w.model.preset], seed=w.model.seed,
-                                   dtype=dtype_from_name(dtype or w.model.dtype), device=device)
+    return random_model(PRESETS[w.model.preset], seed=w.model.seed, dtype=dtype_from_name(dtype or w.model.dtype),
+                        device=device)
 
 
 def requests_for(w: Workload, vocab: int, which: str = "all", response_scale: int = 1) -> list[RolloutRequest]:
@@ -257,19 +257,25 @@ def run_chain(lw: LoadedWorkload, *, plan: str = "R/R", device: str = "cpu", fac
 
 
 def _negative_controls(model, w: Workload) -> list[dict[str, Any]]:
-    """A batch-dependent R norm (forward, then backward only) must be caught by the same checks."""
+    """A batch-dependent R norm (forward, then backward only) must be caught by the same checks;
+    for a mixture-of-experts model also a batch-dependent R router (its routing) and a
+    batch-dependent MoE backward."""
     rr = Plan.parse("R/R")
     cell = next(c for c in cells_for(w) if c.name == "packed")
     with torch.no_grad():
-        fwd = run_cell(model, rr, w, cell, faulty_factory("norm"))
         samples, _ = rollout(model, ops_for(rr, "rollout"), w, requests_for(w, model.spec.vocab_size))
     lay = train_layouts(w)
-    bwd = gradient_invariance(model, faulty_factory("norm", kind="backward")(rr, "train"), sequences_of(samples),
-                              {k: lay[k] for k in ("packed", "padded-left", "singleton")}, pad_id=w.pad_id,
-                              temperature=sampling_of(w).logprob_temperature)
-    return [
-        {"name": "batch-dependent R norm (forward)", "check": "train↔rollout raw bits, cell packed",
-         "detected": not fwd["passed"], "mismatched_tokens": fwd["mismatched_tokens"]},
-        {"name": "batch-dependent R norm (backward only)", "check": "gradient invariance across layouts",
-         "detected": not bwd["passed"]},
-    ]
+    controls = []
+    for module in ("norm", *(("moe",) if getattr(model.spec, "num_experts", 0) else ())):
+        with torch.no_grad():
+            fwd = run_cell(model, rr, w, cell, faulty_factory(module))
+        bwd = gradient_invariance(model, faulty_factory(module, kind="backward")(rr, "train"), sequences_of(samples),
+                                  {k: lay[k] for k in ("packed", "padded-left", "singleton")}, pad_id=w.pad_id,
+                                  temperature=sampling_of(w).logprob_temperature)
+        controls += [
+            {"name": f"batch-dependent R {module} (forward)", "check": "train↔rollout raw bits, cell packed",
+             "detected": not fwd["passed"], "mismatched_tokens": fwd["mismatched_tokens"]},
+            {"name": f"batch-dependent R {module} (backward only)", "check": "gradient invariance across layouts",
+             "detected": not bwd["passed"]},
+        ]
+    return controls

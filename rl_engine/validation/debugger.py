@@ -9,10 +9,13 @@ the workload) with every workload sample in the batch:
 
 The model's capture points (:mod:`rl_engine.validation.capture`) record every stage —
 embedding; per layer ``input_norm``, ``attention``, ``attn_proj``, ``post_attention_norm``,
-``mlp``, ``residual``; ``final_norm``; then ``logits`` and ``logprob`` (of the next token) —
-for every token, keyed by ``(sample_id, position)``. Stages are compared on raw bits in
-execution order; the first differing stage is reported with the token position, the feature
-index and both values. Per-stage max ``|Δ|`` is kept for the plot.
+for a mixture-of-experts layer ``router_logits``, ``routing`` (the experts each token chose)
+and ``routing_weights``, then ``mlp``, ``residual``; ``final_norm``; then ``logits`` and
+``logprob`` (of the next token) — for every token, keyed by ``(sample_id, position)``. Stages
+are compared on raw bits in execution order; the first differing stage is reported with the
+token position, the feature index and both values — for ``routing``, also the experts the token
+chose on each side (``experts_a``, ``experts_b``, in rank order). Per-stage max ``|Δ|`` is kept
+for the plot.
 
 Outcomes: ``equal`` (exit 0), ``diverged`` (exit 1), ``not_comparable`` (exit 2: the sample is
 missing, a stage was captured on one side only, or shapes differ).
@@ -34,7 +37,7 @@ from rl_engine.engine.executor import Layout, layout_stream
 from rl_engine.runtime.plan import Plan
 from rl_engine.utils.bits import same_bits, int_view
 from rl_engine.validation import capture as cap_mod
-from rl_engine.validation.capture import LAYER_STAGES
+from rl_engine.validation.capture import LAYER_STAGES, ROUTING_STAGES
 from rl_engine.validation.chain import build_model, requests_for, rollout, sampling_of, sequences_of
 from rl_engine.validation.faults import ProviderFactory, default_factory
 
@@ -43,10 +46,16 @@ __all__ = ["stage_order", "compare_captures", "capture_train", "capture_rollout"
 EXIT_CODES = {"equal": 0, "diverged": 1, "not_comparable": 2}
 
 
-def stage_order(num_layers: int) -> list[tuple[int, str]]:
+def stage_order(num_layers: int, sparse_layers: Sequence[int] = ()) -> list[tuple[int, str]]:
+    """``(layer, stage)`` in execution order; the layers in ``sparse_layers`` (mixture of experts)
+    have the routing stages before ``mlp``."""
+    sparse = set(sparse_layers)
     order = [(-1, "embedding")]
     for i in range(num_layers):
-        order += [(i, s) for s in LAYER_STAGES]
+        for s in LAYER_STAGES:
+            if s == "mlp" and i in sparse:
+                order += [(i, r) for r in ROUTING_STAGES]
+            order.append((i, s))
     return order + [(-1, "final_norm"), (-1, "logits"), (-1, "logprob")]
 
 
@@ -118,7 +127,7 @@ def compare_captures(a: cap_mod.Capture, b: cap_mod.Capture, sample_id: int, num
     stages = []
     first = None
     reason = ""
-    for layer, stage in stage_order(num_layers):
+    for layer, stage in stage_order(num_layers, range(num_layers)):  # stages neither side captured are skipped
         ra, rb = sa.get((layer, stage)), sb.get((layer, stage))
         if not ra or not rb:
             if ra or rb:
@@ -142,6 +151,8 @@ def compare_captures(a: cap_mod.Capture, b: cap_mod.Capture, sample_id: int, num
             first = {"layer": layer, "stage": stage, "position": positions[ti], "feature": fi,
                      "side_a": d.first_values[0], "side_b": d.first_values[1],
                      "side_a_bits": _bits(xa[ti, fi]), "side_b_bits": _bits(xb[ti, fi])}
+            if stage == "routing":
+                first["experts_a"], first["experts_b"] = xa[ti].tolist(), xb[ti].tolist()
     if not stages:
         outcome = "not_comparable"
         reason = reason or f"sample {sample_id} was not captured on both sides"
@@ -172,6 +183,9 @@ def run_debug(lw: LoadedWorkload, *, sample: int = 0, plan_a: str = "R/R", plan_
             cb = capture_rollout(model, factory(pb, "rollout"), seqs, temperature=T, prefill_chunk=w.chunks.prefill_chunk,
                                  prompt_lens={s.sample_id: len(s.prompt) for s in samples.values()})
             res = compare_captures(ca, cb, sample, model.spec.num_hidden_layers)
+    spec = model.spec
+    sparse = [i for i in range(spec.num_hidden_layers) if hasattr(spec, "is_sparse") and spec.is_sparse(i)]
     return {"suite": "debug", "sample": sample, "side_a": {"path": "train", "plan": pa.label},
-            "side_b": {"path": "rollout", "plan": pb.label}, "num_layers": model.spec.num_hidden_layers, **res,
+            "side_b": {"path": "rollout", "plan": pb.label}, "num_layers": spec.num_hidden_layers,
+            "sparse_layers": sparse, **res,
             "passed": res["outcome"] == "equal"}

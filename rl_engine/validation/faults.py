@@ -4,7 +4,10 @@
 validation drivers: every side whose plan puts ``module`` on ``R`` gets a provider whose
 ``module`` methods move their output by one ulp (``nextafter`` towards +inf) whenever the call
 has an even number of rows — the shape of a kernel that picks its algorithm from the batch
-size. Train and rollout see different row counts for the same token, so the chain must report
+size. ``kind="routing"`` (module ``moe`` only) changes the MoE router's routing instead: with an
+even row count every token's last-ranked expert is replaced by the next best one (a top-k whose
+tie handling follows the batch), so the debugger names the ``routing`` stage and the experts each
+side chose. Train and rollout see different row counts for the same token, so the chain must report
 mismatches, the ablation must name ``module`` and the debugger the first stage it feeds.
 """
 
@@ -19,7 +22,7 @@ from rl_engine.engine import OpsProvider
 from rl_engine.engine import ops_for
 
 __all__ = ["ProviderFactory", "default_factory", "faulty_factory", "BatchDependentProvider", "METHODS", "RowCountGrad",
-           "bump_if_even_rows"]
+           "bump_if_even_rows", "reroute_if_even_rows"]
 
 ProviderFactory = Callable[[Plan, str], OpsProvider]
 
@@ -49,6 +52,17 @@ def bump_if_even_rows(t, rows: int):
     return t
 
 
+def reroute_if_even_rows(out, router_logits, rows: int):
+    """A router's ``(weights, ids)`` whose last rank goes to the next-best expert (by logit) when
+    ``rows`` is even; the weights are left as they were."""
+    weights, ids = out
+    if rows % 2 or ids.shape[1] >= router_logits.shape[1]:
+        return out
+    ids = ids.clone()
+    ids[:, -1] = torch.sort(router_logits.float(), dim=-1, descending=True, stable=True).indices[:, ids.shape[1]]
+    return weights, ids
+
+
 class RowCountGrad(torch.autograd.Function):
     """Identity forward; the backward moves the gradient by one ulp when the row count is even."""
 
@@ -64,20 +78,28 @@ class RowCountGrad(torch.autograd.Function):
 class BatchDependentProvider(OpsProvider):
     """An :class:`OpsProvider` whose ``module`` methods depend on the call's row count.
 
-    ``kind="forward"`` perturbs the output; ``kind="backward"`` leaves the forward bits alone
-    and perturbs the gradient flowing back into the first argument.
+    ``kind="forward"`` perturbs the output; ``kind="backward"`` leaves the forward bits alone and
+    perturbs the gradient flowing back into the first argument; ``kind="routing"`` (module
+    ``moe``) changes the router's expert choice (:func:`reroute_if_even_rows`).
     """
 
     def __init__(self, choices, module: str, *, kind: str = "forward", **kw):
         super().__init__(choices, **kw)
         if module not in MODULES:
             raise ValueError(f"module: expected one of {list(MODULES)}, got {module!r}")
-        if kind not in ("forward", "backward"):
-            raise ValueError(f"kind: expected 'forward' or 'backward', got {kind!r}")
+        if kind not in ("forward", "backward", "routing"):
+            raise ValueError(f"kind: expected 'forward', 'backward' or 'routing', got {kind!r}")
+        if kind == "routing" and module != "moe":
+            raise ValueError(f"kind: 'routing' perturbs the moe module's router, got module {module!r}")
         self.fault_module, self.fault_kind = module, kind
         for name in METHODS[module]:
             inner = getattr(super(), name)
-            if kind == "forward":
+            if kind == "routing":
+                if name != "moe_route":
+                    continue
+                def wrapped(first, *a, _inner=inner, **k):
+                    return reroute_if_even_rows(_inner(first, *a, **k), first, first.shape[0])
+            elif kind == "forward":
                 def wrapped(first, *a, _inner=inner, **k):
                     return bump_if_even_rows(_inner(first, *a, **k), first.shape[0])
             else:

@@ -315,6 +315,9 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
         if f:
             lines += [f"First divergence: layer {f['layer']}, stage `{f['stage']}`, token position {f['position']}, "
                       f"feature {f['feature']}: {f['side_a']!r} ({f['side_a_bits']}) vs {f['side_b']!r} ({f['side_b_bits']})", ""]
+            if "experts_a" in f:
+                lines += [f"Routing: token position {f['position']} chose experts {f['experts_a']} on side A and "
+                          f"{f['experts_b']} on side B (rank order).", ""]
         lines += _table(["layer", "stage", "tokens", "equal", "max |Δ|"],
                         [[x["layer"], x["stage"], x["tokens"], x["equal"], x["max_abs_diff"]] for x in r["stages"]])
     controls = r.get("negative_controls")

@@ -14,8 +14,8 @@ inputs (:mod:`rl_engine.validation.operators`):
 Statuses: ``green`` pass, ``red`` fail, ``n.a.`` not applicable (with the reason: no input
 generator, implementation not eligible on this device, no gradient w.r.t. row arguments).
 **Negative controls** run through the same checkers (a row-count-dependent forward, a
-row-count-dependent backward, an inaccurate forward) and must be detected; an undetected
-control fails the suite.
+row-count-dependent backward, an inaccurate forward of ``gemm.linear``; an expert-load-dependent
+``moe.expert_down_combine``) and must be detected; an undetected control fails the suite.
 """
 
 from __future__ import annotations
@@ -136,6 +136,16 @@ NEGATIVE_CONTROLS: dict[str, tuple[str, Callable[[Callable], Callable]]] = {
 }
 
 
+def _expert_load_dependent(act, w_down, weights, ids):
+    """``moe.expert_down_combine`` whose rows move by one ulp when one of their experts received
+    more than 2 slots of the call: a grouped GEMM whose tiling follows each expert's load."""
+    from rl_engine.ops.moe import expert_down_combine
+
+    out = expert_down_combine(act, w_down, weights, ids)
+    busy = (torch.bincount(ids.reshape(-1), minlength=w_down.shape[0]) > 2)[ids].any(-1)
+    return torch.where(busy[:, None], torch.nextafter(out, torch.full_like(out, float("inf"))), out)
+
+
 def run_negative_controls(rows: int, n_trials: int, seed: int) -> list[dict[str, Any]]:
     case = CASES["gemm.linear"]
     out = []
@@ -143,6 +153,11 @@ def run_negative_controls(rows: int, n_trials: int, seed: int) -> list[dict[str,
         res = check_cell(case, wrap(_linear_impl()), "gemm.linear", torch.float32, rows, n_trials, seed)
         status, detail = res[check]
         out.append({"name": name, "op": "gemm.linear", "check": check, "detected": status == "red", "detail": detail})
+    # the MoE-specific failure: a token's bits that follow how many tokens its experts received
+    op = "moe.expert_down_combine"
+    status, detail = check_cell(CASES[op], _expert_load_dependent, op, torch.float32, rows, n_trials, seed)["forward_invariance"]
+    out.append({"name": "expert-load-dependent forward", "op": op, "check": "forward_invariance",
+                "detected": status == "red", "detail": detail})
     return out
 
 

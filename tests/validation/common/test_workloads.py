@@ -14,6 +14,7 @@ from rl_engine.workloads import Workload, WorkloadError, load_workload, shipped_
 PINNED_SHA256 = {
     "ws1-tiny.v1.json": "1e5495a0fa888a4a3904dbc8a364c601d2d093f33a8af0c13222003e0f3cb0a9",
     "ws2-tiny.v1.json": "a55f1915421849c4f420e1c4ba4d9a1aca47edabc48cc8f5fdfd9b8dc01338d8",
+    "ws1-moe-tiny.v1.json": "a3c804c945fc46ce7b767b3782c4a7f26cc319321d07db7824c14c1c36f7ddd4",
 }
 
 

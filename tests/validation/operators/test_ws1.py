@@ -43,11 +43,13 @@ def test_every_contract_is_covered_or_explained():
 
 
 def test_negative_controls_are_detected(ws1):
-    assert len(ws1["negative_controls"]) == 3
+    assert len(ws1["negative_controls"]) == 4
     assert all(c["detected"] for c in ws1["negative_controls"]), ws1["negative_controls"]
     # and the suite verdict depends on them
     controls = run_negative_controls(9, 6, 0)
-    assert [c["check"] for c in controls] == ["forward_invariance", "gradient_invariance", "forward_accuracy"]
+    assert [c["check"] for c in controls] == ["forward_invariance", "gradient_invariance", "forward_accuracy",
+                                              "forward_invariance"]
+    assert controls[-1]["op"] == "moe.expert_down_combine" and controls[-1]["detected"]
 
 
 def test_trials_mix_odd_and_even_row_counts():
