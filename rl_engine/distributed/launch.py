@@ -24,7 +24,9 @@ MAX_LOCAL_WORLD = 8
 
 
 def _entry(rank: int, fn: Callable, world_size: int, backend: str, init_file: str, out_dir: str,
-           threads: int, args: tuple) -> None:
+           threads: int, timeout_s: float, args: tuple) -> None:
+    import datetime
+
     import torch.distributed as dist
 
     from rl_engine.distributed.transports import Group
@@ -32,7 +34,8 @@ def _entry(rank: int, fn: Callable, world_size: int, backend: str, init_file: st
     torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
     try:
         result = fn(Group(), *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -40,7 +43,8 @@ def _entry(rank: int, fn: Callable, world_size: int, backend: str, init_file: st
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", threads: int = 1) -> list[Any]:
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", threads: int = 1,
+          timeout_s: float = 900.0) -> list[Any]:
     """Run ``fn(group, *args)`` on ``world_size`` ranks; returns ``[result of rank 0, ...]``.
 
     Args:
@@ -49,6 +53,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
         world_size: number of ranks, 1 to :data:`MAX_LOCAL_WORLD`.
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (one CUDA device per rank).
         threads: torch intra-op threads of each rank.
+        timeout_s: a collective that waits longer raises on its rank (the process group's timeout).
 
     Raises:
         ValueError: ``world_size`` out of range or an unknown ``backend``.
@@ -62,6 +67,6 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
         raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
     with tempfile.TemporaryDirectory(prefix="rlk-world-") as tmp:
         init_file = str(Path(tmp) / "rendezvous")
-        mp.start_processes(_entry, args=(fn, world_size, backend, init_file, tmp, threads, args), nprocs=world_size,
+        mp.start_processes(_entry, args=(fn, world_size, backend, init_file, tmp, threads, timeout_s, args), nprocs=world_size,
                            join=True, start_method="spawn")
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

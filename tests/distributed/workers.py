@@ -165,7 +165,8 @@ def checks(group: Group) -> dict:
 def all_checks(world: Group) -> dict:
     """Every check on the world (4 ranks) and on its two halves (2 ranks each): ``{size: result}``."""
     half = world.subgroups([list(range(0, world.size // 2)), list(range(world.size // 2, world.size))])
-    return {world.size: checks(world), half.size: checks(half), "fsdp": fsdp_checks(world)}
+    return {world.size: checks(world), half.size: checks(half), "fsdp": fsdp_checks(world),
+            "megatron": megatron_checks(world)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -244,4 +245,115 @@ def fsdp_checks(world: Group) -> dict:
         out[("tree", W)] = _fsdp_run(g, native=False)
         if W < 4:
             out[("native", W)] = _fsdp_run(g, native=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Megatron-core GPTModel on rl_engine's layers
+
+MEGATRON_RUNS = ((1, "full_k"), (2, "full_k"), (4, "full_k"), (4, "exact_k"), (2, "native"))
+
+
+def megatron_batch():
+    """The workload ws2-tiny's rollout (rl_engine reference executor, R/R), packed: ids, positions,
+    bounds, targets, and the rollout's log-prob of every response token by packed index."""
+    from rl_engine.validation.ws2 import _rollout
+    from rl_engine.workloads import load_workload
+
+    seqs = _rollout(load_workload("ws2-tiny").workload)
+    ids, pos, cu, tgt, rollout = [], [], [0], [], {}
+    for s in seqs:
+        toks, L = s["tokens"], len(s["tokens"])
+        o = len(ids)
+        ids += toks
+        pos += list(range(L))
+        tgt += toks[1:] + [0]
+        cu.append(cu[-1] + L)
+        for (_, p), lp in s["rollout_logprobs"].items():
+            rollout[o + p - 1] = lp
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    return t(ids), t(pos), torch.tensor(cu, dtype=torch.int32), t(tgt), rollout
+
+
+def megatron_checks(world: Group) -> dict:
+    """Megatron TP 1, 2, 4 (full_k; exact_k at 4; the native row-parallel control at 2) on the
+    world; HF checkpoint loaded from a directory; log-probs, gradients (HF names), round trip."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from megatron.core import parallel_state
+    from safetensors.torch import save_file
+
+    from rl_engine.integrations.megatron.model import MegatronQwen3, megatron_to_hf
+    from rl_engine.models.qwen3 import PRESETS, Qwen3ForCausalLM
+
+    spec = PRESETS["tiny-tp"]
+    d = world.broadcast_object(tempfile.mkdtemp(prefix="rlk-megatron-") if world.rank == 0 else None)
+    if world.rank == 0:
+        save_file(Qwen3ForCausalLM.random(spec, seed=0).to_hf_state_dict(), str(Path(d) / "model.safetensors"))
+        (Path(d) / "config.json").write_text(json.dumps(spec.to_hf_config()))
+    world.broadcast_object(None)  # barrier: the checkpoint is written
+    ids, pos, cu, tgt, _ = megatron_batch()
+    out = {}
+    for tp, scheme in MEGATRON_RUNS:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        try:
+            m = MegatronQwen3.from_pretrained(d, row_scheme=scheme)
+            lp = m.token_logprobs(ids, pos, cu, tgt)
+            w = torch.linspace(-1.0, 1.0, lp.shape[0])
+            (lp * w).sum().backward()
+            grads = megatron_to_hf({k: v.grad for k, v in m.megatron_state_dict().items()}, spec, m.group,
+                                   row_scheme=scheme)
+            back = m.to_hf_state_dict()  # a collective: every rank calls it
+            out[(tp, scheme)] = {"logprobs": lp.detach(), "grads": grads if world.rank == 0 else None,
+                                 "roundtrip": back if world.rank == 0 else None}
+        finally:
+            parallel_state.destroy_model_parallel()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# NCCL at world size 1 on a CUDA device
+
+
+def nccl_checks(group: Group) -> dict:
+    """Every block on ``cuda`` through NCCL at world size 1 (the code path of a multi-GPU run)."""
+    from rl_engine.distributed import tensor_parallel as tp
+    from rl_engine.distributed.algorithms.exact_k import tree_all_reduce
+    from rl_engine.distributed.data_parallel import TreeGradReducer
+    from rl_engine.ops.gemm import linear
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out = {"backend": group.backend}
+    for dtype in DTYPES:
+        x, w, b, dy = (t.to(dev) for t in linear_inputs(dtype))
+        xc, wc = _leaf(x), _leaf(w)
+        y = tp.column_parallel_linear(xc, wc, None, group)
+        y.backward(dy)
+        out[("column", dtype)] = (y.detach().cpu(), xc.grad.cpu(), linear(x, w).cpu())
+        for scheme in ("full_k", "exact_k"):
+            xs, ws = _leaf(x), _leaf(w)
+            ys = tp.row_parallel_linear(xs, ws, None, group, scheme=scheme)
+            ys.backward(dy)
+            out[(scheme, dtype)] = (ys.detach().cpu(), xs.grad.cpu())
+        h, wv, ids, g_lp, g_ent, _ = vocab_inputs(dtype)
+        hl, wl = _leaf(h.to(dev)), _leaf(wv.to(dev))
+        lp, ent = tp.vocab_parallel_logprobs(hl, wl, ids.to(dev), group, start=0, vocab_size=V,
+                                             blocks=[-(-V // 1024)], temperature=TEMPERATURE, return_entropy=True)
+        torch.autograd.backward([lp, ent], [g_lp.to(dev), g_ent.to(dev)])
+        out[("logprobs", dtype)] = (lp.detach().cpu(), ent.detach().cpu(), hl.grad.cpu(), linear(h.to(dev), wv.to(dev)).cpu())
+        e = tp.vocab_parallel_embedding(ids.to(dev), wv.to(dev), 0, group)
+        out[("embedding", dtype)] = e.cpu()
+    t = torch.randn(7, 5, generator=gen(9)).to(dev)
+    out["tree_all_reduce"] = (tree_all_reduce(t, group).cpu(), t.cpu())
+    params = [_leaf(q.to(dev)) for q in mlp_params()]
+    red = TreeGradReducer(params, num_microbatches=2, group=group)
+    for j in red.microbatches():
+        w1, b1, w2 = params
+        xb, target = (q.to(dev) for q in microbatch(j))
+        (((linear(torch.relu(linear(xb, w1, b1)), w2) - target) ** 2).sum() / 64.0).backward()
+        red.accumulate()
+    red.finish()
+    out["dp"] = [q.grad.cpu() for q in params]
     return out
