@@ -78,8 +78,8 @@ def _dlogits_launch(logits, c0, targets, lse, g_lp, ent, g_ent, temperature, fp_
 
     R, C = logits.shape
     fused.rlk_linear_logprob_dlogits[(R, triton.cdiv(C, fused.VOCAB_BLOCK))](
-        logits, C, C, c0, targets, lse, g_lp, ent, g_ent, R, float(temperature),
-        HAS_LP=True, HAS_ENT=True, HAS_TEMP=temperature != 1.0, BLOCK_V=fused.VOCAB_BLOCK,
+        logits, logits, C, C, c0, targets, lse, g_lp, ent, g_ent, lse, lse, R, float(temperature),
+        HAS_LP=True, HAS_ENT=True, HAS_TEMP=temperature != 1.0, KEPT=False, BLOCK_V=fused.VOCAB_BLOCK,
         num_warps=fused._WARPS, enable_fp_fusion=fp_fusion,
     )
     return logits

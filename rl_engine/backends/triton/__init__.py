@@ -124,10 +124,12 @@ def register_triton(
     guarantees: frozenset[str],
     version: str = "1",
     priority: int = 5,
+    variants: frozenset[str] = frozenset(),
 ) -> None:
     """Register ``fn`` as ``impl_id`` of ``op`` the way every module here does: for CUDA and
-    (declared, untested) ROCm, with :func:`unavailable_reasons` and :func:`call_reasons`. A
-    custom op registered as is gets the direct eager call (:func:`eager_entry`)."""
+    (declared, untested) ROCm, with :func:`unavailable_reasons` and :func:`call_reasons`
+    (``variants``: the contract variants it implements). A custom op registered as is gets the
+    direct eager call (:func:`eager_entry`)."""
     if hasattr(fn, "_init_fn") and hasattr(fn, "register_fake"):
         fn = eager_entry(fn)
     register(
@@ -143,5 +145,6 @@ def register_triton(
             priority=priority,
             static_check=unavailable_reasons,
             call_check=call_reasons,
+            variants=variants,
         )
     )

@@ -126,9 +126,20 @@ class KeptPrefix(NamedTuple):
 
 def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``z = fl32(logits) / fl32(τ)``: fp32, one correctly rounded division (none when ``τ = 1``)
-    — the values every rl_engine log-prob and the canonical filter read."""
+    — the values every rl_engine log-prob and the canonical filter read (the Triton kernels'
+    ``div_rn``, the CPU backend's division).
+
+    On the CPU, ``tensor / float`` divides by the float rounded to fp32, correctly rounded. On a
+    GPU, torch divides by a host scalar through its reciprocal (``x · fl(1/τ)``, not correctly
+    rounded), so the divisor is a device tensor there: an IEEE division per element.
+    """
     z = logits.float()
-    return z / float(temperature) if float(temperature) != 1.0 else z
+    t = float(temperature)
+    if t == 1.0:
+        return z
+    if z.device.type == "cpu":
+        return z / t
+    return z / torch.tensor(t, dtype=torch.float32, device=z.device)
 
 
 def _per_row(name: str, value, rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -193,5 +204,6 @@ def kept_set(logits: torch.Tensor, temperature: float = 1.0, top_k: int | torch.
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         raise ValueError(f"logits: expected a tensor [..., V], got {type(logits).__name__}")
     lead = logits.shape[:-1]
-    pre = canonical_prefix(scale_logits(logits.reshape(-1, logits.shape[-1]), temperature), top_k, top_p)
+    rows = logits.detach().reshape(-1, logits.shape[-1]).to("cpu")
+    pre = canonical_prefix(scale_logits(rows, temperature), top_k, top_p)
     return pre.kept.reshape(*lead).to(logits.device)

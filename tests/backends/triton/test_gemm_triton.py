@@ -511,3 +511,45 @@ def test_bounded_performance_vs_cublas(m, k, n):
     ref = graph_us(lambda: F.linear(x, w))
     evidence(f"bounded_perf_m{m}", {"ours_us": ours, "cublas_us": ref, "ratio": ours / ref})
     assert ours <= 3.0 * ref, f"{ours:.1f} us vs cuBLAS {ref:.1f} us"
+
+
+# ---------------------------------------------------------------------------------------------
+# the fp32-output variant (the fp32 LM head's logits)
+
+
+@interp
+def test_interpreter_fp32_output_stores_the_accumulator():
+    """The fp32-output variant stores the fp32 accumulator: float16 inputs in the interpreter
+    (which reads bf16 storage wrongly), every row and column chunk equal to the full product's."""
+    from rl_engine.backends.triton.gemm import kernels as gk
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(20, 64, generator=g).half(), (torch.randn(300, 64, generator=g) * 0.3).half()
+    y = gk.forward(x, w, None, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    assert same_bits(gk.forward(x[3:5], w[100:220], None, out_dtype=torch.float32), y[3:5, 100:220])
+    ref = x.double() @ w.double().T
+    assert float((y.double() - ref).abs().max()) < 1e-5
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("m", [1, 7, 64, 300, 2048])
+def test_fp32_output_rows_and_column_chunks_are_invariant(dtype, m):
+    """``out_dtype=float32``: the same per-element arithmetic as the 16-bit output (rounding it
+    gives the 16-bit bits), row and column-chunk invariant across M buckets; the backward is the
+    16-bit backward of the gradient rounded once."""
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(2048, 256, generator=g).to(dt).cuda()
+    w = (torch.randn(5000, 256, generator=g) * 0.1).to(dt).cuda()
+    full = gemm.linear(x, w, out_dtype=torch.float32)
+    part = gemm.linear(x[:m].contiguous(), w[1024:3072].contiguous(), out_dtype=torch.float32)
+    assert full.dtype == torch.float32 and same_bits(part, full[:m, 1024:3072])
+    assert same_bits(full.to(dt), gemm.linear(x, w))
+    up = torch.randn(m, 5000, generator=g).cuda()
+    xa, wa = x[:m].clone().requires_grad_(), w.clone().requires_grad_()
+    gemm.linear(xa, wa, out_dtype=torch.float32).backward(up)
+    xb, wb = x[:m].clone().requires_grad_(), w.clone().requires_grad_()
+    gemm.linear(xb, wb).backward(up.to(dt))
+    assert same_bits(xa.grad, xb.grad) and same_bits(wa.grad, wb.grad)

@@ -274,8 +274,9 @@ def test_fused_dlogits_raw_bit_equal_to_unfused_autograd_dlogits(dtype, temperat
                                         g_ent, temperature) for c in range(0, v, 2048)], 1)
     fusion_on = gk.forward(hidden, weight, None)
     fused.rlk_linear_logprob_dlogits[(n, triton.cdiv(v, fused.VOCAB_BLOCK))](
-        fusion_on, v, v, 0, targets, lse_f, g_lp, ent_f, g_ent, n, float(temperature), HAS_LP=True, HAS_ENT=True,
-        HAS_TEMP=temperature != 1.0, BLOCK_V=fused.VOCAB_BLOCK, num_warps=4, enable_fp_fusion=True)
+        fusion_on, fusion_on, v, v, 0, targets, lse_f, g_lp, ent_f, g_ent, lse_f, lse_f, n, float(temperature),
+        HAS_LP=True, HAS_ENT=True, HAS_TEMP=temperature != 1.0, KEPT=False, BLOCK_V=fused.VOCAB_BLOCK, num_warps=4,
+        enable_fp_fusion=True)
     evidence(f"linear_logprob_dlogits_{dtype}_{temperature}",
              {"pass_a": str(same_bits(rows_a, lg.grad)), "pass_b": str(same_bits(cols_b, lg.grad)),
               "fp_fusion_on": str(same_bits(fusion_on, lg.grad))})
@@ -534,3 +535,165 @@ def test_bounded_performance_forward_backward_vs_unfused():
     base = event_us(fwd_bwd(lambda h, w: unfused(h, w, targets)))
     evidence("bounded_perf_linear_logprob_fwd_bwd", {"shape": [2048, 4096, 151936], "fused_us": ours, "unfused_us": base})
     assert ours <= 3.0 * base, f"{ours:.1f} us vs unfused {base:.1f} us"
+
+
+# ---------------------------------------------------------------------------------------------
+# processed log-probs (kept-set records) and the fp32 LM head (contract variants)
+
+
+def processed_failures(candidate, hidden, weight, targets, kept, temperature, chunkings, logits_dtype=None):
+    """Raw-bit differences of ``candidate(..., kept=, logits_dtype=)`` from the unfused processed path."""
+    def unfused_processed(h, w, t):
+        logits = gemm.linear(h, w, out_dtype=logits_dtype)
+        return (logprob.token_logprobs(logits, t, temperature, kept=kept),
+                logprob.entropy(logits, temperature, kept=kept))
+
+    want = outputs_and_grads(unfused_processed, hidden, weight, targets)
+    failures = []
+    for tc, vc in chunkings:
+        got = outputs_and_grads(lambda h, w, t: candidate(h, w, t, temperature, True, token_chunk=tc, vocab_chunk=vc,
+                                                          kept=kept, logits_dtype=logits_dtype),
+                                hidden, weight, targets)
+        failures += [f"token_chunk={tc}, vocab_chunk={vc}, {n}: {same_bits(a, b)}"
+                     for n, a, b in zip(OUTPUT_NAMES, got, want) if not same_bits(a, b).equal]
+    return failures
+
+
+def _records_of(logits, temperature, seed):
+    """Canonical records of ``logits`` at ``temperature`` and a kept target per row (CPU)."""
+    from rl_engine.ops.logprob import kept_set, scale_logits
+
+    g = torch.Generator().manual_seed(seed)
+    kept = kept_set(logits, temperature, torch.randint(1, 300, (logits.shape[0],), generator=g), 0.9)
+    targets = torch.multinomial(kept.mask(scale_logits(logits, temperature)).float(), 1, generator=g).squeeze(1)
+    return kept, targets
+
+
+@interp
+@pytest.mark.parametrize("fp32_logits", [False, True])
+def test_interpreter_processed_fused_equals_unfused_kernels(fp32_logits):
+    """In the Triton interpreter: the fused fold and gradient kernels with kept-set records
+    (absolute column ids over three vocabulary chunks, the last ragged) give the bits of the
+    unfused kernels on the whole logits — forward, and both gradients by both backward
+    strategies — also with fp32 logits from 16-bit inputs (``fp32_logits``: the gradient rounded
+    once to the input dtype into a separate block; float16 here, as the interpreter reads bf16
+    storage wrongly); dropped entries get a ``+0`` logits gradient. A negative control — the
+    records applied with chunk-relative column ids — is caught by the same comparison."""
+    from rl_engine.backends.triton.gemm import kernels as gk
+    from rl_engine.backends.triton.logprob import kernels as K
+
+    fused = fused_mod()
+    N, H, V, T = 20, 32, 2100, 0.8
+    g = torch.Generator().manual_seed(0)
+    dt = torch.float16 if fp32_logits else torch.float32
+    h, w = torch.randn(N, H, generator=g).to(dt), (torch.randn(V, H, generator=g) * 0.3).to(dt)
+    logits = gk.forward(h, w, None, out_dtype=torch.float32, allow_tma=False)
+    kept, t = _records_of(logits, T, 1)
+    kt, kb = kept.threshold, kept.boundary
+    _, lp_u, lse_u, ent_u = K.forward(logits, T, targets=t, entropy=True, kept_threshold=kt, kept_boundary=kb)
+    lp_f, ent_f, lse_f = fused.forward(h, w, t, T, True, 7, 1024, kt, kb, fp32_logits)
+    assert same_bits(lp_u, lp_f) and same_bits(ent_u, ent_f) and same_bits(lse_u, lse_f)
+    g_lp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    d_lp = K.token_logprobs_backward(g_lp, logits, t, lse_u, T, kt, kb)
+    d_ent = K.entropy_backward(g_ent, logits, lse_u, ent_u, T, kt, kb)
+    keep = kept.mask(logits / T)
+    assert bool((d_lp[~keep] == 0).all()) and not bool(torch.signbit(d_lp[~keep]).any())
+    dl = (d_lp + d_ent).to(dt)
+    want = (gk.grad_input(dl, w), gk.grad_weight(dl, h))
+    for budget in (2**30, 0):
+        fused.DX_ACCUMULATOR_BUDGET_BYTES, saved = budget, fused.DX_ACCUMULATOR_BUDGET_BYTES
+        try:
+            got = fused.backward(g_lp, g_ent, h, w, t, lse_f, ent_f, T, 7, 1024, True, True, kt, kb, fp32_logits)
+        finally:
+            fused.DX_ACCUMULATOR_BUDGET_BYTES = saved
+        assert got[0].dtype == dt and same_bits(got[0], want[0]) and same_bits(got[1], want[1])
+    full_lp = K.forward(logits, T, targets=t)[1]
+    assert not same_bits(full_lp, lp_u).equal, "the full-vocabulary log-prob must differ from the processed one"
+    # negative control: records applied per chunk with chunk-relative ids
+    bad = [K.forward(logits[:, c0 : c0 + 1024].contiguous(), T, targets=torch.zeros_like(t), kept_threshold=kt,
+                     kept_boundary=kb)[2] for c0 in range(0, V, 1024)]
+    bad_lse = torch.logsumexp(torch.stack(bad, 1), 1)
+    assert not same_bits(bad_lse, lse_u).equal
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+@pytest.mark.parametrize("n,h,v", [(130, 64, 5000), (40, 64, 3005)])
+def test_processed_raw_bit_equal_to_unfused_across_chunkings(dtype, temperature, n, h, v):
+    """Processed variant: fused == unfused with the same records, forward and both grads, for
+    every chunking (V % 16 != 0 included: the unspecialised fold)."""
+    hidden, weight, _ = _data(n, h, v, dtype, seed=n + v)
+    kept, targets = _records_of(gemm.linear(hidden, weight).cpu(), temperature, n)
+    kept, targets = kept.to("cuda"), targets.cuda()
+    failures = processed_failures(logprob.linear_token_logprobs, hidden, weight, targets, kept, temperature, CHUNKINGS)
+    evidence(f"linear_logprob_processed_bits_{dtype}_{temperature}_{n}x{h}x{v}", {"chunkings": CHUNKINGS, "failures": failures})
+    assert failures == [], failures[:5]
+
+
+@gpu
+@pytest.mark.parametrize("processed", [False, True])
+@pytest.mark.parametrize("n,h,v", [(130, 64, 5000), (40, 64, 3005)])
+def test_fp32_logits_raw_bit_equal_to_unfused_fp32_logits(processed, n, h, v):
+    """fp32 LM head (bf16 in): fused == ``token_logprobs`` / ``entropy`` of ``gemm.linear(...,
+    out_dtype=float32)``, forward and both grads, with and without records; the default mode
+    (bf16-rounded logits) in its place is caught by the same checker (negative control)."""
+    hidden, weight, _ = _data(n, h, v, "bfloat16", seed=n + v)
+    logits32 = gemm.linear(hidden, weight, out_dtype=torch.float32)
+    assert logits32.dtype == torch.float32
+    kept, targets = _records_of(logits32.cpu(), 0.9, n)
+    kept, targets = (kept.to("cuda") if processed else None), targets.cuda()
+    failures = processed_failures(logprob.linear_token_logprobs, hidden, weight, targets, kept, 0.9, CHUNKINGS,
+                                  logits_dtype=torch.float32)
+    evidence(f"linear_logprob_fp32_logits_bits_{processed}_{n}x{h}x{v}", {"chunkings": CHUNKINGS, "failures": failures})
+    assert failures == [], failures[:5]
+
+    def default_mode(h_, w_, t_, temperature, return_entropy, *, token_chunk=None, vocab_chunk=None, kept=None,
+                     logits_dtype=None):
+        return logprob.linear_token_logprobs(h_, w_, t_, temperature, True, kept=kept)
+
+    if not processed:
+        assert processed_failures(default_mode, hidden, weight, targets, None, 0.9, [(None, None)],
+                                  logits_dtype=torch.float32)
+
+
+@gpu
+def test_processed_negative_control_chunk_relative_mask_is_caught():
+    hidden, weight, _ = _data(60, 64, 3100, "float32", seed=3)
+    kept, targets = _records_of(gemm.linear(hidden, weight).cpu(), 0.8, 3)
+    kept, targets = kept.to("cuda"), targets.cuda()
+
+    def chunk_relative(h, w, t, temperature, return_entropy, *, token_chunk=None, vocab_chunk=None, kept=None,
+                       logits_dtype=None):
+        vc = vocab_chunk or 4096
+        logits = gemm.linear(h, w)
+        z = torch.cat([(lambda zc: zc.masked_fill(~kept.mask(zc, 0), float("-inf")))(logits[:, c0 : c0 + vc].float() / temperature)
+                       for c0 in range(0, logits.shape[1], vc)], 1)
+        logp = z - torch.logsumexp(z, -1, keepdim=True)
+        p = logp.exp()
+        return logp.gather(1, t[:, None]).squeeze(1), -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+
+    assert processed_failures(chunk_relative, hidden, weight, targets, kept, 0.8, [(None, 1024)])
+
+
+@gpu
+def test_processed_dispatch_and_opcheck():
+    import rl_engine.backends.triton.logprob  # noqa: F401
+
+    hidden, weight, _ = _data(20, 64, 2100, "bfloat16", seed=6)
+    kept, targets = _records_of(gemm.linear(hidden, weight, out_dtype=torch.float32).cpu(), 0.9, 6)
+    kept, targets = kept.to("cuda"), targets.cuda()
+    with provenance.record() as recs:
+        logprob.linear_token_logprobs(hidden, weight, targets, 0.9, kept=kept, logits_dtype=torch.float32)
+    assert [r.impl_id for r in recs] == [IMPL]
+    _, rejections = select(make_request(OP, hidden, variants=frozenset({"processed", "fp32_logits"})))
+    assert rejections == []
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    kt, kb = kept.threshold, kept.boundary
+    torch.library.opcheck(torch.ops.rlk.linear_token_logprobs_triton.default,
+                          (hidden.clone().requires_grad_(), weight.clone().requires_grad_(), targets, 0.9, True,
+                           8, 1024, 8, 1024, kt, kb, True), test_utils=utils)
+    lp, ent, lse = torch.ops.rlk.linear_token_logprobs_triton(hidden, weight, targets, 0.9, True, 8, 1024, 8, 1024, kt, kb, True)
+    g = torch.ones_like(lp)
+    torch.library.opcheck(torch.ops.rlk.linear_token_logprobs_triton_backward.default,
+                          (g, g, hidden, weight, targets, lse, ent, 0.9, 8, 1024, True, True, kt, kb, True), test_utils=utils)

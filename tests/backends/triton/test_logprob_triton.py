@@ -232,3 +232,105 @@ def test_bounded_performance_vs_torch():
     theirs = graph_us(ref)
     evidence("bounded_perf_logprob", {"shape": [4096, 151936], "ours_us": ours, "torch_us": theirs})
     assert ours <= 2.0 * theirs, f"{ours:.1f} us vs torch {theirs:.1f} us"
+
+
+# ---------------------------------------------------------------------------------------------
+# the processed variant (kept-set records)
+
+
+def _records(x, temp, seed):
+    """Canonical kept-set records of the GPU logits ``x`` at ``temp`` (the rollout's filter, on the
+    CPU) and one kept target per row, both on the GPU."""
+    from rl_engine.ops.logprob import kept_set, scale_logits
+
+    g = torch.Generator().manual_seed(seed)
+    xc = x.cpu()
+    kept = kept_set(xc, temp, torch.randint(1, 200, (x.shape[0],), generator=g), 0.9)
+    t = torch.multinomial(kept.mask(scale_logits(xc, temp)).float(), 1, generator=g).squeeze(1)
+    return kept.to("cuda"), t.cuda()
+
+
+def _call_kept(op, x, t, temp, kept):
+    if op == "logprob.log_softmax":
+        return logprob.log_softmax(x, temp, kept=kept)
+    if op == "logprob.token_logprobs":
+        return logprob.token_logprobs(x, t, temp, kept=kept)
+    return logprob.entropy(x, temp, kept=kept)
+
+
+@gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("r,v,temp", [(37, 3000, 0.7), (5, 2048, 1.0), (3, 151936, 1.3)])
+def test_processed_equals_full_on_masked_logits_and_is_accurate(op, dtype, r, v, temp):
+    """With records, each op gives the bits of the plain op on logits whose dropped entries are
+    ``-inf`` (the same masked ``z``), the gradient is ``+0`` at dropped entries, and the values
+    meet the contract's tolerances against float64 on the kept set."""
+    from rl_engine.ops.logprob import scale_logits
+    from rl_engine.reference.logprob import log_softmax_f64
+
+    x, _ = _data(r, v, dtype, seed=v + 1)
+    kept, t = _records(x, temp, v)
+    keep = kept.mask(scale_logits(x, temp))
+    masked = x.masked_fill(~keep, float("-inf"))
+    xx = x.clone().requires_grad_()
+    y = _call_kept(op, xx, t, temp, kept)
+    plain = _call(op, masked, t, temp)
+    assert same_bits(y, plain)
+    up = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).cuda()
+    y.backward(up)
+    dropped = xx.grad[~keep]
+    assert bool((dropped == 0).all()) and not bool(torch.signbit(dropped).any())
+    if op == "logprob.token_logprobs":
+        kt, kb = kept.threshold.cpu(), kept.boundary.cpu()
+        y64 = token_logprobs_f64(x.cpu(), t.cpu(), temp, kt, kb)
+        accuracy(op, x.dtype, "forward", y, y64)
+        assert bool(torch.isfinite(log_softmax_f64(x.cpu(), temp, kt, kb).gather(1, t.cpu()[:, None])).all())
+
+
+@gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), r=st.integers(1, 40), v=st.sampled_from([100, 1024, 2500]), temp=st.sampled_from([1.0, 0.8]))
+def test_processed_row_invariance_forward_and_grad_hypothesis(op, dtype, data, r, v, temp):
+    from rl_engine.ops.logprob import KeptSet
+
+    x, _ = _data(r, v, dtype, seed=r * 19 + v)
+    kept, t = _records(x, temp, r)
+
+    def fn(x_cpu, t_cpu, thr, bnd):
+        return _call_kept(op, x_cpu.cuda(), t_cpu.cuda(), temp, KeptSet(thr.cuda(), bnd.cuda())).cpu()
+
+    rep = check_row_invariance(fn, [x.cpu(), t.cpu(), kept.threshold.cpu(), kept.boundary.cpu()],
+                               data.draw(row_trials(r)), grads=True)
+    assert rep.ok, str(rep)
+
+
+@gpu
+def test_processed_target_outside_its_kept_set_raises_naming_kept():
+    x, _ = _data(4, 3000, "float32", seed=5)
+    kept, t = _records(x, 1.0, 5)
+    from rl_engine.ops.logprob import scale_logits
+
+    keep = kept.mask(scale_logits(x, 1.0))
+    t[1] = int(torch.nonzero(~keep[1])[0])
+    with pytest.raises(ValueError, match=r"^kept: the targets of rows \[1\] are outside their kept sets"):
+        logprob.token_logprobs(x, t, kept=kept)
+    with provenance.record() as recs:
+        logprob.entropy(x, kept=kept)
+    assert [r.impl_id for r in recs] == [IMPL]
+
+
+@gpu
+@pytest.mark.parametrize("temp", [0.7, 1.3, 0.9])
+def test_scale_logits_on_the_gpu_is_the_correctly_rounded_division(temp):
+    """``scale_logits`` on a GPU tensor gives the CPU's correctly rounded ``x / fl32(τ)`` (the
+    kernels' ``div_rn``), where torch's division by a host scalar (its reciprocal) need not: the
+    kept-set records and the kernels must read the same ``z``."""
+    from rl_engine.ops.logprob import scale_logits
+
+    x = gpu_randn((64, 151936), 3, torch.float32, 4.0)
+    want = x.cpu() / temp
+    assert same_bits(scale_logits(x, temp).cpu(), want)
+    evidence(f"scale_logits_host_scalar_division_{temp}", {"torch_x_div_float": str(same_bits((x / temp).cpu(), want))})

@@ -11,6 +11,10 @@ Backward ``dx = dy W`` (same tile kernel, configuration from M: row invariant), 
 (reduction over the rows in increasing order) and ``db = Σ_rows dy`` (fixed order):
 deterministic run to run.
 
+fp32-output variant (``out_dtype=torch.float32`` for 16-bit inputs, ``fp32_out``): the fp32
+accumulator stored unrounded; the backward rounds the fp32 output gradient once to the input
+dtype and runs the 16-bit backward.
+
 Nothing here imports triton: the kernels (``kernels.py``) are imported on the first call.
 """
 
@@ -34,9 +38,9 @@ def _kernels():
 
 
 @torch.library.custom_op("rlk::linear_triton", mutates_args=(), device_types="cuda")
-def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool = False) -> torch.Tensor:
     shape = x.shape
-    y = _kernels().forward(x.reshape(-1, shape[-1]), weight, bias)
+    y = _kernels().forward(x.reshape(-1, shape[-1]), weight, bias, out_dtype=torch.float32 if fp32_out else None)
     return y.reshape(*shape[:-1], weight.shape[0])
 
 
@@ -48,6 +52,8 @@ def linear_triton_backward(
     K = x.shape[-1]
     N = weight.shape[0]
     g2 = grad.reshape(-1, N)
+    if g2.dtype != x.dtype:  # the fp32-output variant: its gradient rounded once to the input dtype
+        g2 = g2.to(x.dtype)
     x2 = x.reshape(-1, K)
     dx = k.grad_input(g2, weight).reshape(x.shape) if need_dx else x.new_empty((0,))
     dw = k.grad_weight(g2, x2) if need_dw else weight.new_empty((0,))
@@ -58,10 +64,11 @@ def linear_triton_backward(
 wire_linear(linear_triton, linear_triton_backward)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The registered entry (same signature as the reference): calls ``rlk::linear_triton``
     (directly in a plain no-grad eager call: ``call_op``)."""
-    return call_op(linear_triton, x, weight, bias)
+    return call_op(linear_triton, x, weight, bias, out_dtype == torch.float32 and x.dtype != torch.float32)
 
 
 def _call_reasons(request: Request) -> list[str]:
@@ -81,5 +88,6 @@ register(
         priority=5,
         static_check=unavailable_reasons,
         call_check=_call_reasons,
+        variants=frozenset({"fp32_out"}),
     )
 )

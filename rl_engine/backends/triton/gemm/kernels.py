@@ -326,30 +326,37 @@ def _launch_tma(x, w, y, bias, cfg: TileConfig, programs: int | None = None, tai
     )
 
 
-def _empty_or_bias(M: int, N: int, like: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = like.new_zeros((M, N))
+def _empty_or_bias(M: int, N: int, like: torch.Tensor, bias: torch.Tensor | None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    y = like.new_zeros((M, N), dtype=dtype or like.dtype)
     if bias is not None:
         y += bias
     return y
 
 
 def forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config: TileConfig | None = None,
-            *, allow_tma: bool = True, programs: int | None = None, tail: bool = True) -> torch.Tensor:
+            *, allow_tma: bool = True, programs: int | None = None, tail: bool = True,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``y = x Wᵀ + b`` for ``x [M, K]``, ``w [N, K]`` (``config``: force one configuration).
 
     Persistent configurations: ``programs`` sizes the grid (default: the device's SM count;
     tests set it to exercise ``configs.tail_split`` on small shapes); ``tail=False`` keeps a
-    partly filled last wave in the one launch. Every choice gives the same bits."""
+    partly filled last wave in the one launch. Every choice gives the same bits.
+
+    ``out_dtype=torch.float32`` with 16-bit ``x`` (the fp32-output variant): the fp32
+    accumulator (bias added) is stored unrounded, by the pointer-load kernel with the
+    configuration M selects (the TMA epilogue tiles are sized for 16-bit outputs)."""
     M, K = x.shape
     N = w.shape[0]
     if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
         raise ValueError(f"programs: expected a positive int (the persistent grid's size) or None, got {programs!r}")
+    out_dtype = out_dtype or x.dtype
     if M == 0 or N == 0 or K == 0:
-        return _empty_or_bias(M, N, x, bias)
+        return _empty_or_bias(M, N, x, bias, out_dtype)
     cfg = config or select_forward(x.dtype, M, N)
-    y = x.new_empty((M, N))
+    y = x.new_empty((M, N), dtype=out_dtype)
     with device_guard(x):
-        if cfg.tma and allow_tma and x.dtype != torch.float32 and tma_supported(x, w, y):
+        if cfg.tma and allow_tma and x.dtype != torch.float32 and out_dtype == x.dtype and tma_supported(x, w, y):
             _launch_tma(x, w, y, bias, cfg, programs, tail)
         else:
             _launch_abt(rlk_linear_fwd, x, w, y, bias, M, N, K, x.stride(), w.stride(), y.stride(), cfg)

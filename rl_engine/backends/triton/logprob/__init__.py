@@ -93,14 +93,17 @@ def _f32_contiguous(grad: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("rlk::log_softmax_triton", mutates_args=(), device_types="cuda")
-def log_softmax_triton(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    out, _, lse, _ = _kernels().forward(logits, temperature, log_softmax=True)
+def log_softmax_triton(logits: torch.Tensor, temperature: float, kept_threshold: torch.Tensor | None = None,
+                       kept_boundary: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    out, _, lse, _ = _kernels().forward(logits, temperature, log_softmax=True, kept_threshold=kept_threshold,
+                                        kept_boundary=kept_boundary)
     return out, lse
 
 
 @torch.library.custom_op("rlk::log_softmax_triton_backward", mutates_args=(), device_types="cuda")
-def log_softmax_triton_backward(grad: torch.Tensor, out: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    return _kernels().log_softmax_backward(grad, out, temperature, dtype)
+def log_softmax_triton_backward(grad: torch.Tensor, out: torch.Tensor, temperature: float, dtype: torch.dtype,
+                                masked: bool = False) -> torch.Tensor:
+    return _kernels().log_softmax_backward(grad, out, temperature, dtype, masked)
 
 
 wire_log_softmax(log_softmax_triton, log_softmax_triton_backward, prepare_grad=_f32_contiguous)
@@ -111,16 +114,20 @@ wire_log_softmax(log_softmax_triton, log_softmax_triton_backward, prepare_grad=_
 
 
 @torch.library.custom_op("rlk::token_logprobs_triton", mutates_args=(), device_types="cuda")
-def token_logprobs_triton(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    _, lp, lse, _ = _kernels().forward(logits, temperature, targets=targets)
+def token_logprobs_triton(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                          kept_threshold: torch.Tensor | None = None,
+                          kept_boundary: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    _, lp, lse, _ = _kernels().forward(logits, temperature, targets=targets, kept_threshold=kept_threshold,
+                                       kept_boundary=kept_boundary)
     return lp, lse
 
 
 @torch.library.custom_op("rlk::token_logprobs_triton_backward", mutates_args=(), device_types="cuda")
 def token_logprobs_triton_backward(
-    grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, temperature: float
+    grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, temperature: float,
+    kept_threshold: torch.Tensor | None = None, kept_boundary: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _kernels().token_logprobs_backward(grad, logits, targets, lse, temperature)
+    return _kernels().token_logprobs_backward(grad, logits, targets, lse, temperature, kept_threshold, kept_boundary)
 
 
 wire_token_logprobs(token_logprobs_triton, token_logprobs_triton_backward, prepare_grad=_f32_contiguous)
@@ -131,16 +138,19 @@ wire_token_logprobs(token_logprobs_triton, token_logprobs_triton_backward, prepa
 
 
 @torch.library.custom_op("rlk::entropy_triton", mutates_args=(), device_types="cuda")
-def entropy_triton(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    _, _, lse, ent = _kernels().forward(logits, temperature, entropy=True)
+def entropy_triton(logits: torch.Tensor, temperature: float, kept_threshold: torch.Tensor | None = None,
+                   kept_boundary: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    _, _, lse, ent = _kernels().forward(logits, temperature, entropy=True, kept_threshold=kept_threshold,
+                                        kept_boundary=kept_boundary)
     return ent, lse
 
 
 @torch.library.custom_op("rlk::entropy_triton_backward", mutates_args=(), device_types="cuda")
 def entropy_triton_backward(
-    grad: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, temperature: float
+    grad: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, temperature: float,
+    kept_threshold: torch.Tensor | None = None, kept_boundary: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _kernels().entropy_backward(grad, logits, lse, ent, temperature)
+    return _kernels().entropy_backward(grad, logits, lse, ent, temperature, kept_threshold, kept_boundary)
 
 
 wire_entropy(entropy_triton, entropy_triton_backward, prepare_grad=_f32_contiguous)
@@ -161,13 +171,18 @@ def linear_token_logprobs_triton(
     vocab_chunk: int,
     bwd_token_chunk: int,
     bwd_vocab_chunk: int,
+    kept_threshold: torch.Tensor | None = None,
+    kept_boundary: torch.Tensor | None = None,
+    fp32_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logprobs [N], entropy [N] or [0], lse [N])`` fp32; ``hidden [N, H]``, ``weight [V, H]``."""
-    return _fused().forward(hidden, weight, targets, temperature, return_entropy, token_chunk, vocab_chunk)
+    return _fused().forward(hidden, weight, targets, temperature, return_entropy, token_chunk, vocab_chunk,
+                            kept_threshold, kept_boundary, fp32_logits)
 
 
 @linear_token_logprobs_triton.register_fake
-def _(hidden, weight, targets, temperature, return_entropy, token_chunk, vocab_chunk, bwd_token_chunk, bwd_vocab_chunk):
+def _(hidden, weight, targets, temperature, return_entropy, token_chunk, vocab_chunk, bwd_token_chunk, bwd_vocab_chunk,
+      kept_threshold=None, kept_boundary=None, fp32_logits=False):
     n = hidden.shape[0]
     f = dict(dtype=torch.float32)
     return hidden.new_empty((n,), **f), hidden.new_empty((n if return_entropy else 0,), **f), hidden.new_empty((n,), **f)
@@ -187,15 +202,18 @@ def linear_token_logprobs_triton_backward(
     vocab_chunk: int,
     need_hidden: bool,
     need_weight: bool,
+    kept_threshold: torch.Tensor | None = None,
+    kept_boundary: torch.Tensor | None = None,
+    fp32_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dhidden [N, H] or [0], dweight [V, H] or [0])`` in the inputs' dtype (``fused.backward``)."""
     return _fused().backward(grad_logprobs, grad_ent, hidden, weight, targets, lse, ent, temperature, token_chunk,
-                             vocab_chunk, need_hidden, need_weight)
+                             vocab_chunk, need_hidden, need_weight, kept_threshold, kept_boundary, fp32_logits)
 
 
 @linear_token_logprobs_triton_backward.register_fake
 def _(grad_logprobs, grad_ent, hidden, weight, targets, lse, ent, temperature, token_chunk, vocab_chunk,
-      need_hidden, need_weight):
+      need_hidden, need_weight, kept_threshold=None, kept_boundary=None, fp32_logits=False):
     return (
         hidden.new_empty(hidden.shape if need_hidden else (0,)),
         weight.new_empty(weight.shape if need_weight else (0,)),
@@ -203,23 +221,25 @@ def _(grad_logprobs, grad_ent, hidden, weight, targets, lse, ent, temperature, t
 
 
 def _lt_setup(ctx, inputs, output):
-    hidden, weight, targets, temperature, return_entropy, token_chunk, vocab_chunk, bwd_token_chunk, bwd_vocab_chunk = inputs
+    (hidden, weight, targets, temperature, return_entropy, token_chunk, vocab_chunk, bwd_token_chunk, bwd_vocab_chunk,
+     kept_threshold, kept_boundary, fp32_logits) = inputs
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(hidden, weight, targets, output[2], output[1])
-    ctx.args = (temperature, bwd_token_chunk, bwd_vocab_chunk)
+    ctx.save_for_backward(hidden, weight, targets, output[2], output[1], kept_threshold, kept_boundary)
+    ctx.args = (temperature, bwd_token_chunk, bwd_vocab_chunk, fp32_logits)
 
 
 def _lt_backward(ctx, g_lp, g_ent, _g_lse):
-    hidden, weight, targets, lse, ent = ctx.saved_tensors
+    hidden, weight, targets, lse, ent, kept_threshold, kept_boundary = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    none = (None,) * 9
+    none = (None,) * 12
     if (g_lp is None and g_ent is None) or not (need_h or need_w):
         return none
-    temperature, token_chunk, vocab_chunk = ctx.args
+    temperature, token_chunk, vocab_chunk, fp32_logits = ctx.args
     dh, dw = linear_token_logprobs_triton_backward(
         _f32_contiguous(g_lp) if g_lp is not None else None,
         _f32_contiguous(g_ent) if (g_ent is not None and ent.numel()) else None,
         hidden, weight, targets, lse, ent, temperature, token_chunk, vocab_chunk, need_h, need_w,
+        kept_threshold, kept_boundary, fp32_logits,
     )
     return (dh if need_h else None), (dw if need_w else None), *none[2:]
 
@@ -231,23 +251,54 @@ linear_token_logprobs_triton.register_autograd(_lt_backward, setup_context=_lt_s
 # operator-signature wrappers (what the runtime dispatches to; same signatures as the references)
 
 
-def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def _check_kept_rows(lse: torch.Tensor, kept_threshold: torch.Tensor | None) -> None:
+    """With a kept-set record, a row that keeps no finite logit has a record that does not belong
+    to its logits (as on CPU)."""
+    if kept_threshold is None or lse.numel() == 0:
+        return
+    dead = torch.isneginf(lse)
+    if bool(dead.any()):
+        rows = torch.nonzero(dead).squeeze(1)[:8].tolist()
+        raise ValueError(f"kept: rows {rows} keep no finite logit (a record above every logit of its row: the records "
+                         "do not belong to these logits)")
+
+
+def _check_targets_kept(lp: torch.Tensor, kept_threshold: torch.Tensor | None) -> None:
+    """With a kept-set record, a target outside its row's kept set has no processed log-prob (as on CPU)."""
+    if kept_threshold is None or lp.numel() == 0:
+        return
+    dead = torch.isneginf(lp)
+    if bool(dead.any()):
+        rows = torch.nonzero(dead.reshape(-1)).squeeze(1)[:8].tolist()
+        raise ValueError(f"kept: the targets of rows {rows} are outside their kept sets (the sampler cannot have "
+                         "drawn them): their processed log-probs are -inf")
+
+
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, kept_threshold: torch.Tensor | None = None,
+                kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
-    out, lse = call_op(log_softmax_triton, logits.reshape(-1, V), float(temperature))
+    out, lse = call_op(log_softmax_triton, logits.reshape(-1, V), float(temperature), kept_threshold, kept_boundary)
+    _check_kept_rows(lse, kept_threshold)
     _check_lse(lse, "logits")
     return out.reshape(logits.shape)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
+                   kept_threshold: torch.Tensor | None = None, kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
-    lp, lse = call_op(token_logprobs_triton, logits.reshape(-1, V), targets.reshape(-1), float(temperature))
+    lp, lse = call_op(token_logprobs_triton, logits.reshape(-1, V), targets.reshape(-1), float(temperature),
+                      kept_threshold, kept_boundary)
+    _check_kept_rows(lse, kept_threshold)
     _check_lse(lse, "logits")
+    _check_targets_kept(lp, kept_threshold)
     return lp.reshape(targets.shape)
 
 
-def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def entropy(logits: torch.Tensor, temperature: float = 1.0, *, kept_threshold: torch.Tensor | None = None,
+            kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
-    ent, lse = call_op(entropy_triton, logits.reshape(-1, V), float(temperature))
+    ent, lse = call_op(entropy_triton, logits.reshape(-1, V), float(temperature), kept_threshold, kept_boundary)
+    _check_kept_rows(lse, kept_threshold)
     _check_lse(lse, "logits")
     return ent.reshape(logits.shape[:-1])
 
@@ -289,24 +340,33 @@ def linear_token_logprobs(
     *,
     token_chunk: int | None = None,
     vocab_chunk: int | None = None,
+    kept_threshold: torch.Tensor | None = None,
+    kept_boundary: torch.Tensor | None = None,
+    logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     H = hidden.shape[-1]
     h2 = hidden.reshape(-1, H)
+    fp32_logits = logits_dtype == torch.float32 and hidden.dtype != torch.float32
     lp, ent, lse = call_op(
         linear_token_logprobs_triton, h2, weight, targets.reshape(-1), float(temperature), bool(return_entropy),
-        *_chunks(h2.shape[0], weight.shape[0], hidden.dtype, token_chunk, vocab_chunk),
+        *_chunks(h2.shape[0], weight.shape[0], torch.float32 if fp32_logits else hidden.dtype, token_chunk, vocab_chunk),
+        kept_threshold, kept_boundary, fp32_logits,
     )
+    _check_kept_rows(lse, kept_threshold)
     _check_lse(lse, "hidden", "the logits hidden @ weight.T / temperature")
+    _check_targets_kept(lp, kept_threshold)
     lp = lp.reshape(targets.shape)
     return (lp, ent.reshape(targets.shape)) if return_entropy else lp
 
 
-for _op, _fn in (
-    ("logprob.log_softmax", log_softmax),
-    ("logprob.token_logprobs", token_logprobs),
-    ("logprob.entropy", entropy),
-    ("logprob.linear_token_logprobs", linear_token_logprobs),
+_PROCESSED = frozenset({"processed"})
+for _op, _fn, _variants in (
+    ("logprob.log_softmax", log_softmax, _PROCESSED),
+    ("logprob.token_logprobs", token_logprobs, _PROCESSED),
+    ("logprob.entropy", entropy, _PROCESSED),
+    ("logprob.linear_token_logprobs", linear_token_logprobs, _PROCESSED | {"fp32_logits"}),
 ):
     register_triton(
-        _op, "triton.canonical_lse", _fn, dtypes=_DTYPES, guarantees=frozenset({"row", "chunk", "run_to_run"})
+        _op, "triton.canonical_lse", _fn, dtypes=_DTYPES, guarantees=frozenset({"row", "chunk", "run_to_run"}),
+        variants=_variants,
     )

@@ -46,6 +46,20 @@ ever holding the ``[N, V]`` logits. Where the bits come from:
     columns ``[rows, V]``, their gradient, and one ``grad_input`` over ``K = V`` (the same bits,
     one product more).
 
+**Kept sets** (``KEPT``, top-k / top-p replay): the fold and the gradient kernels test each
+loaded entry with :func:`rlk_keep` at its absolute token id (``c0 + column``) against the row's
+record, as ``rlk_logprob_fwd`` / ``rlk_token_logprobs_bwd`` / ``rlk_entropy_bwd`` do on the
+whole row: dropped entries are ``-inf`` before the merge and get a ``+0`` gradient. The test is
+elementwise, so every chunking masks the same entries and the bits stay those of the unfused path.
+
+**fp32 logits** (``fp32_logits``, bf16 inputs): the logits chunks come from ``gemm.linear``'s
+fp32-output variant (the accumulator stored unrounded, pointer-load kernel), the fold reads them
+as the unfused ops read the fp32 logits; ``rlk_linear_logprob_dlogits`` forms the gradient in
+fp32 (both terms added in fp32: autograd's sum of the two unfused fp32 gradients) and writes it
+rounded once to bf16 into a separate bf16 block, which the bf16 ``grad_weight`` / ``grad_input``
+consume — the unfused fp32-output ``gemm.linear`` backward rounds its fp32 gradient to bf16 the
+same way before the same products.
+
 Memory beyond inputs and outputs: forward ``rows · vocab_chunk`` logits in the dtype plus four
 fp32 values per row of a chunk; backward ``N · vocab_chunk`` in the dtype, a ``[vocab_chunk, H]``
 gradient block and the fp32 ``[N, H]`` accumulator (pass A instead: ``rows · V`` in the dtype and
@@ -66,6 +80,8 @@ from rl_engine.backends.triton.logprob.kernels import (
     _NEG_MAX,
     _WARPS,
     VOCAB_BLOCK,
+    rlk_keep,
+    rlk_load_kept,
     rlk_load_z,
     rlk_lse_finish,
     rlk_lse_merge_block,
@@ -74,16 +90,18 @@ from rl_engine.backends.triton.logprob.kernels import (
 __all__ = ["forward", "backward", "KERNEL_NAMES", "DEVICE_FUNCTIONS"]
 
 KERNEL_NAMES = ("rlk_linear_logprob_fold", "rlk_linear_logprob_fold_ns", "rlk_linear_logprob_dlogits")
-#: ``@triton.jit`` device functions used here (the first three from ``kernels.py``; inlined, never launched).
-DEVICE_FUNCTIONS = ("rlk_load_z", "rlk_lse_merge_block", "rlk_lse_finish", "rlk_linear_logprob_fold_body")
+#: ``@triton.jit`` device functions used here (all but the last from ``kernels.py``; inlined, never launched).
+DEVICE_FUNCTIONS = ("rlk_load_z", "rlk_keep", "rlk_load_kept", "rlk_lse_merge_block", "rlk_lse_finish",
+                    "rlk_linear_logprob_fold_body")
 
 @triton.jit
 def rlk_linear_logprob_fold_body(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, lp_ptr, lse_ptr, ent_ptr,
-               temperature, HAS_TEMP: tl.constexpr, ENTROPY: tl.constexpr,
-               FIRST: tl.constexpr, FINISH: tl.constexpr, BLOCK_V: tl.constexpr):
+               kt_ptr, kb_ptr, temperature, HAS_TEMP: tl.constexpr, ENTROPY: tl.constexpr,
+               FIRST: tl.constexpr, FINISH: tl.constexpr, KEPT: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * ld
     cols = tl.arange(0, BLOCK_V)
+    thr, bnd = rlk_load_kept(kt_ptr, kb_ptr, row, KEPT)
     if FIRST:  # the unfused kernel's initial state
         m = tl.max(tl.full((BLOCK_V,), float("-inf"), tl.float32), axis=0)
         s = tl.sum(tl.zeros((BLOCK_V,), tl.float32), axis=0)
@@ -95,6 +113,8 @@ def rlk_linear_logprob_fold_body(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t
     for j0 in range(0, n_cols, BLOCK_V):
         idx = j0 + cols
         z = rlk_load_z(x_ptr, base + idx, idx < n_cols, temperature, HAS_TEMP)
+        if KEPT:
+            z = tl.where(rlk_keep(z, c0 + idx, thr, bnd), z, float("-inf"))
         m, s, t = rlk_lse_merge_block(z, m, s, t, ENTROPY)
     # the target's scaled logit, as rlk_logprob_fwd forms it, kept until the last chunk
     local = tl.load(tgt_ptr + row).to(tl.int64) - c0
@@ -102,6 +122,8 @@ def rlk_linear_logprob_fold_body(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t
     z_t = tl.load(x_ptr + base + tl.where(hit, local, 0)).to(tl.float32)
     if HAS_TEMP:
         z_t = tl.div_rn(z_t, temperature)
+    if KEPT:
+        z_t = tl.where(rlk_keep(z_t, c0 + local, thr, bnd), z_t, float("-inf"))
     if FINISH:
         if not FIRST:
             z_t = tl.where(hit, z_t, tl.load(zt_ptr + row))
@@ -121,49 +143,60 @@ def rlk_linear_logprob_fold_body(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t
 
 @triton.jit(do_not_specialize=["R", "c0"])
 def rlk_linear_logprob_fold(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, lp_ptr, lse_ptr,
-                            ent_ptr, R, temperature, HAS_TEMP: tl.constexpr,
-                            ENTROPY: tl.constexpr, FIRST: tl.constexpr, FINISH: tl.constexpr,
+                            ent_ptr, kt_ptr, kb_ptr, R, temperature, HAS_TEMP: tl.constexpr,
+                            ENTROPY: tl.constexpr, FIRST: tl.constexpr, FINISH: tl.constexpr, KEPT: tl.constexpr,
                             BLOCK_V: tl.constexpr):
     """Fold logits ``x[r, :n_cols]`` (vocabulary columns ``c0 ..``; row stride ``ld``) into row
     ``r``'s running canonical state; ``FINISH``: write lse, entropy and the token log-prob.
     For ``V % 16 == 0`` (``ld`` and ``n_cols`` then specialise like ``V`` does)."""
     rlk_linear_logprob_fold_body(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, lp_ptr, lse_ptr, ent_ptr,
-               temperature, HAS_TEMP, ENTROPY, FIRST, FINISH, BLOCK_V)
+               kt_ptr, kb_ptr, temperature, HAS_TEMP, ENTROPY, FIRST, FINISH, KEPT, BLOCK_V)
 
 
 @triton.jit(do_not_specialize=["R", "c0", "ld", "n_cols"])
 def rlk_linear_logprob_fold_ns(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, lp_ptr, lse_ptr,
-                               ent_ptr, R, temperature, HAS_TEMP: tl.constexpr,
-                               ENTROPY: tl.constexpr, FIRST: tl.constexpr, FINISH: tl.constexpr,
+                               ent_ptr, kt_ptr, kb_ptr, R, temperature, HAS_TEMP: tl.constexpr,
+                               ENTROPY: tl.constexpr, FIRST: tl.constexpr, FINISH: tl.constexpr, KEPT: tl.constexpr,
                                BLOCK_V: tl.constexpr):
     """``rlk_linear_logprob_fold`` for ``V % 16 != 0``: ``ld`` and ``n_cols`` are not specialised,
     so (like ``V`` in ``rlk_logprob_fwd``) nothing is known about their divisibility."""
     rlk_linear_logprob_fold_body(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t_ptr, zt_ptr, lp_ptr, lse_ptr, ent_ptr,
-               temperature, HAS_TEMP, ENTROPY, FIRST, FINISH, BLOCK_V)
+               kt_ptr, kb_ptr, temperature, HAS_TEMP, ENTROPY, FIRST, FINISH, KEPT, BLOCK_V)
 
 
 @triton.jit(do_not_specialize=["R", "c0"])
-def rlk_linear_logprob_dlogits(x_ptr, ld, n_cols, c0, tgt_ptr, lse_ptr, glp_ptr, ent_ptr, gent_ptr, R, temperature,
-                               HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr, HAS_TEMP: tl.constexpr,
-                               BLOCK_V: tl.constexpr):
-    """In place: logits ``x[r, :n_cols]`` (columns ``c0 ..``) → gradient of the logits, in their dtype.
+def rlk_linear_logprob_dlogits(x_ptr, y_ptr, ld, n_cols, c0, tgt_ptr, lse_ptr, glp_ptr, ent_ptr, gent_ptr, kt_ptr, kb_ptr,
+                               R, temperature, HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr, HAS_TEMP: tl.constexpr,
+                               KEPT: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Logits ``x[r, :n_cols]`` (columns ``c0 ..``) → gradient of the logits, written to ``y``
+    (same strides; ``y`` may be ``x``: in place).
 
     ``dz = (1 − p)·g`` at the target, ``(−p)·g`` elsewhere (``p = exp(z − lse)``), and/or
     ``(p·(max(log p, −FLT_MAX) + H))·(−g_H)``; each divided by ``fl32(τ)`` (``div_rn``; not for
-    τ = 1) and rounded to the dtype; both present: the two rounded values added in fp32, rounded.
-    Program ``(r, b)`` handles row ``r``, columns ``b·BLOCK_V ..`` (elementwise: the grid shape
-    changes no bit). Launched with ``enable_fp_fusion=False`` (see :func:`_dlogits_`)."""
+    τ = 1) and rounded to the logits' dtype (what each unfused backward produces); both present:
+    the two rounded values added in fp32 (autograd's accumulation, in the logits' dtype); the
+    result rounded to ``y``'s dtype (a no-op unless ``y`` is the bf16 block of the fp32-logits
+    variant). ``KEPT``: entries outside the row's kept set are masked to ``-inf`` first and get
+    ``+0``. Program ``(r, b)`` handles row ``r``, columns ``b·BLOCK_V ..`` (elementwise: the grid
+    shape changes no bit). Launched with ``enable_fp_fusion=False`` (see :func:`_dlogits_`)."""
     row = tl.program_id(0).to(tl.int64)
     base = row * ld
     idx = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = idx < n_cols
     lse = tl.load(lse_ptr + row)
-    logp = rlk_load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP) - lse
+    z = rlk_load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP)
+    if KEPT:
+        thr, bnd = rlk_load_kept(kt_ptr, kb_ptr, row, KEPT)
+        keep = rlk_keep(z, c0 + idx, thr, bnd)
+        z = tl.where(keep, z, float("-inf"))
+    logp = z - lse
     p = tl.exp(logp)
     if HAS_LP:
         g = tl.load(glp_ptr + row)
         local = tl.load(tgt_ptr + row).to(tl.int64) - c0
         dz = tl.where(idx == local, (1.0 - p) * g, (-p) * g)
+        if KEPT:
+            dz = tl.where(keep, dz, 0.0)
         if HAS_TEMP:
             dz = tl.div_rn(dz, temperature)
         out = dz.to(x_ptr.dtype.element_ty)
@@ -171,6 +204,8 @@ def rlk_linear_logprob_dlogits(x_ptr, ld, n_cols, c0, tgt_ptr, lse_ptr, glp_ptr,
         neg_g = -tl.load(gent_ptr + row)
         ent = tl.load(ent_ptr + row)
         de = (p * (tl.maximum(logp, _NEG_MAX) + ent)) * neg_g
+        if KEPT:
+            de = tl.where(keep, de, 0.0)
         if HAS_TEMP:
             de = tl.div_rn(de, temperature)
         de = de.to(x_ptr.dtype.element_ty)
@@ -178,7 +213,7 @@ def rlk_linear_logprob_dlogits(x_ptr, ld, n_cols, c0, tgt_ptr, lse_ptr, glp_ptr,
             out = (out.to(tl.float32) + de.to(tl.float32)).to(x_ptr.dtype.element_ty)
         else:
             out = de
-    tl.store(x_ptr + base + idx, out, mask=mask)
+    tl.store(y_ptr + base + idx, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,8 +221,10 @@ def rlk_linear_logprob_dlogits(x_ptr, ld, n_cols, c0, tgt_ptr, lse_ptr, glp_ptr,
 
 
 def forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-            return_entropy: bool, token_chunk: int, vocab_chunk: int):
-    """``(logprobs [N], entropy [N] | [0], lse [N])`` fp32 for ``hidden [N, H]``, ``weight [V, H]``."""
+            return_entropy: bool, token_chunk: int, vocab_chunk: int, kept_threshold: torch.Tensor | None = None,
+            kept_boundary: torch.Tensor | None = None, fp32_logits: bool = False):
+    """``(logprobs [N], entropy [N] | [0], lse [N])`` fp32 for ``hidden [N, H]``, ``weight [V, H]``
+    (``kept_*``: the rows' kept-set records; ``fp32_logits``: the fp32 LM-head variant)."""
     N = hidden.shape[0]
     V = weight.shape[0]
     dev = hidden.device
@@ -200,27 +237,34 @@ def forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, t
     state = torch.empty((4, min(token_chunk, N)), **f32)  # m, s, t, z_target of the rows of a chunk
     kernel = rlk_linear_logprob_fold if V % 16 == 0 else rlk_linear_logprob_fold_ns
     has_temp = temperature != 1.0
+    kept = kept_threshold is not None
+    out_dtype = torch.float32 if fp32_logits else None
     with device_guard(hidden):
         for r0 in range(0, N, token_chunk):
             r1 = min(N, r0 + token_chunk)
             R = r1 - r0
             h = hidden[r0:r1]
+            kt, kb = (kept_threshold[r0:r1], kept_boundary[r0:r1]) if kept else (lse, lse)
             for c0 in range(0, V, vocab_chunk):
-                logits = gemm_kernels.forward(h, weight[c0 : c0 + vocab_chunk], None)
+                logits = gemm_kernels.forward(h, weight[c0 : c0 + vocab_chunk], None, out_dtype=out_dtype)
                 C = logits.shape[1]
                 last = c0 + C >= V
                 kernel[(R,)](
                     logits, C, C, c0, targets[r0:r1], state[0], state[1], state[2], state[3],
-                    lp[r0:r1], lse[r0:r1], ent[r0:r1] if return_entropy else lse[r0:r1], R, float(temperature),
-                    HAS_TEMP=has_temp, ENTROPY=return_entropy, FIRST=c0 == 0, FINISH=last,
+                    lp[r0:r1], lse[r0:r1], ent[r0:r1] if return_entropy else lse[r0:r1], kt, kb, R, float(temperature),
+                    HAS_TEMP=has_temp, ENTROPY=return_entropy, FIRST=c0 == 0, FINISH=last, KEPT=kept,
                     BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS,
                 )
                 del logits
     return lp, ent, lse
 
 
-def _dlogits_(logits: torch.Tensor, c0: int, targets, lse, g_lp, ent, g_ent, temperature: float) -> torch.Tensor:
-    """``logits [R, C]`` (vocabulary columns ``c0 ..``) overwritten by their gradient.
+def _dlogits_(logits: torch.Tensor, c0: int, targets, lse, g_lp, ent, g_ent, temperature: float,
+              kept_threshold: torch.Tensor | None = None, kept_boundary: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The gradient of ``logits [R, C]`` (vocabulary columns ``c0 ..``): written over the logits,
+    or, with an ``out_dtype`` other than theirs (the fp32-logits variant: bf16), into a new
+    ``[R, C]`` block of that dtype.
 
     ``enable_fp_fusion=False``: with both outputs in the loss and τ = 1, fp32's ``.to(float32)``
     is the identity, so ``dz + de`` is ``(−p)·g + de`` and the compiler would contract it into one
@@ -231,15 +275,18 @@ def _dlogits_(logits: torch.Tensor, c0: int, targets, lse, g_lp, ent, g_ent, tem
     ``rlk_entropy_bwd`` have no multiply feeding an add, so fusion changes nothing there; here,
     off, every product and sum is rounded on its own, as there."""
     R, C = logits.shape
+    out = logits if out_dtype in (None, logits.dtype) else torch.empty((R, C), dtype=out_dtype, device=logits.device)
+    kept = kept_threshold is not None
     if R and C:
         grid = (R, triton.cdiv(C, VOCAB_BLOCK))
         rlk_linear_logprob_dlogits[grid](
-            logits, C, C, c0, targets, lse, g_lp if g_lp is not None else lse, ent if g_ent is not None else lse,
-            g_ent if g_ent is not None else lse, R, float(temperature),
-            HAS_LP=g_lp is not None, HAS_ENT=g_ent is not None, HAS_TEMP=temperature != 1.0,
+            logits, out, C, C, c0, targets, lse, g_lp if g_lp is not None else lse, ent if g_ent is not None else lse,
+            g_ent if g_ent is not None else lse, kept_threshold if kept else lse, kept_boundary if kept else lse,
+            R, float(temperature),
+            HAS_LP=g_lp is not None, HAS_ENT=g_ent is not None, HAS_TEMP=temperature != 1.0, KEPT=kept,
             BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS, enable_fp_fusion=False,
         )
-    return logits
+    return out
 
 
 #: The backward computes ``dhidden`` by chaining ``gemm.grad_input`` over the vocabulary chunks of
@@ -251,7 +298,8 @@ DX_ACCUMULATOR_BUDGET_BYTES = 2**30
 
 def backward(g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor,
              targets: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, temperature: float, token_chunk: int,
-             vocab_chunk: int, need_hidden: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             vocab_chunk: int, need_hidden: bool, need_weight: bool, kept_threshold: torch.Tensor | None = None,
+             kept_boundary: torch.Tensor | None = None, fp32_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dhidden [N, H] | [0], dweight [V, H] | [0])`` in the inputs' dtype.
 
     One pass over the vocabulary chunks (``vocab_chunk`` columns, all ``N`` tokens): the logits
@@ -269,9 +317,13 @@ def backward(g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, hidden: torc
     if N == 0 or (g_lp is None and g_ent is None):
         return dhidden, dweight
 
+    kept = kept_threshold is not None
+    out_dtype = torch.float32 if fp32_logits else None
+
     def rows(r0: int, r1: int):
         return (targets[r0:r1], lse[r0:r1], g_lp[r0:r1] if g_lp is not None else None,
-                ent[r0:r1] if g_ent is not None else None, g_ent[r0:r1] if g_ent is not None else None)
+                ent[r0:r1] if g_ent is not None else None, g_ent[r0:r1] if g_ent is not None else None, temperature,
+                kept_threshold[r0:r1] if kept else None, kept_boundary[r0:r1] if kept else None, hidden.dtype)
 
     chained = need_hidden and N * H * 4 <= DX_ACCUMULATOR_BUDGET_BYTES
     with device_guard(hidden):
@@ -281,7 +333,7 @@ def backward(g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, hidden: torc
                 acc = torch.empty((N, H), dtype=torch.float32, device=hidden.device)
             for c0 in range(0, V, vocab_chunk):
                 w = weight[c0 : c0 + vocab_chunk]
-                dl = _dlogits_(gemm_kernels.forward(hidden, w, None), c0, *rows(0, N), temperature)
+                dl = _dlogits_(gemm_kernels.forward(hidden, w, None, out_dtype=out_dtype), c0, *rows(0, N))
                 if need_weight:
                     dweight[c0 : c0 + dl.shape[1]] = gemm_kernels.grad_weight(dl, hidden)
                 if chained:
@@ -292,7 +344,7 @@ def backward(g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, hidden: torc
         if need_hidden and not chained:  # pass A: dh[rows] = dlogits[rows, :V] @ W, one K = V product per token chunk
             for r0 in range(0, N, token_chunk):
                 r1 = min(N, r0 + token_chunk)
-                dl = _dlogits_(gemm_kernels.forward(hidden[r0:r1], weight, None), 0, *rows(r0, r1), temperature)
+                dl = _dlogits_(gemm_kernels.forward(hidden[r0:r1], weight, None, out_dtype=out_dtype), 0, *rows(r0, r1))
                 dhidden[r0:r1] = gemm_kernels.grad_input(dl, weight)
                 del dl
     return dhidden, dweight

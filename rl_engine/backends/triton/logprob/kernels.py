@@ -18,6 +18,14 @@ rounded once to the logits dtype):
 * ``rlk_log_softmax_bwd``     ``dz = g − exp(out) · Σ g`` (``Σ g`` over fixed 1024-lane blocks);
 * ``rlk_token_logprobs_bwd``  ``dz_j = (−p_j)·g``, ``dz_t = (1 − p_t)·g``, ``p = exp(z − lse)``;
 * ``rlk_entropy_bwd``         ``dz = (p · (max(log p, −FLT_MAX) + H)) · (−g)``.
+
+Kept sets (``KEPT``: one ``(threshold, boundary)`` record per row, ``rl_engine.utils.kept``):
+:func:`rlk_keep` tests ``z > thr or (z == thr and id <= boundary)`` on each loaded block and the
+dropped entries become ``-inf`` before the merge (the log-sum-exp, log-prob and entropy of the
+renormalised distribution, same order of operations); a dropped target's ``z_t`` is ``-inf``;
+the backward kernels mask the same way and write ``+0`` at dropped entries
+(``rlk_log_softmax_bwd`` with ``MASKED``: entries whose output is ``-inf`` are left out of
+``Σ g`` and get ``+0``).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ __all__ = ["VOCAB_BLOCK", "forward", "log_softmax_backward", "token_logprobs_bac
 
 KERNEL_NAMES = ("rlk_logprob_fwd", "rlk_log_softmax_bwd", "rlk_token_logprobs_bwd", "rlk_entropy_bwd")
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
-DEVICE_FUNCTIONS = ("rlk_load_z", "rlk_lse_merge_block", "rlk_lse_finish")
+DEVICE_FUNCTIONS = ("rlk_load_z", "rlk_keep", "rlk_load_kept", "rlk_lse_merge_block", "rlk_lse_finish")
 #: The canonical vocabulary block (= ``rl_engine.ops.logprob.VOCAB_BLOCK``).
 VOCAB_BLOCK = 1024
 _WARPS = 4
@@ -45,6 +53,24 @@ def rlk_load_z(x_ptr, offs, mask, temperature, HAS_TEMP: tl.constexpr):
     if HAS_TEMP:
         z = tl.div_rn(z, temperature)
     return z
+
+
+@triton.jit
+def rlk_keep(z, idx, thr, bnd):
+    """The kept-set test of scaled logits ``z`` at absolute token ids ``idx`` (``rl_engine.utils.kept``)."""
+    return (z > thr) | ((z == thr) & (idx <= bnd))
+
+
+@triton.jit
+def rlk_load_kept(kt_ptr, kb_ptr, row, KEPT: tl.constexpr):
+    """Row ``row``'s record ``(threshold, boundary)``; without ``KEPT`` the keep-all record."""
+    if KEPT:
+        thr = tl.load(kt_ptr + row)
+        bnd = tl.load(kb_ptr + row).to(tl.int64)
+    else:
+        thr = float("-inf")
+        bnd = 2147483647
+    return thr, bnd
 
 
 @triton.jit
@@ -79,18 +105,21 @@ def rlk_lse_finish(m, s, t):
 
 
 @triton.jit(do_not_specialize=["R"])
-def rlk_logprob_fwd(x_ptr, tgt_ptr, ls_ptr, lp_ptr, lse_ptr, ent_ptr, R, V, temperature,
+def rlk_logprob_fwd(x_ptr, tgt_ptr, ls_ptr, lp_ptr, lse_ptr, ent_ptr, kt_ptr, kb_ptr, R, V, temperature,
                     HAS_TEMP: tl.constexpr, HAS_TARGETS: tl.constexpr, ENTROPY: tl.constexpr,
-                    WRITE_LS: tl.constexpr, BLOCK_V: tl.constexpr):
+                    WRITE_LS: tl.constexpr, KEPT: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * V
     cols = tl.arange(0, BLOCK_V)
+    thr, bnd = rlk_load_kept(kt_ptr, kb_ptr, row, KEPT)
     m = tl.max(tl.full((BLOCK_V,), float("-inf"), tl.float32), axis=0)
     s = tl.sum(tl.zeros((BLOCK_V,), tl.float32), axis=0)
     t = s
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + cols
         z = rlk_load_z(x_ptr, base + idx, idx < V, temperature, HAS_TEMP)
+        if KEPT:
+            z = tl.where(rlk_keep(z, idx, thr, bnd), z, float("-inf"))
         m, s, t = rlk_lse_merge_block(z, m, s, t, ENTROPY)
     lse, ent = rlk_lse_finish(m, s, t)
     tl.store(lse_ptr + row, lse)
@@ -101,30 +130,42 @@ def rlk_logprob_fwd(x_ptr, tgt_ptr, ls_ptr, lp_ptr, lse_ptr, ent_ptr, R, V, temp
         z_t = tl.load(x_ptr + base + tgt).to(tl.float32)
         if HAS_TEMP:
             z_t = tl.div_rn(z_t, temperature)
+        if KEPT:
+            z_t = tl.where(rlk_keep(z_t, tgt, thr, bnd), z_t, float("-inf"))
         tl.store(lp_ptr + row, z_t - lse)
     if WRITE_LS:
         for v0 in range(0, V, BLOCK_V):
             idx = v0 + cols
             mask = idx < V
             z = rlk_load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP)
+            if KEPT:
+                z = tl.where(rlk_keep(z, idx, thr, bnd), z, float("-inf"))
             tl.store(ls_ptr + base + idx, z - lse, mask=mask)
 
 
 @triton.jit(do_not_specialize=["R"])
-def rlk_log_softmax_bwd(g_ptr, out_ptr, dx_ptr, R, V, temperature, HAS_TEMP: tl.constexpr, BLOCK_V: tl.constexpr):
+def rlk_log_softmax_bwd(g_ptr, out_ptr, dx_ptr, R, V, temperature, HAS_TEMP: tl.constexpr, MASKED: tl.constexpr,
+                        BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * V
     cols = tl.arange(0, BLOCK_V)
     acc = tl.zeros((BLOCK_V,), tl.float32)
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + cols
-        acc += tl.load(g_ptr + base + idx, mask=idx < V, other=0.0)
+        g = tl.load(g_ptr + base + idx, mask=idx < V, other=0.0)
+        if MASKED:
+            o = tl.load(out_ptr + base + idx, mask=idx < V, other=float("-inf"))
+            g = tl.where(o == float("-inf"), 0.0, g)
+        acc += g
     g_sum = tl.sum(acc, axis=0)
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + cols
         mask = idx < V
         g = tl.load(g_ptr + base + idx, mask=mask, other=0.0)
-        p = tl.exp(tl.load(out_ptr + base + idx, mask=mask, other=float("-inf")))
+        o = tl.load(out_ptr + base + idx, mask=mask, other=float("-inf"))
+        if MASKED:
+            g = tl.where(o == float("-inf"), 0.0, g)
+        p = tl.exp(o)
         dz = g - p * g_sum
         if HAS_TEMP:
             dz = tl.div_rn(dz, temperature)
@@ -132,40 +173,53 @@ def rlk_log_softmax_bwd(g_ptr, out_ptr, dx_ptr, R, V, temperature, HAS_TEMP: tl.
 
 
 @triton.jit(do_not_specialize=["R"])
-def rlk_token_logprobs_bwd(g_ptr, x_ptr, tgt_ptr, lse_ptr, dx_ptr, R, V, temperature,
-                           HAS_TEMP: tl.constexpr, BLOCK_V: tl.constexpr):
+def rlk_token_logprobs_bwd(g_ptr, x_ptr, tgt_ptr, lse_ptr, dx_ptr, kt_ptr, kb_ptr, R, V, temperature,
+                           HAS_TEMP: tl.constexpr, KEPT: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * V
     cols = tl.arange(0, BLOCK_V)
     g = tl.load(g_ptr + row)
     lse = tl.load(lse_ptr + row)
     tgt = tl.load(tgt_ptr + row).to(tl.int64)
+    thr, bnd = rlk_load_kept(kt_ptr, kb_ptr, row, KEPT)
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + cols
         mask = idx < V
         z = rlk_load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP)
+        if KEPT:
+            keep = rlk_keep(z, idx, thr, bnd)
+            z = tl.where(keep, z, float("-inf"))
         p = tl.exp(z - lse)
         dz = tl.where(idx == tgt, (1.0 - p) * g, (-p) * g)
+        if KEPT:
+            dz = tl.where(keep, dz, 0.0)
         if HAS_TEMP:
             dz = tl.div_rn(dz, temperature)
         tl.store(dx_ptr + base + idx, dz.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["R"])
-def rlk_entropy_bwd(g_ptr, x_ptr, lse_ptr, ent_ptr, dx_ptr, R, V, temperature,
-                    HAS_TEMP: tl.constexpr, BLOCK_V: tl.constexpr):
+def rlk_entropy_bwd(g_ptr, x_ptr, lse_ptr, ent_ptr, dx_ptr, kt_ptr, kb_ptr, R, V, temperature,
+                    HAS_TEMP: tl.constexpr, KEPT: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * V
     cols = tl.arange(0, BLOCK_V)
     neg_g = -tl.load(g_ptr + row)
     lse = tl.load(lse_ptr + row)
     ent = tl.load(ent_ptr + row)
+    thr, bnd = rlk_load_kept(kt_ptr, kb_ptr, row, KEPT)
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + cols
         mask = idx < V
-        logp = rlk_load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP) - lse
+        z = rlk_load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP)
+        if KEPT:
+            keep = rlk_keep(z, idx, thr, bnd)
+            z = tl.where(keep, z, float("-inf"))
+        logp = z - lse
         p = tl.exp(logp)
         dz = (p * (tl.maximum(logp, _NEG_MAX) + ent)) * neg_g
+        if KEPT:
+            dz = tl.where(keep, dz, 0.0)
         if HAS_TEMP:
             dz = tl.div_rn(dz, temperature)
         tl.store(dx_ptr + base + idx, dz.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -187,10 +241,13 @@ def _f32(R: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def forward(logits2: torch.Tensor, temperature: float, *, targets: torch.Tensor | None = None,
-            entropy: bool = False, log_softmax: bool = False):
-    """``(log_softmax [R, V] | None, logprobs [R] | None, lse [R], entropy [R] | None)``, all fp32."""
+            entropy: bool = False, log_softmax: bool = False, kept_threshold: torch.Tensor | None = None,
+            kept_boundary: torch.Tensor | None = None):
+    """``(log_softmax [R, V] | None, logprobs [R] | None, lse [R], entropy [R] | None)``, all fp32
+    (``kept_threshold`` / ``kept_boundary`` ``[R]``: the rows' kept-set records)."""
     R, V = logits2.shape
     logits2, targets = _aligned(logits2), _aligned(targets)
+    kept = kept_threshold is not None
     ls = torch.empty((R, V), dtype=torch.float32, device=logits2.device) if log_softmax else None
     lp = _f32(R, logits2) if targets is not None else None
     lse = _f32(R, logits2)
@@ -200,43 +257,51 @@ def forward(logits2: torch.Tensor, temperature: float, *, targets: torch.Tensor 
         with device_guard(logits2):
             rlk_logprob_fwd[(R,)](
                 logits2, targets if targets is not None else lse, ls if ls is not None else dummy,
-                lp if lp is not None else dummy, lse, ent if ent is not None else dummy, R, V, float(temperature),
+                lp if lp is not None else dummy, lse, ent if ent is not None else dummy,
+                kept_threshold if kept else dummy, kept_boundary if kept else dummy, R, V, float(temperature),
                 HAS_TEMP=temperature != 1.0, HAS_TARGETS=targets is not None, ENTROPY=entropy,
-                WRITE_LS=log_softmax, BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS,
+                WRITE_LS=log_softmax, KEPT=kept, BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS,
             )
     return ls, lp, lse, ent
 
 
-def log_softmax_backward(grad2: torch.Tensor, out2: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+def log_softmax_backward(grad2: torch.Tensor, out2: torch.Tensor, temperature: float, dtype: torch.dtype,
+                         masked: bool = False) -> torch.Tensor:
     R, V = out2.shape
     grad2, out2 = _aligned(grad2), _aligned(out2)
     dx = torch.empty((R, V), dtype=dtype, device=out2.device)
     if R:
         with device_guard(out2):
             rlk_log_softmax_bwd[(R,)](grad2, out2, dx, R, V, float(temperature), HAS_TEMP=temperature != 1.0,
-                                      BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS)
+                                      MASKED=masked, BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS)
     return dx
 
 
 def token_logprobs_backward(grad: torch.Tensor, logits2: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                            temperature: float) -> torch.Tensor:
+                            temperature: float, kept_threshold: torch.Tensor | None = None,
+                            kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     R, V = logits2.shape
     logits2 = _aligned(logits2)
     dx = torch.empty_like(logits2)
+    kept = kept_threshold is not None
     if R:
         with device_guard(logits2):
-            rlk_token_logprobs_bwd[(R,)](grad, logits2, targets, lse, dx, R, V, float(temperature),
-                                         HAS_TEMP=temperature != 1.0, BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS)
+            rlk_token_logprobs_bwd[(R,)](grad, logits2, targets, lse, dx, kept_threshold if kept else lse,
+                                         kept_boundary if kept else lse, R, V, float(temperature),
+                                         HAS_TEMP=temperature != 1.0, KEPT=kept, BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS)
     return dx
 
 
 def entropy_backward(grad: torch.Tensor, logits2: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor,
-                     temperature: float) -> torch.Tensor:
+                     temperature: float, kept_threshold: torch.Tensor | None = None,
+                     kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     R, V = logits2.shape
     logits2 = _aligned(logits2)
     dx = torch.empty_like(logits2)
+    kept = kept_threshold is not None
     if R:
         with device_guard(logits2):
-            rlk_entropy_bwd[(R,)](grad, logits2, lse, ent, dx, R, V, float(temperature),
-                                  HAS_TEMP=temperature != 1.0, BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS)
+            rlk_entropy_bwd[(R,)](grad, logits2, lse, ent, dx, kept_threshold if kept else lse,
+                                  kept_boundary if kept else lse, R, V, float(temperature),
+                                  HAS_TEMP=temperature != 1.0, KEPT=kept, BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS)
     return dx
