@@ -1,10 +1,13 @@
 """GRPO with TRL on CPU: a tiny Qwen3, HF ``generate`` as the rollout, rl_engine installed.
 
 Run:  python examples/post_training/grpo_trl_cpu.py [--steps 3] [--dtype float32|bfloat16] [--native] [--trl-loss]
+          [--top-k K] [--top-p P] [--logprobs processed|full]
 
-Prints, for every step, how many rollout log-probs (from ``generate``'s raw logits) were
-compared with the trainer's recomputed log-probs and how many differ in any bit. With
-rl_engine attached the answer is 0; with ``--native`` (plain TRL + transformers) it is not.
+Prints, for every step, how many rollout log-probs (from ``generate``'s raw logits, renormalised
+over each token's top-k / top-p kept set: the distribution it was drawn from) were compared with
+the trainer's recomputed log-probs and how many differ in any bit. With rl_engine attached the
+answer is 0; with ``--native`` (plain TRL + transformers) it is not; with ``--logprobs full`` and
+a filter on (the trainer scores the whole vocabulary) every filtered token differs.
 By default the loss is rl_engine's (``RLKGRPOTrainer``); ``--trl-loss`` uses TRL's own.
 Everything is built locally (random weights, a word-level tokenizer): no hub access.
 """
@@ -61,8 +64,11 @@ def reward_many_small_ids(completions, **kwargs):
 
 
 def run(steps: int = 3, dtype: str = "float32", native: bool = False, trl_loss: bool = False, seed: int = 0,
-        output_dir: str | None = None) -> dict:
-    """Train ``steps`` GRPO steps; returns ``{"history": [...per-step parity...], "log": trainer logs}``."""
+        output_dir: str | None = None, top_k: int = 0, top_p: float = 1.0, logprobs: str = "processed") -> dict:
+    """Train ``steps`` GRPO steps; returns ``{"history": [...per-step parity...], "log": trainer logs}``.
+
+    ``top_k`` / ``top_p``: TRL's sampling filters (rl_engine's canonical filter under
+    :func:`~rl_engine.integrations.trl.attach`); ``logprobs``: what the attached trainer scores."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -77,11 +83,11 @@ def run(steps: int = 3, dtype: str = "float32", native: bool = False, trl_loss: 
     out_dir = output_dir or tempfile.mkdtemp(prefix="rlk-grpo-")
     args = GRPOConfig(output_dir=out_dir, use_cpu=True, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=8, max_steps=steps, report_to="none", logging_steps=1,
-                      save_strategy="no", seed=seed, loss_type="dapo", bf16=False)
+                      save_strategy="no", seed=seed, loss_type="dapo", bf16=False, top_k=top_k, top_p=top_p)
     cls = GRPOTrainer if (native or trl_loss) else rlk_trl.RLKGRPOTrainer
     trainer = cls(model=model, reward_funcs=reward_many_small_ids, args=args,
                   train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
-    attachment = None if native else rlk_trl.attach(trainer)
+    attachment = None if native else rlk_trl.attach(trainer, logprobs=logprobs)
     monitor = rlk_trl.LogprobParityMonitor(trainer)
     try:
         trainer.train()
@@ -98,8 +104,12 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--native", action="store_true", help="plain TRL + transformers (the negative control)")
     p.add_argument("--trl-loss", action="store_true", help="TRL's own loss instead of rl_engine.ops.loss")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling filter (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p sampling filter (1 = off)")
+    p.add_argument("--logprobs", choices=["processed", "full"], default="processed",
+                   help="what the trainer scores: renormalised over each token's kept set, or the whole vocabulary")
     a = p.parse_args()
-    res = run(a.steps, a.dtype, a.native, a.trl_loss)
+    res = run(a.steps, a.dtype, a.native, a.trl_loss, top_k=a.top_k, top_p=a.top_p, logprobs=a.logprobs)
     for row in res["history"]:
         print(f"step {row['step']}: {row['compared']} tokens compared, {row['mismatched']} mismatched "
               f"(max |Δ| {row['max_abs_diff']:.3e})")

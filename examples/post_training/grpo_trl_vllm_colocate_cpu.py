@@ -4,7 +4,7 @@
 Run (in the vLLM environment, see docs/integrations/trl.md):
 
     VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python examples/post_training/grpo_trl_vllm_colocate_cpu.py
-        [--steps 3] [--temperature 1.0] [--native] [--json]
+        [--steps 3] [--temperature 1.0] [--top-k 0] [--top-p 1.0] [--logprobs processed|full] [--native] [--json]
 
 TRL's ``GRPOTrainer(use_vllm=True, vllm_mode="colocate")`` builds a vLLM ``LLM`` in the
 trainer's process, samples the completions with it (``logprobs_mode="processed_logprobs"``:
@@ -14,6 +14,12 @@ model and logs ``max |logp_train - logp_vllm|`` over the completion tokens as
 ``sampling/sampling_logp_difference/max``. With :func:`rl_engine.integrations.trl.
 vllm_colocate` the vLLM model runs rl_engine operators (the vLLM plugin) and the trainer's
 forward runs them too (the HF install and our log-prob head), so that metric is 0.0.
+
+``--top-k`` / ``--top-p``: TRL's sampling filters. Under the plugin vLLM's sampler runs
+rl_engine's canonical filter and its processed log-prob is renormalised over each token's kept
+set; the kept-set records travel to the trainer (``colocate.attach(trainer, logprobs=...)``),
+whose log-prob head replays them (``processed``: the metric stays 0.0) or scores the whole
+vocabulary (``full``: the filter's bias, a positive metric — the negative control).
 
 ``--native`` is the negative control: plain vLLM and plain TRL. Stock vLLM-CPU cannot take
 TRL's weight sync at all (it replaces linear weights by prepacked handles:
@@ -100,7 +106,8 @@ def _plain_vllm_cpu_weights():
 
 
 def run(steps: int = 3, native: bool = False, seed: int = 0, output_dir: str | None = None,
-        strict: bool = True, temperature: float = 1.0) -> dict:
+        strict: bool = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+        logprobs: str = "processed") -> dict:
     """Train ``steps`` GRPO steps with vLLM colocated; returns ``{"metric": [per-step
     sampling_logp_difference/max], "log": trainer logs, "provenance": vLLM-side operator
     counts or None}``."""
@@ -120,7 +127,8 @@ def run(steps: int = 3, native: bool = False, seed: int = 0, output_dir: str | N
                for n in torch.randint(2, 9, (8,), generator=g)]
     args = GRPOConfig(output_dir=out_dir, use_cpu=True, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=8, max_steps=steps, report_to="none", logging_steps=1, save_strategy="no",
-                      seed=seed, bf16=False, temperature=temperature, use_vllm=True, vllm_mode="colocate",
+                      seed=seed, bf16=False, temperature=temperature, top_k=top_k, top_p=top_p,
+                      use_vllm=True, vllm_mode="colocate",
                       vllm_max_model_length=64, vllm_enable_sleep_mode=False)
     kwargs = dict(model=model, reward_funcs=reward_many_small_ids, args=args,
                   train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
@@ -132,7 +140,7 @@ def run(steps: int = 3, native: bool = False, seed: int = 0, output_dir: str | N
     else:
         with rlk_trl.vllm_colocate(strict=strict) as colocate:
             trainer = GRPOTrainer(**kwargs)  # builds its LLM: the plugin is on
-            colocate.attach(trainer)         # the trainer's forward: HF install + our log-prob head
+            colocate.attach(trainer, logprobs=logprobs)  # the trainer's forward: HF install + our log-prob head
             trainer.train()
             provenance = colocate.assert_no_fallbacks() if strict else colocate.provenance()
     log = trainer.state.log_history
@@ -145,9 +153,13 @@ def main() -> None:
     p.add_argument("--native", action="store_true", help="plain vLLM + plain TRL (the negative control)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (TRL's args.temperature)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling filter (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p sampling filter (1 = off)")
+    p.add_argument("--logprobs", choices=["processed", "full"], default="processed",
+                   help="what the trainer scores: renormalised over each token's kept set, or the whole vocabulary")
     p.add_argument("--json", action="store_true", help="print the per-step metric and provenance as JSON")
     a = p.parse_args()
-    res = run(a.steps, a.native, a.seed, temperature=a.temperature)
+    res = run(a.steps, a.native, a.seed, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, logprobs=a.logprobs)
     if a.json:
         print(json.dumps({"metric": res["metric"], "provenance": res["provenance"],
                           "loss": [r["loss"] for r in res["log"] if "loss" in r]}))

@@ -40,7 +40,7 @@ def _rlk(*args: str, timeout: float = 300) -> tuple[int, dict | None, str]:
 @pytest.mark.parametrize("dtype,temperature", [("float32", "1.0"), ("bfloat16", "0")])
 def test_engine_vllm_plugin_on_passes(dtype, temperature):
     from rl_engine.validation.engines.vllm import VLLM_LAYOUTS
-    from rl_engine.integrations.vllm import assert_no_fallbacks
+    from rl_engine.integrations.vllm import QWEN3_KINDS, assert_no_fallbacks
 
     code, res, log = _rlk(*ARGS, "--dtype", dtype, "--temperature", temperature)
     assert code == 0, log[-4000:]
@@ -50,7 +50,11 @@ def test_engine_vllm_plugin_on_passes(dtype, temperature):
     assert res["compared_tokens"] == len(VLLM_LAYOUTS) * res["rollout"]["active_tokens"] > 0
     prov = res["provenance"]
     assert len(prov["vllm"]) == 1 and prov["vllm"][0]["mode"] == "strict"
-    assert_no_fallbacks(prov["vllm"])  # every Qwen3 kind ran through rl_engine in vLLM, zero native forwards
+    # every Qwen3 kind ran through rl_engine in vLLM, zero native forwards; the returned log-probs from
+    # compute_logprobs (greedy) or the sampler's processed path (sampled)
+    logprob_kind = "Sampler.compute_logprobs" if temperature == "0" else "Sampler.processed_logprobs"
+    assert_no_fallbacks(prov["vllm"], require=tuple(k for k in QWEN3_KINDS if k != "Sampler.compute_logprobs")
+                        + (logprob_kind,))
     assert QWEN3_OPS <= {o["op"] for o in prov["vllm"][0]["operators"]}
     assert not prov["fallback"] and prov["native_modules"] == []
     train_ops = {o["op"] for o in prov["operators"]}  # the train side: rl_engine Qwen3 + HF install
@@ -66,6 +70,25 @@ def test_engine_vllm_plugin_off_is_the_negative_control():
     assert res["provenance"]["vllm"] == [] and res["provenance"]["native_modules"] == ["rollout: all (native vLLM)"]
     fm = res["first_mismatch"]
     assert fm["rollout"] != fm["train"] and {"layout", "sample_id", "position"} <= set(fm)
+
+
+@needs_vllm
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_vllm_top_k_top_p_processed_passes_and_full_is_the_negative_control(dtype):
+    """vLLM samples with top-k and top-p under the plugin (rl_engine's canonical filter in its
+    sampler, ``processed_logprobs``); the kept-set records reach the train side: every layout
+    raw-bit equal. Scored over the whole vocabulary (``--logprobs full``) every filtered token
+    differs, in every layout."""
+    sampling = ["--dtype", dtype, "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9"]
+    code, res, log = _rlk(*ARGS, *sampling)
+    assert code == 0, log[-4000:]
+    assert res["passed"] and res["mismatched_tokens"] == 0 and res["sampling"]["logprobs"] == "processed"
+    filtered = res["sampling"]["filtered_tokens"]
+    assert filtered > 0 and "canonical" in res["sampling"]["kept_sets"]
+    code, full, log = _rlk(*ARGS, *sampling, "--logprobs", "full")
+    assert code == 1, log[-4000:]
+    assert full["sampling"]["filtered_tokens"] == filtered
+    assert full["mismatched_tokens"] == filtered * len(full["layouts"]) > 0
 
 
 @needs_vllm

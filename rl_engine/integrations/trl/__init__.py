@@ -8,7 +8,13 @@ Pieces (all per instance, all reversible):
   (``model(..., labels=, fused_lm_head=True)``, added by TRL on the instance) by one computed
   with ``ops.gemm.linear`` + ``ops.logprob.token_logprobs`` / ``entropy`` on fp32 logits — the
   same arithmetic the rollout uses on ``generate``'s raw logits — and returns an
-  :class:`Attachment` whose ``detach()`` restores everything.
+  :class:`Attachment` whose ``detach()`` restores everything. With ``logprobs="processed"``
+  (default) top-k / top-p sampling runs as rl_engine's canonical filter
+  (:class:`~rl_engine.integrations.hf.rollout.KeptSetRecorder` in ``generate``, or the vLLM
+  plugin's sampler), every sampled token's kept-set record is kept in a
+  :class:`KeptSetStore` on the model, and the fused LM head scores each completion token
+  renormalised over its kept set — the distribution it was drawn from, as the rollout
+  reports; ``"full"`` scores the whole vocabulary.
 * :class:`LogprobParityMonitor` — a ``TrainerCallback`` that records each generated token's
   log-prob (``generate(output_logits=True)`` → ``log softmax(z / T)``) and every log-prob the
   trainer recomputes for the policy model, matches them by ``(prompt, completion)`` and
@@ -42,8 +48,47 @@ from rl_engine.integrations.hf.install import HFInstall, install
 
 log = logging.getLogger("rl_engine.integrations.trl")
 
-__all__ = ["attach", "Attachment", "LogprobParityMonitor", "RLKGRPOTrainer", "rlk_fused_forward", "vllm_colocate",
-           "VLLMColocate", "sampling_logp_differences", "SAMPLING_LOGP_DIFF_MAX"]
+__all__ = ["attach", "Attachment", "KeptSetStore", "LogprobParityMonitor", "RLKGRPOTrainer", "rlk_fused_forward",
+           "vllm_colocate", "VLLMColocate", "sampling_logp_differences", "SAMPLING_LOGP_DIFF_MAX"]
+
+#: The model attributes (instance ``__dict__``) holding the attachment's :class:`KeptSetStore` and
+#: what its fused LM head scores (``"processed"``: with the store's records; ``"full"``).
+KEPT_ATTR = "_rlk_kept"
+MODE_ATTR = "_rlk_logprobs"
+
+
+class KeptSetStore:
+    """Kept-set records of the last generation, by ``(prompt tokens, completion tokens)``.
+
+    ``add`` stores the records ``[N]`` of one generated completion; ``find`` returns those of a
+    completion the trainer scores (the stored completion may run on past an EOS where the trainer
+    masks it: the trainer's completion is matched as a prefix). A new generation clears it.
+    """
+
+    def __init__(self) -> None:
+        self._by_prompt: dict[tuple[int, ...], list[tuple[tuple[int, ...], Any]]] = {}
+        #: records ``[B, N]`` of the rows of the last ``generate`` call (HF path), for the monitor
+        self.last = None
+
+    def clear(self) -> None:
+        self._by_prompt.clear()
+        self.last = None
+
+    def add(self, prompt: tuple[int, ...], completion: tuple[int, ...], kept) -> None:
+        if tuple(kept.shape) != (len(completion),):
+            raise ValueError(f"kept: expected {len(completion)} records (one per completion token), got {tuple(kept.shape)}")
+        self._by_prompt.setdefault(tuple(prompt), []).append((tuple(completion), kept))
+
+    def find(self, prompt: tuple[int, ...], completion: tuple[int, ...]):
+        """The records ``[len(completion)]`` of ``completion`` after ``prompt``, or ``None``."""
+        n = len(completion)
+        for comp, kept in self._by_prompt.get(tuple(prompt), ()):
+            if comp[:n] == tuple(completion) and len(comp) >= n:
+                return kept[:n]
+        return None
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._by_prompt.values())
 
 
 def rlk_fused_forward(self, *args, fused_lm_head: bool = False, labels=None, shift_labels=None,
@@ -52,7 +97,10 @@ def rlk_fused_forward(self, *args, fused_lm_head: bool = False, labels=None, shi
 
     ``fused_lm_head=False`` is the model's own forward. With ``True``: backbone → hidden states
     ``[B, L-1, H]`` → ``ops.gemm.linear`` (LM head) → fp32 → ``token_logprobs`` and ``entropy``
-    at the trainer's temperature; zero where the label is ``-100``.
+    at the trainer's temperature; zero where the label is ``-100``. With the attachment's
+    :class:`KeptSetStore` (``logprobs="processed"``), each row's completion tokens are scored
+    renormalised over the kept sets recorded when they were generated (looked up by prompt and
+    completion tokens); a row without records raises.
     """
     from trl.trainer.utils import FusedCausalLMOutput
 
@@ -76,13 +124,42 @@ def rlk_fused_forward(self, *args, fused_lm_head: bool = False, labels=None, shi
     head = self.get_output_embeddings()
     z = linear(hidden.contiguous(), head.weight, head.bias).float().contiguous()
     mask = labels != -100
-    lp = token_logprobs(z, labels.masked_fill(~mask, 0).contiguous(), temperature=T)
-    ent = entropy(z, temperature=T)
+    store = self.__dict__.get(KEPT_ATTR) if self.__dict__.get(MODE_ATTR) == "processed" else None
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    kept = _row_kept(store, ids, kwargs.get("attention_mask"), labels, mask) if store is not None else None
+    lp = token_logprobs(z, labels.masked_fill(~mask, 0).contiguous(), temperature=T, kept=kept)
+    ent = entropy(z, temperature=T, kept=kept)
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
     lp = torch.where(mask, lp, zero)
     ent = torch.where(mask, ent, zero)
     n = num_items_in_batch if num_items_in_batch is not None else mask.sum().clamp(min=1)
     return FusedCausalLMOutput(loss=-lp.sum() / n, log_probs=lp, entropy=ent, label_mask=mask)
+
+
+def _row_kept(store: KeptSetStore, input_ids, attention_mask, labels, mask):
+    """The kept-set records ``[B, L']`` of the (shifted) ``labels`` ``[B, L']``: each row's
+    completion (its scored labels) looked up in ``store`` by its prompt (the real tokens of
+    ``input_ids`` before the completion) and completion tokens; keep-all where not scored."""
+    from rl_engine.ops.logprob import KeptSet
+
+    if input_ids is None:
+        raise ValueError("input_ids: processed log-probs look up each row's kept sets by its tokens; pass input_ids")
+    kept = KeptSet.everything(labels.shape, device=labels.device)
+    for b in range(labels.shape[0]):
+        cols = torch.nonzero(mask[b]).squeeze(1)
+        if cols.numel() == 0:
+            continue
+        p0 = int(cols[0]) + 1  # label c is the token at input position c + 1: the completion's first token
+        real = attention_mask[b, :p0].bool() if attention_mask is not None else torch.ones(p0, dtype=torch.bool)
+        prompt = tuple(input_ids[b, :p0][real.to(input_ids.device)].tolist())
+        completion = tuple(labels[b, cols].tolist())
+        rec = store.find(prompt, completion)
+        if rec is None:
+            raise ValueError(f"kept: no kept-set record for row {b} (prompt of {len(prompt)} tokens, completion of "
+                             f"{len(completion)}); processed log-probs score only completions of the attached generation")
+        kept.threshold[b, cols] = rec.threshold.to(kept.threshold.device)
+        kept.boundary[b, cols] = rec.boundary.to(kept.boundary.device, torch.int32)
+    return kept
 
 
 @dataclass
@@ -93,6 +170,11 @@ class Attachment:
     install: HFInstall
     previous_forward: Any
     active: bool = True
+    #: what the fused LM head scores: ``"processed"`` (with the records) or ``"full"``
+    logprobs: str = "processed"
+    #: the kept-set records of the last generation (``generate`` or the colocated vLLM)
+    kept: KeptSetStore | None = None
+    previous_generate: Any = None
 
     def detach(self) -> None:
         if not self.active:
@@ -101,26 +183,108 @@ class Attachment:
             self.model.__dict__.pop("forward", None)
         else:
             self.model.forward = self.previous_forward
+        if self.kept is not None:
+            if self.previous_generate is None:
+                self.model.__dict__.pop("generate", None)
+            else:
+                self.model.generate = self.previous_generate
         self.model.__dict__.pop("_rlk_temperature", None)
+        self.model.__dict__.pop(KEPT_ATTR, None)
+        self.model.__dict__.pop(MODE_ATTR, None)
         self.install.unapply()
         self.active = False
 
 
-def attach(trainer) -> Attachment:
+#: Generation options that change the distribution in ways the kept-set records do not describe.
+_UNREPLAYED = (("repetition_penalty", (1.0, None)), ("min_p", (0.0, None)))
+
+
+def _filters_on(trainer) -> bool:
+    """Whether the trainer samples with top-k or top-p (else every kept set is the vocabulary)."""
+    return getattr(trainer, "top_k", None) not in (0, -1, None) or getattr(trainer, "top_p", None) not in (1.0, None)
+
+
+def _check_replayable(trainer) -> None:
+    for name, neutral in _UNREPLAYED:
+        value = getattr(trainer, name, None)
+        if value not in neutral:
+            raise ValueError(f"args.{name}: {value!r} changes the sampling distribution in a way the kept-set records do "
+                             f"not replay (only temperature, top_k and top_p are); use {name}={neutral[0]!r}")
+
+
+def _recording_generate(model, store: KeptSetStore):
+    """``model.generate`` with rl_engine's canonical top-k / top-p filter in place of HF's warpers
+    (:class:`~rl_engine.integrations.hf.rollout.KeptSetRecorder`); each call clears ``store`` and
+    fills it with every row's records (``store.last``: ``[B, N]``)."""
+    import copy
+
+    from rl_engine.integrations.hf.rollout import KeptSetRecorder
+
+    gen = model.generate
+
+    def generate(model_self, *args, **kwargs):
+        cfg = copy.deepcopy(kwargs.get("generation_config") or model_self.generation_config)
+        store.clear()
+        if not cfg.do_sample:
+            return gen(*args, **kwargs)
+        recorder = KeptSetRecorder(float(cfg.temperature or 1.0), int(cfg.top_k or 0), float(cfg.top_p or 1.0))
+        cfg.temperature, cfg.top_k, cfg.top_p = 1.0, 0, 1.0
+        kwargs["generation_config"] = cfg
+        kwargs["logits_processor"] = [*(kwargs.get("logits_processor") or []), recorder]
+        out = gen(*args, **kwargs)
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        mask = torch.ones_like(ids) if mask is None else mask
+        seqs = out.sequences if hasattr(out, "sequences") else out
+        new = seqs[:, ids.shape[1]:]
+        kept = recorder.kept(new.shape[0], "cpu")
+        store.last = kept
+        for b in range(new.shape[0]):
+            store.add(tuple(ids[b][mask[b].bool()].tolist()), tuple(new[b].tolist()), kept[b])
+        return out
+
+    return generate
+
+
+def attach(trainer, *, logprobs: str = "processed") -> Attachment:
     """Install rl_engine into ``trainer.model`` and serve TRL's fused LM head with our ops.
+
+    ``model.generate`` samples with rl_engine's canonical top-k / top-p filter
+    (:class:`~rl_engine.integrations.hf.rollout.KeptSetRecorder` in place of HF's warpers: the
+    same distribution as HF's temperature warper when no filter is on) and records every
+    generated token's kept set in the attachment's :class:`KeptSetStore`.
+
+    Args:
+        logprobs: what the fused LM head scores. ``"processed"`` (default): each completion
+            token renormalised over its recorded kept set — the distribution it was drawn from,
+            what a rollout engine reports; ``"full"``: the whole vocabulary (the bias of a trainer
+            that ignores the filter). Without top-k / top-p the two are the same bits.
 
     Raises:
         TypeError: ``trainer`` has no ``model`` / ``temperature`` (not a TRL GRPO-style trainer).
+        ValueError: ``logprobs`` is not ``processed`` or ``full``; with ``processed``, a
+            ``repetition_penalty`` or ``min_p`` is set (not replayed by the records).
         InstallConflict: see :func:`~rl_engine.integrations.hf.install.install`.
     """
     model = getattr(trainer, "model", None)
     if model is None or not hasattr(trainer, "temperature"):
         raise TypeError(f"trainer: expected a TRL GRPOTrainer-like object, got {type(trainer).__name__}")
+    if logprobs not in ("processed", "full"):
+        raise ValueError(f"logprobs: expected 'processed' or 'full', got {logprobs!r}")
+    if logprobs == "processed":
+        _check_replayable(trainer)
     inst = install(model)
     previous = model.__dict__.get("forward")
     model.__dict__["_rlk_temperature"] = float(trainer.temperature)
     model.forward = types.MethodType(rlk_fused_forward, model)
-    return Attachment(model, inst, previous)
+    att = Attachment(model, inst, previous, logprobs=logprobs, kept=KeptSetStore(),
+                     previous_generate=model.__dict__.get("generate"))
+    model.__dict__[KEPT_ATTR] = att.kept
+    # without a filter every record keeps the whole vocabulary: the full scores are those bits, and
+    # rows that no attached generation produced (e.g. a hand-made batch) need no record
+    model.__dict__[MODE_ATTR] = logprobs if _filters_on(trainer) else "full"
+    model.generate = types.MethodType(_recording_generate(model, att.kept), model)
+    return att
 
 
 #: TRL's per-step metric: ``max |logp_train - logp_vllm|`` over the completion tokens.
@@ -152,9 +316,10 @@ class VLLMColocate:
     uninstalls the plugin (if this object installed it).
     """
 
-    #: Sampling options whose non-default value makes vLLM's processed log-prob differ *by
-    #: definition* from the trainer's ``log softmax(z / T)`` (a filtered / penalised distribution).
-    _FILTERS = (("top_k", (0, -1, None)), ("top_p", (1.0, None)), ("min_p", (0.0, None)), ("repetition_penalty", (1.0, None)))
+    #: Sampling options whose non-default value makes vLLM's processed log-prob that of a
+    #: distribution the trainer cannot replay (``top_k`` / ``top_p`` are: rl_engine's filter in
+    #: vLLM's sampler, its kept-set records in the trainer's head).
+    _FILTERS = (("min_p", (0.0, None)), ("repetition_penalty", (1.0, None)))
 
     def __init__(self, strict: bool = True, llm_kwargs: dict[str, Any] | None = None) -> None:
         import trl.generation.vllm_generation as trl_vllm
@@ -190,15 +355,23 @@ class VLLMColocate:
         self.attachment: Attachment | None = None
         self.active = True
 
-    def attach(self, trainer) -> Attachment:
+    def attach(self, trainer, *, logprobs: str = "processed") -> Attachment:
         """Install rl_engine into ``trainer.model`` (:func:`attach`) after checking that the
         trainer samples with a colocated vLLM built under the plugin.
 
+        Top-k / top-p run as rl_engine's canonical filter in the plugin's sampler; the trainer's
+        ``LLM.generate`` is wrapped to fetch each completion's kept-set records
+        (:func:`rl_engine.integrations.vllm.kept_sets`) into the attachment's
+        :class:`KeptSetStore`. With ``logprobs="processed"`` (default) the trainer scores each
+        completion token renormalised over its kept set — vLLM's processed log-prob, bit for
+        bit; with ``"full"`` over the whole vocabulary (TRL's metric then shows the filter's
+        bias: the negative control).
+
         Raises:
             ValueError: ``args.use_vllm`` is off, ``args.vllm_mode`` is not ``"colocate"``, or a
-                sampling filter (``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``) is on —
-                vLLM's processed log-prob is then that of another distribution than the
-                trainer's ``log softmax(z / T)``.
+                sampling option the records do not describe is on (``min_p``,
+                ``repetition_penalty``) — vLLM's processed log-prob is then that of another
+                distribution than the trainer's.
             RuntimeError: the trainer's ``LLM`` does not run the plugin (built before it was
                 installed, or in another process).
         """
@@ -210,8 +383,9 @@ class VLLMColocate:
         for name, neutral in self._FILTERS:
             value = getattr(trainer, name, None)
             if value not in neutral:
-                raise ValueError(f"args.{name}: {value!r} filters or penalises the sampling distribution, so vLLM's "
-                                 f"log-prob is not the trainer's log softmax(z / T); use {name}={neutral[0]!r}")
+                raise ValueError(f"args.{name}: {value!r} filters or penalises the sampling distribution in a way the "
+                                 f"trainer does not replay, so vLLM's log-prob is not the trainer's; use "
+                                 f"{name}={neutral[0]!r}")
         llm = self.llm_of(trainer)
         try:
             prov = self._vllm.vllm_provenance(llm)
@@ -221,9 +395,30 @@ class VLLMColocate:
             raise RuntimeError("trainer: its vLLM engine does not run the rl_engine plugin (build the GRPOTrainer "
                                "inside vllm_colocate(), after the plugin is installed)")
         self.trainer = trainer
-        self.attachment = attach(trainer)
+        self.attachment = attach(trainer, logprobs=logprobs)
+        self._record_kept_sets(llm, self.attachment)
         self._vllm.reset_provenance(llm)
         return self.attachment
+
+    def _record_kept_sets(self, llm, att: Attachment) -> None:
+        """Wrap ``llm.generate`` (on the instance) so every call refills ``att``'s store with the
+        kept-set records of its completions; the trainer's fused LM head reads them
+        (``logprobs="processed"``)."""
+        store = KeptSetStore()
+        original = llm.generate
+        vllm = self._vllm
+
+        def generate(*args, **kwargs):
+            store.clear()
+            outs = original(*args, **kwargs)
+            for o, kept in zip(outs, vllm.kept_sets(llm, outs, require=False)):
+                store.add(tuple(o.prompt_token_ids), tuple(o.outputs[0].token_ids), kept)
+            return outs
+
+        llm.generate = generate
+        att.model.__dict__[KEPT_ATTR] = store
+        att.kept = store
+        self._llm_generate = (llm, original)
 
     @staticmethod
     def llm_of(trainer):
@@ -260,6 +455,9 @@ class VLLMColocate:
             return
         if self.attachment is not None:
             self.attachment.detach()
+        wrapped = getattr(self, "_llm_generate", None)
+        if wrapped is not None:
+            wrapped[0].__dict__.pop("generate", None)
         self._trl_vllm.LLM = self._trl_llm
         if self._installed_here:
             self._vllm.uninstall()
@@ -332,6 +530,9 @@ class _Rollout:
 class LogprobParityMonitor:
     """Raw-bit comparison of rollout log-probs (``generate``) and the trainer's recomputed ones.
 
+    The rollout log-prob of each token is the processed one when :func:`attach` records kept
+    sets (``logprobs="processed"``): renormalised over the kept set it was drawn from.
+
     Use ``monitor = LogprobParityMonitor(trainer)`` before ``trainer.train()`` (it wraps
     ``model.generate`` and the trainer's per-token log-prob method on the instances and adds
     itself as a callback), then read ``monitor.history``: per step ``{"step", "compared",
@@ -370,7 +571,9 @@ class LogprobParityMonitor:
             cfg = kwargs.get("generation_config") or model_self.generation_config
             T = float(cfg.temperature) if cfg.do_sample else 1.0
             new = out.sequences[:, ids.shape[1]:].contiguous()
-            lp = token_logprobs(torch.stack(out.logits, 1).float().contiguous(), new, temperature=T)
+            store = model_self.__dict__.get(KEPT_ATTR)  # attach(logprobs="processed"): the step's kept sets
+            kept = store.last.to(new.device) if store is not None and store.last is not None else None
+            lp = token_logprobs(torch.stack(out.logits, 1).float().contiguous(), new, temperature=T, kept=kept)
             monitor._rollout = {}
             for b in range(ids.shape[0]):
                 monitor._rollout.setdefault(_key(ids[b], mask[b], new[b], new.shape[1]), lp[b].detach().cpu())

@@ -8,6 +8,11 @@ Enable it either way (vLLM itself needs no edit):
 * Python: :func:`install` (``strict=True`` for strict mode) before building ``vllm.LLM``; it
   also exports ``RLK_VLLM`` so that workers spawned later install it too.
 
+With ``logprobs_mode="processed_logprobs"`` the plugin's sampler runs rl_engine's canonical
+top-k / top-p filter and returns processed log-probs (renormalised over each token's kept set);
+:func:`kept_sets` fetches the kept-set records of the generated tokens, which the trainer
+passes to ``rl_engine.ops.logprob`` (``kept=``) to replay the same values.
+
 Then read what ran with :func:`vllm_provenance` (one entry per TP rank: rl_engine operators
 with implementation ids, versions, source fingerprints and call counts, the replaced modules'
 forwards, and native forwards — zero in a clean run) and check it with
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rl_engine.integrations.vllm.kept import kept_sets
 from rl_engine.integrations.vllm.plugin import (
     ENV_VAR,
     NATIVE_WATCH,
@@ -45,6 +51,9 @@ __all__ = [
     "vllm_provenance",
     "reset_provenance",
     "assert_no_fallbacks",
+    "QWEN3_KINDS",
+    "QWEN3_MOE_KINDS",
+    "kept_sets",
 ]
 
 
@@ -94,6 +103,9 @@ def _rpc(llm, method: str):
 QWEN3_KINDS = ("RMSNorm", "SiluAndMul", "RotaryEmbedding", "QKVParallelLinear", "MergedColumnParallelLinear",
                "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "Attention",
                "Sampler.compute_logprobs")
+#: The same for a Qwen3-MoE generate (every layer sparse: no dense MLP).
+QWEN3_MOE_KINDS = ("RMSNorm", "RotaryEmbedding", "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+                   "ParallelLMHead", "Attention", "GateLinear", "FusedMoE", "Sampler.compute_logprobs")
 
 
 def assert_no_fallbacks(provenance: list[dict[str, Any]], *, require: tuple[str, ...] = QWEN3_KINDS) -> None:

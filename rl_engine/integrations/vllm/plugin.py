@@ -22,15 +22,19 @@ everything it did. What an install changes, each change logged on one line of th
 3. ``Sampler.compute_logprobs`` (a staticmethod) → ``rl_engine.ops.logprob.log_softmax``
    (class attribute, restored on uninstall): the log-probs vLLM returns
    (``logprobs_mode="raw_logprobs"``, vLLM's default); and ``TopKTopPSampler.forward_cpu`` /
-   ``forward_native`` so that ``logprobs_mode="processed_logprobs"`` (``log softmax(z / T)``,
-   what TRL requests) is ``rl_engine.ops.logprob.log_softmax`` too, counted as
-   ``Sampler.processed_logprobs`` (with top-k/top-p/min-p filters on, the native value is
-   kept and counted as a native fallback);
+   ``forward_native`` so that with ``logprobs_mode="processed_logprobs"`` (what TRL requests)
+   the top-k / top-p filter is rl_engine's canonical one (``ops.logprob.canonical_prefix`` on
+   the temperature-scaled logits), vLLM samples natively from the filtered logits, and the
+   returned log-probs are ``rl_engine.ops.logprob.log_softmax(z, kept=records)`` — renormalised
+   over each row's kept set (the processed log-probs) — counted as
+   ``Sampler.processed_logprobs``; ``GPUModelRunner._sample`` publishes each row's request and
+   position so the records are stored per token and the client can fetch them
+   (:func:`~.kept.kept_sets`, the ``rlk_take_kept_sets`` RPC);
 4. counting wrappers around the native forwards of every replaced kind (:data:`NATIVE_WATCH`,
    class attributes, restored on uninstall), so that zero native fallbacks is measured;
-5. two methods on vLLM's ``WorkerWrapperBase``, ``rlk_provenance`` and
-   ``rlk_reset_provenance``, which ``llm.collective_rpc("rlk_provenance")`` calls on every
-   rank (a method name needs no pickled callable, which multiprocess vLLM refuses by default).
+5. three methods on vLLM's ``WorkerWrapperBase``, ``rlk_provenance``, ``rlk_reset_provenance``
+   and ``rlk_take_kept_sets``, which ``llm.collective_rpc(...)`` calls on every rank (a method
+   name needs no pickled callable, which multiprocess vLLM refuses by default).
 
 Modules built *before* the install stay native (the wrappers count them). Build the ``LLM``
 after installing.
@@ -43,6 +47,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl_engine.integrations.vllm import kept as kept_store
 from rl_engine.integrations.vllm import stats
 
 __all__ = ["ENV_VAR", "NATIVE_WATCH", "register", "install", "uninstall", "is_installed", "installed_mode"]
@@ -66,6 +71,8 @@ NATIVE_WATCH: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.layers.linear", "RowParallelLinear", ("forward",)),
     ("vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod", ("apply", "embedding")),
     ("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding", ("forward",)),
+    ("vllm.model_executor.layers.fused_moe.router.gate_linear", "GateLinear", ("forward",)),
+    ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner", ("_forward_impl",)),
     ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", ("forward",)),
     ("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl", ("forward",)),
     ("vllm.v1.attention.backends.triton_attn", "TritonAttentionImpl", ("forward",)),
@@ -136,32 +143,62 @@ def _log_probs(logits):
 
 def _processed_logprobs_wrapper(native_forward):
     """A ``TopKTopPSampler.forward_cpu`` / ``forward_native`` whose ``processed_logprobs`` are
-    ``rl_engine.ops.logprob.log_softmax`` of the logits it samples from.
+    rl_engine's processed log-probs.
 
-    vLLM's sampler calls it with fp32 logits already divided by the temperature (``div_``);
-    without top-k / top-p those logits are what vLLM's native ``log_softmax`` would see, so
-    ours is computed first (sampling may reuse the buffer) and vLLM's is skipped. With a
-    filter on, the native value stands and is counted as a native forward (raises in strict
-    mode): rl_engine does not implement vLLM's filters.
+    vLLM's sampler calls it with fp32 logits already divided by the temperature (``div_``:
+    ``z = fl32(logits) / fl32(T)``, an IEEE division as rl_engine's). With
+    ``logprobs_mode="processed_logprobs"``: rl_engine's canonical filter (top-k ``k``, top-p
+    ``p`` per row; vLLM's ``k = V`` and ``p = 1`` mean off) gives each row's kept-set record,
+    the log-probs are ``rl_engine.ops.logprob.log_softmax(z, kept=records)`` (computed first:
+    sampling may reuse the buffer), vLLM samples natively from ``z`` with the dropped entries at
+    ``-inf`` (its own filters off), and the records are stored per (request, position) for the
+    client (:mod:`.kept`). Other modes run the native forward unchanged.
     """
     def forward(self, logits, generators, k, p):
         if self.logprobs_mode != "processed_logprobs":
             return native_forward(self, logits, generators, k, p)
-        if k is not None or p is not None:
-            stats.native("Sampler.processed_logprobs")
-            return native_forward(self, logits, generators, k, p)
-        from rl_engine.ops.logprob import log_softmax
+        from rl_engine.ops.logprob import KeptSet, canonical_prefix, log_softmax
 
-        ours = stats.run("Sampler.processed_logprobs", log_softmax, logits.float().contiguous())
+        z = logits.float().contiguous()
+        if k is None and p is None:
+            kept = KeptSet.everything((z.shape[0],), device=z.device)
+        else:
+            kept = canonical_prefix(z, 0 if k is None else k, 1.0 if p is None else p).kept.to(z.device)
+        ours = stats.run("Sampler.processed_logprobs", log_softmax, z, kept=kept)
+        kept_store.record(kept, z.shape[0])
+        filtered = z.masked_fill(~kept.mask(z), float("-inf"))
         self.logprobs_mode = "raw_logprobs"  # the native path then returns no log-probs of its own
         try:
-            sampled, _ = native_forward(self, logits, generators, k, p)
+            sampled, _ = native_forward(self, filtered, generators, None, None)
         finally:
             self.logprobs_mode = "processed_logprobs"
         return sampled, ours
 
     forward.__qualname__ = f"rlk_processed_logprobs[{getattr(native_forward, '__name__', 'forward')}]"
     return forward
+
+
+def _sample_wrapper(native_sample):
+    """``GPUModelRunner._sample`` that publishes, while it runs, the request of each logits row,
+    the sequence position its sampled token takes (the step's token count) and whether vLLM
+    discards that sample (:func:`.kept.sampling_rows`)."""
+    def _sample(self, logits, spec_decode_metadata):
+        try:
+            n = self.input_batch.num_reqs
+            rows = (list(self.input_batch.req_ids[:n]), self.optimistic_seq_lens_cpu[:n].tolist(),
+                    [bool(x) for x in self.discard_request_mask.np[:n]])
+        except AttributeError:  # a runner without these fields: no records are stored
+            return native_sample(self, logits, spec_decode_metadata)
+        with kept_store.sampling_rows(*rows):
+            return native_sample(self, logits, spec_decode_metadata)
+
+    _sample.__qualname__ = "rlk_sample_rows[GPUModelRunner._sample]"
+    return _sample
+
+
+def _rpc_take_kept_sets(self) -> dict[str, dict[int, tuple[float, int]]]:
+    """``WorkerWrapperBase.rlk_take_kept_sets``: this rank's kept-set records (removed)."""
+    return kept_store.take()
 
 
 def _rpc_provenance(self) -> dict[str, Any]:
@@ -233,11 +270,13 @@ def install(*, strict: bool = False) -> str:
             inst.backends.append(t)
             log.info("rl_engine: vLLM attention backend %s -> RlkAttentionBackend (register_backend)", t.name)
         _selector._cached_get_attn_backend.cache_clear()
-        for attr, fn in (("rlk_provenance", _rpc_provenance), ("rlk_reset_provenance", _rpc_reset)):
+        for attr, fn in (("rlk_provenance", _rpc_provenance), ("rlk_reset_provenance", _rpc_reset),
+                         ("rlk_take_kept_sets", _rpc_take_kept_sets)):
             if attr in WorkerWrapperBase.__dict__:
                 raise RuntimeError(f"WorkerWrapperBase: already has an attribute {attr!r}")
             _patch(inst, WorkerWrapperBase, attr, fn)
-        log.info("rl_engine: vLLM WorkerWrapperBase.rlk_provenance / rlk_reset_provenance (collective_rpc)")
+        log.info("rl_engine: vLLM WorkerWrapperBase.rlk_provenance / rlk_reset_provenance / rlk_take_kept_sets "
+                 "(collective_rpc)")
         _patch(inst, Sampler, "compute_logprobs", staticmethod(_log_probs))
         log.info("rl_engine: vLLM Sampler.compute_logprobs -> rl_engine.ops.logprob.log_softmax")
         # logprobs_mode="processed_logprobs" (what TRL asks for): computed in the top-k/top-p
@@ -247,7 +286,12 @@ def install(*, strict: bool = False) -> str:
 
         for name in ("forward_cpu", "forward_native"):
             _patch(inst, TopKTopPSampler, name, _processed_logprobs_wrapper(TopKTopPSampler.__dict__[name]))
-            log.info("rl_engine: vLLM TopKTopPSampler.%s processed_logprobs -> rl_engine.ops.logprob.log_softmax", name)
+            log.info("rl_engine: vLLM TopKTopPSampler.%s processed_logprobs -> rl_engine's canonical top-k/top-p "
+                     "filter + ops.logprob.log_softmax(kept=...)", name)
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        _patch(inst, GPUModelRunner, "_sample", _sample_wrapper(GPUModelRunner.__dict__["_sample"]))
+        log.info("rl_engine: vLLM GPUModelRunner._sample publishes each row's request and position (kept-set records)")
         for module, cls_name, methods in NATIVE_WATCH:
             try:
                 cls = getattr(importlib.import_module(module), cls_name)

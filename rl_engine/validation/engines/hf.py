@@ -3,12 +3,15 @@
 Instead of the reference executors, HF is both engines:
 
 1. **rollout** — ``model.generate`` (KV cache, left-padded batches of ``max_seqs`` prompts of
-   the built-in prompt set, HF's own sampler with ``temperature``/``top_k``/``top_p``); each
-   sampled token's log-prob is ``log softmax(z / T)[token]`` of the raw logits
-   (``output_logits``), computed with ``ops.logprob.token_logprobs`` (T = 1 when greedy);
+   the built-in prompt set; HF samples, ``top_k`` / ``top_p`` run as rl_engine's canonical
+   filter, :class:`~rl_engine.integrations.hf.rollout.KeptSetRecorder`, which records each
+   step's kept sets); each sampled token's processed log-prob is ``log softmax(z / T)[token]``
+   of the raw logits (``output_logits``) renormalised over its kept set, computed with
+   ``ops.logprob.token_logprobs(..., kept=)`` (T = 1 when greedy);
 2. **train** — one teacher-forced ``model(...)`` forward per layout of :data:`HF_LAYOUTS`
    (left padding, right padding, a permuted batch, micro-batches of 2, each sequence alone),
-   the same op on the fp32 logits;
+   the same op on the fp32 logits, with the records (``logprobs="processed"``) or over the
+   whole vocabulary (``"full"``);
 3. align by ``(sample_id, position)`` and compare raw bits (``validation.alignment``).
 
 Plan ``R/R`` installs rl_engine into the model (:func:`~.hf_install.install`); ``P/P`` runs
@@ -87,8 +90,9 @@ def _pad(rows: list[list[int]], side: str, pad: int, device) -> tuple[torch.Tens
 
 
 def _rollout(model, reqs, sampling, max_seqs: int, device) -> tuple[dict, list[int]]:
-    from rl_engine.ops.logprob import token_logprobs
+    from rl_engine.ops.logprob import KeptSet, token_logprobs
     from rl_engine.engine.executor import RolloutSample
+    from rl_engine.integrations.hf.rollout import KeptSetRecorder
 
     pad = int(model.generation_config.pad_token_id)
     out: dict[int, RolloutSample] = {}
@@ -99,17 +103,22 @@ def _rollout(model, reqs, sampling, max_seqs: int, device) -> tuple[dict, list[i
         ids, mask = _pad([list(r.prompt) for r in group], "left", pad, device)
         n = max(r.max_new_tokens for r in group)
         kw: dict[str, Any] = {"do_sample": not sampling.greedy}
+        recorder = None
         if not sampling.greedy:
-            kw.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+            recorder = KeptSetRecorder(sampling.temperature, sampling.top_k, sampling.top_p)
+            kw.update(temperature=1.0, top_k=0, top_p=1.0, logits_processor=[recorder])
         torch.manual_seed(sampling.seed * 1_000_003 + start)
         g = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, output_logits=True,
                            return_dict_in_generate=True, eos_token_id=None, **kw)
         new = g.sequences[:, ids.shape[1]:].contiguous()
-        lp = token_logprobs(torch.stack(g.logits, 1).float().contiguous(), new, temperature=T).cpu()
+        kept = recorder.kept(new.shape[0], new.device) if recorder is not None else KeptSet.everything(new.shape, new.device)
+        lp = token_logprobs(torch.stack(g.logits, 1).float().contiguous(), new, temperature=T, kept=kept).cpu()
+        kept = kept.to("cpu")
         steps.append(new.shape[1])
         for i, r in enumerate(group):
             k = r.max_new_tokens  # tokens past a row's budget are discarded (they never affect earlier ones)
-            out[r.sample_id] = RolloutSample(r.sample_id, tuple(r.prompt), new[i, :k].tolist(), list(lp[i, :k].unbind()))
+            out[r.sample_id] = RolloutSample(r.sample_id, tuple(r.prompt), new[i, :k].tolist(), list(lp[i, :k].unbind()),
+                                             [kept[i, j] for j in range(k)])
     return out, steps
 
 
@@ -134,8 +143,9 @@ def score_hf_layout(model, seqs, layout: str, temperature: float, device) -> dic
             off = L - n if side == "left" else 0
             z = logits[b, off : off + n - 1].float().contiguous()
             tgt = ids[b, off + 1 : off + n].contiguous()
+            kept = s.kept[1:].contiguous().to(z.device) if s.kept is not None else None
             lp = torch.zeros(n, dtype=torch.float32)
-            lp[1:] = token_logprobs(z, tgt, temperature=temperature).cpu()
+            lp[1:] = token_logprobs(z, tgt, temperature=temperature, kept=kept).cpu()
             m = torch.tensor(s.loss_mask, dtype=torch.bool)
             m[0] = False
             scored[s.sample_id] = ScoredSequence(s.sample_id, lp, m)
@@ -160,7 +170,7 @@ def run_hf_parity(cfg, progress: Callable[[str, int, int], None] | None = None, 
     from rl_engine.runtime.plan import Plan
     from rl_engine.utils.checks import current_nan_policy, nan_policy
     from rl_engine.validation.alignment import align, compare
-    from rl_engine.validation.parity import SCHEMA_VERSION, builtin_prompts, check_context
+    from rl_engine.validation.parity import SCHEMA_VERSION, builtin_prompts, check_context, sampling_summary
 
     def tick(stage: str, done: int, total: int) -> None:
         if progress is not None:
@@ -191,8 +201,7 @@ def run_hf_parity(cfg, progress: Callable[[str, int, int], None] | None = None, 
             with nan_policy("propagate"):
                 rollout, steps = _rollout(model, reqs, sampling, cfg.max_seqs, cfg.device)
             rollout_s = time.perf_counter() - t_r
-            seqs = [TrainSequence(s.sample_id, s.tokens, (0,) * len(s.prompt) + (1,) * len(s.response))
-                    for s in rollout.values()]
+            seqs = [TrainSequence.of(s, cfg.logprobs) for s in rollout.values()]
             layouts = []
             for k, name in enumerate(HF_LAYOUTS):
                 tick(f"train layout {name}", 2 + k, total)
@@ -216,8 +225,9 @@ def run_hf_parity(cfg, progress: Callable[[str, int, int], None] | None = None, 
         "device": cfg.device,
         "plan": plan.label,
         "plan_detail": plan.as_dict(),
-        "sampling": {**sampling.model_dump(), "logprob_distribution":
-                     "log_softmax(logits / T) of generate's raw logits (output_logits), before top-k/top-p (T = 1 when greedy)"},
+        "sampling": sampling_summary(sampling, cfg.logprobs, rollout.values(),
+                                     "rl_engine's canonical top-k / top-p filter as generate's logits processor "
+                                     "(KeptSetRecorder), on generate's raw logits"),
         "num_prompts": cfg.num_prompts,
         "max_new_tokens": cfg.max_new_tokens,
         "extra_prompt_tokens": cfg.extra_prompt_tokens,

@@ -3,17 +3,21 @@
 1. **rollout** — one ``vllm.LLM.generate`` call over the built-in prompt set
    (:func:`~rl_engine.validation.parity.builtin_prompts`: varied lengths, per-prompt token
    budgets; vLLM's scheduler batches them continuously, at most ``max_seqs`` at a time) with
-   ``SamplingParams(logprobs=0, ignore_eos=True)`` and a per-request seed. vLLM returns, for
-   every sampled token, its **raw** log-prob (vLLM's default ``logprobs_mode="raw_logprobs"``):
-   ``log softmax(z)[token]`` of the model's logits at temperature 1, before temperature,
-   top-k and top-p — whatever the sampling temperature. The rollout side of the plan decides
-   whether vLLM runs rl_engine operators (``R``: the vLLM plugin,
-   :mod:`rl_engine.integrations.vllm`, strict mode) or its own (``P``).
-2. **train** — the finished sequences are teacher-forced on the same checkpoint, at
-   temperature 1, in every layout of :data:`VLLM_LAYOUTS`: ``packed`` is rl_engine's Qwen3
-   (:mod:`rl_engine.models.qwen3`) over one varlen batch with the train side of the plan
-   (``R`` rl_engine ops, ``P`` native torch); the others are the transformers layouts of
-   :mod:`~rl_engine.validation.engines.hf` (left/right padding, permuted,
+   ``SamplingParams(logprobs=0, ignore_eos=True)``, a per-request seed and
+   ``logprobs_mode="processed_logprobs"``: vLLM returns, for every sampled token, the
+   log-prob of the distribution it was drawn from — ``log softmax(z / T)`` renormalised over
+   the top-k / top-p kept set (the full distribution at T = 1 when greedy). The rollout side of
+   the plan decides whether vLLM runs rl_engine operators (``R``: the vLLM plugin,
+   :mod:`rl_engine.integrations.vllm`, strict mode — its sampler runs rl_engine's canonical
+   filter and keeps each token's kept-set record, fetched with
+   :func:`~rl_engine.integrations.vllm.kept_sets`) or its own (``P``: vLLM's filter, whose kept
+   sets are not exposed; the train side then scores the full vocabulary).
+2. **train** — the finished sequences are teacher-forced on the same checkpoint, at the
+   sampling temperature (1 when greedy), in every layout of :data:`VLLM_LAYOUTS`, with the
+   records (``logprobs="processed"``) or over the whole vocabulary (``"full"``): ``packed``
+   is rl_engine's Qwen3 (:mod:`rl_engine.models.qwen3`) over one varlen batch with the train
+   side of the plan (``R`` rl_engine ops, ``P`` native torch); the others are the transformers
+   layouts of :mod:`~rl_engine.validation.engines.hf` (left/right padding, permuted,
    micro-batched, single) with rl_engine installed (``R``) or unpatched (``P``).
 3. align by ``(sample_id, position)`` and compare raw bits (``validation.alignment``).
 
@@ -67,11 +71,12 @@ def require_vllm() -> None:
                               f"{exc}); {VLLM_ENV_HINT}") from exc
 
 
-def _rollout(llm, reqs, sampling, seed: int) -> tuple[dict, int]:
+def _rollout(llm, reqs, sampling, seed: int, with_records: bool) -> tuple[dict, int]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from rl_engine.engine.executor import RolloutSample
+    from rl_engine.integrations.vllm import kept_sets
 
     params = []
     for r in reqs:
@@ -83,20 +88,23 @@ def _rollout(llm, reqs, sampling, seed: int) -> tuple[dict, int]:
                       seed=seed * 1_000_003 + r.sample_id)
         params.append(SamplingParams(**kw))
     outs = llm.generate([TokensPrompt(prompt_token_ids=list(r.prompt)) for r in reqs], params, use_tqdm=False)
+    records = kept_sets(llm, outs, require=not sampling.greedy) if with_records else [None] * len(outs)
     rollout = {}
-    for r, o in zip(reqs, outs):
+    for r, o, kept in zip(reqs, outs, records):
         c = o.outputs[0]
         ids = list(c.token_ids)
         if c.logprobs is None or len(c.logprobs) != len(ids):
             raise ValueError(f"logprobs: vLLM returned no log-prob for some tokens of sample {r.sample_id}")
         # Logprob.logprob is the fp32 value widened to a Python float: narrowing back is exact.
         lps = [torch.tensor(c.logprobs[t][tok].logprob, dtype=torch.float64).float() for t, tok in enumerate(ids)]
-        rollout[r.sample_id] = RolloutSample(r.sample_id, tuple(r.prompt), ids, lps)
+        rollout[r.sample_id] = RolloutSample(r.sample_id, tuple(r.prompt), ids, lps,
+                                             [kept[j] for j in range(len(ids))] if kept is not None else [])
     return rollout, sum(len(s.response) for s in rollout.values())
 
 
-def _score_packed(model, seqs, ops) -> dict:
-    """rl_engine Qwen3, one packed varlen forward; ``lp[t] = log softmax(z_{t-1})[tok_t]``."""
+def _score_packed(model, seqs, ops, temperature: float) -> dict:
+    """rl_engine Qwen3, one packed varlen forward; ``lp[t] = log softmax(z_{t-1} / T)[tok_t]``,
+    renormalised over token ``t``'s kept set for sequences with records."""
     from rl_engine.engine.executor import ScoredSequence
 
     lens = [len(s.tokens) for s in seqs]
@@ -108,8 +116,9 @@ def _score_packed(model, seqs, ops) -> dict:
     scored = {}
     for s, st, n in zip(seqs, cu[:-1].tolist(), lens):
         z = model.logits(h[st : st + n - 1].contiguous(), ops).float().contiguous()
+        kept = s.kept[1:].contiguous().to(z.device) if s.kept is not None else None
         lp = torch.zeros(n, dtype=torch.float32)
-        lp[1:] = ops.token_logprobs(z, ids[st + 1 : st + n].contiguous(), 1.0).cpu()
+        lp[1:] = ops.token_logprobs(z, ids[st + 1 : st + n].contiguous(), temperature, kept=kept).cpu()
         m = torch.tensor(s.loss_mask, dtype=torch.bool)
         m[0] = False
         scored[s.sample_id] = ScoredSequence(s.sample_id, lp, m)
@@ -120,7 +129,7 @@ def _build_llm(model_dir: str, cfg, max_len: int):
     from vllm import LLM
 
     return LLM(model=model_dir, dtype=cfg.dtype, enforce_eager=True, seed=cfg.seed, max_model_len=max_len,
-               max_num_seqs=cfg.max_seqs, tensor_parallel_size=1)
+               max_num_seqs=cfg.max_seqs, tensor_parallel_size=1, logprobs_mode="processed_logprobs")
 
 
 def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
@@ -147,7 +156,7 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
     from rl_engine.runtime.plan import Plan
     from rl_engine.utils.checks import nan_policy
     from rl_engine.validation.alignment import align, compare
-    from rl_engine.validation.parity import SCHEMA_VERSION, builtin_prompts, check_context
+    from rl_engine.validation.parity import SCHEMA_VERSION, builtin_prompts, check_context, sampling_summary
 
     def tick(stage: str, done: int, total: int) -> None:
         if progress is not None:
@@ -208,13 +217,16 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
             rlk_vllm.reset_provenance(llm)
         tick("rollout (vLLM generate)", 2, total)
         t_r = time.perf_counter()
-        rollout, active = _rollout(llm, reqs, sampling, cfg.seed)
+        rollout, active = _rollout(llm, reqs, sampling, cfg.seed, with_records=rollout_letter == "R")
         rollout_s = time.perf_counter() - t_r
         vllm_prov = rlk_vllm.vllm_provenance(llm) if rlk_vllm.is_installed() else []
         if rollout_letter == "R":
-            rlk_vllm.assert_no_fallbacks(vllm_prov)
-        seqs = [TrainSequence(s.sample_id, s.tokens, (0,) * len(s.prompt) + (1,) * len(s.response))
-                for s in rollout.values()]
+            # the returned log-probs: compute_logprobs serves all-greedy steps, the sampler's
+            # processed path every sampled one
+            logprob_kind = "Sampler.compute_logprobs" if sampling.greedy else "Sampler.processed_logprobs"
+            rlk_vllm.assert_no_fallbacks(vllm_prov, require=tuple(k for k in rlk_vllm.QWEN3_KINDS
+                                                                  if k != "Sampler.compute_logprobs") + (logprob_kind,))
+        seqs = [TrainSequence.of(s, cfg.logprobs) for s in rollout.values()]
         ops = ops_for(plan, "train")
         inst = hf_install(hf) if train_letter == "R" else None
         layouts = []
@@ -222,7 +234,8 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
             for k, name in enumerate(VLLM_LAYOUTS):
                 tick(f"train layout {name}", 3 + k, total)
                 t_l = time.perf_counter()
-                scored = _score_packed(ours, seqs, ops) if name == "packed" else score_hf_layout(hf, seqs, name, 1.0, cfg.device)
+                T = sampling.logprob_temperature
+                scored = _score_packed(ours, seqs, ops, T) if name == "packed" else score_hf_layout(hf, seqs, name, T, cfg.device)
                 c = compare(align(rollout, scored))
                 layouts.append({"name": name, **c.as_dict(), "seconds": round(time.perf_counter() - t_l, 3)})
     finally:
@@ -251,9 +264,10 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
         "device": cfg.device,
         "plan": plan.label,
         "plan_detail": plan.as_dict(),
-        "sampling": {**sampling.model_dump(), "logprob_distribution":
-                     "vLLM raw_logprobs: log_softmax(z) of the raw logits at temperature 1, before temperature/top-k/"
-                     "top-p, whatever the sampling temperature; the train side scores at temperature 1"},
+        "sampling": sampling_summary(sampling, cfg.logprobs, rollout.values(),
+                                     "vLLM processed_logprobs under the rl_engine plugin: rl_engine's canonical top-k / "
+                                     "top-p filter in vLLM's sampler (rollout R); vLLM's own filter, records not "
+                                     "exposed (rollout P)"),
         "num_prompts": cfg.num_prompts,
         "max_new_tokens": cfg.max_new_tokens,
         "extra_prompt_tokens": cfg.extra_prompt_tokens,

@@ -119,3 +119,39 @@ def test_attach_detach_and_unsupported_options(example, tmp_path):
         rlk_trl.RLKGRPOTrainer(model=example.build_model(torch.float32), reward_funcs=example.reward_many_small_ids,
                                args=args, train_dataset=Dataset.from_dict({"prompt": ["w5"] * 4}),
                                processing_class=example.build_tokenizer())
+
+
+@pytest.mark.parametrize("top_k,top_p", [(20, 1.0), (0, 0.8), (50, 0.9)])
+def test_top_k_top_p_processed_logprobs_zero_mismatches(example, tmp_path, top_k, top_p):
+    """TRL samples with top-k / top-p (rl_engine's canonical filter in generate); the trainer's
+    fused LM head replays each token's kept set: the rollout's processed log-probs and the
+    trainer's are raw-bit equal at every step."""
+    res = example.run(steps=2, dtype="float32", output_dir=str(tmp_path), top_k=top_k, top_p=top_p)
+    for h in res["history"]:
+        assert h["compared"] > 0 and h["unmatched_rows"] == 0 and h["mismatched"] == 0, h
+
+
+def test_full_vocabulary_trainer_under_top_p_is_the_negative_control(example, tmp_path):
+    """The same sampling, the trainer scoring the whole vocabulary: the filtered tokens differ."""
+    res = example.run(steps=1, dtype="float32", output_dir=str(tmp_path), top_p=0.8, logprobs="full")
+    assert all(h["compared"] > 0 for h in res["history"])
+    assert sum(h["mismatched"] for h in res["history"]) > 0
+
+
+def test_attach_rejects_unreplayed_options_and_bad_mode(example, tmp_path):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=8, max_steps=1, report_to="none", save_strategy="no",
+                      repetition_penalty=1.2)
+    trainer = GRPOTrainer(model=example.build_model(torch.float32), reward_funcs=example.reward_many_small_ids, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["w5 w6"] * 4}), processing_class=example.build_tokenizer())
+    with pytest.raises(ValueError, match="^args.repetition_penalty: 1.2 changes the sampling distribution"):
+        rlk_trl.attach(trainer)
+    with pytest.raises(ValueError, match="^logprobs: expected 'processed' or 'full'"):
+        rlk_trl.attach(trainer, logprobs="raw")
+    att = rlk_trl.attach(trainer, logprobs="full")  # nothing replayed: allowed
+    assert is_installed(trainer.model)
+    att.detach()
+    assert "generate" not in trainer.model.__dict__ and not is_installed(trainer.model)

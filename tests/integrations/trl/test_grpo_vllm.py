@@ -57,6 +57,25 @@ def test_sampling_temperature_zero_difference_too():
 
 
 @needs_vllm
+def test_top_k_top_p_processed_logprobs_difference_is_zero():
+    """TRL samples with top-k and top-p: the plugin's sampler runs rl_engine's canonical filter,
+    the kept-set records reach the trainer, whose head replays them: still exactly 0."""
+    from rl_engine.integrations.trl import VLLMColocate
+    from rl_engine.integrations.vllm import assert_no_fallbacks
+
+    res = _example("--steps", "2", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9")
+    assert res["metric"] == [0.0, 0.0], res["metric"]
+    assert_no_fallbacks(res["provenance"], require=VLLMColocate.REQUIRED_KINDS)
+
+
+@needs_vllm
+def test_full_vocabulary_trainer_under_top_p_is_the_negative_control():
+    """Same sampling, the trainer scoring the whole vocabulary: TRL's metric shows the bias."""
+    res = _example("--steps", "1", "--top-p", "0.8", "--logprobs", "full")
+    assert len(res["metric"]) == 1 and res["metric"][0] > 0.0, res
+
+
+@needs_vllm
 def test_negative_control_plain_vllm_and_trl_differ():
     res = _example("--steps", "1", "--native")
     assert len(res["metric"]) == 1 and res["metric"][0] > 0.0, res
@@ -85,8 +104,10 @@ def test_vllm_colocate_checks_and_restores(monkeypatch):
         with pytest.raises(ValueError, match="use_vllm=True and args.vllm_mode='colocate'"):
             colocate.attach(types.SimpleNamespace(use_vllm=True, vllm_mode="server"))
         sampler = dict(use_vllm=True, vllm_mode="colocate", top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0)
-        with pytest.raises(ValueError, match="args.top_p"):
-            colocate.attach(types.SimpleNamespace(**{**sampler, "top_p": 0.9}))
+        with pytest.raises(ValueError, match="args.min_p: 0.1 filters or penalises"):
+            colocate.attach(types.SimpleNamespace(**{**sampler, "min_p": 0.1}))
+        with pytest.raises(ValueError, match="args.repetition_penalty"):
+            colocate.attach(types.SimpleNamespace(**{**sampler, "repetition_penalty": 1.1}), logprobs="full")
         with pytest.raises(ValueError, match="trainer.vllm_generation.llm"):
             colocate.attach(types.SimpleNamespace(**sampler))
         with pytest.raises(RuntimeError, match="call attach"):
