@@ -12,7 +12,8 @@ parameter                         operator on this rank
                                   q, k, v heads and gate, up rows; ``[gate_r; up_r]`` so that
                                   ``silu_and_mul`` splits the shard as it splits the full layer)
 ``o_proj``, ``down_proj``         :func:`~.tensor_parallel.row_parallel_linear` (scheme chosen
-                                  at sharding; ``full_k`` rows ``[H/p, K]``, else ``[H, K/p]``)
+                                  at sharding, per layer with ``"auto"``; ``full_k`` rows
+                                  ``[H/p, K]``, else ``[H, K/p]``)
 ``q_norm``, ``k_norm``            the side's ``rms_norm`` on all heads between
                                   :func:`~.tensor_parallel.gather_heads` and
                                   :func:`~.tensor_parallel.slice_heads` (replicated weight)
@@ -37,6 +38,7 @@ import torch
 from rl_engine.distributed.algorithms.vocab import VOCAB_BLOCK, vocab_partition
 from rl_engine.distributed.tensor_parallel import (
     ROW_SCHEMES,
+    choose_row_scheme,
     column_parallel_linear,
     gather_heads,
     row_parallel_linear,
@@ -58,9 +60,10 @@ class TPLayout:
 
     size: int
     rank: int
-    row_scheme: str
+    row_scheme: str  # as asked: a scheme of ROW_SCHEMES or "auto"
     vocab: tuple[tuple[int, int], ...]  # every rank's vocabulary shard [start, end)
     kinds: dict[str, str]
+    row_schemes: dict[str, str]  # row-parallel parameter (and bias) name -> the scheme it runs
 
 
 def _heads(t: torch.Tensor, heads: int, d: int, size: int, rank: int) -> torch.Tensor:
@@ -81,8 +84,8 @@ def shard_qwen3(model, size: int, rank: int, *, row_scheme: str = "full_k"):
     from rl_engine.models.qwen3 import Qwen3ForCausalLM
 
     s = model.spec
-    if row_scheme not in ROW_SCHEMES:
-        raise ValueError(f"row_scheme: expected one of {ROW_SCHEMES}, got {row_scheme!r}")
+    if row_scheme not in ROW_SCHEMES + ("auto",):
+        raise ValueError(f"row_scheme: expected one of {ROW_SCHEMES + ('auto',)}, got {row_scheme!r}")
     for name, v in (("num_attention_heads", s.num_attention_heads), ("num_key_value_heads", s.num_key_value_heads),
                     ("intermediate_size", s.intermediate_size), ("hidden_size", s.hidden_size)):
         if v % size:
@@ -99,8 +102,13 @@ def shard_qwen3(model, size: int, rank: int, *, row_scheme: str = "full_k"):
     P, D, I, H = model.params, s.head_dim, s.intermediate_size, s.hidden_size
     out: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
-    full_k = row_scheme == "full_k"
+    schemes: dict[str, str] = {}
     for k, v in P.items():
+        if k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            sch = row_scheme if row_scheme != "auto" else choose_row_scheme(v.shape[1], v.shape[0], v.dtype, v.device.type)
+            schemes[k] = schemes[k.replace(".weight", ".bias")] = sch
+    for k, v in P.items():
+        full_k = schemes.get(k) == "full_k"
         v = v.detach()
         if k == "model.embed_tokens.weight":
             lo, hi = vocab[rank]
@@ -125,7 +133,7 @@ def shard_qwen3(model, size: int, rank: int, *, row_scheme: str = "full_k"):
             t, kind = v, "replicated"
         out[k] = t.contiguous().clone()
         kinds[k] = kind
-    return Qwen3ForCausalLM(local_spec, out), TPLayout(size, rank, row_scheme, vocab, kinds)
+    return Qwen3ForCausalLM(local_spec, out), TPLayout(size, rank, row_scheme, vocab, kinds, schemes)
 
 
 class TensorParallelOps:
@@ -143,6 +151,7 @@ class TensorParallelOps:
             raise ValueError(f"group: rank {group.rank} of {group.size}, but the layout is rank {layout.rank} of {layout.size}")
         self.base, self.layout, self.group = base, layout, group
         self._kind = {id(t): layout.kinds[k] for k, t in model.params.items()}
+        self._scheme = {id(t): layout.row_schemes[k] for k, t in model.params.items() if k in layout.row_schemes}
         self._vocab_size = sum(hi - lo for lo, hi in layout.vocab)
         self._blocks = [-(-(hi - lo) // VOCAB_BLOCK) for lo, hi in layout.vocab]
 
@@ -163,7 +172,7 @@ class TensorParallelOps:
             n_total = weight.shape[0] * self.group.size
             return column_parallel_linear(x, weight, bias, self.group, n_total=n_total)
         if kind == "row":
-            return row_parallel_linear(x, weight, bias, self.group, scheme=self.layout.row_scheme)
+            return row_parallel_linear(x, weight, bias, self.group, scheme=self._scheme[id(weight)])
         return self.base.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -199,12 +208,12 @@ def unshard_qwen3(local: dict[str, torch.Tensor], model_spec, layout: TPLayout, 
     s = model_spec
     p = group.size
     I = s.intermediate_size
-    full_k = layout.row_scheme == "full_k"
     vocab_sizes = [hi - lo for lo, hi in layout.vocab]
     out: dict[str, torch.Tensor] = {}
     for k in sorted(local):
         t = local[k]
         kind = layout.kinds[k]
+        full_k = layout.row_schemes.get(k) == "full_k"
         if kind in ("replicated", "head_norm") or (kind == "row_bias" and not full_k):
             out[k] = t
             continue

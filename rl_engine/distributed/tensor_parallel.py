@@ -51,6 +51,7 @@ from rl_engine.utils.reductions import fixed_order_sum
 
 __all__ = [
     "ROW_SCHEMES",
+    "choose_row_scheme",
     "shard_sizes",
     "column_parallel_linear",
     "row_parallel_linear",
@@ -62,6 +63,19 @@ __all__ = [
 
 #: Row-parallel schemes: TP-invariant (``full_k``, ``exact_k``, ``k_tree``) and the control.
 ROW_SCHEMES = ("full_k", "exact_k", "k_tree", "native")
+def choose_row_scheme(K: int, N: int, dtype: torch.dtype, device_type: str) -> str:
+    """The cheaper of the two row-parallel schemes with ``gemm.linear``'s bits, for a ``[M, K] → [M, N]`` layer.
+
+    On CUDA/ROCm ``full_k`` (``exact_k``'s float64 GEMMs run at ~1/12 of the bf16 tensor-core
+    rate on an H200; docs/distributed.md). On the CPU, where both give the unsharded bits:
+    ``exact_k`` when ``K > 2N`` (the all-gather of ``x`` outweighs the float64 all-reduce) or
+    for float32, else ``full_k`` — the choice measured by ``benchmarks/distributed/bench_tp_schemes.py``.
+    """
+    if device_type != "cpu":
+        return "full_k"
+    return "exact_k" if (K > 2 * N or dtype == torch.float32) else "full_k"
+
+
 #: Fixed number of K blocks of the ``k_tree`` scheme (independent of the TP size; TP ≤ 8).
 K_TREE_BLOCKS = 8
 _TOKEN_BUDGET_BYTES = 256 << 20

@@ -8,7 +8,8 @@ per-token loss, over ``G`` micro-batches (one sequence each) reduced by
 * the **reference**: one process, no ``torch.distributed``, the train side's operators;
 * every layout ``(tp, dp)`` of ``--tp`` × ``--dp``: the model sharded by
   :func:`~rl_engine.distributed.qwen3.shard_qwen3` (row-parallel scheme ``full_k``; the largest
-  TP also with ``exact_k``), DP rank ``d`` running its block of micro-batches.
+  TP also with ``auto``, the cheaper scheme per layer: ``exact_k`` on the CPU for float32 and
+  ``K > 2N``), DP rank ``d`` running its block of micro-batches.
 
 Per layout: every active token's log-prob (against the reference and against the rollout's
 reported value), every stage of every layer of the forward (``embedding`` … ``final_norm``,
@@ -56,10 +57,10 @@ def parse_sizes(text: str, name: str) -> tuple[int, ...]:
 
 
 def layouts_for(tps: Sequence[int], dps: Sequence[int]) -> list[dict[str, Any]]:
-    """Every ``(tp, dp)`` layout, plus ``exact_k`` at the largest TP > 1 (and DP 1)."""
+    """Every ``(tp, dp)`` layout, plus the per-layer choice ``auto`` at the largest TP > 1 (and DP 1)."""
     out = [{"tp": t, "dp": d, "row_scheme": "full_k"} for t in tps for d in dps]
     if max(tps) > 1:
-        out.append({"tp": max(tps), "dp": 1, "row_scheme": "exact_k"})
+        out.append({"tp": max(tps), "dp": 1, "row_scheme": "auto"})
     return out
 
 

@@ -42,7 +42,7 @@ def ws2(tmp_path_factory):
 def test_every_layout_is_bitwise_equal_to_one_process(ws2):
     r = ws2["result"]
     assert ws2["suite"] == "ws2" and ws2["passed"] and r["world"] == 4
-    assert [x["layout"] for x in r["layouts"]] == ["tp1-dp1", "tp1-dp2", "tp2-dp1", "tp2-dp2", "tp2-dp1 (exact_k)"]
+    assert [x["layout"] for x in r["layouts"]] == ["tp1-dp1", "tp1-dp2", "tp2-dp1", "tp2-dp2", "tp2-dp1 (auto)"]
     assert r["reference_vs_rollout"]["compared"] > 0 and r["reference_vs_rollout"]["mismatched"] == 0
     for x in r["layouts"]:
         assert x["passed"] and x["first_divergence"] is None, x["layout"]
@@ -68,13 +68,24 @@ def test_run_directory_is_sealed(ws2):
     assert "tp2-dp2" in summary and "native row-parallel" in summary
 
 
+def test_auto_row_scheme_per_shape():
+    import torch
+
+    from rl_engine.distributed.tensor_parallel import choose_row_scheme
+
+    assert choose_row_scheme(3072, 1024, torch.bfloat16, "cpu") == "exact_k"
+    assert choose_row_scheme(2048, 1024, torch.bfloat16, "cpu") == "full_k"
+    assert choose_row_scheme(2048, 1024, torch.float32, "cpu") == "exact_k"
+    assert choose_row_scheme(12288, 4096, torch.bfloat16, "cuda") == "full_k"
+
+
 def test_sizes_and_layouts():
     assert parse_sizes("4,1,2,2", "--tp") == (1, 2, 4)
     for bad in ("3", "0", "16", "a"):
         with pytest.raises(ValueError, match="--tp"):
             parse_sizes(bad, "--tp")
     assert [(x["tp"], x["dp"], x["row_scheme"]) for x in layouts_for((1, 4), (1,))] == [
-        (1, 1, "full_k"), (4, 1, "full_k"), (4, 1, "exact_k")]
+        (1, 1, "full_k"), (4, 1, "full_k"), (4, 1, "auto")]
 
 
 @pytest.mark.parametrize("args, hint", [

@@ -342,7 +342,17 @@ def nccl_checks(group: Group) -> dict:
         lp, ent = tp.vocab_parallel_logprobs(hl, wl, ids.to(dev), group, start=0, vocab_size=V,
                                              blocks=[-(-V // 1024)], temperature=TEMPERATURE, return_entropy=True)
         torch.autograd.backward([lp, ent], [g_lp.to(dev), g_ent.to(dev)])
-        out[("logprobs", dtype)] = (lp.detach().cpu(), ent.detach().cpu(), hl.grad.cpu(), linear(h.to(dev), wv.to(dev)).cpu())
+        logits = linear(h.to(dev), wv.to(dev))
+        from rl_engine.backends.cpu.logprob.lse import LseAccumulator, scale_logits
+        from rl_engine.ops.logprob import token_logprobs
+
+        z = scale_logits(logits, TEMPERATURE)
+        acc = LseAccumulator(z.shape[0], entropy=False, vocab_size=V)
+        acc.m, acc.s = acc.m.to(dev), acc.s.to(dev)
+        acc.update(z, 0)  # the canonical log-sum-exp in one piece, on the GPU
+        one_piece = (z.gather(1, ids.to(dev)[:, None])[:, 0] - acc.finish().lse).cpu()
+        out[("logprobs", dtype)] = (lp.detach().cpu(), ent.detach().cpu(), hl.grad.cpu(), logits.cpu(), one_piece,
+                                    token_logprobs(logits, ids.to(dev), TEMPERATURE).cpu())
         e = tp.vocab_parallel_embedding(ids.to(dev), wv.to(dev), 0, group)
         out[("embedding", dtype)] = e.cpu()
     t = torch.randn(7, 5, generator=gen(9)).to(dev)
