@@ -1,0 +1,279 @@
+"""Triton ``moe.route`` / ``moe.expert_gate_up`` / ``moe.expert_down_combine`` (impl
+``triton.grouped``): the one test module of this operator target.
+
+CPU tests: registration (CUDA, untested ROCm), CPU tensors route to the CPU backend, pure
+eligibility checks. Triton-interpreter tests (``-k interpreter``, ``TRITON_INTERPRET=1`` in
+.venv-vllm; fp32 and tiny shapes — the interpreter's bf16 ``tl.dot`` is not usable): accuracy of
+every output and gradient against the CPU implementation, the tie rule, a token's bits
+independent of its experts' loads and of the tile shape ``BLOCK_M`` (negative control: a
+``BLOCK_K`` that follows the load changes them), tensor-parallel shards, run-to-run determinism.
+GPU tests (``@pytest.mark.gpu``, zero skips on the device): accuracy against float64 in fp32 and
+bf16, row invariance (Hypothesis) and expert-load independence on raw bits, shards, run to run
+including weight gradients, dispatch, profiler names, a CUDA-graph capture (no host
+synchronisation), ``opcheck``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rl_engine import contracts
+from rl_engine.ops import moe
+from rl_engine.reference.moe import expert_down_combine_f64, expert_gate_up_f64, route_f64
+from rl_engine.runtime import provenance
+from rl_engine.utils.bits import same_bits
+from rl_engine.validation.common import check_row_invariance
+from tests.backends.triton._rowwise_common import (
+    accuracy,
+    check_cpu_routing,
+    check_profiler_names,
+    check_registration,
+    check_static_and_fake_gpu,
+    interp,
+)
+from tests.helpers.strategies import row_trials
+
+OPS = ("moe.route", "moe.expert_gate_up", "moe.expert_down_combine")
+IMPL = "triton.grouped"
+MODULE = "rl_engine.backends.triton.moe"
+DTYPES = ("float32", "bfloat16")
+gpu = pytest.mark.gpu
+
+
+def _block(T, H, E, I, K, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    wgu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
+    wd = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    return [t.to(device) for t in (x, wgu, wd, ids, w)]
+
+
+def _kernels():
+    from rl_engine.backends.triton.moe import kernels
+
+    return kernels
+
+
+# --------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_registration_declares_cuda_and_untested_rocm(op):
+    check_registration(op, IMPL, MODULE, "moe")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_cpu_tensors_route_to_cpu_and_checks_are_pure(op):
+    check_cpu_routing(op, IMPL, torch.randn(2, 8))
+    check_static_and_fake_gpu(op, IMPL)
+
+
+# --------------------------------------------------------------------------- Triton interpreter
+
+
+def _cfg(bm=16, bn=16, bk=16):
+    return _kernels().GemmConfig(bm, bn, bk, 1)
+
+
+@interp
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_interpreter_route_matches_cpu_and_the_tie_rule(renormalize):
+    from rl_engine.backends.cpu import moe as cpu
+
+    kern = _kernels()
+    z = torch.randn(9, 12, generator=torch.Generator().manual_seed(1))
+    z[3] = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0, 0, 0, 0, 0, 0, 0, 0])  # ties go to the lower id
+    w, ids = kern.route_forward(z, 3, renormalize)
+    w2, ids2 = cpu.moe_route_cpu(z, 3, renormalize)
+    assert torch.equal(ids, ids2) and ids[3].tolist() == [1, 2, 4]
+    tol = contracts.tolerance("moe.route", torch.float32, "forward")
+    assert tol.check(w, w2.double())
+    g = torch.randn(9, 3, generator=torch.Generator().manual_seed(2))
+    dz, dz2 = kern.route_backward(g, z, ids, renormalize), cpu.moe_route_cpu_backward(g, z, ids, renormalize)
+    assert contracts.tolerance("moe.route", torch.float32, "backward").check(dz, dz2.double())
+
+
+@interp
+def test_interpreter_experts_match_cpu_forward_and_backward():
+    from rl_engine.backends.cpu import moe as cpu
+
+    kern = _kernels()
+    x, wgu, wd, ids, w = _block(7, 24, 5, 12, 2, seed=3)
+    act, act_c = kern.gate_up_forward(x, wgu, ids, _cfg()), cpu.moe_expert_gate_up_cpu(x, wgu, ids)
+    out, out_c = kern.down_combine_forward(act_c, wd, w, ids, _cfg()), cpu.moe_expert_down_combine_cpu(act_c, wd, w, ids)
+    fwd = contracts.tolerance("moe.expert_gate_up", torch.float32, "forward")
+    assert fwd.check(act, act_c.double()) and fwd.check(out, out_c.double())
+    g = torch.Generator().manual_seed(4)
+    ga, go = torch.randn(act.shape, generator=g), torch.randn(out.shape, generator=g)
+    bwd = contracts.tolerance("moe.expert_gate_up", torch.float32, "backward")
+    for got, want in zip(kern.gate_up_backward(ga, x, wgu, ids, _cfg()), cpu.moe_expert_gate_up_cpu_backward(ga, x, wgu, ids)):
+        assert bwd.check(got, want.double())
+    for got, want in zip(kern.down_combine_backward(go, act_c, wd, w, ids, _cfg()),
+                         cpu.moe_expert_down_combine_cpu_backward(go, act_c, wd, w, ids)):
+        assert bwd.check(got, want.double())
+
+
+def _alone_vs_loaded(cfg_alone, cfg_batch):
+    """Token 0's gate/up and down+combine bits alone vs inside a batch whose other tokens load its
+    experts with 1 .. 40 slots, each call with its own config."""
+    kern = _kernels()
+    x, wgu, wd, ids, w = _block(41, 40, 6, 24, 2, seed=5)
+    ids[:, 0] = ids[0, 0]  # every token also uses token 0's first expert
+    act1 = kern.gate_up_forward(x[:1], wgu, ids[:1], cfg_alone)
+    out1 = kern.down_combine_forward(act1, wd, w[:1], ids[:1], cfg_alone)
+    act = kern.gate_up_forward(x, wgu, ids, cfg_batch)
+    out = kern.down_combine_forward(act, wd, w, ids, cfg_batch)
+    return same_bits(act1, act[:1]), same_bits(out1, out[:1])
+
+
+@interp
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_interpreter_token_bits_do_not_depend_on_expert_load_or_block_m(block_m):
+    a, o = _alone_vs_loaded(_cfg(bm=16), _cfg(bm=block_m))
+    assert a and o, (a, o)
+
+
+@interp
+def test_interpreter_load_dependent_block_k_negative_control():
+    """A kernel that picks its K step from the expert's load (here: 8 alone, 16 in the batch)
+    changes the summation order, and the same comparison catches it."""
+    a, o = _alone_vs_loaded(_cfg(bk=8), _cfg(bk=16))
+    assert not (a and o)
+
+
+@interp
+def test_interpreter_tensor_parallel_shards_and_run_to_run():
+    kern = _kernels()
+    x, wgu, wd, ids, w = _block(9, 32, 4, 16, 2, seed=6)
+    act = kern.gate_up_forward(x, wgu, ids, _cfg())
+    out = kern.down_combine_forward(act, wd, w, ids, _cfg())
+    assert same_bits(kern.gate_up_forward(x, wgu, ids, _cfg()), act)
+    shard = torch.cat([wgu[:, :8], wgu[:, 16:24]], 1).contiguous()
+    assert same_bits(kern.gate_up_forward(x, shard, ids, _cfg()), act[..., :8])
+    assert same_bits(kern.down_combine_forward(act, wd[:, 16:].contiguous(), w, ids, _cfg()), out[:, 16:])
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    first = kern.down_combine_backward(g, act, wd, w, ids, _cfg())
+    again = kern.down_combine_backward(g, act, wd, w, ids, _cfg())
+    assert all(same_bits(a, b) for a, b in zip(first, again))
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64, 8, 32, 2), (37, 256, 16, 128, 4), (300, 2048, 128, 768, 8)])
+def test_accuracy_forward_and_every_grad(dtype, shape):
+    T, H, E, I, K = shape
+    dt = getattr(torch, dtype)
+    x, wgu, wd, ids, _ = _block(T, H, E, I, K, dt, seed=8, device="cuda")
+    wr = (torch.randn(E, H, generator=torch.Generator().manual_seed(9)) / H**0.5).to(dt).cuda()
+    z = (x.float() @ wr.float().T).to(dt)
+    leaves = [t.clone().requires_grad_() for t in (x, wgu, wd, z)]
+    with provenance.record() as recs:
+        w, ids = moe.route(leaves[3], K, True)
+        out = moe.experts(leaves[0], leaves[1], leaves[2], w, ids)
+    assert {r.impl_id for r in recs} == {IMPL}
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(10)).to(dt).cuda()
+    out.backward(up)
+    refs = [t.detach().cpu().double().requires_grad_() for t in (x, wgu, wd, z)]
+    w64, ids64 = route_f64(refs[3], K, True)
+    assert torch.equal(ids.cpu(), ids64) or dt == torch.bfloat16
+    w64 = route_f64(refs[3], K, True)[0] if torch.equal(ids.cpu(), ids64) else refs[3].softmax(-1).gather(-1, ids.cpu())
+    out64 = expert_down_combine_f64(expert_gate_up_f64(refs[0], refs[1], ids.cpu()), refs[2], w64, ids.cpu())
+    out64.backward(up.cpu().double())
+    accuracy("moe.expert_down_combine", dt, "forward", out, out64)
+    for name, got, want in zip(("x", "w_gate_up", "w_down", "logits"), leaves, refs):
+        scale = float(want.grad.abs().max())
+        accuracy("moe.expert_down_combine", dt, "backward", got.grad.double() / scale, want.grad / scale, name)
+
+
+def _on_gpu_experts(x, ids, w, wgu, wd):
+    return moe.experts(x.cuda(), wgu.cuda(), wd.cuda(), w.cuda(), ids.cuda()).cpu()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=60)
+@given(data=st.data(), T=st.integers(1, 64), K=st.sampled_from([1, 2, 8]))
+def test_row_invariance_forward_and_grads_hypothesis(dtype, data, T, K):
+    x, wgu, wd, ids, w = _block(T, 256, 16, 96, K, getattr(torch, dtype), seed=T * 5 + K)
+    rep = check_row_invariance(_on_gpu_experts, [x, ids, w], data.draw(row_trials(T)), (wgu, wd), grads=True)
+    assert rep.ok, str(rep)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_token_bits_do_not_depend_on_expert_load(dtype):
+    dt = getattr(torch, dtype)
+    x, wgu, wd, ids, w = _block(4097, 2048, 128, 768, 8, dt, seed=11, device="cuda")
+    ids[:, 0] = ids[0, 0]
+    alone = moe.experts(x[:1], wgu, wd, w[:1], ids[:1])
+    for n in (2, 17, 300, 4097):
+        assert same_bits(moe.experts(x[:n], wgu, wd, w[:n], ids[:n])[:1], alone), n
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tensor_parallel_shards_and_run_to_run_with_weight_grads(dtype):
+    dt = getattr(torch, dtype)
+    x, wgu, wd, ids, w = _block(513, 1024, 32, 512, 4, dt, seed=12, device="cuda")
+    act = moe.expert_gate_up(x, wgu, ids)
+    out = moe.expert_down_combine(act, wd, w, ids)
+    shard = torch.cat([wgu[:, 128:256], wgu[:, 512 + 128:512 + 256]], 1).contiguous()
+    assert same_bits(moe.expert_gate_up(x, shard, ids), act[..., 128:256])
+    assert same_bits(moe.expert_down_combine(act, wd[:, 256:512].contiguous(), w, ids), out[:, 256:512])
+    grads = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (x, wgu, wd, w)]
+        moe.experts(leaves[0], leaves[1], leaves[2], leaves[3], ids).sum().backward()
+        grads.append([t.grad for t in leaves])
+    assert all(same_bits(a, b) for a, b in zip(*grads))
+
+
+@gpu
+def test_profiler_names_and_graph_capture():
+    x, wgu, wd, ids, w = _block(64, 512, 16, 256, 4, torch.bfloat16, seed=13, device="cuda")
+    z = torch.randn(64, 16, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    xx = x.clone().requires_grad_()
+
+    def call():
+        ww, ii = moe.route(z, 4, True)
+        moe.experts(xx, wgu, wd, ww, ii).sum().backward()
+
+    check_profiler_names(f"{MODULE}.kernels", call, {"rlk_moe_route_fwd", "rlk_moe_route_bwd", "rlk_moe_grouped_gemm",
+                                                      "rlk_moe_wgrad", "rlk_moe_combine", "rlk_moe_slot_dot"}, "moe")
+    # a decode step in a CUDA graph: no host synchronisation anywhere in the forward
+    from rl_engine.utils.checks import nan_policy
+
+    xs, zs = x[:8].clone(), z.detach()[:8].clone()
+    with torch.no_grad(), nan_policy("propagate"):
+        ref = moe.experts(xs, wgu, wd, *moe.route(zs, 4, True))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = moe.experts(xs, wgu, wd, *moe.route(zs, 4, True))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(y, ref)
+
+
+@gpu
+def test_custom_ops_pass_opcheck():
+    x, wgu, wd, ids, w = _block(5, 64, 4, 32, 2, torch.bfloat16, seed=14, device="cuda")
+    z = torch.randn(5, 4, device="cuda")
+    act = moe.expert_gate_up(x, wgu, ids).detach()
+    torch.library.opcheck(torch.ops.rlk.moe_route_triton.default, (z.requires_grad_(), 2, True))
+    torch.library.opcheck(torch.ops.rlk.moe_expert_gate_up_triton.default, (x.requires_grad_(), wgu.requires_grad_(), ids))
+    torch.library.opcheck(torch.ops.rlk.moe_expert_down_combine_triton.default,
+                          (act.requires_grad_(), wd.requires_grad_(), w.requires_grad_(), ids))
+
+
+def test_kernels_module_is_not_imported_by_registration():
+    assert importlib.util.find_spec(MODULE) is not None
