@@ -53,6 +53,8 @@ __all__ = [
     "assert_no_fallbacks",
     "QWEN3_KINDS",
     "QWEN3_MOE_KINDS",
+    "QWEN3_KINDS",
+    "QWEN3_MOE_KINDS",
     "kept_sets",
 ]
 
@@ -103,6 +105,9 @@ def _rpc(llm, method: str):
 QWEN3_KINDS = ("RMSNorm", "SiluAndMul", "RotaryEmbedding", "QKVParallelLinear", "MergedColumnParallelLinear",
                "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "Attention",
                "Sampler.compute_logprobs")
+#: The same for a Qwen3-MoE generate (every layer sparse: no dense MLP).
+QWEN3_MOE_KINDS = ("RMSNorm", "RotaryEmbedding", "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+                   "ParallelLMHead", "Attention", "GateLinear", "FusedMoE", "Sampler.compute_logprobs")
 #: The same for a Qwen3-MoE generate (every layer sparse: no dense MLP).
 QWEN3_MOE_KINDS = ("RMSNorm", "RotaryEmbedding", "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
                    "ParallelLMHead", "Attention", "GateLinear", "FusedMoE", "Sampler.compute_logprobs")

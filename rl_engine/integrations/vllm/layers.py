@@ -23,6 +23,9 @@ VocabParallelEmbedding      ``embedding.embedding`` (TP>1: masked shard lookup +
                             one value and zeros, which is exact)
 ParallelLMHead              ``gemm.linear`` for the logits (vocab shards are column slices;
                             the logits all-gather is a concatenation)
+GateLinear, RoutedExperts,  the MoE layer: ``gemm.linear`` router, ``moe.route``,
+MoERunner                   ``moe.expert_gate_up`` / ``moe.expert_down_combine`` (TP>1 without
+                            partial-sum all-reduce; :mod:`.moe`)
 =========================== ===================================================================
 
 Linear layers keep plain weights: the swapped quant method's ``process_weights_after_loading``
@@ -317,3 +320,8 @@ OOT_CLASSES: dict[type, type] = {
     VocabParallelEmbedding: RlkVocabParallelEmbedding,
     ParallelLMHead: RlkParallelLMHead,
 }
+
+# the mixture-of-experts layers (GateLinear, RoutedExperts, MoERunner): rl_engine.integrations.vllm.moe
+from rl_engine.integrations.vllm.moe import MOE_OOT_CLASSES  # noqa: E402  (moe.py uses the helpers above)
+
+OOT_CLASSES.update(MOE_OOT_CLASSES)

@@ -71,15 +71,16 @@ def write_tiny_checkpoint(path: str | Path, *, preset: str = "tiny", seed: int =
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from rl_engine.models.qwen3 import PRESETS, Qwen3ForCausalLM
+    from rl_engine.models.registry import preset as preset_spec
+    from rl_engine.models.registry import random_model
 
-    spec = PRESETS[preset]
+    spec = preset_spec(preset)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     cfg = spec.to_hf_config()
     cfg.update({"torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
     (out / "config.json").write_text(json.dumps(cfg, indent=1), encoding="utf-8")
-    sd = Qwen3ForCausalLM.random(spec, seed=seed).to_hf_state_dict()
+    sd = random_model(spec, seed=seed).to_hf_state_dict()  # Qwen3-MoE: per-expert checkpoint names
     if spec.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -147,12 +148,12 @@ def train_logprobs(model_dir: str | Path, dtype: torch.dtype, seqs: list[Rollout
 
     Returns one float32 tensor per sequence, aligned with ``seq.completion``.
     """
-    from rl_engine.models.qwen3 import Qwen3ForCausalLM
+    from rl_engine.models.registry import from_pretrained
     from rl_engine.ops.gemm import linear
     from rl_engine.ops.logprob import token_logprobs
     from rl_engine.runtime.plan import Plan
 
-    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = from_pretrained(model_dir, dtype=dtype)
     ops = ops_for(Plan.parse("R/R"), "train")
     full = [list(s.prompt) + list(s.completion) for s in seqs]
     lens = [len(f) for f in full]
