@@ -1,7 +1,7 @@
 """GRPO with TRL on CPU: a tiny Qwen3, HF ``generate`` as the rollout, rl_engine installed.
 
 Run:  python examples/post_training/grpo_trl_cpu.py [--steps 3] [--dtype float32|bfloat16] [--native] [--trl-loss]
-          [--top-k K] [--top-p P] [--logprobs processed|full]
+          [--top-k K] [--top-p P] [--logprobs processed|full] [--moe]
 
 Prints, for every step, how many rollout log-probs (from ``generate``'s raw logits, renormalised
 over each token's top-k / top-p kept set: the distribution it was drawn from) were compared with
@@ -9,6 +9,7 @@ the trainer's recomputed log-probs and how many differ in any bit. With rl_engin
 answer is 0; with ``--native`` (plain TRL + transformers) it is not; with ``--logprobs full`` and
 a filter on (the trainer scores the whole vocabulary) every filtered token differs.
 By default the loss is rl_engine's (``RLKGRPOTrainer``); ``--trl-loss`` uses TRL's own.
+``--moe`` trains a tiny Qwen3-MoE (8 experts, 2 per token) instead of the dense Qwen3.
 Everything is built locally (random weights, a word-level tokenizer): no hub access.
 """
 
@@ -41,15 +42,25 @@ def build_tokenizer():
     return fast
 
 
-def build_model(dtype: torch.dtype, seed: int = 0):
-    """Tiny random Qwen3 (weights ~N(0, 0.2) so the logits are a few units, not ~0)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+#: The Qwen3-MoE variant (``--moe``): the same attention, every layer a sparse MoE block.
+MOE_CONFIG = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
 
+
+def build_model(dtype: torch.dtype, seed: int = 0, moe: bool = False):
+    """Tiny random Qwen3 or Qwen3-MoE (matrices ~N(0, 0.2) so the logits are a few units, not ~0)."""
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**CONFIG, pad_token_id=0, eos_token_id=1, bos_token_id=1))
+    if moe:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG, **MOE_CONFIG, pad_token_id=0, eos_token_id=1,
+                                                   bos_token_id=1))
+    else:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(**CONFIG, pad_token_id=0, eos_token_id=1, bos_token_id=1))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() == 2 or (moe and p.dim() == 3):  # Qwen3-MoE keeps its experts as [E, out, in]
                 p.normal_(0.0, 0.2)
     return model.to(dtype)
 
@@ -64,7 +75,8 @@ def reward_many_small_ids(completions, **kwargs):
 
 
 def run(steps: int = 3, dtype: str = "float32", native: bool = False, trl_loss: bool = False, seed: int = 0,
-        output_dir: str | None = None, top_k: int = 0, top_p: float = 1.0, logprobs: str = "processed") -> dict:
+        output_dir: str | None = None, top_k: int = 0, top_p: float = 1.0, logprobs: str = "processed",
+        moe: bool = False) -> dict:
     """Train ``steps`` GRPO steps; returns ``{"history": [...per-step parity...], "log": trainer logs}``.
 
     ``top_k`` / ``top_p``: TRL's sampling filters (rl_engine's canonical filter under
@@ -76,7 +88,7 @@ def run(steps: int = 3, dtype: str = "float32", native: bool = False, trl_loss: 
 
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     tok = build_tokenizer()
-    model = build_model(dt, seed)
+    model = build_model(dt, seed, moe)
     g = torch.Generator().manual_seed(seed)
     prompts = [" ".join(f"w{int(i)}" for i in torch.randint(2, VOCAB, (int(n),), generator=g))
                for n in torch.randint(2, 9, (8,), generator=g)]
@@ -108,8 +120,9 @@ def main() -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="top-p sampling filter (1 = off)")
     p.add_argument("--logprobs", choices=["processed", "full"], default="processed",
                    help="what the trainer scores: renormalised over each token's kept set, or the whole vocabulary")
+    p.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE instead of the dense Qwen3")
     a = p.parse_args()
-    res = run(a.steps, a.dtype, a.native, a.trl_loss, top_k=a.top_k, top_p=a.top_p, logprobs=a.logprobs)
+    res = run(a.steps, a.dtype, a.native, a.trl_loss, top_k=a.top_k, top_p=a.top_p, logprobs=a.logprobs, moe=a.moe)
     for row in res["history"]:
         print(f"step {row['step']}: {row['compared']} tokens compared, {row['mismatched']} mismatched "
               f"(max |Δ| {row['max_abs_diff']:.3e})")
