@@ -129,15 +129,21 @@ def cached_attention(q, k_new, v_new, cache: NativeKVCache, seq_ids, cu_seqlens_
     return torch.cat(outs) if outs else q.new_empty(q.shape)
 
 
-def _scaled(logits: torch.Tensor, temperature: float, kept) -> torch.Tensor:
+def _scaled(logits: torch.Tensor, temperature: float, kept, targets: torch.Tensor | None = None) -> torch.Tensor:
     """``logits / T`` in fp32, ``-inf`` outside each row's kept set (``kept``: a
-    ``rl_engine.ops.logprob.KeptSet`` of shape ``logits.shape[:-1]``, or ``None``)."""
+    ``rl_engine.ops.logprob.KeptSet`` of shape ``logits.shape[:-1]``, or ``None``; ``targets``
+    count as kept)."""
     z = logits.float() / temperature
-    return z if kept is None else z.masked_fill(~kept.mask(z), float("-inf"))
+    if kept is None:
+        return z
+    keep = kept.mask(z)
+    if targets is not None:
+        keep = keep.scatter(-1, targets.long().unsqueeze(-1), True)
+    return z.masked_fill(~keep, float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, kept=None) -> torch.Tensor:
-    lp = torch.log_softmax(_scaled(logits, temperature, kept), dim=-1)
+    lp = torch.log_softmax(_scaled(logits, temperature, kept, targets), dim=-1)
     return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 

@@ -6,7 +6,8 @@ operators' signatures and return fp32, like the operators.
 Kept-set records (``kept_threshold`` / ``kept_boundary``, :mod:`rl_engine.utils.kept`): the kept
 entries are decided on the fp32 scaled logits ``fl32(logits) / fl32(τ)`` — the values the
 record was taken from — and the dropped ones are set to ``-inf`` in the float64 logits, so the
-result is the float64 log-prob of the distribution renormalised over the kept set.
+result is the float64 log-prob of the distribution renormalised over the kept set (the target of
+a token log-prob counts as kept, as in the operators).
 """
 
 from __future__ import annotations
@@ -18,31 +19,32 @@ from rl_engine.utils.kept import keep_mask
 
 
 def _masked64(logits: torch.Tensor, temperature: float, kept_threshold: torch.Tensor | None,
-              kept_boundary: torch.Tensor | None) -> torch.Tensor:
+              kept_boundary: torch.Tensor | None, targets: torch.Tensor | None = None) -> torch.Tensor:
     z = logits.double() / float(temperature)
     if kept_threshold is None:
         return z
     V = logits.shape[-1]
     z32 = logits.detach().float()
     z32 = z32 / float(temperature) if float(temperature) != 1.0 else z32
-    keep = keep_mask(z32.reshape(-1, V), 0, kept_threshold.reshape(-1), kept_boundary.reshape(-1)).reshape(logits.shape)
+    tgt = targets.reshape(-1) if targets is not None else None
+    keep = keep_mask(z32.reshape(-1, V), 0, kept_threshold.reshape(-1), kept_boundary.reshape(-1), tgt).reshape(logits.shape)
     return z.masked_fill(~keep, float("-inf"))
 
 
 def log_softmax_f64(logits: torch.Tensor, temperature: float = 1.0, kept_threshold: torch.Tensor | None = None,
-                    kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.log_softmax(_masked64(logits, temperature, kept_threshold, kept_boundary), dim=-1)
+                    kept_boundary: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.log_softmax(_masked64(logits, temperature, kept_threshold, kept_boundary, targets), dim=-1)
 
 
 def token_logprobs_f64(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                        kept_threshold: torch.Tensor | None = None, kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
-    logp = log_softmax_f64(logits, temperature, kept_threshold, kept_boundary)
+    logp = log_softmax_f64(logits, temperature, kept_threshold, kept_boundary, targets)
     return logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
 
 
 def entropy_f64(logits: torch.Tensor, temperature: float = 1.0, kept_threshold: torch.Tensor | None = None,
-                kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
-    logp = log_softmax_f64(logits, temperature, kept_threshold, kept_boundary)
+                kept_boundary: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+    logp = log_softmax_f64(logits, temperature, kept_threshold, kept_boundary, targets)
     p = logp.exp()
     return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
 
@@ -53,7 +55,8 @@ def linear_token_logprobs_f64(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     logits = hidden.double() @ weight.double().T
     lp = token_logprobs_f64(logits, targets, temperature, kept_threshold, kept_boundary)
-    return (lp, entropy_f64(logits, temperature, kept_threshold, kept_boundary)) if return_entropy else lp
+    ent = entropy_f64(logits, temperature, kept_threshold, kept_boundary, targets) if return_entropy else None
+    return (lp, ent) if return_entropy else lp
 
 
 @register_reference("logprob.log_softmax")

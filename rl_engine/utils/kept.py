@@ -26,6 +26,13 @@ threshold were kept (bf16 logits tie often). ``(threshold, boundary)`` is 8 byte
 
 The record that keeps everything is ``threshold = -inf``, ``boundary =`` :data:`KEEP_ALL_BOUNDARY`
 (every finite ``z`` is above ``-inf``; a ``-inf`` logit ties and its id is below the bound).
+
+**The sampled token is always counted.** A token log-prob replays its record over the kept set
+together with the target token itself (``targets`` of :func:`keep_mask`): the token was drawn
+from the kept set, so on the rollout's own logits this adds nothing; on logits that drifted from
+the rollout's (another engine, a planted fault) the boundary may move past the target, and the
+log-prob stays that of a distribution holding it — finite, with the drift visible as a different
+value, never an empty set.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ __all__ = ["KEEP_ALL_BOUNDARY", "keep_mask", "masked_scaled_logits"]
 KEEP_ALL_BOUNDARY = 2**31 - 1
 
 
-def keep_mask(z: torch.Tensor, start: int, threshold: torch.Tensor, boundary: torch.Tensor) -> torch.Tensor:
+def keep_mask(z: torch.Tensor, start: int, threshold: torch.Tensor, boundary: torch.Tensor,
+              targets: torch.Tensor | None = None) -> torch.Tensor:
     """Which entries of ``z`` ``[R, L]`` (vocabulary columns ``start .. start + L - 1``) are kept.
 
     Args:
@@ -46,20 +54,26 @@ def keep_mask(z: torch.Tensor, start: int, threshold: torch.Tensor, boundary: to
         start: the absolute token id of column 0.
         threshold: ``[R]`` float32, the boundary token's scaled logit.
         boundary: ``[R]`` int, the boundary token's id.
+        targets: ``[R]`` token ids counted as kept whatever their logit (the sampled tokens of
+            a token log-prob), or ``None``.
 
     Returns:
-        ``[R, L]`` bool: ``z > threshold or (z == threshold and id <= boundary)``.
+        ``[R, L]`` bool: ``z > threshold or (z == threshold and id <= boundary)`` (``or id ==
+        target``).
     """
     ids = torch.arange(start, start + z.shape[-1], device=z.device, dtype=torch.int64)
     thr = threshold.to(z.dtype).unsqueeze(-1)
-    return (z > thr) | ((z == thr) & (ids <= boundary.to(torch.int64).unsqueeze(-1)))
+    keep = (z > thr) | ((z == thr) & (ids <= boundary.to(torch.int64).unsqueeze(-1)))
+    if targets is not None:
+        keep |= ids == targets.to(torch.int64).unsqueeze(-1)
+    return keep
 
 
 def masked_scaled_logits(z: torch.Tensor, start: int, threshold: torch.Tensor | None,
-                         boundary: torch.Tensor | None) -> torch.Tensor:
-    """``z`` with the entries outside the kept set replaced by ``-inf`` (``z`` itself when no
-    record is given). The canonical log-sum-exp of the result is the log-normaliser of the
-    distribution renormalised over the kept set."""
+                         boundary: torch.Tensor | None, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """``z`` with the entries outside the kept set (and not a target) replaced by ``-inf`` (``z``
+    itself when no record is given). The canonical log-sum-exp of the result is the
+    log-normaliser of the distribution renormalised over the kept set."""
     if threshold is None:
         return z
-    return z.masked_fill(~keep_mask(z, start, threshold, boundary), float("-inf"))
+    return z.masked_fill(~keep_mask(z, start, threshold, boundary, targets), float("-inf"))

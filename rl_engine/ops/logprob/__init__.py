@@ -137,9 +137,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
     .. math:: \mathrm{lp}_i = z_{i, t_i} - \log \sum_{k \in K_i} e^{z_{i,k}}
 
-    ``K_i`` is the whole vocabulary, or with ``kept`` the kept set of row ``i`` (the processed
-    log-prob of a top-k / top-p sampling step: raw-bit equal to what the rollout reported for
-    the same record, logits and temperature).
+    ``K_i`` is the whole vocabulary, or with ``kept`` the kept set of row ``i`` together with its
+    target (the processed log-prob of a top-k / top-p sampling step: raw-bit equal to what the
+    rollout reported for the same record, logits and temperature; the target is always counted —
+    it was drawn from the kept set — so logits that drifted from the rollout's still give a
+    finite log-prob, whose difference shows the drift).
 
     Shapes:
         logits: ``[..., V]``; targets: ``[...]`` (int64 or int32, in ``[0, V)``); kept: records
@@ -154,7 +156,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
         TypeError / ValueError: bad ``logits`` (as :func:`log_softmax`), ``targets`` of the wrong
             dtype or shape or out of range (ignore indices such as ``-100`` must be masked
             first), bad temperature, a ``kept`` record of the wrong type, dtype, shape or device,
-            a NaN or ``+inf`` threshold, or a target outside its kept set.
+            or a NaN or ``+inf`` threshold.
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     _logits(logits)
@@ -248,7 +250,7 @@ def linear_token_logprobs(
         TypeError / ValueError: bad dtype, shape, device, contiguity or NaN of any tensor;
             targets out of range; a chunk size that is not a positive int or a ``vocab_chunk``
             that is not a multiple of ``VOCAB_BLOCK``; bad temperature; a bad ``kept`` record or
-            a target outside its kept set; ``logits_dtype`` other than ``None``, ``hidden``'s
+            ``logits_dtype`` other than ``None``, ``hidden``'s
             dtype or ``torch.float32``; logits that overflow
             (``hidden: ...``) or that are not finite because ``weight`` holds NaN or inf
             (``weight: ...``: the weight is read for this diagnosis only when a logits row is

@@ -609,6 +609,12 @@ def test_interpreter_processed_fused_equals_unfused_kernels(fp32_logits):
         assert got[0].dtype == dt and same_bits(got[0], want[0]) and same_bits(got[1], want[1])
     full_lp = K.forward(logits, T, targets=t)[1]
     assert not same_bits(full_lp, lp_u).equal, "the full-vocabulary log-prob must differ from the processed one"
+    # a target outside its kept set (drifted logits) counts as kept, fused and unfused alike
+    t2 = t.clone()
+    t2[3] = int(torch.nonzero(~keep[3])[-1])
+    lp2_u = K.forward(logits, T, targets=t2, kept_threshold=kt, kept_boundary=kb)[1]
+    lp2_f = fused.forward(h, w, t2, T, False, 7, 1024, kt, kb, fp32_logits)[0]
+    assert same_bits(lp2_u, lp2_f) and bool(torch.isfinite(lp2_u).all())
     # negative control: records applied per chunk with chunk-relative ids
     bad = [K.forward(logits[:, c0 : c0 + 1024].contiguous(), T, targets=torch.zeros_like(t), kept_threshold=kt,
                      kept_boundary=kb)[2] for c0 in range(0, V, 1024)]

@@ -27,8 +27,9 @@ Both passes recompute the logits (two extra GEMMs) so memory stays bounded by
 **Kept sets** (``kept_threshold`` / ``kept_boundary``, one record per row: top-k / top-p
 replay): every op masks the scaled logits of the entries outside a row's kept set to ``-inf``
 before the canonical accumulation (:func:`~.lse.mask_kept`, per vocabulary chunk with absolute
-column ids in the fused op), so the values are those of the renormalised distribution and the
-fused op stays raw-bit equal to the unfused one; gradients at dropped entries are ``+0``.
+column ids in the fused op; the target of a token log-prob counts as kept), so the values are
+those of the renormalised distribution and the fused op stays raw-bit equal to the unfused one;
+gradients at dropped entries are ``+0``.
 
 **fp32 logits** (``fp32_logits`` of the fused op, for bf16 inputs): the logits chunks are the
 exact sums rounded once to float32 (``exact_matmul(..., out_dtype=float32)``, the bits of
@@ -74,8 +75,9 @@ DEFAULT_TOKEN_CHUNK = 256
 DEFAULT_VOCAB_CHUNK = 4 * VOCAB_BLOCK
 
 
-def _stats(logits2: torch.Tensor, temperature: float, entropy: bool, kept_threshold=None, kept_boundary=None):
-    z, _ = mask_kept(scale_logits(logits2, temperature), 0, kept_threshold, kept_boundary)
+def _stats(logits2: torch.Tensor, temperature: float, entropy: bool, kept_threshold=None, kept_boundary=None,
+           targets=None):
+    z, _ = mask_kept(scale_logits(logits2, temperature), 0, kept_threshold, kept_boundary, targets)
     acc = LseAccumulator(z.shape[0], entropy=entropy, vocab_size=z.shape[1])
     acc.update(z, 0)
     return z, acc.finish()
@@ -127,7 +129,7 @@ wire_log_softmax(log_softmax_cpu, log_softmax_cpu_backward, prepare_grad=torch.T
 def token_logprobs_cpu(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                        kept_threshold: torch.Tensor | None = None,
                        kept_boundary: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    z, res = _stats(logits, temperature, False, kept_threshold, kept_boundary)
+    z, res = _stats(logits, temperature, False, kept_threshold, kept_boundary, targets)
     z_t = z.gather(1, targets.long().unsqueeze(1)).squeeze(1)
     return z_t - res.lse, res.lse
 
@@ -142,7 +144,7 @@ def token_logprobs_cpu_backward(
     grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, temperature: float,
     kept_threshold: torch.Tensor | None = None, kept_boundary: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    z, keep = mask_kept(scale_logits(logits, temperature), 0, kept_threshold, kept_boundary)
+    z, keep = mask_kept(scale_logits(logits, temperature), 0, kept_threshold, kept_boundary, targets)
     return finish_grad(_drop(grad_logprob(z, 0, lse, targets.long(), grad), keep), temperature, logits.dtype)
 
 
@@ -205,7 +207,7 @@ def linear_token_logprobs_cpu(
         z_t = torch.empty(R, dtype=torch.float32)
         for c0 in range(0, V, vocab_chunk):
             z, _ = mask_kept(scale_logits(exact_matmul(h, weight[c0 : c0 + vocab_chunk], logits_dtype), temperature),
-                             c0, kt, kb)
+                             c0, kt, kb, tgt)
             acc.update(z, c0)
             local = tgt - c0
             hit = (local >= 0) & (local < z.shape[1])
@@ -249,8 +251,8 @@ def _fused_dlogits(
     """Gradient of the logits block in the logits dtype, exactly as the unfused ops produce it:
     each op's gradient is rounded to the dtype on its own, and autograd adds the two (one IEEE
     addition in the dtype, which is commutative, so the order autograd uses does not matter).
-    Entries outside the kept set get ``+0``."""
-    z, keep = mask_kept(scale_logits(logits, temperature), start, kept_threshold, kept_boundary)
+    Entries outside the kept set (the target counts as kept) get ``+0``."""
+    z, keep = mask_kept(scale_logits(logits, temperature), start, kept_threshold, kept_boundary, targets)
     out = None
     if g_lp is not None:
         out = finish_grad(_drop(grad_logprob(z, start, lse, targets, g_lp), keep), temperature, logits.dtype)
@@ -393,17 +395,6 @@ def _check_kept_rows(lse: torch.Tensor, kept_threshold: torch.Tensor | None) -> 
                          "do not belong to these logits)")
 
 
-def _check_targets_kept(lp: torch.Tensor, kept_threshold: torch.Tensor | None) -> None:
-    """With a kept-set record, a target outside its row's kept set has no processed log-prob."""
-    if kept_threshold is None or lp.numel() == 0:
-        return
-    dead = torch.isneginf(lp)
-    if bool(dead.any()):
-        rows = torch.nonzero(dead.reshape(-1)).squeeze(1)[:8].tolist()
-        raise ValueError(f"kept: the targets of rows {rows} are outside their kept sets (the sampler cannot have "
-                         "drawn them): their processed log-probs are -inf")
-
-
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, kept_threshold: torch.Tensor | None = None,
                 kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
@@ -420,7 +411,6 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
                                  kept_boundary)
     _check_kept_rows(lse, kept_threshold)
     _check_lse(lse, "logits")
-    _check_targets_kept(lp, kept_threshold)
     return lp.reshape(targets.shape)
 
 
@@ -461,7 +451,6 @@ def linear_token_logprobs(
     )
     _check_kept_rows(lse, kept_threshold)
     _check_lse(lse, "hidden", "the logits hidden @ weight.T / temperature")
-    _check_targets_kept(lp, kept_threshold)
     lp = lp.reshape(targets.shape)
     return (lp, ent.reshape(targets.shape)) if return_entropy else lp
 

@@ -39,9 +39,10 @@ is divided by ``fl32(τ)`` in fp32 — skipped when τ = 1 — then rounded once
 * log-softmax: ``dz_j = g_j − p_j · fixed_order_sum(g)``.
 
 **Kept sets** (top-k / top-p records, :mod:`rl_engine.utils.kept`): the entries of ``z`` outside a
-row's kept set are replaced by ``-inf`` before step 1 (:func:`mask_kept`), so every quantity
-above is that of the distribution renormalised over the kept set, with the same order of
-operations; the gradient at a dropped entry is ``+0`` (it cannot change any kept probability).
+row's kept set are replaced by ``-inf`` before step 1 (:func:`mask_kept`; for a token log-prob
+the row's target counts as kept), so every quantity above is that of the distribution
+renormalised over the kept set, with the same order of operations; the gradient at a dropped
+entry is ``+0`` (it cannot change any kept probability).
 """
 
 from __future__ import annotations
@@ -87,13 +88,14 @@ def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return z
 
 
-def mask_kept(z: torch.Tensor, start: int, threshold: torch.Tensor | None,
-              boundary: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def mask_kept(z: torch.Tensor, start: int, threshold: torch.Tensor | None, boundary: torch.Tensor | None,
+              targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(z', keep)``: ``z`` ``[R, L]`` (columns ``start ..``) with the entries outside each row's
-    kept set set to ``-inf``, and the ``[R, L]`` keep mask — or ``(z, None)`` without a record."""
+    kept set set to ``-inf``, and the ``[R, L]`` keep mask — or ``(z, None)`` without a record.
+    ``targets`` (token log-probs) are kept whatever their logit (:mod:`rl_engine.utils.kept`)."""
     if threshold is None:
         return z, None
-    keep = keep_mask(z, start, threshold, boundary)
+    keep = keep_mask(z, start, threshold, boundary, targets)
     return z.masked_fill(~keep, float("-inf")), keep
 
 

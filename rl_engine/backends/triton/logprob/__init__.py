@@ -263,17 +263,6 @@ def _check_kept_rows(lse: torch.Tensor, kept_threshold: torch.Tensor | None) -> 
                          "do not belong to these logits)")
 
 
-def _check_targets_kept(lp: torch.Tensor, kept_threshold: torch.Tensor | None) -> None:
-    """With a kept-set record, a target outside its row's kept set has no processed log-prob (as on CPU)."""
-    if kept_threshold is None or lp.numel() == 0:
-        return
-    dead = torch.isneginf(lp)
-    if bool(dead.any()):
-        rows = torch.nonzero(dead.reshape(-1)).squeeze(1)[:8].tolist()
-        raise ValueError(f"kept: the targets of rows {rows} are outside their kept sets (the sampler cannot have "
-                         "drawn them): their processed log-probs are -inf")
-
-
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, kept_threshold: torch.Tensor | None = None,
                 kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
@@ -290,7 +279,6 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
                       kept_threshold, kept_boundary)
     _check_kept_rows(lse, kept_threshold)
     _check_lse(lse, "logits")
-    _check_targets_kept(lp, kept_threshold)
     return lp.reshape(targets.shape)
 
 
@@ -354,7 +342,6 @@ def linear_token_logprobs(
     )
     _check_kept_rows(lse, kept_threshold)
     _check_lse(lse, "hidden", "the logits hidden @ weight.T / temperature")
-    _check_targets_kept(lp, kept_threshold)
     lp = lp.reshape(targets.shape)
     return (lp, ent.reshape(targets.shape)) if return_entropy else lp
 

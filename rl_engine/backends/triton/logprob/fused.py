@@ -48,8 +48,10 @@ ever holding the ``[N, V]`` logits. Where the bits come from:
 
 **Kept sets** (``KEPT``, top-k / top-p replay): the fold and the gradient kernels test each
 loaded entry with :func:`rlk_keep` at its absolute token id (``c0 + column``) against the row's
-record, as ``rlk_logprob_fwd`` / ``rlk_token_logprobs_bwd`` / ``rlk_entropy_bwd`` do on the
-whole row: dropped entries are ``-inf`` before the merge and get a ``+0`` gradient. The test is
+record, the row's target counting as kept, as ``rlk_logprob_fwd`` / ``rlk_token_logprobs_bwd``
+do on the whole row: dropped entries are ``-inf`` before the merge and get a ``+0`` gradient (the
+entropy is that of the same set: equal to ``entropy(..., kept=)`` whenever the target lies in
+its kept set, as it does on the logits the record was taken from). The test is
 elementwise, so every chunking masks the same entries and the bits stay those of the unfused path.
 
 **fp32 logits** (``fp32_logits``, bf16 inputs): the logits chunks come from ``gemm.linear``'s
@@ -102,6 +104,7 @@ def rlk_linear_logprob_fold_body(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t
     base = row * ld
     cols = tl.arange(0, BLOCK_V)
     thr, bnd = rlk_load_kept(kt_ptr, kb_ptr, row, KEPT)
+    local = tl.load(tgt_ptr + row).to(tl.int64) - c0  # the target's column in this chunk
     if FIRST:  # the unfused kernel's initial state
         m = tl.max(tl.full((BLOCK_V,), float("-inf"), tl.float32), axis=0)
         s = tl.sum(tl.zeros((BLOCK_V,), tl.float32), axis=0)
@@ -113,17 +116,14 @@ def rlk_linear_logprob_fold_body(x_ptr, ld, n_cols, c0, tgt_ptr, m_ptr, s_ptr, t
     for j0 in range(0, n_cols, BLOCK_V):
         idx = j0 + cols
         z = rlk_load_z(x_ptr, base + idx, idx < n_cols, temperature, HAS_TEMP)
-        if KEPT:
-            z = tl.where(rlk_keep(z, c0 + idx, thr, bnd), z, float("-inf"))
+        if KEPT:  # absolute ids; the target counts as kept
+            z = tl.where(rlk_keep(z, c0 + idx, thr, bnd) | (idx == local), z, float("-inf"))
         m, s, t = rlk_lse_merge_block(z, m, s, t, ENTROPY)
     # the target's scaled logit, as rlk_logprob_fwd forms it, kept until the last chunk
-    local = tl.load(tgt_ptr + row).to(tl.int64) - c0
     hit = (local >= 0) & (local < n_cols)
     z_t = tl.load(x_ptr + base + tl.where(hit, local, 0)).to(tl.float32)
     if HAS_TEMP:
         z_t = tl.div_rn(z_t, temperature)
-    if KEPT:
-        z_t = tl.where(rlk_keep(z_t, c0 + local, thr, bnd), z_t, float("-inf"))
     if FINISH:
         if not FIRST:
             z_t = tl.where(hit, z_t, tl.load(zt_ptr + row))
@@ -184,16 +184,16 @@ def rlk_linear_logprob_dlogits(x_ptr, y_ptr, ld, n_cols, c0, tgt_ptr, lse_ptr, g
     idx = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = idx < n_cols
     lse = tl.load(lse_ptr + row)
+    local = tl.load(tgt_ptr + row).to(tl.int64) - c0
     z = rlk_load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP)
-    if KEPT:
+    if KEPT:  # absolute ids; the target counts as kept
         thr, bnd = rlk_load_kept(kt_ptr, kb_ptr, row, KEPT)
-        keep = rlk_keep(z, c0 + idx, thr, bnd)
+        keep = rlk_keep(z, c0 + idx, thr, bnd) | (idx == local)
         z = tl.where(keep, z, float("-inf"))
     logp = z - lse
     p = tl.exp(logp)
     if HAS_LP:
         g = tl.load(glp_ptr + row)
-        local = tl.load(tgt_ptr + row).to(tl.int64) - c0
         dz = tl.where(idx == local, (1.0 - p) * g, (-p) * g)
         if KEPT:
             dz = tl.where(keep, dz, 0.0)

@@ -20,10 +20,10 @@ rounded once to the logits dtype):
 * ``rlk_entropy_bwd``         ``dz = (p · (max(log p, −FLT_MAX) + H)) · (−g)``.
 
 Kept sets (``KEPT``: one ``(threshold, boundary)`` record per row, ``rl_engine.utils.kept``):
-:func:`rlk_keep` tests ``z > thr or (z == thr and id <= boundary)`` on each loaded block and the
-dropped entries become ``-inf`` before the merge (the log-sum-exp, log-prob and entropy of the
-renormalised distribution, same order of operations); a dropped target's ``z_t`` is ``-inf``;
-the backward kernels mask the same way and write ``+0`` at dropped entries
+:func:`rlk_keep` tests ``z > thr or (z == thr and id <= boundary)`` on each loaded block (the
+target of a token log-prob counts as kept) and the dropped entries become ``-inf`` before the
+merge (the log-sum-exp, log-prob and entropy of the renormalised distribution, same order of
+operations); the backward kernels mask the same way and write ``+0`` at dropped entries
 (``rlk_log_softmax_bwd`` with ``MASKED``: entries whose output is ``-inf`` are left out of
 ``Σ g`` and get ``+0``).
 """
@@ -112,26 +112,27 @@ def rlk_logprob_fwd(x_ptr, tgt_ptr, ls_ptr, lp_ptr, lse_ptr, ent_ptr, kt_ptr, kb
     base = row * V
     cols = tl.arange(0, BLOCK_V)
     thr, bnd = rlk_load_kept(kt_ptr, kb_ptr, row, KEPT)
+    if HAS_TARGETS:
+        tgt = tl.load(tgt_ptr + row).to(tl.int64)
+    else:
+        tgt = -1
     m = tl.max(tl.full((BLOCK_V,), float("-inf"), tl.float32), axis=0)
     s = tl.sum(tl.zeros((BLOCK_V,), tl.float32), axis=0)
     t = s
     for v0 in range(0, V, BLOCK_V):
         idx = v0 + cols
         z = rlk_load_z(x_ptr, base + idx, idx < V, temperature, HAS_TEMP)
-        if KEPT:
-            z = tl.where(rlk_keep(z, idx, thr, bnd), z, float("-inf"))
+        if KEPT:  # the target of a token log-prob counts as kept
+            z = tl.where(rlk_keep(z, idx, thr, bnd) | (idx == tgt), z, float("-inf"))
         m, s, t = rlk_lse_merge_block(z, m, s, t, ENTROPY)
     lse, ent = rlk_lse_finish(m, s, t)
     tl.store(lse_ptr + row, lse)
     if ENTROPY:
         tl.store(ent_ptr + row, ent)
     if HAS_TARGETS:
-        tgt = tl.load(tgt_ptr + row).to(tl.int64)
         z_t = tl.load(x_ptr + base + tgt).to(tl.float32)
         if HAS_TEMP:
             z_t = tl.div_rn(z_t, temperature)
-        if KEPT:
-            z_t = tl.where(rlk_keep(z_t, tgt, thr, bnd), z_t, float("-inf"))
         tl.store(lp_ptr + row, z_t - lse)
     if WRITE_LS:
         for v0 in range(0, V, BLOCK_V):
@@ -139,7 +140,7 @@ def rlk_logprob_fwd(x_ptr, tgt_ptr, ls_ptr, lp_ptr, lse_ptr, ent_ptr, kt_ptr, kb
             mask = idx < V
             z = rlk_load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP)
             if KEPT:
-                z = tl.where(rlk_keep(z, idx, thr, bnd), z, float("-inf"))
+                z = tl.where(rlk_keep(z, idx, thr, bnd) | (idx == tgt), z, float("-inf"))
             tl.store(ls_ptr + base + idx, z - lse, mask=mask)
 
 
@@ -186,8 +187,8 @@ def rlk_token_logprobs_bwd(g_ptr, x_ptr, tgt_ptr, lse_ptr, dx_ptr, kt_ptr, kb_pt
         idx = v0 + cols
         mask = idx < V
         z = rlk_load_z(x_ptr, base + idx, mask, temperature, HAS_TEMP)
-        if KEPT:
-            keep = rlk_keep(z, idx, thr, bnd)
+        if KEPT:  # the target counts as kept
+            keep = rlk_keep(z, idx, thr, bnd) | (idx == tgt)
             z = tl.where(keep, z, float("-inf"))
         p = tl.exp(z - lse)
         dz = tl.where(idx == tgt, (1.0 - p) * g, (-p) * g)
