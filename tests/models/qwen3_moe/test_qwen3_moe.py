@@ -245,7 +245,7 @@ def test_rr_every_layout_bitwise_equal_and_pp_mismatches(name, dtype):
         plan = Plan.parse(label)
         out, ex = _rollout(model, plan, sampling)
         assert len({tuple(s for s, _ in step) for step in ex.batch_log}) > 3, "batch composition must change"
-        seqs = [TrainSequence(s.sample_id, s.tokens, (0,) * len(s.prompt) + (1,) * len(s.response)) for s in out.values()]
+        seqs = [TrainSequence.of(s) for s in out.values()]  # with the rollout's kept sets (top-k/top-p)
         results = {}
         for lay in LAYOUTS:
             with torch.no_grad():
@@ -264,7 +264,7 @@ def test_moe_module_on_native_breaks_parity():
     sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7)
     plan = Plan.parse("R/R").with_module("moe", rollout="P")
     out, _ = _rollout(model, plan, sampling)
-    seqs = [TrainSequence(s.sample_id, s.tokens, (0,) * len(s.prompt) + (1,) * len(s.response)) for s in out.values()]
+    seqs = [TrainSequence.of(s) for s in out.values()]  # with the rollout's kept sets (top-k/top-p)
     with torch.no_grad():
         c = compare(align(out, score(model, ops_for(plan, "train"), seqs, "packed", temperature=0.8)))
     assert c.mismatched_tokens > 0
