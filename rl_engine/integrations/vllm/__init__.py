@@ -53,8 +53,6 @@ __all__ = [
     "assert_no_fallbacks",
     "QWEN3_KINDS",
     "QWEN3_MOE_KINDS",
-    "QWEN3_KINDS",
-    "QWEN3_MOE_KINDS",
     "kept_sets",
 ]
 
@@ -105,9 +103,6 @@ def _rpc(llm, method: str):
 QWEN3_KINDS = ("RMSNorm", "SiluAndMul", "RotaryEmbedding", "QKVParallelLinear", "MergedColumnParallelLinear",
                "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead", "Attention",
                "Sampler.compute_logprobs")
-#: The same for a Qwen3-MoE generate (every layer sparse: no dense MLP).
-QWEN3_MOE_KINDS = ("RMSNorm", "RotaryEmbedding", "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-                   "ParallelLMHead", "Attention", "GateLinear", "FusedMoE", "Sampler.compute_logprobs")
 #: The same for a Qwen3-MoE generate (every layer sparse: no dense MLP).
 QWEN3_MOE_KINDS = ("RMSNorm", "RotaryEmbedding", "QKVParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
                    "ParallelLMHead", "Attention", "GateLinear", "FusedMoE", "Sampler.compute_logprobs")

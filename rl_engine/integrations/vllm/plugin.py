@@ -73,8 +73,6 @@ NATIVE_WATCH: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding", ("forward",)),
     ("vllm.model_executor.layers.fused_moe.router.gate_linear", "GateLinear", ("forward",)),
     ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner", ("_forward_impl",)),
-    ("vllm.model_executor.layers.fused_moe.router.gate_linear", "GateLinear", ("forward",)),
-    ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner", ("_forward_impl",)),
     ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", ("forward",)),
     ("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl", ("forward",)),
     ("vllm.v1.attention.backends.triton_attn", "TritonAttentionImpl", ("forward",)),
