@@ -15,9 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("importlinter", reason="import-linter is in the test extra (pip install -e .[test])")
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "rl_engine"

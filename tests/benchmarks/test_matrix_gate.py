@@ -97,7 +97,7 @@ def test_errors_missing_points_and_nondeterministic_bits():
 
 
 def test_ratio_metric_cancels_drift_between_processes():
-    """Every time of the new run 10 % higher, cuBLAS included: a slower clock, not a slower
+    """Every time in the new tree's report 10 % higher, cuBLAS included: a slower clock, not a slower
     kernel. ``--metric time`` fails it, ``--metric ratio`` (each run against its own baseline)
     passes it; a kernel 10 % slower relative to its baseline fails both."""
     base = report(row("p", 1.0, ratio=1.0))
