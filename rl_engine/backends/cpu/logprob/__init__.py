@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.backends._lse_checks import check_lse
 from rl_engine.backends._customop import wire_entropy, wire_log_softmax, wire_token_logprobs
 from rl_engine.backends.cpu.common import exact_matmul
 from rl_engine.backends.cpu.logprob.lse import (
@@ -56,7 +57,6 @@ from rl_engine.backends.cpu.logprob.lse import (
     scale_logits,
 )
 from rl_engine.runtime.registry import Implementation, register
-from rl_engine.utils.checks import current_nan_policy
 
 __all__ = [
     "VOCAB_BLOCK",
@@ -81,19 +81,6 @@ def _stats(logits2: torch.Tensor, temperature: float, entropy: bool, kept_thresh
     acc = LseAccumulator(z.shape[0], entropy=entropy, vocab_size=z.shape[1])
     acc.update(z, 0)
     return z, acc.finish()
-
-
-def _check_lse(lse: torch.Tensor, what: str, source: str = "logits / temperature") -> None:
-    """Rows without any finite logit, or overflow to +inf/NaN, get a clear error."""
-    if lse.numel() == 0:
-        return
-    dead = torch.isneginf(lse)
-    if bool(dead.any()):
-        rows = torch.nonzero(dead).squeeze(1)[:8].tolist()
-        raise ValueError(f"{what}: rows {rows} have no finite entry (all -inf): their log-probs are undefined")
-    if current_nan_policy() != "propagate" and not bool(torch.isfinite(lse).all()):
-        rows = torch.nonzero(~torch.isfinite(lse)).squeeze(1)[:8].tolist()
-        raise ValueError(f"{what}: rows {rows} are not finite in {source} (+inf input or overflow)")
 
 
 def _as_is(grad: torch.Tensor) -> torch.Tensor:
@@ -383,24 +370,11 @@ linear_token_logprobs_cpu.register_autograd(_lt_backward, setup_context=_lt_setu
 # operator-signature wrappers (what the runtime dispatches to; same signatures as the references)
 
 
-def _check_kept_rows(lse: torch.Tensor, kept_threshold: torch.Tensor | None) -> None:
-    """With a kept-set record, a row that keeps no finite logit has a record that does not belong
-    to its logits."""
-    if kept_threshold is None or lse.numel() == 0:
-        return
-    dead = torch.isneginf(lse)
-    if bool(dead.any()):
-        rows = torch.nonzero(dead).squeeze(1)[:8].tolist()
-        raise ValueError(f"kept: rows {rows} keep no finite logit (a record above every logit of its row: the records "
-                         "do not belong to these logits)")
-
-
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, kept_threshold: torch.Tensor | None = None,
                 kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
     out, lse = log_softmax_cpu(logits.reshape(-1, V), float(temperature), kept_threshold, kept_boundary)
-    _check_kept_rows(lse, kept_threshold)
-    _check_lse(lse, "logits")
+    check_lse(lse, "logits", kept_threshold=kept_threshold)
     return out.reshape(logits.shape)
 
 
@@ -409,8 +383,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     V = logits.shape[-1]
     lp, lse = token_logprobs_cpu(logits.reshape(-1, V), targets.reshape(-1), float(temperature), kept_threshold,
                                  kept_boundary)
-    _check_kept_rows(lse, kept_threshold)
-    _check_lse(lse, "logits")
+    check_lse(lse, "logits", kept_threshold=kept_threshold)
     return lp.reshape(targets.shape)
 
 
@@ -418,8 +391,7 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0, *, kept_threshold: t
             kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
     ent, lse = entropy_cpu(logits.reshape(-1, V), float(temperature), kept_threshold, kept_boundary)
-    _check_kept_rows(lse, kept_threshold)
-    _check_lse(lse, "logits")
+    check_lse(lse, "logits", kept_threshold=kept_threshold)
     return ent.reshape(logits.shape[:-1])
 
 
@@ -449,8 +421,7 @@ def linear_token_logprobs(
         kept_boundary,
         logits_dtype == torch.float32 and hidden.dtype != torch.float32,
     )
-    _check_kept_rows(lse, kept_threshold)
-    _check_lse(lse, "hidden", "the logits hidden @ weight.T / temperature")
+    check_lse(lse, "hidden", "the logits hidden @ weight.T / temperature", kept_threshold=kept_threshold)
     lp = lp.reshape(targets.shape)
     return (lp, ent.reshape(targets.shape)) if return_entropy else lp
 

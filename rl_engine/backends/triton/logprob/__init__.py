@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.backends._lse_checks import check_lse
 from rl_engine.backends._customop import wire_entropy, wire_log_softmax, wire_token_logprobs
 from rl_engine.backends.triton import call_op, register_triton
-from rl_engine.utils.checks import reads_back, scans
 
 __all__ = [
     "log_softmax_triton",
@@ -68,19 +68,6 @@ def _fused():
     from rl_engine.backends.triton.logprob import fused
 
     return fused
-
-
-def _check_lse(lse: torch.Tensor, what: str, source: str = "logits / temperature") -> None:
-    """Rows without any finite logit, or overflow to +inf/NaN, get a clear error (as on CPU)."""
-    if lse.numel() == 0 or not reads_back(lse):  # "auto" / "propagate": no host synchronisation
-        return
-    dead = torch.isneginf(lse)
-    if bool(dead.any()):
-        rows = torch.nonzero(dead).squeeze(1)[:8].tolist()
-        raise ValueError(f"{what}: rows {rows} have no finite entry (all -inf): their log-probs are undefined")
-    if scans(lse) and not bool(torch.isfinite(lse).all()):
-        rows = torch.nonzero(~torch.isfinite(lse)).squeeze(1)[:8].tolist()
-        raise ValueError(f"{what}: rows {rows} are not finite in {source} (+inf input or overflow)")
 
 
 def _f32_contiguous(grad: torch.Tensor) -> torch.Tensor:
@@ -251,24 +238,11 @@ linear_token_logprobs_triton.register_autograd(_lt_backward, setup_context=_lt_s
 # operator-signature wrappers (what the runtime dispatches to; same signatures as the references)
 
 
-def _check_kept_rows(lse: torch.Tensor, kept_threshold: torch.Tensor | None) -> None:
-    """With a kept-set record, a row that keeps no finite logit has a record that does not belong
-    to its logits (as on CPU)."""
-    if kept_threshold is None or lse.numel() == 0:
-        return
-    dead = torch.isneginf(lse)
-    if bool(dead.any()):
-        rows = torch.nonzero(dead).squeeze(1)[:8].tolist()
-        raise ValueError(f"kept: rows {rows} keep no finite logit (a record above every logit of its row: the records "
-                         "do not belong to these logits)")
-
-
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, kept_threshold: torch.Tensor | None = None,
                 kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
     out, lse = call_op(log_softmax_triton, logits.reshape(-1, V), float(temperature), kept_threshold, kept_boundary)
-    _check_kept_rows(lse, kept_threshold)
-    _check_lse(lse, "logits")
+    check_lse(lse, "logits", kept_threshold=kept_threshold)
     return out.reshape(logits.shape)
 
 
@@ -277,8 +251,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     V = logits.shape[-1]
     lp, lse = call_op(token_logprobs_triton, logits.reshape(-1, V), targets.reshape(-1), float(temperature),
                       kept_threshold, kept_boundary)
-    _check_kept_rows(lse, kept_threshold)
-    _check_lse(lse, "logits")
+    check_lse(lse, "logits", kept_threshold=kept_threshold)
     return lp.reshape(targets.shape)
 
 
@@ -286,8 +259,7 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0, *, kept_threshold: t
             kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
     ent, lse = call_op(entropy_triton, logits.reshape(-1, V), float(temperature), kept_threshold, kept_boundary)
-    _check_kept_rows(lse, kept_threshold)
-    _check_lse(lse, "logits")
+    check_lse(lse, "logits", kept_threshold=kept_threshold)
     return ent.reshape(logits.shape[:-1])
 
 
@@ -340,8 +312,7 @@ def linear_token_logprobs(
         *_chunks(h2.shape[0], weight.shape[0], torch.float32 if fp32_logits else hidden.dtype, token_chunk, vocab_chunk),
         kept_threshold, kept_boundary, fp32_logits,
     )
-    _check_kept_rows(lse, kept_threshold)
-    _check_lse(lse, "hidden", "the logits hidden @ weight.T / temperature")
+    check_lse(lse, "hidden", "the logits hidden @ weight.T / temperature", kept_threshold=kept_threshold)
     lp = lp.reshape(targets.shape)
     return (lp, ent.reshape(targets.shape)) if return_entropy else lp
 
