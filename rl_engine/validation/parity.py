@@ -38,7 +38,7 @@ from rl_engine.utils.threads import intra_op_threads
 from rl_engine.validation.alignment import align, bits_digest, compare
 from rl_engine.engine import ops_for
 
-__all__ = ["ParityConfig", "builtin_prompts", "check_context", "load_model", "run_parity", "sampling_summary",
+__all__ = ["ParityConfig", "builtin_prompts", "check_context", "layout_totals", "load_model", "run_parity", "sampling_summary",
            "SCHEMA_VERSION", "PROMPT_LENGTHS", "LOGPROB_DISTRIBUTIONS"]
 
 SCHEMA_VERSION = 1
@@ -102,6 +102,20 @@ LOGPROB_DISTRIBUTIONS = {
     "full": "rollout: renormalised over the kept set (what it sampled from); train: log_softmax(logits / T) over the "
             "whole vocabulary (T = 1 when greedy) -- differs wherever a filter dropped mass",
 }
+
+
+def layout_totals(layouts: list[dict[str, Any]], first: Any) -> dict[str, Any]:
+    """The report's totals over its per-layout comparisons: tokens compared and mismatched (sums),
+    the largest ``|Δ|``, ``k3`` KL and mean probability difference of any layout, and ``first``
+    (the first mismatch, or ``None``). Every ``rlk check`` engine reports them the same way."""
+    return {
+        "compared_tokens": sum(lay["compared_tokens"] for lay in layouts),
+        "mismatched_tokens": sum(lay["mismatched_tokens"] for lay in layouts),
+        "max_abs_diff": max((lay["max_abs_diff"] for lay in layouts), default=0.0),
+        "first_mismatch": first,
+        "k3_kl": max((lay["k3_kl"] for lay in layouts), default=0.0),
+        "mean_abs_prob_diff": max((lay["mean_abs_prob_diff"] for lay in layouts), default=0.0),
+    }
 
 
 def sampling_summary(sampling: SamplingParams, logprobs: str, samples, kept_by: str) -> dict[str, Any]:
@@ -222,8 +236,6 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
             layouts.append({"name": name, **c.as_dict(), "seconds": round(time.perf_counter() - t_l, 3)})
     tick("done", total, total)
     first = next(({"layout": lay["name"], **lay["first_mismatch"]} for lay in layouts if lay["first_mismatch"]), None)
-    compared = sum(lay["compared_tokens"] for lay in layouts)
-    mismatched = sum(lay["mismatched_tokens"] for lay in layouts)
     compositions = {tuple(sid for sid, _ in step) for step in ex.batch_log}
     platform = platform_of(torch.empty(0, device=cfg.device))
     summary = prov.summarize(records)
@@ -254,12 +266,7 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
             "seconds": round(rollout_s, 3),
         },
         "layouts": layouts,
-        "compared_tokens": compared,
-        "mismatched_tokens": mismatched,
-        "max_abs_diff": max((lay["max_abs_diff"] for lay in layouts), default=0.0),
-        "first_mismatch": first,
-        "k3_kl": max((lay["k3_kl"] for lay in layouts), default=0.0),
-        "mean_abs_prob_diff": max((lay["mean_abs_prob_diff"] for lay in layouts), default=0.0),
+        **layout_totals(layouts, first),
         "provenance": {
             "rl_engine": rlk_version,
             "platform": platform.as_dict(),

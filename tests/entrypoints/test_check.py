@@ -168,11 +168,11 @@ def test_parity_config_rejects_unknown_preset():
     from rl_engine.validation.parity import ParityConfig
 
     assert ParityConfig(preset="qwen3-0.6b").preset == "qwen3-0.6b"
-    with pytest.raises(ValidationError, match="unknown Qwen3 preset 'qwen3-7b'"):
+    with pytest.raises(ValidationError, match="unknown preset 'qwen3-7b'"):
         ParityConfig(preset="qwen3-7b")
     from rl_engine.validation.engines.hf import load_hf_model
 
-    with pytest.raises(ValueError, match="unknown Qwen3 preset 'qwen3-7b'"):  # the --engine hf loader, same rule
+    with pytest.raises(ValueError, match="unknown preset 'qwen3-7b'"):  # the --engine hf loader, same rule
         load_hf_model(None, torch.float32, "cpu", 0, "qwen3-7b")
 
 

@@ -170,7 +170,7 @@ def run_hf_parity(cfg, progress: Callable[[str, int, int], None] | None = None, 
     from rl_engine.runtime.plan import Plan
     from rl_engine.utils.checks import current_nan_policy, nan_policy
     from rl_engine.validation.alignment import align, compare
-    from rl_engine.validation.parity import SCHEMA_VERSION, builtin_prompts, check_context, sampling_summary
+    from rl_engine.validation.parity import SCHEMA_VERSION, builtin_prompts, check_context, layout_totals, sampling_summary
 
     def tick(stage: str, done: int, total: int) -> None:
         if progress is not None:
@@ -241,12 +241,7 @@ def run_hf_parity(cfg, progress: Callable[[str, int, int], None] | None = None, 
             "seconds": round(rollout_s, 3),
         },
         "layouts": layouts,
-        "compared_tokens": sum(lay["compared_tokens"] for lay in layouts),
-        "mismatched_tokens": sum(lay["mismatched_tokens"] for lay in layouts),
-        "max_abs_diff": max((lay["max_abs_diff"] for lay in layouts), default=0.0),
-        "first_mismatch": first,
-        "k3_kl": max((lay["k3_kl"] for lay in layouts), default=0.0),
-        "mean_abs_prob_diff": max((lay["mean_abs_prob_diff"] for lay in layouts), default=0.0),
+        **layout_totals(layouts, first),
         "provenance": {
             "rl_engine": rlk_version,
             "transformers": transformers.__version__,

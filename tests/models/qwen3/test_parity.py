@@ -53,7 +53,8 @@ def _rollout(model, plan, sampling, **kw):
 
 
 def _train_seqs(out):
-    return [TrainSequence(s.sample_id, s.tokens, (0,) * len(s.prompt) + (1,) * len(s.response)) for s in out.values()]
+    """The train side of each rollout sample, with its kept sets (processed log-probs under top-k/top-p)."""
+    return [TrainSequence.of(s) for s in out.values()]
 
 
 @pytest.mark.parametrize("sampling", SAMPLING)
