@@ -25,9 +25,12 @@ def _launch(nproc: int, specs: list[str], out: Path) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # DeepSpeed JIT-builds its CPU shared-memory op at init; building it under this run's temp dir
+    # keeps a lock file left by an interrupted build elsewhere from stalling every rank.
+    extensions = out.parent / "torch_extensions"
     procs = []
     for r in range(nproc):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(extensions), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OUT=str(out), RLK_REPO=str(REPO), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, str(WORKER), *specs], env=env, cwd=out,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
