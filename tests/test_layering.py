@@ -113,3 +113,30 @@ def test_unlisted_load_by_name_is_reported(tmp_path):
     (pkg / "ops" / "sneaky.py").write_text(
         "import importlib\n\ndef f():\n    return importlib.import_module('rl_engine.validation.capture')\n")
     assert unlisted_loads(pkg) == ["rl_engine/ops/sneaky.py:4: loads 'rl_engine.validation.capture' by name"]
+
+
+def imports_of_tests(roots: list[Path]) -> list[str]:
+    """``file:line`` of every import of the ``tests`` tree (any depth, inside functions too) in
+    the ``.py`` files under ``roots``: the package, its tools and its benchmarks stand without it."""
+    bad = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root.parent).as_posix()
+            for node in ast.walk(ast.parse(path.read_text(), rel)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+                if any(n == "tests" or n.startswith("tests.") for n in names):
+                    bad.append(f"{rel}:{node.lineno}")
+    return bad
+
+
+def test_package_tools_and_benchmarks_do_not_import_tests():
+    assert imports_of_tests([PKG, ROOT / "tools", ROOT / "benchmarks"]) == []
+
+
+def test_import_of_tests_is_reported(tmp_path):
+    # negative control: a tool that borrows a test helper, at module level and inside a function
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "probe.py").write_text("from tests.helpers import qwen3  # noqa\n\ndef f():\n    import tests.conftest\n")
+    assert imports_of_tests([tools]) == ["tools/probe.py:1", "tools/probe.py:4"]

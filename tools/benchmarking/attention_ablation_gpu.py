@@ -52,10 +52,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common.harness import cuda_graph_ms, device_info, summarize, versions  # noqa: E402
 from rl_engine.backends.triton.attention.device import rlk_attn_rowsum  # noqa: E402
-# the adjacent-pair fixed tree, the row-sum tests' negative control, timed side by side
-from tests.backends.triton.attention._rowsum_probe import rlk_test_adjacent_rowsum  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
+
+
+@triton.jit
+def rlk_probe_adjacent_rowsum(x, BLOCK_M: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
+    """An adjacent-pair tree (``x[2j] + x[2j+1]`` at every level): fixed like the shipped
+    strided-halves fold but a different order, timed side by side with it (``TREE=2``)."""
+    for i in tl.static_range(LOG2N):
+        x = tl.reshape(x, [BLOCK_M, N >> (i + 1), 2])
+        a, b = tl.split(x)
+        x = a + b
+    return tl.reshape(x, [BLOCK_M])
 
 
 @triton.jit
@@ -90,7 +99,7 @@ def rlk_probe_update(s, v, m, l, acc, BM: tl.constexpr, BN: tl.constexpr, LOG2BN
     if TREE == 1:
         rs = rlk_attn_rowsum(p, BM, BN, LOG2BN)
     elif TREE == 2:
-        rs = rlk_test_adjacent_rowsum(p, BM, BN, LOG2BN)
+        rs = rlk_probe_adjacent_rowsum(p, BM, BN, LOG2BN)
     else:
         rs = tl.sum(p, axis=1)
     l = l * alpha + rs
