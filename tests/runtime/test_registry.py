@@ -161,7 +161,7 @@ def test_provenance_fields_present():
     rec = _linear_record()
     d = rec.as_dict()
     assert set(d) == FIELDS
-    assert d["op"] == "gemm.linear" and d["impl_id"] == "cpu.exact_sum" and d["impl_version"] == "2"
+    assert d["op"] == "gemm.linear" and d["impl_id"] == "cpu.exact_sum" and d["impl_version"] == "3"
     assert d["platform"] == platform_of("cpu").key
     assert d["policy"] == "strict" and d["fallback"] is False
     assert d["contract_version"] == contracts.load_contract("gemm.linear").version

@@ -3,7 +3,8 @@
 Rules every module here follows (seed 004, design §5):
 
 * ``triton`` is imported lazily: registration modules (``<family>/__init__.py``) import only
-  torch; the ``@triton.jit`` kernels live in ``<family>/kernels.py``, imported on the first call.
+  torch; the ``@triton.jit`` kernels live in the family's kernel modules (``<family>/kernels.py``;
+  attention has one module per kernel family), imported on the first call.
   So ``import rl_engine`` — and even dispatching on a CPU tensor — compiles and imports nothing.
 * every launched kernel's name starts with ``rlk_`` and is listed in ``KERNEL_NAMES``; ``@triton.jit``
   device functions called from kernels are named ``rlk_*`` too and listed in ``DEVICE_FUNCTIONS``;

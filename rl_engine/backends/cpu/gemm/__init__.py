@@ -65,7 +65,7 @@ register(
     Implementation(
         op="gemm.linear",
         impl_id="cpu.exact_sum",
-        version="2",
+        version="3",
         fn=linear,
         families=("cpu",),
         dtypes=_DTYPES,

@@ -438,7 +438,7 @@ for _op, _fn, _variants in (
         Implementation(
             op=_op,
             impl_id="cpu.canonical_lse",
-            version="2",
+            version="3",
             fn=_fn,
             families=("cpu",),
             dtypes=_DTYPES,
