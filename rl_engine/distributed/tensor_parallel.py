@@ -42,7 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rl_engine.backends.cpu.logprob.lse import finish_grad, grad_entropy, grad_logprob, scale_logits
+from rl_engine.backends.cpu.logprob.lse import finish_grad, grad_entropy, grad_logprob, mask_kept, scale_logits
 from rl_engine.distributed.algorithms.exact_k import sharded_k_matmul, tree_all_reduce
 from rl_engine.distributed.algorithms.tree import check_blocks, tree_sum
 from rl_engine.distributed.algorithms.vocab import VOCAB_BLOCK, merge_shard_stats, shard_block_stats
@@ -348,14 +348,23 @@ def slice_heads(y: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
 # vocabulary-parallel log-probs
 
 
-def _dlogits(z, start, targets, lse, ent, g_lp, g_ent, temperature, dtype):
+def _dlogits(z, start, targets, lse, ent, g_lp, g_ent, temperature, dtype, kept=None):
     """The logits gradient of a column block, as the unfused ops produce it (each op's gradient
-    rounded to the dtype on its own, then one addition in the dtype)."""
+    rounded to the dtype on its own, then one addition in the dtype). ``kept`` (this block's rows'
+    ``(threshold, boundary)``): entries outside a row's kept set (the target counts as kept) are
+    ``-inf`` in the statistics and get ``+0``, as in the single-process op."""
+    keep = None
+    if kept is not None:
+        z, keep = mask_kept(z, start, kept[0], kept[1], targets)
+
+    def drop(dz):
+        return dz if keep is None else dz.masked_fill_(~keep, 0.0)
+
     out = None
     if g_lp is not None:
-        out = finish_grad(grad_logprob(z, start, lse, targets, g_lp), temperature, dtype)
+        out = finish_grad(drop(grad_logprob(z, start, lse, targets, g_lp)), temperature, dtype)
     if g_ent is not None:
-        d_ent = finish_grad(grad_entropy(z, lse, ent, g_ent), temperature, dtype)
+        d_ent = finish_grad(drop(grad_entropy(z, lse, ent, g_ent)), temperature, dtype)
         out = d_ent if out is None else out + d_ent
     return out
 
@@ -363,7 +372,7 @@ def _dlogits(z, start, targets, lse, ent, g_lp, g_ent, temperature, dtype):
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, return_entropy: bool, group: Group,
-                start: int, vocab_size: int, blocks: tuple[int, ...], token_chunk: int):
+                start: int, vocab_size: int, blocks: tuple[int, ...], token_chunk: int, kept_threshold, kept_boundary):
         N = hidden.shape[0]
         V_r = weight.shape[0]
         dev = hidden.device
@@ -375,6 +384,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             h = hidden[r0:r0 + token_chunk]
             tgt = t64[r0:r0 + token_chunk]
             z = scale_logits(_linear(h, weight), temperature)
+            if kept_threshold is not None:  # the kept set, with absolute column ids (the target stays)
+                z, _ = mask_kept(z, start, kept_threshold[r0:r0 + token_chunk], kept_boundary[r0:r0 + token_chunk], tgt)
             res = merge_shard_stats(shard_block_stats(z, entropy=return_entropy), group, list(blocks), vocab_size,
                                     entropy=return_entropy)
             local = tgt - start
@@ -390,19 +401,19 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         if N and not bool(torch.isfinite(lse).all()):
             raise ValueError("hidden: some rows of the logits hidden @ weight.T / temperature are not finite (+inf or overflow)")
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, t64, lse, ent)
+        ctx.save_for_backward(hidden, weight, t64, lse, ent, kept_threshold, kept_boundary)
         ctx.args = (temperature, group, start, vocab_size, token_chunk)
         return lp, ent, lse
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, _g_lse):
-        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        hidden, weight, targets, lse, ent, kept_threshold, kept_boundary = ctx.saved_tensors
         temperature, group, start, vocab_size, token_chunk = ctx.args
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if g_ent is not None and ent.numel() == 0:
             g_ent = None
         if (g_lp is None and g_ent is None) or not (need_h or need_w):
-            return (None,) * 10
+            return (None,) * 12
         N, H = hidden.shape
         V_r = weight.shape[0]
         g_lp = g_lp.contiguous() if g_lp is not None else None
@@ -412,6 +423,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             return (targets[r0:r1], lse[r0:r1], ent[r0:r1] if g_ent is not None else None,
                     g_lp[r0:r1] if g_lp is not None else None, g_ent[r0:r1] if g_ent is not None else None)
 
+        def kept(r0, r1):
+            return None if kept_threshold is None else (kept_threshold[r0:r1], kept_boundary[r0:r1])
+
         dh = dw = None
         if need_h:
             # dh = dlogits @ W over the sharded vocabulary: the sharded exact GEMM per token chunk
@@ -420,7 +434,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 h = hidden[r0:r0 + token_chunk]
                 tgt, l_, e_, gl, ge = rows(r0, r0 + h.shape[0])
                 z = scale_logits(_linear(h, weight), temperature)
-                dl = _dlogits(z, start, tgt, l_, e_, gl, ge, temperature, hidden.dtype)
+                dl = _dlogits(z, start, tgt, l_, e_, gl, ge, temperature, hidden.dtype, kept(r0, r0 + h.shape[0]))
                 dh[r0:r0 + h.shape[0]] = sharded_k_matmul(dl, weight.t(), group, k_total=vocab_size)
         if need_w:
             # dW_r[cols] = dlogits[:, cols]ᵀ @ h over all tokens, per vocabulary chunk (row-local)
@@ -433,14 +447,16 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                     h = hidden[r0:r0 + token_chunk]
                     tgt, l_, e_, gl, ge = rows(r0, r0 + h.shape[0])
                     z = scale_logits(_linear(h, w), temperature)
-                    dl[r0:r0 + h.shape[0]] = _dlogits(z, start + c0, tgt, l_, e_, gl, ge, temperature, hidden.dtype)
+                    dl[r0:r0 + h.shape[0]] = _dlogits(z, start + c0, tgt, l_, e_, gl, ge, temperature, hidden.dtype,
+                                                      kept(r0, r0 + h.shape[0]))
                 dw[c0:c0 + w.shape[0]] = _weight_grad(dl, hidden)
-        return (dh if need_h else None), (dw if need_w else None), None, None, None, None, None, None, None, None
+        return (dh if need_h else None), (dw if need_w else None), None, None, None, None, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group: Group, *,
                             start: int, vocab_size: int, blocks: Sequence[int], temperature: float = 1.0,
-                            return_entropy: bool = False, token_chunk: int | None = None):
+                            return_entropy: bool = False, token_chunk: int | None = None,
+                            kept_threshold: torch.Tensor | None = None, kept_boundary: torch.Tensor | None = None):
     r"""Selected-token log-probs (and entropy) of a vocabulary-sharded LM head.
 
     .. math:: \mathrm{lp}_i = z_{i, t_i} - \mathrm{lse}_i, \qquad
@@ -458,6 +474,11 @@ def vocab_parallel_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets:
         blocks: every rank's number of vocabulary blocks, in rank order.
         token_chunk: rows per chunk (default: sized so one logits chunk is at most 256 MiB). No
             value changes a bit.
+        kept_threshold, kept_boundary: the kept-set record of every token (``[...]`` like
+            ``targets``; float32 and int32/int64, :mod:`rl_engine.utils.kept`), or ``None``: the
+            log-prob (and entropy) is renormalised over each row's kept set, the target counted
+            as kept — top-k / top-p replay. Each shard masks its own columns by absolute id, so
+            the merged statistics are the single-process op's.
 
     Contract: raw-bit equal, at every TP size, to ``rl_engine.ops.logprob.linear_token_logprobs``
     of the full weight on the CPU (forward, and the gradients to ``hidden`` and ``weight``).
@@ -482,10 +503,21 @@ def vocab_parallel_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets:
         raise ValueError(f"targets: expected shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
         raise ValueError(f"targets: expected token ids in [0, {vocab_size})")
+    if (kept_threshold is None) != (kept_boundary is None):
+        raise ValueError("kept_threshold, kept_boundary: give both records or neither")
+    if kept_threshold is not None:
+        if kept_threshold.shape != targets.shape or kept_boundary.shape != targets.shape:
+            raise ValueError(f"kept_threshold, kept_boundary: expected shape {tuple(targets.shape)} (one record per "
+                             f"target), got {tuple(kept_threshold.shape)} and {tuple(kept_boundary.shape)}")
+        if kept_threshold.dtype != torch.float32 or kept_boundary.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"kept_threshold, kept_boundary: expected float32 and int32/int64, got "
+                             f"{kept_threshold.dtype} and {kept_boundary.dtype}")
+        kept_threshold = kept_threshold.reshape(-1).to(hidden.device)
+        kept_boundary = kept_boundary.reshape(-1).to(hidden.device)
     if token_chunk is None:
         token_chunk = max(1, _TOKEN_BUDGET_BYTES // max(1, 4 * V_r))
     lp, ent, _ = _VocabParallelLogprobs.apply(hidden.reshape(-1, H).contiguous(), weight, targets.reshape(-1), t,
                                               bool(return_entropy), group, int(start), int(vocab_size), blocks,
-                                              int(token_chunk))
+                                              int(token_chunk), kept_threshold, kept_boundary)
     lp = lp.reshape(targets.shape)
     return (lp, ent.reshape(targets.shape)) if return_entropy else lp

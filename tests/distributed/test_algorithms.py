@@ -116,3 +116,21 @@ def test_reducer_without_a_group_is_the_tree_over_microbatches():
         TreeGradReducer([w], num_microbatches=6, group=type("G", (), {"size": 3, "rank": 0})())
     with pytest.raises(ValueError, match="num_microbatches"):
         TreeGradReducer([w], num_microbatches=0)
+
+
+def test_vocab_parallel_logprobs_rejects_bad_kept_records():
+    """Kept-set records are checked before any collective: both or neither, one per target, float32 / int."""
+    from types import SimpleNamespace
+
+    from rl_engine.distributed.tensor_parallel import vocab_parallel_logprobs
+
+    one = SimpleNamespace(rank=0, size=1)  # validation only: no collective is reached
+    h, w, t = torch.randn(3, 8), torch.randn(1024, 8), torch.tensor([1, 2, 3])
+    kw = dict(start=0, vocab_size=1024, blocks=[1])
+    thr, bnd = torch.zeros(3), torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="give both records or neither"):
+        vocab_parallel_logprobs(h, w, t, one, kept_threshold=thr, **kw)
+    with pytest.raises(ValueError, match=r"expected shape \(3,\)"):
+        vocab_parallel_logprobs(h, w, t, one, kept_threshold=thr[:2], kept_boundary=bnd[:2], **kw)
+    with pytest.raises(ValueError, match="float32 and int32/int64"):
+        vocab_parallel_logprobs(h, w, t, one, kept_threshold=thr.double(), kept_boundary=bnd, **kw)

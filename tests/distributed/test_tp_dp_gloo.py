@@ -123,6 +123,17 @@ def _vocab_reference(dtype):
     return lp.detach(), ent.detach(), hl.grad, wl.grad, e.detach(), we.grad
 
 
+@lru_cache(maxsize=None)
+def _vocab_kept_reference(dtype):
+    from rl_engine.ops.logprob import linear_token_logprobs
+
+    h, w, ids, g_lp, g_ent, _ = W.vocab_inputs(dtype)
+    hl, wl = _leaf(h), _leaf(w)
+    lp, ent = linear_token_logprobs(hl, wl, ids, W.TEMPERATURE, True, kept=W.vocab_kept(h, w))
+    torch.autograd.backward([lp, ent], [g_lp, g_ent])
+    return lp.detach(), ent.detach(), hl.grad, wl.grad
+
+
 @pytest.mark.parametrize("p", SIZES)
 @pytest.mark.parametrize("dtype", W.DTYPES, ids=str)
 def test_vocab_parallel_logprobs_equal_single_process(worlds, p, dtype):
@@ -132,6 +143,23 @@ def test_vocab_parallel_logprobs_equal_single_process(worlds, p, dtype):
         lps, ents, dhs, dws = res["vocab"][("logprobs", dtype)]
         lo, hi = parts[r]
         assert same_bits(lps, lp) and same_bits(ents, ent)
+        assert same_bits(dhs, dh), f"rank {r}: dhidden"
+        assert same_bits(dws, dw[lo:hi]), f"rank {r}: dweight"
+
+
+@pytest.mark.parametrize("p", SIZES)
+@pytest.mark.parametrize("dtype", W.DTYPES, ids=str)
+def test_vocab_parallel_kept_set_logprobs_equal_single_process(worlds, p, dtype):
+    """Top-k / top-p replay: each shard masks its own columns; forward and gradients keep the bits."""
+    lp, ent, dh, dw = _vocab_kept_reference(dtype)
+    full = _vocab_reference(dtype)[0]
+    assert not same_bits(lp, full), "the kept sets must change some log-probs (else this test proves nothing)"
+    assert same_bits(lp[2], full[2]), "row 2 keeps everything"
+    parts = vocab_partition(W.V, p)
+    for r, res in enumerate(worlds[p]):
+        lps, ents, dhs, dws = res["vocab"][("logprobs_kept", dtype)]
+        lo, hi = parts[r]
+        assert same_bits(lps, lp) and same_bits(ents, ent), f"rank {r}: forward"
         assert same_bits(dhs, dh), f"rank {r}: dhidden"
         assert same_bits(dws, dw[lo:hi]), f"rank {r}: dweight"
 

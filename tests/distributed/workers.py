@@ -45,6 +45,17 @@ def vocab_inputs(dtype: torch.dtype):
     return h, w, ids, g_lp, g_ent, dy_emb
 
 
+def vocab_kept(h: torch.Tensor, w: torch.Tensor):
+    """Top-k / top-p kept sets of the vocabulary inputs' rows (every shard holds kept and dropped
+    columns; row 2 keeps everything)."""
+    from rl_engine.ops.gemm import linear
+    from rl_engine.ops.logprob import KeptSet, kept_set
+
+    kept = kept_set(linear(h, w, out_dtype=torch.float32), TEMPERATURE, top_k=1500, top_p=0.9)
+    return KeptSet(kept.threshold.clone().index_fill_(0, torch.tensor([2]), float("-inf")),
+                   kept.boundary.clone().index_fill_(0, torch.tensor([2]), 2**31 - 1))
+
+
 def mlp_params():
     g = gen(3)
     return [torch.randn(24, 16, generator=g) / 4, torch.randn(24, generator=g), torch.randn(8, 24, generator=g) / 5]
@@ -111,6 +122,13 @@ def vocab_checks(group: Group) -> dict:
                                              temperature=TEMPERATURE, return_entropy=True, token_chunk=5)
         torch.autograd.backward([lp, ent], [g_lp, g_ent])
         out[("logprobs", dtype)] = (lp.detach(), ent.detach(), *_grads(hl, wl))
+        kept = vocab_kept(h, w)
+        hl, wl = _leaf(h), _leaf(w[lo:hi])
+        lp, ent = tp.vocab_parallel_logprobs(hl, wl, ids, group, start=lo, vocab_size=V, blocks=blocks,
+                                             temperature=TEMPERATURE, return_entropy=True, token_chunk=5,
+                                             kept_threshold=kept.threshold, kept_boundary=kept.boundary)
+        torch.autograd.backward([lp, ent], [g_lp, g_ent])
+        out[("logprobs_kept", dtype)] = (lp.detach(), ent.detach(), *_grads(hl, wl))
         we = _leaf(w[lo:hi])
         e = tp.vocab_parallel_embedding(ids, we, lo, group)
         e.backward(dy_emb)
