@@ -50,6 +50,8 @@ $(VSTAMP): pyproject.toml Makefile
 	$(VBIN)/python -m pip install -q --no-deps -e .
 	$(VBIN)/python -m pip install -q typer rich pydantic safetensors hypothesis pytest pytest-xdist pytest-timeout \
 		trl==1.16.0 triton==3.9.0 torch==2.13.0 transformers==5.19.0
+	# megatron-core: the train side of `rlk check --engine vllm --train-engine megatron` (torch pinned)
+	$(VBIN)/python -m pip install -q megatron-core==0.16.1 torch==2.13.0
 	touch $(VSTAMP)
 
 setup: $(STAMP) $(VSTAMP)

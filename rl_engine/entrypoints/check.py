@@ -18,7 +18,12 @@ filter dropped mass). See docs/check.md for the JSON fields.
 installed (plan ``R/R``) or unpatched (``P/P``); see docs/integrations/hf.md. ``--engine vllm``
 (in the vLLM environment, ``.venv-vllm``) makes vLLM the rollout engine — with the rl_engine
 vLLM plugin (rollout ``R``) or native (``P``) — and scores its samples with rl_engine's Qwen3 and
-with transformers (train ``R``: rl_engine operators, ``P``: native); see docs/check.md.
+with transformers (train ``R``: rl_engine operators, ``P``: native); see docs/check.md. ``--tp N``
+runs vLLM at tensor-parallel size ``N``. ``--train-engine megatron --train-tp M`` scores the train
+side with Megatron-core at ``M`` ranks on gloo instead (train ``R``: rl_engine's full-K
+row-parallel scheme, ``P``: Megatron's native K-shard all-reduce, the negative control); without
+``--model`` or ``--preset`` it takes the ``tiny-tp`` preset, whose heads divide by 4:
+``rlk check --engine vllm --tp 2 --train-engine megatron --train-tp 4``.
 
 Exit codes: ``0`` every active token raw-bit equal on every layout; ``1`` at least one
 mismatch (or nothing compared); ``2`` usage error, or a model/device that cannot be loaded or
@@ -63,6 +68,11 @@ class DType(str, enum.Enum):
     bfloat16 = "bfloat16"
 
 
+class TrainEngine(str, enum.Enum):
+    default = "default"
+    megatron = "megatron"
+
+
 class Logprobs(str, enum.Enum):
     processed = "processed"
     full = "full"
@@ -76,6 +86,10 @@ def render(result: dict[str, Any], console: Console) -> None:
     """Human summary of a :func:`~rl_engine.validation.parity.run_parity` result."""
     ro = result["rollout"]
     engine = f"  engine={result['engine']}" if "engine" in result else ""
+    if result.get("tp", 1) > 1:
+        engine += f" (tp {result['tp']})"
+    if result.get("train_engine", "default") != "default":
+        engine += f"  train-engine={result['train_engine']} (tp {result['train_tp']})"
     console.print(
         f"[bold]rlk check[/bold]  model={result['model']}  dtype={result['dtype']}  device={result['device']}  "
         f"plan={result['plan']}{engine}"
@@ -121,7 +135,7 @@ def render(result: dict[str, Any], console: Console) -> None:
 
 def command(
     model: str | None = typer.Option(None, "--model", help="HF Qwen3 or Qwen3-MoE checkpoint directory (config.json + safetensors). Default: tiny random Qwen3."),
-    preset: str = typer.Option("tiny", "--preset", help="Without --model: the preset whose dimensions the random-weight model takes (Qwen3: tiny, qwen3-0.6b, ... qwen3-32b; Qwen3-MoE: qwen3-moe-tiny, qwen3-30b-a3b, qwen3-235b-a22b)."),
+    preset: str | None = typer.Option(None, "--preset", help="Without --model: the preset whose dimensions the random-weight model takes (Qwen3: tiny, tiny-tp, qwen3-0.6b, ... qwen3-32b; Qwen3-MoE: qwen3-moe-tiny, qwen3-30b-a3b, qwen3-235b-a22b). Default: tiny (tiny-tp with --train-engine megatron)."),
     dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda:0."),
     num_prompts: int = typer.Option(12, "--num-prompts", min=1, help="Prompts from the built-in set (varied lengths)."),
@@ -142,6 +156,9 @@ def command(
     train_threads: int | None = typer.Option(None, "--train-threads", min=1, help="torch intra-op threads of the train side (default: --threads; --engine reference)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (with bits_digest: the sha256 of both sides' log-prob bits, equal on every host that passes)."),
     engine: Engine = typer.Option(Engine.reference, "--engine", help="reference: rl-kernel's executors; hf: transformers generate vs its training forward (plans R/R or P/P); vllm: vLLM generate (plugin on: rollout R, off: P) vs rl_engine/transformers scoring (needs the vLLM env: .venv-vllm/bin/rlk)."),
+    tp: int = typer.Option(1, "--tp", min=1, help="--engine vllm: vLLM's tensor-parallel size (worker processes on this host)."),
+    train_engine: TrainEngine = typer.Option(TrainEngine.default, "--train-engine", help="Who scores the train side: default (the engine's own train layouts) or megatron (Megatron-core at --train-tp ranks on gloo; --engine vllm)."),
+    train_tp: int = typer.Option(1, "--train-tp", min=1, help="--train-engine megatron: its tensor-parallel size (a power of two dividing the model's heads)."),
 ) -> None:
     """Check that train and rollout log-probs of every active token are raw-bit equal.
 
@@ -164,13 +181,37 @@ def command(
         raise typer.BadParameter("expected a value in (0, 1]", param_hint="--top-p")
     if not temperature < float("inf"):
         raise typer.BadParameter(f"expected a finite value >= 0, got {temperature}", param_hint="--temperature")
+    if tp > 1 and engine is not Engine.vllm:
+        raise typer.BadParameter(f"--tp sets vLLM's tensor-parallel size; --engine {engine.value} runs one process",
+                                 param_hint="--tp")
+    if train_engine is TrainEngine.megatron and engine is not Engine.vllm:
+        raise typer.BadParameter(f"--train-engine megatron scores vLLM's rollout: use it with --engine vllm, "
+                                 f"got --engine {engine.value}", param_hint="--train-engine")
+    if train_tp > 1 and train_engine is not TrainEngine.megatron:
+        raise typer.BadParameter("--train-tp sets Megatron's tensor-parallel size: add --train-engine megatron",
+                                 param_hint="--train-tp")
+    if train_engine is TrainEngine.megatron and parsed.label not in ("R/R", "P/R", "R/P", "P/P"):
+        raise typer.BadParameter(f"--train-engine megatron: expected a plan of R and P, got {parsed.label}",
+                                 param_hint="--plan")
+    if model is not None and preset is not None:
+        raise typer.BadParameter("--preset names random-weight dimensions; --model loads a checkpoint: give one",
+                                 param_hint="--preset")
+    if preset is None:
+        preset = "tiny-tp" if train_engine is TrainEngine.megatron else "tiny"
     from rl_engine.models.qwen3 import ModelLoadError as _UnknownPreset
     from rl_engine.models.registry import preset as preset_spec
 
     try:
-        preset_spec(preset)
+        spec = preset_spec(preset)
     except _UnknownPreset as exc:
         raise typer.BadParameter(str(exc), param_hint="--preset") from exc
+    if train_engine is TrainEngine.megatron and model is None:
+        from rl_engine.validation.engines.megatron import check_megatron_layout
+
+        try:
+            check_megatron_layout(spec, train_tp)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--train-tp") from exc
     if engine is not Engine.reference and kv_cache is not KVCache.contiguous:
         raise typer.BadParameter(f"--engine {engine.value} keeps its own KV cache; --kv-cache applies to --engine "
                                  "reference", param_hint="--kv-cache")
@@ -180,9 +221,6 @@ def command(
     if engine is not Engine.reference and (rollout_threads or train_threads):
         raise typer.BadParameter(f"--engine {engine.value} runs both sides in one engine call; --rollout-threads and "
                                  "--train-threads apply to --engine reference", param_hint="--rollout-threads")
-    if model is not None and preset != "tiny":
-        raise typer.BadParameter("--preset names random-weight dimensions; --model loads a checkpoint: give one",
-                                 param_hint="--preset")
     import torch
 
     from rl_engine.utils.threads import intra_op_threads
@@ -193,7 +231,8 @@ def command(
                        kv_cache=kv_cache.value, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
                        max_step_tokens=max_step_tokens, seed=seed,
                        temperature=temperature, top_k=top_k, top_p=top_p, plan=plan, logprobs=logprobs.value,
-                       rollout_threads=rollout_threads, train_threads=train_threads)
+                       rollout_threads=rollout_threads, train_threads=train_threads, tp=tp,
+                       train_engine=train_engine.value, train_tp=train_tp)
     if engine is Engine.vllm:
         _check_vllm(cfg, threads, as_json, err)
         return
@@ -262,7 +301,7 @@ def _check_vllm(cfg, threads: int, as_json: bool, err: Console) -> None:
                 result = run_vllm_parity(cfg, progress=progress)
             except NoEligibleImplementation as exc:
                 raise CommandError(f"rlk check: no rl-kernel implementation can run this check here:\n{exc}") from exc
-            except (ModelLoadError, ValueError, OSError) as exc:
+            except (ModelLoadError, ValueError, OSError, ImportError) as exc:  # ImportError: megatron-core missing
                 raise CommandError(f"rlk check: {exc}") from exc
             except AssertionError as exc:  # ProvenanceError: a native vLLM operator ran under the plugin
                 raise CommandError(f"rlk check: {exc}", EXIT_MISMATCH) from exc

@@ -85,6 +85,12 @@ class ParityConfig(BaseModel):
     #: The CPU backend's bits do not depend on them (the ``threads`` invariance).
     rollout_threads: int | None = Field(default=None, ge=1)
     train_threads: int | None = Field(default=None, ge=1)
+    #: the rollout engine's tensor-parallel size (``--engine vllm``: vLLM's ``tensor_parallel_size``)
+    tp: int = Field(default=1, ge=1)
+    #: who scores the train side: ``default`` (the engine's own train layouts) or ``megatron``
+    #: (Megatron-core at ``train_tp`` ranks on gloo, :mod:`rl_engine.validation.engines.megatron`)
+    train_engine: Literal["default", "megatron"] = "default"
+    train_tp: int = Field(default=1, ge=1)
 
     @field_validator("preset")
     @classmethod

@@ -286,3 +286,21 @@ def test_long_context_negative_control_fails_on_gpu(capsys):
                         "--plan", "P/P", "--json")
     res = json.loads(out)
     assert code == 1 and res["passed"] is False and res["mismatched_tokens"] > 0
+
+
+@pytest.mark.parametrize("args,hint,message", [
+    (["--tp", "2"], "--tp", "runs one process"),
+    (["--engine", "hf", "--train-engine", "megatron"], "--train-engine", "use it with --engine vllm"),
+    (["--train-tp", "2"], "--train-tp", "add --train-engine megatron"),
+    (["--engine", "vllm", "--train-engine", "megatron", "--train-tp", "4", "--preset", "tiny"], "--train-tp",
+     "cannot split model 'tiny'"),
+    (["--engine", "vllm", "--train-engine", "megatron", "--train-tp", "3"], "--train-tp", "a power of two"),
+    (["--engine", "vllm", "--train-engine", "megatron", "--preset", "qwen3-moe-tiny"], "--train-tp", "dense Qwen3"),
+    (["--model", "/nonexistent", "--preset", "tiny"], "--preset", "give one"),
+])
+def test_parallel_layout_options_reject_bad_combinations(capsys, args, hint, message):
+    """Usage errors (exit 2) name the option and are raised before any engine starts."""
+    code, out, err = _run(capsys, *args)
+    assert code == 2, out + err
+    flat = " ".join((out + err).replace("│", " ").split())
+    assert hint in flat and message in flat, out + err

@@ -126,3 +126,24 @@ def test_engine_vllm_without_vllm_says_where_to_run(monkeypatch):
     res = CliRunner().invoke(app, ["check", "--engine", "vllm"])
     assert res.exit_code == 2
     assert "run it in the vLLM env: .venv-vllm/bin/rlk check --engine vllm" in res.output
+
+
+@needs_vllm
+def test_engine_vllm_tp2_against_megatron_tp4_passes_and_native_row_reduction_mismatches():
+    """The rollout at vLLM TP 2, the train side at Megatron TP 4 (gloo ranks): raw-bit equal on
+    every sampled token (top-k / top-p, processed log-probs). Negative control: plan P/R gives
+    Megatron its native K-shard all-reduce in the row-parallel layers, which must differ."""
+    small = ("--num-prompts", "4", "--max-new-tokens", "8")
+    code, res, log = _rlk("check", "--engine", "vllm", "--tp", "2", "--train-engine", "megatron", "--train-tp", "4",
+                          "--json", *small, timeout=600)
+    assert code == 0, log[-4000:]
+    assert res["model"] == "tiny-tp" and (res["tp"], res["train_engine"], res["train_tp"]) == (2, "megatron", 4)
+    assert [lay["name"] for lay in res["layouts"]] == ["megatron-tp4"]
+    assert res["mismatched_tokens"] == 0 and res["compared_tokens"] == res["rollout"]["active_tokens"] > 0
+    assert res["sampling"]["filtered_tokens"] > 0  # the kept sets were replayed across engines
+    assert len(res["provenance"]["vllm"]) == 2 and not res["provenance"]["fallback"]  # both vLLM ranks, rl_engine only
+    code, res, log = _rlk("check", "--engine", "vllm", "--train-engine", "megatron", "--train-tp", "4", "--plan", "P/R",
+                          "--json", *small, timeout=600)
+    assert code == 1, log[-4000:]
+    assert res["mismatched_tokens"] > 0
+    assert res["provenance"]["native_modules"] == ["train: Megatron's native row-parallel all-reduce"]

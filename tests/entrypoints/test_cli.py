@@ -33,7 +33,7 @@ CLI_SURFACE = {
         "--device", "--dtype", "--engine", "--extra-prompt-tokens", "--help", "--json", "--kv-cache", "--max-new-tokens",
         "--logprobs", "--max-seqs", "--max-step-tokens", "--model", "--num-prompts", "--plan", "--prefill-chunk", "--preset",
         "--rollout-threads", "--seed",
-        "--temperature", "--threads", "--top-k", "--top-p", "--train-threads",
+        "--temperature", "--threads", "--top-k", "--top-p", "--tp", "--train-engine", "--train-threads", "--train-tp",
     ],
     "validate": ["--device", "--dp", "--help", "--inject", "--json", "--out", "--plan", "--rollout-threads", "--tp",
                  "--train-threads", "--workload", "<suite>"],

@@ -224,9 +224,13 @@ class MegatronQwen3(torch.nn.Module):
         return h[:, 0]
 
     def token_logprobs(self, ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, targets: torch.Tensor,
-                       temperature: float = 1.0) -> torch.Tensor:
-        """``log softmax(h W_embᵀ / T)[targets]`` ``[T]`` float32 on every TP rank."""
+                       temperature: float = 1.0, *, kept=None) -> torch.Tensor:
+        """``log softmax(h W_embᵀ / T)[targets]`` ``[T]`` float32 on every TP rank; with ``kept``
+        (a :class:`~rl_engine.ops.logprob.KeptSet` ``[T]``, one record per target) renormalised
+        over each token's kept set — the processed log-prob a top-k / top-p rollout reports."""
         h = self.hidden(ids, positions, cu_seqlens)
         return vocab_parallel_logprobs(h, self.gpt.embedding.word_embeddings.weight, targets, self.group,
                                        start=self.vocab_start, vocab_size=self.spec.vocab_size, blocks=self.blocks,
-                                       temperature=temperature)
+                                       temperature=temperature,
+                                       kept_threshold=None if kept is None else kept.threshold,
+                                       kept_boundary=None if kept is None else kept.boundary)

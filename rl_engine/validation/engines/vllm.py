@@ -19,7 +19,15 @@
    side of the plan (``R`` rl_engine ops, ``P`` native torch); the others are the transformers
    layouts of :mod:`~rl_engine.validation.engines.hf` (left/right padding, permuted,
    micro-batched, single) with rl_engine installed (``R``) or unpatched (``P``).
+   With ``cfg.train_engine == "megatron"`` the train side is instead one layout,
+   ``megatron-tp<N>``: Megatron-core at ``cfg.train_tp`` ranks on gloo
+   (:mod:`~rl_engine.validation.engines.megatron`; train ``R``: the full-K row scheme, ``P``:
+   Megatron's native K-shard all-reduce).
 3. align by ``(sample_id, position)`` and compare raw bits (``validation.alignment``).
+
+``cfg.tp > 1`` runs vLLM with ``tensor_parallel_size = cfg.tp``: its workers are processes
+(``VLLM_ENABLE_V1_MULTIPROCESSING=1``), each bound to its share of this process's CPUs
+(``VLLM_CPU_OMP_THREADS_BIND``, unless set); under the plugin every rank's provenance is checked.
 
 The result has the fields of ``run_parity`` / ``run_hf_parity`` plus ``engine: "vllm"`` and
 ``provenance.vllm`` (each vLLM worker's operator counts, :func:`~rl_engine.integrations.
@@ -39,7 +47,7 @@ from typing import Any
 import torch
 from rl_engine.engine import ops_for
 
-__all__ = ["VLLM_LAYOUTS", "VLLM_ENV_HINT", "VLLM_ENV_DEFAULTS", "VllmUnavailable", "require_vllm", "run_vllm_parity"]
+__all__ = ["VLLM_LAYOUTS", "VLLM_ENV_HINT", "VLLM_ENV_DEFAULTS", "VllmUnavailable", "cpu_binding", "require_vllm", "run_vllm_parity"]
 
 #: The train layouts: ``packed`` (rl_engine Qwen3) + the transformers layouts of ``hf_check``.
 VLLM_LAYOUTS: tuple[str, ...] = ("packed", "padded-left", "padded-right", "permuted", "micro-batched", "single")
@@ -125,11 +133,32 @@ def _score_packed(model, seqs, ops, temperature: float) -> dict:
     return scored
 
 
+def cpu_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` workers: this process's CPUs in ``ranks``
+    contiguous shares (``"0-3|4-7"``), or ``"nobind"`` when there are fewer CPUs than ranks."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < ranks:
+        return "nobind"
+    per = len(cpus) // ranks
+    shares = [cpus[r * per:(r + 1) * per] for r in range(ranks)]
+    return "|".join(",".join(str(c) for c in share) for share in shares)
+
+
 def _build_llm(model_dir: str, cfg, max_len: int):
     from vllm import LLM
 
+    if cfg.tp > 1:  # TP workers are processes; the CPU engine binds each to its share of the CPUs
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(cfg.tp))
     return LLM(model=model_dir, dtype=cfg.dtype, enforce_eager=True, seed=cfg.seed, max_model_len=max_len,
-               max_num_seqs=cfg.max_seqs, tensor_parallel_size=1, logprobs_mode="processed_logprobs")
+               max_num_seqs=cfg.max_seqs, tensor_parallel_size=cfg.tp, logprobs_mode="processed_logprobs")
+
+
+def _shutdown(llm) -> None:
+    """Stop a multiprocess engine's workers now (an in-process engine goes with the object)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
 
 
 def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
@@ -147,6 +176,8 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
     """
     from rl_engine import __version__ as rlk_version
     from rl_engine.validation.engines.hf import load_hf_model, score_hf_layout
+    from rl_engine.validation.engines.megatron import (check_megatron_layout, megatron_layout_name, require_megatron,
+                                                       score_megatron)
     from rl_engine.integrations.hf.install import install as hf_install
     from rl_engine.models.qwen3 import Qwen3ForCausalLM, dtype_from_name
     from rl_engine.platforms import platform_of
@@ -163,6 +194,8 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
             progress(stage, done, total)
 
     require_vllm()
+    if cfg.train_engine == "megatron":
+        require_megatron()
     import transformers
     import vllm
 
@@ -172,7 +205,9 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
     plan = Plan.parse(cfg.plan)
     train_letter, rollout_letter = plan.label.split("/")
     dtype = dtype_from_name(cfg.dtype)
-    total = 3 + len(VLLM_LAYOUTS)
+    megatron = cfg.train_engine == "megatron"
+    layout_names = (megatron_layout_name(cfg.train_tp),) if megatron else VLLM_LAYOUTS
+    total = 3 + len(layout_names)
     tick("load model", 0, total)
     tmp = None
     if cfg.model is None:
@@ -190,6 +225,13 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
         if tmp is not None:
             tmp.cleanup()
         raise ValueError(f"model: cannot load {model_dir!r}: {exc}") from exc
+    if megatron:
+        try:
+            check_megatron_layout(ours.spec, cfg.train_tp)
+        except ValueError:
+            if tmp is not None:
+                tmp.cleanup()
+            raise
     sampling = SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
     reqs = builtin_prompts(cfg.num_prompts, ours.spec.vocab_size, cfg.max_new_tokens, cfg.seed,
                            cfg.extra_prompt_tokens)
@@ -227,15 +269,22 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
             rlk_vllm.assert_no_fallbacks(vllm_prov, require=tuple(k for k in rlk_vllm.QWEN3_KINDS
                                                                   if k != "Sampler.compute_logprobs") + (logprob_kind,))
         seqs = [TrainSequence.of(s, cfg.logprobs) for s in rollout.values()]
+        _shutdown(llm)  # free the rollout's workers and KV cache before the train side runs
         ops = ops_for(plan, "train")
-        inst = hf_install(hf) if train_letter == "R" else None
+        inst = hf_install(hf) if train_letter == "R" and not megatron else None
         layouts = []
+        T = sampling.logprob_temperature
         with prov.record() as records, torch.no_grad(), nan_policy("propagate"):
-            for k, name in enumerate(VLLM_LAYOUTS):
+            for k, name in enumerate(layout_names):
                 tick(f"train layout {name}", 3 + k, total)
                 t_l = time.perf_counter()
-                T = sampling.logprob_temperature
-                scored = _score_packed(ours, seqs, ops, T) if name == "packed" else score_hf_layout(hf, seqs, name, T, cfg.device)
+                if megatron:
+                    scored = score_megatron(model_dir, seqs, tp=cfg.train_tp, dtype=cfg.dtype, temperature=T,
+                                            train_letter=train_letter)
+                elif name == "packed":
+                    scored = _score_packed(ours, seqs, ops, T)
+                else:
+                    scored = score_hf_layout(hf, seqs, name, T, cfg.device)
                 c = compare(align(rollout, scored))
                 layouts.append({"name": name, **c.as_dict(), "seconds": round(time.perf_counter() - t_l, 3)})
     finally:
@@ -254,7 +303,8 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
     if rollout_letter == "P":
         native.append("rollout: all (native vLLM)")
     if train_letter == "P":
-        native.append("train: all (native torch / unpatched transformers)")
+        native.append("train: Megatron's native row-parallel all-reduce" if megatron
+                      else "train: all (native torch / unpatched transformers)")
     return {
         "schema_version": SCHEMA_VERSION,
         "engine": "vllm",
@@ -273,6 +323,9 @@ def run_vllm_parity(cfg, progress: Callable[[str, int, int], None] | None = None
         "extra_prompt_tokens": cfg.extra_prompt_tokens,
         "max_context": max(len(s.prompt) + len(s.response) for s in rollout.values()),
         "seed": cfg.seed,
+        "tp": cfg.tp,
+        "train_engine": cfg.train_engine,
+        "train_tp": cfg.train_tp,
         "rollout": {
             "steps": None,  # vLLM's scheduler steps are not observed from outside
             "distinct_batch_compositions": None,
