@@ -26,7 +26,8 @@ import torch
 from rl_engine.ops.gemm import check_out_dtype
 from rl_engine.ops.logprob.kept import KEEP_ALL_BOUNDARY, KeptSet, canonical_prefix, kept_set, scale_logits
 from rl_engine.runtime.registry import dispatch, make_request
-from rl_engine.utils.checks import FLOAT_DTYPES, check_finite, require_same_device, require_tensor
+from rl_engine.utils.checks import (FLOAT_DTYPES, check_finite, check_index_range, reads_back, require_same_device,
+                                    require_tensor)
 
 __all__ = ["VOCAB_BLOCK", "log_softmax", "token_logprobs", "entropy", "linear_token_logprobs", "KeptSet",
            "KEEP_ALL_BOUNDARY", "kept_set", "canonical_prefix", "scale_logits"]
@@ -58,7 +59,10 @@ def _targets(targets: object, lead: torch.Size, vocab: int, lead_name: str) -> t
     require_tensor("targets", targets, dtypes=_INDEX_DTYPES)
     if targets.shape != lead:
         raise ValueError(f"targets: expected shape {tuple(lead)} (the leading dims of {lead_name}), got {tuple(targets.shape)}")
-    if targets.numel() and targets.device.type != "meta":
+    if targets.numel() and targets.device.type != "meta" and not reads_back(targets):
+        # a GPU tensor under the default NaN policy: a device-side assertion, no host read
+        check_index_range("targets", targets, vocab, what="token ids")
+    elif targets.numel() and targets.device.type != "meta":
         lo, hi = int(targets.min()), int(targets.max())
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
@@ -82,8 +86,12 @@ def _kept(kept: object, lead: torch.Size, device: torch.device) -> dict[str, tor
         if t.device != device:
             raise ValueError(f"{name}: expected device {device} (the logits' device), got {t.device}")
     thr = kept.threshold.reshape(-1).contiguous()
-    if thr.numel() and thr.device.type != "meta" and bool((torch.isnan(thr) | torch.isposinf(thr)).any()):
-        raise ValueError("kept.threshold: expected scaled logits below +inf (no NaN), got NaN or +inf")
+    if thr.numel() and thr.device.type != "meta":
+        bad = (torch.isnan(thr) | torch.isposinf(thr)).any()
+        if not reads_back(thr):  # GPU, default policy: assert on the device instead of reading back
+            torch._assert_async(~bad, "kept.threshold: expected scaled logits below +inf (no NaN)")
+        elif bool(bad):
+            raise ValueError("kept.threshold: expected scaled logits below +inf (no NaN), got NaN or +inf")
     return {"kept_threshold": thr, "kept_boundary": kept.boundary.reshape(-1).contiguous()}
 
 
