@@ -23,6 +23,7 @@ from rl_engine.integrations.hf.train import train_token_logprobs
 from rl_engine.runtime import provenance
 from rl_engine.utils.bits import same_bits
 from tests.helpers.qwen3_moe import build_hf_moe_model, forced_routing, moe_spec
+from tests.helpers.threads import threads
 
 NAMES = ["qwen3-moe-tiny", "e8k2-untied-dense1"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -32,12 +33,8 @@ CASES = [([5], False, 6), ([3, 9, 1], True, 6), ([20, 13, 30, 7], True, 12)]
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with threads(1):
         yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

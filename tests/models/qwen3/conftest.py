@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.helpers.qwen3 import TINY_CONFIGS, build_hf_model
 
@@ -19,15 +18,3 @@ def hf_checkpoints(tmp_path_factory):
         hf.save_pretrained(d, max_shard_size=shard)
         out[name] = d
     return out
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; one thread avoids oversubscription
-    under ``pytest -n 2`` on the 2-core CI machine. Restored after each test."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

@@ -27,16 +27,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NAMES = ["qwen3-moe-tiny", *TINY_MOE_CONFIGS]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """``{name: directory}`` saved by transformers' ``save_pretrained`` (per-expert tensor names);

@@ -6,7 +6,6 @@ plans caught, and the debugger naming a routing difference by token and experts.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rl_engine.validation.chain import run_chain
 from rl_engine.validation.debugger import run_debug, stage_order
@@ -17,24 +16,9 @@ from rl_engine.workloads import load_workload
 CELLS = ["packed", "padded-left", "permuted", "BN/chunked", "B1/singleton", "decode/BN-varlen"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def rr():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return run_chain(load_workload("ws1-moe-tiny"), cells=CELLS)
-    finally:
-        torch.set_num_threads(previous)
+    return run_chain(load_workload("ws1-moe-tiny"), cells=CELLS)  # one thread: tests/validation/conftest.py
 
 
 def test_cells_bitwise_equal_and_gradients_invariant(rr):
