@@ -14,9 +14,12 @@ every op runs exactly as it runs eagerly, so the compiled model computes **the s
 Under ``mode="reduce-overhead"`` the nodes are captured in a CUDA graph like any other op (the
 decode path reads nothing back to the host).
 
-The nodes carry no autograd: under ``torch.compile`` the install serves inference (``generate``,
-scoring under ``torch.no_grad()``); compiling a forward that needs gradients fails when its
-backward is traced (``BackendCompilerFailed`` naming the node). Train with the eager model.
+Gradients: each node's autograd formula is one more opaque node, ``rlk::hf_backward``, which
+re-runs the eager call with autograd on and returns ``torch.autograd.grad`` of it — the public
+op's own backward. The ops are deterministic (the same inputs give the same bits and the same
+saved tensors), so a compiled training step computes the eager step's loss and gradients bit for
+bit, at the cost of one extra forward per op in the backward. The rollout-side
+``cache_attention`` (it appends to the cache) has no gradient.
 
 Importing this module registers the ``rlk::hf_*`` ops (the install imports it).
 """
@@ -30,17 +33,91 @@ import torch
 __all__ = ["linear", "embedding", "rms_norm", "silu_and_mul", "apply_rope", "packed_attention", "cache_attention"]
 
 
-def _no_gradients(node) -> None:
-    """Give ``node`` an autograd formula that refuses: a compiled forward that needs gradients
-    fails when the backward is traced (``torch.compile`` raises ``BackendCompilerFailed`` with
-    this message) instead of silently dropping them."""
-    name = f"rlk::{node._name}"
+def _eager(op: str, t: list, scalars: list[float]) -> torch.Tensor:
+    """The eager public call behind node ``op`` (tensor arguments ``t``, float arguments ``scalars``)."""
+    if op == "linear":
+        from rl_engine.ops.gemm import linear as fn
 
-    def backward(ctx, *grads):
-        raise ValueError(f"{name}: the rl_engine HF install under torch.compile computes no gradients (its ops are "
-                         "opaque graph nodes); run the compiled model under torch.no_grad() or train the eager model")
+        return fn(t[0], t[1], t[2])
+    if op == "embedding":
+        from rl_engine.ops.embedding import embedding as fn
 
-    node.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
+        return fn(t[0], t[1])
+    if op == "rms_norm":
+        from rl_engine.ops.norm import rms_norm as fn
+
+        return fn(t[0], t[1], scalars[0])
+    if op == "silu_and_mul":
+        from rl_engine.ops.activation import silu_and_mul as fn
+
+        return fn(t[0])
+    if op == "apply_rope":
+        from rl_engine.ops.rope import apply_rope as fn
+
+        return fn(t[0], t[1], theta=scalars[0])
+    if op == "packed_attention":
+        from rl_engine.integrations.hf.attention import packed_attention as fn
+
+        return fn(t[0], t[1], t[2], t[3], t[4], scalars[0] if scalars else None)
+    raise ValueError(f"op: no HF graph node {op!r}")
+
+
+@torch.library.custom_op("rlk::hf_backward", mutates_args=())
+def _backward_node(op: str, grad: torch.Tensor, inputs: list[Optional[torch.Tensor]], scalars: list[float],
+                   needs: list[bool]) -> list[torch.Tensor]:
+    """Gradients of node ``op``'s output (``grad``) to the ``inputs`` flagged in ``needs``: the
+    eager call re-run under autograd. An input not needed gets an empty tensor."""
+    with _autograd_inside_custom_op(), torch.enable_grad():
+        leaves = [t.detach().requires_grad_() if n else t for t, n in zip(inputs, needs)]
+        out = _eager(op, leaves, scalars)
+        wanted = [leaf for leaf, n in zip(leaves, needs) if n]
+        got = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+    result = []
+    for leaf, n in zip(leaves, needs):
+        if not n:
+            result.append(grad.new_empty(0))
+            continue
+        g = next(got)
+        result.append(torch.zeros_like(leaf) if g is None else g.detach())  # zeros: an input the output does not reach
+    return result
+
+
+def _autograd_inside_custom_op():
+    """A custom op's implementation runs with the autograd dispatch keys excluded (it sits below
+    autograd); the eager re-run needs them back for the duration of the backward. Restored on exit."""
+    C = torch._C
+    exclude = C._dispatch_tls_local_exclude_set()
+    for key in (C.DispatchKey.AutogradFunctionality, C.DispatchKey.AutogradOther, C.DispatchKey.ADInplaceOrView):
+        exclude = exclude.remove(key)
+    return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude)
+
+
+@_backward_node.register_fake
+def _(op, grad, inputs, scalars, needs):
+    return [t.new_empty(t.shape) if n else grad.new_empty(0) for t, n in zip(inputs, needs)]
+
+
+def _with_gradients(node, op: str, tensors: tuple[int, ...], scalars: tuple[int, ...] = ()) -> None:
+    """Give ``node`` (positional arguments: tensors at ``tensors``, floats at ``scalars``) the
+    autograd formula of the eager call, through :func:`_backward_node`."""
+    n_args = len(tensors) + len(scalars)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*(inputs[i] for i in tensors))
+        ctx.scalars = [float(inputs[i]) for i in scalars if inputs[i] is not None]
+
+    def backward(ctx, grad):
+        needs = [bool(ctx.needs_input_grad[i]) for i in tensors]
+        out: list = [None] * n_args
+        if not any(needs):
+            return tuple(out)
+        grads = _backward_node(op, grad.contiguous(), list(ctx.saved_tensors), ctx.scalars, needs)
+        for j, i in enumerate(tensors):
+            if needs[j]:
+                out[i] = grads[j]
+        return tuple(out)
+
+    node.register_autograd(backward, setup_context=setup_context)
 
 
 # --------------------------------------------------------------------------------------------- nodes
@@ -58,7 +135,7 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-_no_gradients(_linear_node)
+_with_gradients(_linear_node, "linear", (0, 1, 2))
 
 
 @torch.library.custom_op("rlk::hf_embedding", mutates_args=())
@@ -73,7 +150,7 @@ def _(ids, weight):
     return weight.new_empty((*ids.shape, weight.shape[1]))
 
 
-_no_gradients(_embedding_node)
+_with_gradients(_embedding_node, "embedding", (0, 1))
 
 
 @torch.library.custom_op("rlk::hf_rms_norm", mutates_args=())
@@ -88,7 +165,7 @@ def _(x, weight, eps):
     return x.new_empty(x.shape)
 
 
-_no_gradients(_rms_norm_node)
+_with_gradients(_rms_norm_node, "rms_norm", (0, 1), (2,))
 
 
 @torch.library.custom_op("rlk::hf_silu_and_mul", mutates_args=())
@@ -103,7 +180,7 @@ def _(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-_no_gradients(_silu_and_mul_node)
+_with_gradients(_silu_and_mul_node, "silu_and_mul", (0,))
 
 
 @torch.library.custom_op("rlk::hf_apply_rope", mutates_args=())
@@ -118,7 +195,7 @@ def _(x, positions, theta):
     return x.new_empty(x.shape)
 
 
-_no_gradients(_apply_rope_node)
+_with_gradients(_apply_rope_node, "apply_rope", (0, 1), (2,))
 
 
 @torch.library.custom_op("rlk::hf_packed_attention", mutates_args=())
@@ -134,7 +211,7 @@ def _(q, k, v, valid, segments, scale):
     return q.new_empty(q.shape)
 
 
-_no_gradients(_packed_attention_node)
+_with_gradients(_packed_attention_node, "packed_attention", (0, 1, 2, 3, 4), (5,))
 
 
 @torch.library.custom_op("rlk::hf_cache_attention", mutates_args=("k_store", "v_store", "lens"))
