@@ -92,7 +92,7 @@ def test_long_prompts_cross_the_kv_split_and_pass_bitwise(capsys):
     """``--extra-prompt-tokens 1000``: contexts past position 1024 (the first KV split of the
     attention contract), so the rollout decodes over caches of two splits and the train path
     merges them; every active token's bits still match."""
-    code, out, _ = _run(capsys, "--extra-prompt-tokens", "1000", "--json")
+    code, out, _ = _run(capsys, "--extra-prompt-tokens", "1000", "--num-prompts", "6", "--json")
     res = json.loads(out)
     assert code == 0 and res["passed"] is True, res["first_mismatch"]
     assert res["extra_prompt_tokens"] == 1000 and 1024 < res["max_context"] <= 1000 + 64 + 24
