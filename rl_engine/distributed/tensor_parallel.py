@@ -42,7 +42,8 @@ from collections.abc import Sequence
 
 import torch
 
-from rl_engine.backends.cpu.logprob.lse import finish_grad, grad_entropy, grad_logprob, mask_kept, scale_logits
+from rl_engine.backends.cpu.logprob import fused_dlogits
+from rl_engine.backends.cpu.logprob.lse import mask_kept, scale_logits
 from rl_engine.distributed.algorithms.exact_k import sharded_k_matmul, tree_all_reduce
 from rl_engine.distributed.algorithms.tree import check_blocks, tree_sum
 from rl_engine.distributed.algorithms.vocab import VOCAB_BLOCK, merge_shard_stats, shard_block_stats
@@ -348,27 +349,6 @@ def slice_heads(y: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
 # vocabulary-parallel log-probs
 
 
-def _dlogits(z, start, targets, lse, ent, g_lp, g_ent, temperature, dtype, kept=None):
-    """The logits gradient of a column block, as the unfused ops produce it (each op's gradient
-    rounded to the dtype on its own, then one addition in the dtype). ``kept`` (this block's rows'
-    ``(threshold, boundary)``): entries outside a row's kept set (the target counts as kept) are
-    ``-inf`` in the statistics and get ``+0``, as in the single-process op."""
-    keep = None
-    if kept is not None:
-        z, keep = mask_kept(z, start, kept[0], kept[1], targets)
-
-    def drop(dz):
-        return dz if keep is None else dz.masked_fill_(~keep, 0.0)
-
-    out = None
-    if g_lp is not None:
-        out = finish_grad(drop(grad_logprob(z, start, lse, targets, g_lp)), temperature, dtype)
-    if g_ent is not None:
-        d_ent = finish_grad(drop(grad_entropy(z, lse, ent, g_ent)), temperature, dtype)
-        out = d_ent if out is None else out + d_ent
-    return out
-
-
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, return_entropy: bool, group: Group,
@@ -423,8 +403,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             return (targets[r0:r1], lse[r0:r1], ent[r0:r1] if g_ent is not None else None,
                     g_lp[r0:r1] if g_lp is not None else None, g_ent[r0:r1] if g_ent is not None else None)
 
-        def kept(r0, r1):
-            return None if kept_threshold is None else (kept_threshold[r0:r1], kept_boundary[r0:r1])
+        def kept(r0, r1):  # this chunk's rows of the kept-set records (None, None without them)
+            return (None, None) if kept_threshold is None else (kept_threshold[r0:r1], kept_boundary[r0:r1])
 
         dh = dw = None
         if need_h:
@@ -433,8 +413,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             for r0 in range(0, N, token_chunk):
                 h = hidden[r0:r0 + token_chunk]
                 tgt, l_, e_, gl, ge = rows(r0, r0 + h.shape[0])
-                z = scale_logits(_linear(h, weight), temperature)
-                dl = _dlogits(z, start, tgt, l_, e_, gl, ge, temperature, hidden.dtype, kept(r0, r0 + h.shape[0]))
+                dl = fused_dlogits(_linear(h, weight), start, tgt, l_, e_, gl, ge, temperature, *kept(r0, r0 + h.shape[0]))
                 dh[r0:r0 + h.shape[0]] = sharded_k_matmul(dl, weight.t(), group, k_total=vocab_size)
         if need_w:
             # dW_r[cols] = dlogits[:, cols]ᵀ @ h over all tokens, per vocabulary chunk (row-local)
@@ -446,9 +425,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 for r0 in range(0, N, token_chunk):
                     h = hidden[r0:r0 + token_chunk]
                     tgt, l_, e_, gl, ge = rows(r0, r0 + h.shape[0])
-                    z = scale_logits(_linear(h, w), temperature)
-                    dl[r0:r0 + h.shape[0]] = _dlogits(z, start + c0, tgt, l_, e_, gl, ge, temperature, hidden.dtype,
-                                                      kept(r0, r0 + h.shape[0]))
+                    dl[r0:r0 + h.shape[0]] = fused_dlogits(_linear(h, w), start + c0, tgt, l_, e_, gl, ge, temperature,
+                                                           *kept(r0, r0 + h.shape[0]))
                 dw[c0:c0 + w.shape[0]] = _weight_grad(dl, hidden)
         return (dh if need_h else None), (dw if need_w else None), None, None, None, None, None, None, None, None, None, None
 

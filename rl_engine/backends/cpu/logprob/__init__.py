@@ -223,7 +223,7 @@ def _kept_rows(kept_threshold: torch.Tensor | None, kept_boundary: torch.Tensor 
     return kept_threshold[r0:r1], kept_boundary[r0:r1]
 
 
-def _fused_dlogits(
+def fused_dlogits(
     logits: torch.Tensor,
     start: int,
     targets: torch.Tensor,
@@ -300,7 +300,7 @@ def linear_token_logprobs_cpu_backward(
             dl = hidden.new_empty((R, V))
             for c0 in range(0, V, vocab_chunk):
                 logits = exact_matmul(h, weight[c0 : c0 + vocab_chunk], logits_dtype)
-                dl[:, c0 : c0 + logits.shape[1]] = _fused_dlogits(logits, c0, *args)
+                dl[:, c0 : c0 + logits.shape[1]] = fused_dlogits(logits, c0, *args)
             dhidden[r0 : r0 + R] = exact_matmul(dl, w_t)
             del dl
         del w_t
@@ -313,7 +313,7 @@ def linear_token_logprobs_cpu_backward(
             dl = hidden.new_empty((N, C))
             for r0 in range(0, N, token_chunk):
                 h = hidden[r0 : r0 + token_chunk]
-                dl[r0 : r0 + h.shape[0]] = _fused_dlogits(exact_matmul(h, w, logits_dtype), c0, *rows(r0, r0 + h.shape[0]))
+                dl[r0 : r0 + h.shape[0]] = fused_dlogits(exact_matmul(h, w, logits_dtype), c0, *rows(r0, r0 + h.shape[0]))
             dweight[c0 : c0 + C] = exact_matmul(dl.t(), h_t)
             del dl
     return dhidden, dweight
