@@ -125,9 +125,7 @@ def _with_gradients(node, op: str, tensors: tuple[int, ...], scalars: tuple[int,
 
 @torch.library.custom_op("rlk::hf_linear", mutates_args=())
 def _linear_node(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    from rl_engine.ops.gemm import linear as op
-
-    return op(x, weight, bias)
+    return _eager("linear", [x, weight, bias], [])
 
 
 @_linear_node.register_fake
@@ -140,9 +138,7 @@ _with_gradients(_linear_node, "linear", (0, 1, 2))
 
 @torch.library.custom_op("rlk::hf_embedding", mutates_args=())
 def _embedding_node(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    from rl_engine.ops.embedding import embedding as op
-
-    return op(ids, weight)
+    return _eager("embedding", [ids, weight], [])
 
 
 @_embedding_node.register_fake
@@ -155,9 +151,7 @@ _with_gradients(_embedding_node, "embedding", (0, 1))
 
 @torch.library.custom_op("rlk::hf_rms_norm", mutates_args=())
 def _rms_norm_node(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from rl_engine.ops.norm import rms_norm as op
-
-    return op(x, weight, eps)
+    return _eager("rms_norm", [x, weight], [eps])
 
 
 @_rms_norm_node.register_fake
@@ -170,9 +164,7 @@ _with_gradients(_rms_norm_node, "rms_norm", (0, 1), (2,))
 
 @torch.library.custom_op("rlk::hf_silu_and_mul", mutates_args=())
 def _silu_and_mul_node(x: torch.Tensor) -> torch.Tensor:
-    from rl_engine.ops.activation import silu_and_mul as op
-
-    return op(x)
+    return _eager("silu_and_mul", [x], [])
 
 
 @_silu_and_mul_node.register_fake
@@ -185,9 +177,7 @@ _with_gradients(_silu_and_mul_node, "silu_and_mul", (0,))
 
 @torch.library.custom_op("rlk::hf_apply_rope", mutates_args=())
 def _apply_rope_node(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    from rl_engine.ops.rope import apply_rope as op
-
-    return op(x, positions, theta=theta)
+    return _eager("apply_rope", [x, positions], [theta])
 
 
 @_apply_rope_node.register_fake
@@ -201,9 +191,7 @@ _with_gradients(_apply_rope_node, "apply_rope", (0, 1), (2,))
 @torch.library.custom_op("rlk::hf_packed_attention", mutates_args=())
 def _packed_attention_node(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
                            segments: Optional[torch.Tensor], scale: Optional[float]) -> torch.Tensor:
-    from rl_engine.integrations.hf.attention import packed_attention as fn
-
-    return fn(q, k, v, valid, segments, scale)
+    return _eager("packed_attention", [q, k, v, valid, segments], [] if scale is None else [scale])
 
 
 @_packed_attention_node.register_fake
@@ -234,45 +222,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """:func:`rl_engine.ops.gemm.linear` (``x [..., K]``, ``weight [N, K]`` → ``[..., N]``)."""
     if torch.compiler.is_compiling():
         return _linear_node(x, weight, bias)
-    from rl_engine.ops.gemm import linear as op
-
-    return op(x, weight, bias)
+    return _eager("linear", [x, weight, bias], [])
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """:func:`rl_engine.ops.embedding.embedding` (``ids [...]``, ``weight [V, H]`` → ``[..., H]``)."""
     if torch.compiler.is_compiling():
         return _embedding_node(ids, weight)
-    from rl_engine.ops.embedding import embedding as op
-
-    return op(ids, weight)
+    return _eager("embedding", [ids, weight], [])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`rl_engine.ops.norm.rms_norm` (``x [..., H]``, ``weight [H]``)."""
     if torch.compiler.is_compiling():
         return _rms_norm_node(x, weight, eps)
-    from rl_engine.ops.norm import rms_norm as op
-
-    return op(x, weight, eps)
+    return _eager("rms_norm", [x, weight], [eps])
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """:func:`rl_engine.ops.activation.silu_and_mul` (``[..., 2d]`` → ``[..., d]``)."""
     if torch.compiler.is_compiling():
         return _silu_and_mul_node(x)
-    from rl_engine.ops.activation import silu_and_mul as op
-
-    return op(x)
+    return _eager("silu_and_mul", [x], [])
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """:func:`rl_engine.ops.rope.apply_rope` (``x [T, H, D]``, ``positions [T]``)."""
     if torch.compiler.is_compiling():
         return _apply_rope_node(x, positions, theta)
-    from rl_engine.ops.rope import apply_rope as op
-
-    return op(x, positions, theta=theta)
+    return _eager("apply_rope", [x, positions], [theta])
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
@@ -280,9 +258,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: t
     """:func:`rl_engine.integrations.hf.attention.packed_attention`."""
     if torch.compiler.is_compiling():
         return _packed_attention_node(q, k, v, valid, segments, scale)
-    from rl_engine.integrations.hf.attention import packed_attention as fn
-
-    return fn(q, k, v, valid, segments, scale)
+    return _eager("packed_attention", [q, k, v, valid, segments], [] if scale is None else [scale])
 
 
 def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
