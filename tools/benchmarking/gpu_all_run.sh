@@ -5,7 +5,7 @@
 #
 #   STEPS="tests bench_attention bench_logprob bench_gemm" bash tools/benchmarking/gpu_all_run.sh
 #
-# Steps: tests, bench_attention, bench_attention_extra (BENCH_ATTENTION_EXTRA_ARGS), bench_attention_configs, bench_logprob, debug_logprob, bench_gemm,
+# Steps: tests, bench_attention, bench_moe (benchmarks/operators/bench_moe_gpu.py, BENCH_MOE_ARGS), bench_attention_extra (BENCH_ATTENTION_EXTRA_ARGS), bench_attention_configs, bench_logprob, debug_logprob, bench_gemm,
 # check_cuda (`rlk check --device cuda`: fp32 and bf16 R/R, the P/P control, bf16 R/R past the first KV
 # split at Qwen3-0.6B's dimensions over contiguous and paged caches; CHECK_RUNS overrides), ablation
 # (tools/benchmarking/attention_ablation_gpu.py), sweep (tools/benchmarking/gemm_sweep.py),
@@ -149,6 +149,9 @@ for step in $STEPS; do
     e2e)  # end to end through transformers; the report is rewritten after each section: a time limit keeps what finished
       timeout $(lim ${E2E_TIMEOUT:-540}) python3 benchmarks/e2e/bench_hf_qwen3.py --out "$OUT/bench_hf_qwen3.json" \
         ${E2E_ARGS:-} > "$OUT/bench_hf_qwen3.log" 2>&1; echo "rc=$?"; grep -v -i warn "$OUT/bench_hf_qwen3.log" | tail -40 ;;
+    bench_moe)  # the routed-expert layer at Qwen3-30B-A3B's dimensions against torch._grouped_mm (benchmarks/operators/bench_moe_gpu.py)
+      timeout $(lim ${BENCH_MOE_TIMEOUT:-150}) python3 benchmarks/operators/bench_moe_gpu.py --out "$OUT/bench_moe_gpu.json" \
+        ${BENCH_MOE_ARGS:-} > "$OUT/bench_moe_gpu.log" 2>&1; echo "rc=$?"; tail -40 "$OUT/bench_moe_gpu.log" | cut -c1-220 ;;
     bench_gemm)
       timeout $(lim ${BENCH_GEMM_TIMEOUT:-150}) python3 benchmarks/operators/bench_gemm_gpu.py --out "$OUT/bench_gemm_gpu.json" \
         ${BENCH_GEMM_ARGS:-} > "$OUT/bench_gemm_gpu.log" 2>&1; tail -32 "$OUT/bench_gemm_gpu.log" ;;
