@@ -78,7 +78,9 @@ def _baseline_experts(x, wgu, wd, w, ids):
     tok = order // K
     xs = x[tok]
     if hasattr(torch, "_grouped_mm"):
-        offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+        # counts by scatter_add (bincount sizes its output from a host read: not capturable)
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0).to(torch.int32)
         h = torch._grouped_mm(xs, wgu.transpose(1, 2), offs=offs)
         d = h.shape[-1] // 2
         y = torch._grouped_mm(F.silu(h[:, :d]) * h[:, d:], wd.transpose(1, 2), offs=offs)

@@ -19,7 +19,11 @@ every backend import it from here, below both. For rotary dimension ``R`` and ba
 Tables for positions ``0..N-1`` are cached per ``(R, theta, device)`` (at most
 :data:`CACHE_ELEMENTS` entries each) and gathered by position; a call whose largest position is
 beyond the cacheable range computes its entries directly. Both give the same bits, because
-every entry is a function of ``(position, i)`` alone.
+every entry is a function of ``(position, i)`` alone. Where the largest position may not be read
+back (a GPU under the default NaN policy: no host synchronisation), the table covers positions
+``0..`` :data:`DEVICE_TABLE_POSITIONS` ``- 1`` whatever ``R`` (built once, in pieces), and a
+device-side assertion stops a position beyond it; ``nan_policy("raise")`` reads the maximum and
+serves every position in ``[0, 2^31)``.
 
 No libm call touches a tensor, and every step is an elementwise, correctly rounded IEEE
 operation, so an entry depends only on ``(position, i, R, theta)``: not on how many positions
@@ -40,7 +44,7 @@ import torch
 
 from rl_engine.utils.checks import reads_back
 
-__all__ = ["MAX_POSITION", "CACHE_ELEMENTS", "rope_inv_freq", "rope_cos_sin"]
+__all__ = ["MAX_POSITION", "CACHE_ELEMENTS", "DEVICE_TABLE_POSITIONS", "rope_inv_freq", "rope_cos_sin"]
 
 #: Positions are accepted in ``[0, MAX_POSITION)``.
 MAX_POSITION = 2**31
@@ -102,14 +106,29 @@ def _direct(positions: torch.Tensor, inv: tuple[float, ...]) -> tuple[torch.Tens
 
 #: Largest cached table, in entries per table (``rows · R/2``): 16 MiB of fp32 each for cos, sin.
 CACHE_ELEMENTS = 1 << 22
+#: Positions of the table used without a host read (GPU, default NaN policy): 262,144 positions,
+#: whatever ``R`` (``R = 128``: 64 MiB of fp32 each for cos and sin).
+DEVICE_TABLE_POSITIONS = 1 << 18
+# Positions computed per piece when a table is built (bounds the float64 temporaries).
+_BUILD_PIECE = 1 << 14
 _CACHE_KEYS = 8
 _cache: dict[tuple[int, float, str], tuple[torch.Tensor, torch.Tensor]] = {}
 _cache_lock = threading.Lock()
 
 
-def _cached(rows: int, rotary_dim: int, theta: float, device: torch.device, inv: tuple[float, ...]):
-    """The table for positions ``0..n-1`` with ``n >= rows`` (``None``: too large to cache)."""
-    max_rows = CACHE_ELEMENTS // (rotary_dim // 2)
+def _build(n: int, device: torch.device, inv: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table for positions ``0..n-1``, computed in pieces of :data:`_BUILD_PIECE` positions."""
+    pieces = [_direct(torch.arange(p, min(n, p + _BUILD_PIECE), device=device), inv) for p in range(0, n, _BUILD_PIECE)]
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat([c for c, _ in pieces]), torch.cat([s_ for _, s_ in pieces])
+
+
+def _cached(rows: int, rotary_dim: int, theta: float, device: torch.device, inv: tuple[float, ...],
+            max_rows: int | None = None):
+    """The table for positions ``0..n-1`` with ``n >= rows`` (``None``: more than ``max_rows``,
+    default :data:`CACHE_ELEMENTS` ``// (R/2)``)."""
+    max_rows = CACHE_ELEMENTS // (rotary_dim // 2) if max_rows is None else max_rows
     if rows > max_rows:
         return None
     key = (rotary_dim, theta, str(device))
@@ -117,7 +136,7 @@ def _cached(rows: int, rotary_dim: int, theta: float, device: torch.device, inv:
         tab = _cache.get(key)
         if tab is None or tab[0].shape[0] < rows:
             n = min(max_rows, max(4096, 1 << (rows - 1).bit_length()))
-            tab = _direct(torch.arange(n, device=device), inv)
+            tab = _build(n, device, inv)
             _cache.pop(key, None)
             while len(_cache) >= _CACHE_KEYS:
                 _cache.pop(next(iter(_cache)))
@@ -129,7 +148,9 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float = 10000.
     """The RoPE table at ``positions``, defined bit for bit (see the module docstring).
 
     Args:
-        positions: ``[T]`` int32/int64 in ``[0, MAX_POSITION)``, on any device.
+        positions: ``[T]`` int32/int64 in ``[0, MAX_POSITION)``, on any device; on a GPU under
+            the default NaN policy in ``[0, DEVICE_TABLE_POSITIONS)`` (checked on the device:
+            beyond it the process stops at a device-side assertion naming ``positions``).
         rotary_dim: ``R``, the number of rotated features (positive, even).
         theta: the RoPE base (finite, > 0).
 
@@ -149,10 +170,10 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float = 10000.
     if positions.numel() == 0 or positions.device.type == "meta":
         return _direct(positions, inv)
     if not reads_back(positions):
-        # No host read (a GPU under the default NaN policy): the largest cacheable table, built
-        # once per (R, theta, device), and a device-side assertion that every position is in it.
-        rows = CACHE_ELEMENTS // (rotary_dim // 2)
-        tab = _cached(rows, rotary_dim, theta, positions.device, inv)
+        # No host read (a GPU under the default NaN policy): the device table, built once per
+        # (R, theta, device), and a device-side assertion that every position is in it.
+        rows = DEVICE_TABLE_POSITIONS
+        tab = _cached(rows, rotary_dim, theta, positions.device, inv, max_rows=rows)
         lo, hi = torch.aminmax(positions)
         torch._assert_async((lo >= 0) & (hi < rows), f"positions: expected values in [0, {rows}) "
                              "(the cached RoPE table; use nan_policy('raise') for positions beyond it)")

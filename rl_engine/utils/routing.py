@@ -9,7 +9,7 @@ position, then rank): a stable sort of ``ids.flatten()``. Both the rl-kernel ent
 (``rl_engine.ops.moe``) and every backend use this one definition, so the order in which an
 expert's weight gradient adds its tokens is the same on every path.
 
-Only exact integer operations are used (``sort`` with ``stable=True``, ``bincount``,
+Only exact integer operations are used (``sort`` with ``stable=True``, ``scatter_add`` counts,
 ``cumsum``): the tables depend on ``ids`` alone, not on the thread count or the device.
 """
 
@@ -59,7 +59,9 @@ def expert_permutation(ids: torch.Tensor, num_experts: int) -> ExpertPermutation
     T, K = ids.shape
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount sizes its result from the largest id (a host read on a
+    # GPU); integer adds are exact in any order.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
     offsets[1:] = torch.cumsum(counts, 0)
     return ExpertPermutation(order, torch.div(order, K, rounding_mode="floor") if K else order, counts, offsets)

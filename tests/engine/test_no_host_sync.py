@@ -78,6 +78,15 @@ def _cases() -> dict[str, Callable[[], Callable[[], None]]]:
         cu = torch.tensor([0, 7, T])  # host offsets: no read-back of a device tensor
         return lambda: _bwd(ops.attention.varlen_attention(q, k, v, cu))
 
+    def moe_layer():
+        x, z = _r(T, H), _r(T, 16)
+        wgu, wd = _r(16, 2 * 96, H, scale=H ** -0.5), _r(16, H, 96, scale=96 ** -0.5)
+
+        def run():
+            w, ids = ops.moe.route(z, 4, True)
+            _bwd(ops.moe.experts(x, wgu, wd, w, ids))
+        return run
+
     def paged_step():
         model = Qwen3ForCausalLM.random(preset("tiny"), seed=0, dtype=DT, device="cuda")
         rollout = ops_for(Plan.parse("R/R"), "rollout")
@@ -107,7 +116,7 @@ def _cases() -> dict[str, Callable[[], Callable[[], None]]]:
 
     return {f.__name__: f for f in (linear, rms_norm, fused_add_rms_norm, silu_and_mul, apply_rope, embedding,
                                      token_logprobs, log_softmax_entropy, linear_token_logprobs, varlen_attention,
-                                     paged_step, train_step)}
+                                     moe_layer, paged_step, train_step)}
 
 
 CASES = _cases()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.runtime.registry import dispatch, make_request
-from rl_engine.utils.checks import FLOAT_DTYPES, check_finite, reads_back, require_same_device, require_tensor
+from rl_engine.utils.checks import FLOAT_DTYPES, check_finite, check_index_range, require_same_device, require_tensor
 from rl_engine.utils.routing import ExpertPermutation, expert_permutation
 
 __all__ = ["route", "expert_gate_up", "expert_down_combine", "experts", "expert_permutation", "ExpertPermutation"]
@@ -35,12 +35,10 @@ def _require_ids(ids: object, T: int, num_experts: int | None) -> torch.Tensor:
     require_tensor("ids", ids, dtypes=(torch.int64,), ndim=2)
     if ids.shape[0] != T:
         raise ValueError(f"ids: expected {T} rows (one per token), got shape {tuple(ids.shape)}")
-    # the range check reads ids on the host: always for CPU tensors, for GPU tensors only under the
-    # "raise" / "raise_all" NaN policies (the default never synchronises with a device)
-    if num_experts is not None and ids.numel() and reads_back(ids):
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"ids: expected expert ids in [0, {num_experts}), got values in [{lo}, {hi}]")
+    # read on the host where that is free (CPU, or the "raise" policies); on a GPU under the default
+    # policy a device-side assertion, so an out-of-range id never indexes past the expert weights
+    if num_experts is not None:
+        check_index_range("ids", ids, num_experts, what="expert ids")
     return ids
 
 

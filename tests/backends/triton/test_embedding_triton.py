@@ -36,6 +36,7 @@ from tests.backends.triton._rowwise_common import (
     evidence,
     gpu_randn,
     graph_us,
+    interp,
 )
 from tests.helpers.strategies import row_trials
 
@@ -61,6 +62,27 @@ def test_registration_declares_cuda_and_untested_rocm():
 def test_cpu_tensors_route_to_cpu_and_checks_are_pure():
     check_cpu_routing(OP, IMPL, torch.randn(4, 8))
     check_static_and_fake_gpu(OP, IMPL)
+
+
+@interp
+@pytest.mark.parametrize("ids", [[4], [2, 0, 2, 2, 1, 0, 2], [3, 3, 3, 3, 3, 3, 3, 3, 3]])
+def test_interpreter_backward_equals_cpu_bits(ids):
+    """The sorted-tree weight gradient (group bounds found on the device, one program per sorted
+    token) equals the CPU backend's bits for singletons, interleaved repeats and one long group;
+    a gradient whose rows are swapped between two tokens of one id (the tree's order) differs."""
+    from rl_engine.backends.triton.embedding import kernels
+
+    ids_t = torch.tensor(ids)
+    g = torch.Generator().manual_seed(len(ids))
+    grad = (torch.randn(len(ids), 40, generator=g) * torch.logspace(0, 7, len(ids))[:, None]).float()
+    got = kernels.backward(grad, ids_t, 6)
+    assert same_bits(got, embedding_cpu_backward(grad, ids_t, 6))
+    if len(set(ids)) < len(ids):  # negative control: the fold order is part of the contract
+        top = max(set(ids), key=ids.count)
+        dup = [i for i, v in enumerate(ids) if v == top]  # first and last token of the largest group
+        perm = list(range(len(ids)))
+        perm[dup[0]], perm[dup[-1]] = perm[dup[-1]], perm[dup[0]]
+        assert not same_bits(kernels.backward(grad[perm], ids_t, 6), got)
 
 
 @gpu

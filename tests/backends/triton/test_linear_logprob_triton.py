@@ -28,6 +28,7 @@ from rl_engine.reference.logprob import linear_token_logprobs_f64
 from rl_engine.runtime import provenance
 from rl_engine.runtime.registry import make_request, select
 from rl_engine.utils.bits import same_bits
+from rl_engine.utils.checks import nan_policy
 from rl_engine.validation.common import check_row_invariance
 from tests.backends.triton._rowwise_common import (
     accuracy,
@@ -417,7 +418,8 @@ def test_overflowing_logits_raise_naming_hidden():
     hidden, weight, targets = _data(4, 64, 2000, "float32")
     weight[5] = 1e36
     hidden[2] = 10.0  # logit [2, 5] = 64 · 10 · 1e36 overflows fp32; the other rows stay finite
-    with pytest.raises(ValueError, match=r"^hidden: rows \[2\] are not finite in the logits"):
+    # the row check reads the logits' finiteness back: on a GPU only under the checking policy
+    with nan_policy("raise"), pytest.raises(ValueError, match=r"^hidden: rows \[2\] are not finite in the logits"):
         logprob.linear_token_logprobs(hidden, weight, targets)
 
 

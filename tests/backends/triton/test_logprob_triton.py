@@ -23,6 +23,7 @@ from rl_engine.reference.logprob import entropy_f64, log_softmax_f64, token_logp
 from rl_engine.runtime import provenance
 from rl_engine.runtime.registry import make_request, select
 from rl_engine.utils.bits import same_bits
+from rl_engine.utils.checks import nan_policy
 from rl_engine.validation.common import check_row_invariance
 from tests.backends.triton._rowwise_common import (
     accuracy,
@@ -114,7 +115,7 @@ def test_neg_inf_logits_and_dead_rows(dtype):
     logprob.entropy(xx).sum().backward()
     assert torch.isfinite(xx.grad.float()).all() and (xx.grad[0, :1500] == 0).all()
     x[1] = float("-inf")
-    with pytest.raises(ValueError, match=r"^logits: rows \[1\] have no finite entry"):
+    with nan_policy("raise"), pytest.raises(ValueError, match=r"^logits: rows \[1\] have no finite entry"):
         logprob.token_logprobs(x, t)
 
 

@@ -169,7 +169,7 @@ def test_interpreter_tensor_parallel_shards_and_run_to_run():
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 64, 8, 32, 2), (37, 256, 16, 128, 4), (300, 2048, 128, 768, 8)])
+@pytest.mark.parametrize("shape", [(1, 64, 8, 32, 2), (37, 256, 16, 128, 4), (300, 1024, 32, 384, 8)])
 def test_accuracy_forward_and_every_grad(dtype, shape):
     T, H, E, I, K = shape
     dt = getattr(torch, dtype)

@@ -23,6 +23,8 @@ from rl_engine.reference.rope import apply_rope_f64
 from rl_engine.runtime import provenance
 from rl_engine.runtime.registry import make_request, select
 from rl_engine.utils.bits import same_bits
+from rl_engine.utils.checks import nan_policy
+from rl_engine.utils.rope_tables import DEVICE_TABLE_POSITIONS
 from rl_engine.validation.common import check_row_invariance
 from tests.backends.triton._rowwise_common import (
     accuracy,
@@ -62,11 +64,18 @@ def test_cpu_tensors_route_to_cpu_and_checks_are_pure():
 @gpu
 @pytest.mark.parametrize("positions", [[0, 1, 2, 4095, 4096, 131071], list(range(0, 2**31, 2**27)) + [2**31 - 1]])
 def test_gpu_table_equals_cpu_table_bit_for_bit(positions):
+    """Under the checking policy (the maximum read back: every position up to 2^31 - 1) and, for
+    the positions it covers, through the default policy's device table (no host read)."""
     pos = torch.tensor(positions)
+    inside = pos[pos < DEVICE_TABLE_POSITIONS]
     for rdim, theta in ((128, 1e6), (64, 10000.0), (10, 500.0)):
         c_cpu, s_cpu = rope_cos_sin(pos, rdim, theta)
-        c_gpu, s_gpu = rope_cos_sin(pos.cuda(), rdim, theta)
+        with nan_policy("raise"):
+            c_gpu, s_gpu = rope_cos_sin(pos.cuda(), rdim, theta)
         assert same_bits(c_gpu.cpu(), c_cpu) and same_bits(s_gpu.cpu(), s_cpu)
+        c_dev, s_dev = rope_cos_sin(inside.cuda(), rdim, theta)
+        c_in, s_in = rope_cos_sin(inside, rdim, theta)
+        assert same_bits(c_dev.cpu(), c_in) and same_bits(s_dev.cpu(), s_in)
 
 
 @gpu

@@ -487,5 +487,6 @@ def test_gpu_paged_attention_step_syncs_nothing_and_is_capturable():
         graph.replay()
         torch.cuda.synchronize()
         assert same_bits(captured, ref)
-    with pytest.raises(RuntimeError, match="q: the finite-value check"):
+    # the default policy does not scan GPU tensors; the checking policy's host read is refused
+    with nan_policy("raise"), pytest.raises(RuntimeError, match="q: the finite-value check"):
         capture_cuda_graph(lambda: paged_attention_step(q, k, v, eng.k, eng.v, plan))

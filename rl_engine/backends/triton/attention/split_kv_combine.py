@@ -14,7 +14,7 @@ from rl_engine.backends.triton.attention.device import (rlk_attn_gdc_wait, rlk_a
 
 __all__ = ["KERNEL_NAMES", "DEVICE_FUNCTIONS", "rlk_attn_ws_load", "rlk_attn_combine"]
 
-KERNEL_NAMES = ("rlk_attn_combine")
+KERNEL_NAMES = ("rlk_attn_combine",)
 #: ``@triton.jit`` device functions in this module's namespace (its own and the shared ones it
 #: calls from ``device``), never launched on their own.
 DEVICE_FUNCTIONS = ("rlk_attn_ws_load", "rlk_attn_gdc_wait", "rlk_attn_rows", "rlk_attn_merge", "rlk_attn_finish")

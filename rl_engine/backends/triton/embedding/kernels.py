@@ -2,10 +2,10 @@
 
 * ``rlk_embedding_fwd``       ``out[t] = weight[ids[t]]``: a bit copy of one weight row per
   token (grid: token × feature block);
-* ``rlk_embedding_bwd_tree``  the deterministic weight gradient, no atomics. The host sorts the
-  token ids stably (tokens grouped by id, each group in increasing token index) and gathers
-  ``fp32(dy)`` in that order into a scratch buffer; one program per (id group, feature block)
-  then folds its own group in place with the CPU's pairwise tree — at step ``s = 1, 2, 4, ...``
+* ``rlk_embedding_bwd_tree``  the deterministic weight gradient, no atomics. The token ids are
+  sorted stably (tokens grouped by id, each group in increasing token index) and ``fp32(dy)``
+  gathered in that order into a scratch buffer; one program per (sorted token, feature block),
+  of which the first token of each id group (``count > 0``) folds its own group in place with the CPU's pairwise tree — at step ``s = 1, 2, 4, ...``
   rank ``j ≡ 0 (mod 2s)`` adds rank ``j + s`` if it exists (``n = 3``: ``(g0 + g1) + g2``) — and
   writes the group's sum, rounded once, to ``dweight[id]``. Rows of ids that do not occur are
   +0. Groups are disjoint, so no two programs touch the same memory; within a program a
@@ -55,9 +55,10 @@ def rlk_embedding_bwd_tree(buf_ptr, start_ptr, count_ptr, gid_ptr, dw_ptr, G, H,
             tl.store(left, tl.load(left, mask=mask, other=0.0) + right, mask=mask)
         tl.debug_barrier()
         step *= 2
-    v = tl.load(gid_ptr + grp).to(tl.int64)
-    total = tl.load(head, mask=mask, other=0.0)
-    tl.store(dw_ptr + v * H + cols, total.to(dw_ptr.dtype.element_ty), mask=mask)
+    if n > 0:  # the first token of its id group: write the group's sum
+        v = tl.load(gid_ptr + grp).to(tl.int64)
+        total = tl.load(head, mask=mask, other=0.0)
+        tl.store(dw_ptr + v * H + cols, total.to(dw_ptr.dtype.element_ty), mask=mask)
 
 
 def forward(ids_flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -80,16 +81,18 @@ def backward(grad2: torch.Tensor, ids_flat: torch.Tensor, num_weights: int) -> t
         return dw
     sid, order = torch.sort(ids_flat.to(torch.int64), stable=True)
     buf = grad2.index_select(0, order).float()  # [N, H] fp32, grouped by id, token order within
+    # Group bounds on the device (no host read, capturable): one program per sorted token; the
+    # token that starts a group folds it, the others do nothing. A group's length is the
+    # distance to the next group start (a reversed running minimum of the start positions).
+    idx = torch.arange(N, device=grad2.device)
     is_start = torch.ones(N, dtype=torch.bool, device=grad2.device)
     is_start[1:] = sid[1:] != sid[:-1]
-    starts = torch.nonzero(is_start).squeeze(1)
-    G = starts.shape[0]
-    ends = torch.cat([starts[1:], starts.new_full((1,), N)])
-    counts = ends - starts
-    gid = sid.index_select(0, starts)
+    start_at = torch.where(is_start, idx, N)
+    next_start = torch.cat([start_at[1:].flip(0).cummin(0).values.flip(0), start_at.new_full((1,), N)])
+    counts = torch.where(is_start, next_start - idx, 0)
     block = min(_BLOCK_H, max(16, triton.next_power_of_2(H)))
     with device_guard(grad2):
-        rlk_embedding_bwd_tree[(G, triton.cdiv(H, block))](
-            buf, starts, counts, gid, dw, G, H, BLOCK_H=block, num_warps=4,
+        rlk_embedding_bwd_tree[(N, triton.cdiv(H, block))](
+            buf, idx, counts, sid, dw, N, H, BLOCK_H=block, num_warps=4,
         )
     return dw
