@@ -300,6 +300,7 @@ def generate_section(ctx: dict, models: dict, shapes: dict) -> list[dict]:
                 rows.append(_row(ctx, "generate", impl, cfg, stats[impl], peak, extra, stats["transformers"].median))
                 print(f"generate {mode:15s} {cfg['sampling']:7s} {impl:38s} {stats[impl].median:10.2f} ms  "
                       f"mismatches {mm}/{r.logprobs.numel()}", flush=True)
+            ctx.get("flush", lambda part: None)(rows)  # a time limit keeps the finished settings
     return rows
 
 
@@ -459,9 +460,12 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     meta = {"shapes": shapes, "machine_load": harness.machine_load(), "negative_control": a.negative_control}
 
-    def write():
+    def write(pending: list[dict] | None = None):
+        """Rewrite the report with the finished rows (``pending``: those of the section still running)."""
         meta["failures"] = ctx["failures"]
-        harness.write_report(rows, a.out, meta=meta)
+        harness.write_report(rows + (pending or []), a.out, meta=meta)
+
+    ctx["flush"] = write
 
     if sections:
         base = build_model(model_cfg, dtype, device)
