@@ -44,6 +44,9 @@ FAMILIES: dict[str, str] = {
     "logprob": "Fused LM head (`linear_token_logprobs`)",
     "rowwise": "Row-wise operators",
     "host_overhead": "Host time per eager call",
+    "call_overhead": "Public-API call overhead",
+    "moe": "Mixture of experts (`moe.route` + `moe.experts`)",
+    "e2e_hf": "End to end: transformers Qwen3 at 8B dimensions",
 }
 
 #: the public-API benchmark matrix's file stem and section heading (rendered after the families)
@@ -331,7 +334,7 @@ def write_plots(reports: Mapping[str, Mapping[str, Mapping[str, Any]]], out: Pat
             ax.invert_yaxis()
             metrics = sorted({e["metric"] for e in entries})
             ax.set_xlabel("; ".join(metrics), fontsize=8)
-            if fam == "host_overhead":
+            if fam in ("host_overhead", "call_overhead"):
                 ax.set_xscale("log")
             else:
                 ax.axvline(1.0, color="black", linewidth=0.6)

@@ -1,0 +1,77 @@
+"""``tools/benchmarking/record_gpu_report.py``: a raw GPU benchmark JSON becomes a complete benchmark
+of record (the fields the generated page and its completeness test need), each family's targets
+judged from the rows; a ratio past its target or an installed row with mismatched bits is a miss."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "benchmarking" / "record_gpu_report.py"
+DEVICE = {"name": "NVIDIA H200", "sm_count": 132, "capability": "sm90", "driver": "580", "memory_mib": 143771}
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("record_gpu_report", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(op, impl, median, **extra):
+    return {"op": op, "implementation": impl, "median": median, "timestamp": "t", "device": {"name": "NVIDIA H200"},
+            "versions": {"torch": "2.11", "rl_engine": "0.1.0", "trl": None}, "config": extra.pop("config", {}), **extra}
+
+
+def _platform(tmp_path: Path) -> Path:
+    plat = tmp_path / "h200"
+    plat.mkdir()
+    (plat / "gpu_tests.json").write_text(json.dumps({"device": DEVICE}))
+    return plat
+
+
+def test_moe_targets_by_token_count(tmp_path):
+    rows = [_row("moe.layer", "triton.grouped", 1.0, ratio_vs_baseline=1.05, baseline="torch._grouped_mm",
+                 config={"tokens": 4096, "kind": "fwd", "mode": "graph"}),
+            _row("moe.layer", "triton.grouped", 1.0, ratio_vs_baseline=1.15, baseline="torch._grouped_mm",
+                 config={"tokens": 16, "kind": "fwd", "mode": "eager"}),
+            _row("moe.layer", "triton.grouped", 1.0, ratio_vs_baseline=1.15, baseline="torch._grouped_mm",
+                 config={"tokens": 1024, "kind": "fwd_bwd", "mode": "graph"})]
+    rep = _tool().record("moe", {"command": "c", "rows": rows}, commit="abc", out=_platform(tmp_path) / "moe.json", notes=[])
+    assert [s["met"] for s in rep["summary"]] == [True, True, False]  # 1.15 misses 1/0.9 at 1,024 tokens
+    assert rep["device"] == DEVICE and rep["platform"] == "h200" and "trl" not in rep["versions"]
+    assert {"schema_version", "family", "title", "command", "commit", "timestamp", "summary", "rows"} <= set(rep)
+
+
+def test_e2e_needs_both_the_ratio_and_zero_mismatches(tmp_path):
+    gen = {"mode": "eager", "sampling": "greedy"}
+    rows = [_row("generate", "transformers", 10.0, config=gen, mismatched=900, compared=1000),
+            _row("generate", "rl_engine", 11.0, config=gen, ratio_vs_baseline=1.1, mismatched=0, compared=1000),
+            _row("generate", "rl_engine (transformers DynamicCache)", 11.0, config=gen, ratio_vs_baseline=1.1,
+                 mismatched=3, compared=1000),
+            _row("train_step", "rl_engine", 1.0, config={"layout": "packed"}, ratio_vs_baseline=1.2,
+                 layout_mismatched=0, layout_compared=10)]
+    rep = _tool().record("e2e_hf", {"rows": rows}, commit="abc", out=_platform(tmp_path) / "e2e_hf.json", notes=[])
+    got = {s["case"]: s["met"] for s in rep["summary"]}
+    assert got == {"generate eager greedy": True, "generate eager greedy (transformers DynamicCache)": False,
+                   "train step, packed": False}
+
+
+def test_call_overhead_reads_the_benchmarks_own_summary(tmp_path):
+    sm = {"public_us": 30.0, "native_us": 5.0, "impl_us": 20.0, "overhead_us": 10.0, "excess_us": 25.0,
+          "target_us": 15.0, "target_on": "overhead_us", "meets_target": True}
+    rows = [_row("linear", "native", 0.005, summary=sm), _row("linear", "public", 0.03),
+            _row("paged_attention_step", "native", 0.07, summary={**sm, "target_on": "excess_us", "target_us": 40.0})]
+    rep = _tool().record("call_overhead", {"rows": rows}, commit="abc", out=_platform(tmp_path) / "call_overhead.json",
+                         notes=[])
+    assert [(s["achieved"], s["met"]) for s in rep["summary"]] == [(10.0, True), (25.0, True)]
+
+
+def test_refuses_a_platform_without_a_device_record(tmp_path):
+    rows = [_row("moe.layer", "x", 1.0, ratio_vs_baseline=1.0, baseline="b", config={"tokens": 1, "kind": "fwd", "mode": "graph"})]
+    (tmp_path / "h200").mkdir()
+    with pytest.raises(SystemExit, match="no device record"):
+        _tool().record("moe", {"rows": rows}, commit="abc", out=tmp_path / "h200" / "moe.json", notes=[])

@@ -1,0 +1,145 @@
+"""Turn a GPU benchmark's raw JSON into the benchmark of record ``reports/gpu/<platform>/<family>.json``.
+
+The raw report (``{"command", "meta", "rows"}`` from :func:`benchmarks.common.harness.write_report`)
+keeps every row; this adds what the generated page needs: the family, the title, the measured
+commit, the device (name, capability, SMs and driver, which the rows do not carry: taken from the
+platform's ``gpu_tests.json`` when its device name matches) and one summary entry per judged
+point — ``case``, ``metric``, ``achieved``, ``target`` and ``met`` (``None`` with a target text in
+parentheses where the issue sets none).
+
+Families and their targets:
+
+* ``call_overhead`` (``benchmarks/operators/bench_call_overhead.py --device cuda``): host µs per
+  call that the public entry point adds over the implementation it dispatches to (``public −
+  impl``), ≤ 15 µs (≤ 40 µs for the attention step APIs, whose rows compare with SDPA instead).
+* ``e2e_hf`` (``benchmarks/e2e/bench_hf_qwen3.py``): rl_engine-installed time over plain
+  transformers' time, training step ≤ 1.10×, ``generate`` ≤ 1.20×, with the raw-bit mismatch
+  count of each row (installed rows must have none).
+* ``moe`` (``benchmarks/operators/bench_moe_gpu.py``): rl-kernel time over the grouped-GEMM
+  baseline's time; at ≥ 1,024 tokens ≥ 0.90× its throughput (time ratio ≤ 1/0.9), below it ≤ 1.2×.
+
+    python tools/benchmarking/record_gpu_report.py moe OUT/bench_moe_gpu.json --commit 28d01d4 \\
+        --out reports/gpu/h200/moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TITLES = {
+    "call_overhead": "Host cost of one small call through the public API on the GPU (decode-sized rows, bf16)",
+    "e2e_hf": "transformers' Qwen3 at 8B dimensions (36 layers, random bf16 weights), plain against rl_engine "
+              "installed: training step and generate",
+    "moe": "Routed-expert layer at Qwen3-30B-A3B dimensions (hidden 2,048, 128 experts, top-8, intermediate 768), "
+           "rl-kernel against a non-invariant grouped GEMM",
+}
+
+
+def _met(value: float | None, limit: float) -> bool | None:
+    return None if value is None else value <= limit
+
+
+def call_overhead(rows: list[dict]) -> list[dict]:
+    """The benchmark's own per-op summary (on its ``native`` row): ``public − impl``, or for the
+    attention step APIs ``public − native`` (the cached step per layer, fixed plan cost apart)."""
+    out = []
+    for r in rows:
+        sm = r.get("summary")
+        if r["implementation"] != "native" or not sm:
+            continue
+        on = sm["target_on"]
+        v = sm[on]
+        out.append({"case": r["op"], "metric": "µs over the implementation" if on == "overhead_us" else "µs over SDPA",
+                    "achieved": round(v, 1), "target": f"≤ {sm['target_us']:g}", "met": _met(v, sm["target_us"]),
+                    "public_us": round(sm["public_us"], 1), "native_us": round(sm["native_us"], 1)})
+    return out
+
+
+def e2e_hf(rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        if r["implementation"] == "transformers" or r.get("ratio_vs_baseline") is None:
+            continue
+        c = r["config"]
+        if r["op"] == "train_step":
+            case, limit = f"train step, {c['layout']}", 1.10
+            mism, comp = r.get("layout_mismatched"), r.get("layout_compared")
+        else:
+            case = f"generate {c.get('mode', '')} {c.get('sampling', '')}".strip()
+            limit = 1.20
+            mism, comp = r.get("mismatched"), r.get("compared")
+        if r["implementation"] != "rl_engine":
+            case += f" ({r['implementation'].removeprefix('rl_engine').strip(' ()')})"
+        v = r["ratio_vs_baseline"]
+        out.append({"case": case, "metric": "time vs plain HF (×)", "achieved": round(v, 3), "target": f"≤ {limit:.2f}",
+                    "met": _met(v, limit) and mism == 0, "mismatched": mism, "compared": comp})
+    return out
+
+
+def moe(rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        v = r.get("ratio_vs_baseline")
+        if v is None:
+            continue
+        c = r["config"]
+        limit = 1 / 0.9 if c["tokens"] >= 1024 else 1.2
+        out.append({"case": f"T={c['tokens']} {c['kind']} [{c['mode']}]", "metric": f"time vs {r['baseline']} (×)",
+                    "achieved": round(v, 3), "target": "≥ 0.90× throughput" if c["tokens"] >= 1024 else "≤ 1.20× time",
+                    "met": _met(v, limit)})
+    return out
+
+
+SUMMARIES: dict[str, Callable[[list[dict]], list[dict]]] = {"call_overhead": call_overhead, "e2e_hf": e2e_hf, "moe": moe}
+
+
+def _device(rows: list[dict], platform_dir: Path) -> dict[str, Any]:
+    name = rows[0]["device"]["name"]
+    tests = platform_dir / "gpu_tests.json"
+    if tests.exists():
+        dev = json.loads(tests.read_text(encoding="utf-8"))["device"]
+        if dev.get("name") == name:
+            return dev
+    raise SystemExit(f"--out: {tests} has no device record for {name!r} (SM count, driver); record a GPU test run first")
+
+
+def record(family: str, raw: dict, *, commit: str, out: Path, notes: list[str]) -> dict:
+    rows = raw["rows"]
+    if not rows:
+        raise SystemExit("raw report: no rows")
+    summary = SUMMARIES[family](rows)
+    if not summary:
+        raise SystemExit(f"raw report: no row of family {family!r} carries a ratio to judge")
+    versions = {k: v for k, v in rows[0]["versions"].items() if v is not None and k != "rl_engine"}
+    return {"schema_version": 1, "family": family, "platform": out.parent.name, "title": TITLES[family],
+            "command": raw.get("command", "").replace("/tmp/rlk_gpu_work/", ""), "commit": commit,
+            "device": _device(rows, out.parent), "versions": versions, "timestamp": rows[-1]["timestamp"],
+            "notes": notes, "summary": summary, "rows": rows, "meta": raw.get("meta", {})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("family", choices=sorted(SUMMARIES))
+    ap.add_argument("raw", type=Path, help="the benchmark's JSON as the device run wrote it")
+    ap.add_argument("--commit", required=True, help="commit of the measured tree")
+    ap.add_argument("--out", type=Path, required=True, help="reports/gpu/<platform>/<family>.json")
+    ap.add_argument("--note", action="append", default=[], help="a sentence for the page (repeatable)")
+    a = ap.parse_args(argv)
+    if a.out.stem != a.family:
+        ap.error(f"--out: expected a file named {a.family}.json, got {a.out.name}")
+    rep = record(a.family, json.loads(a.raw.read_text(encoding="utf-8")), commit=a.commit, out=a.out, notes=a.note)
+    a.out.write_text(json.dumps(rep, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    met = [s["met"] for s in rep["summary"] if s["met"] is not None]
+    print(f"wrote {a.out}: {len(rep['rows'])} rows, targets met {sum(met)} of {len(met)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
