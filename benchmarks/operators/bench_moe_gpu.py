@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = rows[-1]
                 ratio = f" x{r['ratio_vs_baseline']:.2f}" if "ratio_vs_baseline" in r else ""
                 print(f"moe.layer T={T} {kind} {mode}: rl-kernel {r['median']:.3f} ms{ratio}", flush=True)
+        # rewritten after every token count: a time limit keeps the finished rows
+        write_report(rows, args.out, meta={"baseline": base_name, "dry_run_on_cpu": not on_gpu})
     write_report(rows, args.out, meta={"baseline": base_name, "dry_run_on_cpu": not on_gpu})
     print(f"wrote {len(rows)} rows to {args.out}")
     return 0
