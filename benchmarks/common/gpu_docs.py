@@ -253,6 +253,10 @@ def _tests_section(rep: Mapping[str, Any], path: str) -> list[str]:
         bp_passed = bp["tests"] - bp["failures"] - bp["errors"] - bp["skipped"]
         lines.append(f"| {sh['shard']} | `{sh['commit']}` | {passed} | {sh['failures'] + sh['errors']} | "
                      f"{sh['skipped']} | {sh['seconds']} | {bp_passed} / {bp['skipped']} |")
+    for sh in rep["shards"]:
+        if sh.get("why"):
+            lines += ["", f"Shard {sh['shard']}: {sh['failures'] + sh['errors']} failed ("
+                      + ", ".join(f"`{n}`" for n in sh.get("failed", [])) + f"). {sh['why']}"]
     for note in rep.get("notes", []):
         lines += ["", note]
     lines += ["", "Tests per module:", "", "| module | shard | tests | skipped |", "|---|---|---|---|"]

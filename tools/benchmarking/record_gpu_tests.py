@@ -1,0 +1,79 @@
+"""Record one GPU test shard in ``reports/gpu/<platform>/gpu_tests.json`` from the device run's junit XML.
+
+``tools/benchmarking/gpu_all_run.sh`` writes ``pytest_gpu.xml`` (the ``gpu``-marked tests, parallel
+workers) and ``pytest_gpu_perf.xml`` (the bounded-performance smoke, alone). This reads both and
+replaces the shard of the same name: command, measured commit, counts, seconds, timestamp, the
+per-module counts, the failing tests (node ids) and a ``why`` sentence for them when given.
+
+    python tools/benchmarking/record_gpu_tests.py rest OUT/pytest_gpu.xml --perf OUT/pytest_gpu_perf.xml \\
+        --commit bb7a58d --command "python -m pytest tests ... -m gpu -n 16" --report reports/gpu/h200/gpu_tests.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+
+def _suite(path: Path) -> ET.Element:
+    root = ET.parse(path).getroot()
+    return root.find("testsuite") if root.tag == "testsuites" else root
+
+
+def _node(case: ET.Element) -> str:
+    mod = case.get("classname", "").replace(".", "/") + ".py"
+    return f"{mod}::{case.get('name')}"
+
+
+def shard(name: str, xml: Path, *, commit: str, command: str, perf: Path | None = None,
+          why: str | None = None) -> dict[str, Any]:
+    s = _suite(xml)
+    modules: dict[str, dict[str, int]] = {}
+    failed = []
+    for case in s.findall("testcase"):
+        mod = case.get("classname", "").replace(".", "/") + ".py"
+        m = modules.setdefault(mod, {"tests": 0, "skipped": 0})
+        m["tests"] += 1
+        m["skipped"] += case.find("skipped") is not None
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(_node(case))
+    out: dict[str, Any] = {"shard": name, "command": command, "commit": commit, "tests": int(s.get("tests")),
+                           "failures": int(s.get("failures")), "errors": int(s.get("errors")),
+                           "skipped": int(s.get("skipped")), "seconds": float(s.get("time")),
+                           "timestamp": s.get("timestamp"), "modules": dict(sorted(modules.items()))}
+    if failed:
+        out["failed"] = sorted(failed)
+        if not why:
+            raise SystemExit(f"--why: {len(failed)} tests failed; say what caused them")
+        out["why"] = why
+    if perf is not None:
+        p = _suite(perf)
+        out["bounded_performance"] = {k: int(p.get(k)) for k in ("tests", "failures", "errors", "skipped")}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("name", help="the shard's name (a shard of that name is replaced)")
+    ap.add_argument("xml", type=Path, help="pytest_gpu.xml of the run")
+    ap.add_argument("--perf", type=Path, default=None, help="pytest_gpu_perf.xml of the run")
+    ap.add_argument("--commit", required=True)
+    ap.add_argument("--command", required=True, help="the pytest command as it ran")
+    ap.add_argument("--why", default=None, help="what caused the failures (required when there are any)")
+    ap.add_argument("--report", type=Path, required=True, help="reports/gpu/<platform>/gpu_tests.json")
+    a = ap.parse_args(argv)
+    rep = json.loads(a.report.read_text(encoding="utf-8"))
+    new = shard(a.name, a.xml, commit=a.commit, command=a.command, perf=a.perf, why=a.why)
+    rep["shards"] = [s for s in rep["shards"] if s["shard"] != a.name] + [new]
+    a.report.write_text(json.dumps(rep, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"{a.report}: shard {a.name}: {new['tests']} tests, {new['failures']} failures, {new['errors']} errors, "
+          f"{new['skipped']} skipped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
