@@ -1,0 +1,47 @@
+"""``tools/benchmarking/record_gpu_tests.py``: a shard record from pytest's junit XML (counts, modules,
+failed node ids), replacing the shard of the same name; failures without a stated cause are refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "benchmarking" / "record_gpu_tests.py"
+XML = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" failures="1"
+ skipped="1" tests="3" time="12.5" timestamp="2026-01-01T00:00:00">
+<testcase classname="tests.a.test_x" name="test_one" time="1"/>
+<testcase classname="tests.a.test_x" name="test_two" time="1"><failure message="boom"/></testcase>
+<testcase classname="tests.b.test_y" name="test_three" time="1"><skipped message="no"/></testcase>
+</testsuite></testsuites>"""
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("record_gpu_tests", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_shard_from_junit_replaces_the_named_shard(tmp_path):
+    xml = tmp_path / "pytest_gpu.xml"
+    xml.write_text(XML)
+    report = tmp_path / "gpu_tests.json"
+    report.write_text(json.dumps({"shards": [{"shard": "rest", "tests": 1}, {"shard": "attention", "tests": 2}]}))
+    assert _tool().main(["rest", str(xml), "--commit", "abc", "--command", "pytest", "--why", "a cause",
+                         "--report", str(report)]) == 0
+    shards = {s["shard"]: s for s in json.loads(report.read_text())["shards"]}
+    rest = shards["rest"]
+    assert (rest["tests"], rest["failures"], rest["skipped"], rest["seconds"]) == (3, 1, 1, 12.5)
+    assert rest["failed"] == ["tests/a/test_x.py::test_two"] and rest["why"] == "a cause"
+    assert rest["modules"] == {"tests/a/test_x.py": {"tests": 2, "skipped": 0}, "tests/b/test_y.py": {"tests": 1, "skipped": 1}}
+    assert shards["attention"] == {"shard": "attention", "tests": 2}
+
+
+def test_failures_need_a_cause(tmp_path):
+    xml = tmp_path / "pytest_gpu.xml"
+    xml.write_text(XML)
+    with pytest.raises(SystemExit, match="--why"):
+        _tool().shard("rest", xml, commit="abc", command="pytest")
