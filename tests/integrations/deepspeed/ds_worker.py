@@ -75,7 +75,12 @@ def run(stage: int, dtype: str, rank: int, native: bool) -> dict:
 
 def main() -> None:
     import deepspeed
+    import deepspeed.comm.torch as ds_torch_comm
 
+    # DeepSpeed JIT-compiles a C++ shared-memory all-reduce when its torch backend starts (minutes
+    # on a small CPU machine). Its one user is AutoTP inference (``inference_all_reduce``), which
+    # this run never calls: ZeRO's collectives go through the gloo process group. So it is not built.
+    ds_torch_comm.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
@@ -85,10 +90,9 @@ def main() -> None:
         res[spec] = run(int(stage), dtype, rank, "native" in flags)
     with open(os.path.join(os.environ["OUT"], f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
-    # DeepSpeed's CPU shared-memory communicator leaves a joinable C++ thread in a static object:
-    # about one exit in eight ends in ``std::terminate`` (SIGABRT, "terminate called without an
-    # active exception") after the results are written. Tear the group down in step, then leave
-    # without running static destructors.
+    # Tear the group down in step, then leave without running static destructors: native
+    # extensions DeepSpeed loads may hold joinable threads in static objects, and a destructor that
+    # terminates the process after the results are written would fail a finished run.
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     sys.stdout.flush()

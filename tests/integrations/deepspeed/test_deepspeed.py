@@ -25,8 +25,8 @@ def _launch(nproc: int, specs: list[str], out: Path) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # DeepSpeed JIT-builds its CPU shared-memory op at init; building it under this run's temp dir
-    # keeps a lock file left by an interrupted build elsewhere from stalling every rank.
+    # torch extensions a rank JIT-builds go under this run's temp dir: a lock file left by an
+    # interrupted build elsewhere cannot stall the ranks
     extensions = out.parent / "torch_extensions"
     procs = []
     for r in range(nproc):
