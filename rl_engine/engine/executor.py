@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from rl_engine.backends.cpu.common import frozen_weights
 from rl_engine.ops.logprob.kept import KeptSet, canonical_prefix, scale_logits
 
 __all__ = [
@@ -412,7 +413,14 @@ class RolloutExecutor:
 
         ``progress(done, total)``, if given, is called after every step with the tokens processed
         so far (prompt tokens fed plus tokens sampled) out of ``Σ len(prompt) + max_new_tokens``.
+        The model's weights are fixed for the whole call, so the CPU exact GEMM reuses their
+        slices (:func:`~rl_engine.backends.cpu.common.frozen_weights`).
         """
+        with frozen_weights():
+            return self._generate(requests, sampling, progress)
+
+    def _generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams,
+                  progress: Callable[[int, int], None] | None) -> dict[int, RolloutSample]:
         total_tokens = sum(len(r.prompt) + r.max_new_tokens for r in requests)
         done_tokens = 0
         for r in requests:

@@ -5,11 +5,18 @@ Shapes use ``M`` rows (tokens), ``K`` the reduced dimension and ``N`` output fea
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import threading
+import weakref
+from collections.abc import Iterator
+
 import torch
 
 from rl_engine.utils.portable import pow2
 
-__all__ = ["TILE_N", "exact_matmul", "exact_bmm", "exact_beta", "row_exponents", "exact_partial_sums", "exact_finish"]
+__all__ = ["TILE_N", "exact_matmul", "exact_bmm", "exact_beta", "row_exponents", "exact_partial_sums", "exact_finish",
+           "frozen_weights"]
 
 #: Output-feature block of the vocabulary-chunked paths (the canonical log-sum-exp's block):
 #: the fused LM head splits the vocabulary at multiples of it.
@@ -18,6 +25,103 @@ _F64_BITS = 53
 # Row and reduction blocks of exact_matmul's float64 work (memory only: blocking changes no bit).
 _ROW_BLOCK = 512
 _K_BLOCK = 256
+
+
+# ----------------------------------------------------------------------------- frozen weights
+#
+# Splitting a weight into its exact slices is most of a decode-sized exact GEMM (a float64 copy of
+# every weight element, scaled and truncated). Inside ``frozen_weights()`` a weight's slices are
+# kept and reused while the weight is unchanged: the same tensor object, data pointer, shape,
+# strides and version counter. Reuse changes no bit (the slices are the same function of the same
+# values); it is scoped because a weight's storage can be swapped under the same object (``p.data =
+# ...``, ZeRO-3 gathers) without a version bump, which only a scope with frozen weights rules out.
+
+_FROZEN: contextvars.ContextVar[_SliceCache | None] = contextvars.ContextVar("rlk_frozen_weights", default=None)
+
+
+class _SliceCache:
+    """Weight slices by tensor identity, at most ``budget`` bytes (least recently used first out)."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.bytes = 0
+        self.entries: dict[int, tuple] = {}  # id(w) -> (ref, meta, ew, blocks, nbytes); insertion = LRU order
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def meta(w: torch.Tensor, beta: int) -> tuple | None:
+        # views (a transposed weight, a vocabulary chunk) are new objects every call: not kept
+        if (type(w) not in (torch.Tensor, torch.nn.Parameter) or w.device.type != "cpu" or w.is_inference()
+                or w._base is not None):
+            return None
+        try:
+            version = w._version
+        except RuntimeError:  # tensors without a version counter (functorch wrappers)
+            return None
+        return (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, version, beta)
+
+    def get(self, w: torch.Tensor, meta: tuple):
+        with self.lock:
+            hit = self.entries.get(id(w))
+            if hit is None or hit[0]() is not w or hit[1] != meta:
+                return None
+            self.entries[id(w)] = self.entries.pop(id(w))  # most recently used
+            return hit[2], hit[3]
+
+    def put(self, w: torch.Tensor, meta: tuple, ew: torch.Tensor, blocks: list[list[torch.Tensor]]) -> None:
+        nbytes = sum(t.numel() * t.element_size() for b in blocks for t in b)
+        if nbytes > self.budget:
+            return
+        key = id(w)
+        with self.lock:
+            self._drop(key)
+            while self.entries and self.bytes + nbytes > self.budget:
+                self._drop(next(iter(self.entries)))
+            self.entries[key] = (weakref.ref(w, lambda _r, k=key: self.discard(k, _r)), meta, ew, blocks, nbytes)
+            self.bytes += nbytes
+
+    def discard(self, key: int, ref: weakref.ref) -> None:
+        with self.lock:
+            hit = self.entries.get(key)
+            if hit is not None and hit[0] is ref:
+                self._drop(key)
+
+    def _drop(self, key: int) -> None:
+        hit = self.entries.pop(key, None)
+        if hit is not None:
+            self.bytes -= hit[4]
+
+
+@contextlib.contextmanager
+def frozen_weights(budget_bytes: int = 1 << 30) -> Iterator[None]:
+    """Within the block, the CPU exact GEMM reuses each weight's exact slices across calls.
+
+    For loops whose weights do not change, such as a rollout's decode steps: a decode-sized
+    ``gemm.linear`` then skips the float64 split of its weight, most of its cost. Entries are
+    keyed by the weight tensor itself and checked against its data pointer, shape, strides and
+    version counter; ``budget_bytes`` bounds the cache (float64 slices: 8 bytes per element of a
+    16-bit weight, 16 of a float32 one), least recently used first out. The bits are the same
+    with and without it. Do not replace a weight's storage inside the block (``p.data = t``,
+    sharded parameters being gathered): that is what the scope promises not to happen. Nested
+    blocks share the outermost cache; everything is released on leaving it.
+    """
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes: expected a size >= 0, got {budget_bytes}")
+    if _FROZEN.get() is not None:
+        yield
+        return
+    token = _FROZEN.set(_SliceCache(budget_bytes))
+    try:
+        yield
+    finally:
+        _FROZEN.reset(token)
+
+
+def _weight_blocks(w: torch.Tensor, ew: torch.Tensor, beta: int) -> list[list[torch.Tensor]]:
+    """The exact slices of ``w`` ``[..., N, K]`` per ``_K_BLOCK`` columns (as :func:`exact_partial_sums` cuts them)."""
+    sw = _slices_of(w.dtype)
+    return [_split(w[..., k0:min(w.shape[-1], k0 + _K_BLOCK)].to(torch.float64), ew, sw, beta)
+            for k0 in range(0, w.shape[-1], _K_BLOCK)]
 
 
 def _slices_of(dtype: torch.dtype) -> int:
@@ -145,7 +249,12 @@ def exact_matmul(
     if scale_by not in ("rows", "k"):
         raise ValueError(f"scale_by: expected 'rows' or 'k', got {scale_by!r}")
     # A row holding ±inf or nan reads an exponent of 1025 or more (finite float32/16 rows: ≤ 129).
-    ex, ew = _row_exponents(x), _row_exponents(w)
+    # Inside frozen_weights(), an unchanged finite weight's exponents and slices are reused.
+    cache, meta, hit = _FROZEN.get(), None, None
+    if cache is not None and scale_by == "rows":
+        meta = cache.meta(w, beta)
+        hit = None if meta is None else cache.get(w, meta)
+    ex, ew = _row_exponents(x), (hit[0] if hit is not None else _row_exponents(w))
     finite = bool((ex <= 129).all()) and bool((ew <= 129).all())
     xf, wf = x, w
     if not finite:
@@ -165,10 +274,16 @@ def exact_matmul(
         acc = _products(_split(xd, ex, sx, beta), _split(wd, ew, sw, beta), beta)
         return _finish(acc, ex, ew, beta, x, w, finite, out_dtype)
     out = torch.empty((*lead, M, N), dtype=out_dtype, device=x.device)
+    w_blocks = None
+    if hit is not None:
+        w_blocks = hit[1]
+    elif meta is not None and finite:
+        w_blocks = _weight_blocks(wf, ew, beta)
+        cache.put(w, meta, ew, w_blocks)
     # Blocks of rows bound the float64 temporaries (exact_partial_sums blocks K as well).
     for r0 in range(0, M, _ROW_BLOCK):
         r1 = min(M, r0 + _ROW_BLOCK)
-        acc = exact_partial_sums(xf[..., r0:r1, :], wf, ex[..., r0:r1, :], ew, beta)
+        acc = exact_partial_sums(xf[..., r0:r1, :], wf, ex[..., r0:r1, :], ew, beta, w_blocks=w_blocks)
         out[..., r0:r1, :] = _finish(_combine(acc, beta), ex[..., r0:r1, :], ew, beta, x[..., r0:r1, :], w, finite, out_dtype)
     return out
 
@@ -201,7 +316,8 @@ def row_exponents(t: torch.Tensor, dim: int = -1, *, zero: int = 0) -> torch.Ten
     return e
 
 
-def exact_partial_sums(x: torch.Tensor, w: torch.Tensor, ex: torch.Tensor, ew: torch.Tensor, beta: int) -> list[torch.Tensor]:
+def exact_partial_sums(x: torch.Tensor, w: torch.Tensor, ex: torch.Tensor, ew: torch.Tensor, beta: int,
+                       w_blocks: list[list[torch.Tensor]] | None = None) -> list[torch.Tensor]:
     """The integer slice-product sums of ``x @ w.T`` over this ``K`` range, as float64 ``[..., M, N]``.
 
     Args:
@@ -209,6 +325,7 @@ def exact_partial_sums(x: torch.Tensor, w: torch.Tensor, ex: torch.Tensor, ew: t
         ex: ``[..., M, 1]`` and ew: ``[..., N, 1]`` int64 row exponents (:func:`row_exponents`)
             of the **whole** rows (over every K range that is summed).
         beta: :func:`exact_beta` of the whole reduction length.
+        w_blocks: ``w``'s slices per ``_K_BLOCK`` columns, already cut (:func:`frozen_weights`).
 
     Returns:
         ``[hh]`` (both operands 16-bit) or ``[hh, cross]``: integer-valued float64 tensors. Sums
@@ -224,7 +341,7 @@ def exact_partial_sums(x: torch.Tensor, w: torch.Tensor, ex: torch.Tensor, ew: t
     for k0 in range(0, K, _K_BLOCK):
         k1 = min(K, k0 + _K_BLOCK)
         px = _split(x[..., k0:k1].to(torch.float64), ex, sx, beta)
-        pw = _split(w[..., k0:k1].to(torch.float64), ew, sw, beta)
+        pw = w_blocks[k0 // _K_BLOCK] if w_blocks is not None else _split(w[..., k0:k1].to(torch.float64), ew, sw, beta)
         part = _products(px, pw, beta, split_sum=True)
         acc = part if acc is None else [a_.add_(p_) for a_, p_ in zip(acc, part)]
     if acc is None:  # an empty K range contributes exact zeros

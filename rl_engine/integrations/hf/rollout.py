@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_engine.backends.cpu.common import frozen_weights
 from rl_engine.ops.logprob.kept import KeptSet, canonical_prefix, scale_logits
 
 __all__ = ["Rollout", "KeptSetRecorder", "generate_with_logprobs"]
@@ -107,7 +108,8 @@ def generate_with_logprobs(
         generate_kwargs.update(temperature=1.0, top_k=0, top_p=1.0,
                                logits_processor=[*generate_kwargs.get("logits_processor", []), recorder])
     torch.manual_seed(seed)
-    with torch.no_grad():
+    # the weights are fixed for the whole generation: the CPU exact GEMM may reuse their slices
+    with torch.no_grad(), frozen_weights():
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                              do_sample=do_sample, output_logits=True,
                              return_dict_in_generate=True, **generate_kwargs)

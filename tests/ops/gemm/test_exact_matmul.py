@@ -130,3 +130,82 @@ def test_k_split_partial_sums_are_exact():
     for p, q, r in zip(whole, a, b):
         assert torch.equal(q + r, p) and torch.equal(p, p.round()) and bool((p.abs() < 2.0**53).all())
     assert same_bits(exact_finish([q + r for q, r in zip(a, b)], ex, ew, beta, torch.float32), exact_matmul(x, w))
+
+
+# --------------------------------------------------------------------------- frozen_weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_weights_reuses_slices_with_the_same_bits(dtype):
+    """Inside ``frozen_weights()`` a weight's slices are cut once and reused; every result keeps
+    the uncached bits (row blocks and K blocks included: M and K past one block each)."""
+    w = torch.nn.Parameter(_randn((300, 700), 1, dtype))
+    xs = [_randn((m, 700), 2 + m, dtype) for m in (1, 5, 600)]
+    want = [exact_matmul(x, w) for x in xs]
+    with common.frozen_weights():
+        cache = common._FROZEN.get()
+        got = [exact_matmul(x, w) for x in xs]
+        assert len(cache.entries) == 1 and cache.bytes == 300 * 700 * 8 * common._slices_of(dtype)
+    assert common._FROZEN.get() is None
+    assert all(same_bits(g, r) for g, r in zip(got, want))
+
+
+def test_frozen_weights_sees_an_in_place_update():
+    """An in-place update bumps the weight's version: its slices are cut again. Negative control:
+    a cache keyed without the version serves the old slices, and the result changes bits."""
+    x, w = _randn((4, 300), 3), torch.nn.Parameter(_randn((50, 300), 4))
+    with common.frozen_weights():
+        exact_matmul(x, w)
+        with torch.no_grad():
+            w.mul_(1.5)
+        assert same_bits(exact_matmul(x, w), _uncached(x, w))
+    raw, meta = common._SliceCache.__dict__["meta"], common._SliceCache.meta  # the staticmethod, its function
+    try:
+        common._SliceCache.meta = staticmethod(lambda t, beta: None if meta(t, beta) is None else meta(t, beta)[:4])
+        with common.frozen_weights():
+            first = exact_matmul(x, w)
+            with torch.no_grad():
+                w.mul_(1.5)
+            stale = exact_matmul(x, w)
+        assert same_bits(stale, first) and not same_bits(stale, _uncached(x, w))
+    finally:
+        common._SliceCache.meta = raw
+
+
+def _uncached(x, w):
+    token = common._FROZEN.set(None)
+    try:
+        return exact_matmul(x, w)
+    finally:
+        common._FROZEN.reset(token)
+
+
+def test_frozen_weights_keeps_no_views_no_nonfinite_weights_and_respects_its_budget():
+    x = _randn((2, 64), 5)
+    w = _randn((40, 64), 6)
+    bad = w.clone()
+    bad[3, 7] = float("inf")
+    with common.frozen_weights(budget_bytes=40 * 64 * 16):  # one float32 weight's two slices
+        cache = common._FROZEN.get()
+        exact_matmul(x, w.t().t())  # a view
+        exact_matmul(x, bad)  # non-finite: the IEEE path, nothing kept
+        assert not cache.entries
+        exact_matmul(x, w)
+        w2 = _randn((40, 64), 7)
+        exact_matmul(x, w2)  # over the budget with both: the least recently used goes
+        assert list(cache.entries) == [id(w2)] and cache.bytes == 40 * 64 * 16
+        del w2
+        assert not cache.entries and cache.bytes == 0  # a dead weight's entry goes with it
+
+
+def test_frozen_weights_nests_restores_after_errors_and_checks_its_budget():
+    with pytest.raises(ValueError, match="^budget_bytes: expected a size >= 0"):
+        with common.frozen_weights(budget_bytes=-1):
+            pass
+    with pytest.raises(RuntimeError, match="boom"):
+        with common.frozen_weights():
+            outer = common._FROZEN.get()
+            with common.frozen_weights():
+                assert common._FROZEN.get() is outer  # nested blocks share the outer cache
+            raise RuntimeError("boom")
+    assert common._FROZEN.get() is None
