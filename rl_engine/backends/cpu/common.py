@@ -46,7 +46,7 @@ class _SliceCache:
         self.budget = budget
         self.bytes = 0
         self.entries: dict[int, tuple] = {}  # id(w) -> (ref, meta, ew, blocks, nbytes); insertion = LRU order
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: a weight collected while the lock is held calls discard
 
     @staticmethod
     def meta(w: torch.Tensor, beta: int) -> tuple | None:
