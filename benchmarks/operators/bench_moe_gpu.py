@@ -71,21 +71,18 @@ def baseline_name() -> str:
 
 def _baseline_experts(x, wgu, wd, w, ids):
     """Experts of the baseline: tokens sorted by expert, gate/up and down GEMMs, weighted sum."""
-    T, K = ids.shape
-    E = wgu.shape[0]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    tok = order // K
+    from rl_engine.utils.routing import expert_permutation
+
+    perm = expert_permutation(ids, wgu.shape[0])  # the slots sorted by expert (capturable: no host read)
+    order, tok = perm.order, perm.tokens
     xs = x[tok]
     if hasattr(torch, "_grouped_mm"):
-        # counts by scatter_add (bincount sizes its output from a host read: not capturable)
-        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+        offs = perm.offsets[1:].to(torch.int32)
         h = torch._grouped_mm(xs, wgu.transpose(1, 2), offs=offs)
         d = h.shape[-1] // 2
         y = torch._grouped_mm(F.silu(h[:, :d]) * h[:, d:], wd.transpose(1, 2), offs=offs)
     else:  # one cuBLAS call per expert (host-synchronising: reads the counts)
-        counts = torch.bincount(flat, minlength=E).tolist()
+        counts = perm.counts.tolist()
         ys, s = [], 0
         for e, n in enumerate(counts):
             if n:

@@ -42,7 +42,7 @@ import threading
 
 import torch
 
-from rl_engine.utils.checks import reads_back
+from rl_engine.utils.checks import check_index_range, reads_back
 
 __all__ = ["MAX_POSITION", "CACHE_ELEMENTS", "DEVICE_TABLE_POSITIONS", "rope_inv_freq", "rope_cos_sin"]
 
@@ -174,9 +174,7 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float = 10000.
         # (R, theta, device), and a device-side assertion that every position is in it.
         rows = DEVICE_TABLE_POSITIONS
         tab = _cached(rows, rotary_dim, theta, positions.device, inv, max_rows=rows)
-        lo, hi = torch.aminmax(positions)
-        torch._assert_async((lo >= 0) & (hi < rows), f"positions: expected values in [0, {rows}) "
-                             "(the cached RoPE table; use nan_policy('raise') for positions beyond it)")
+        check_index_range("positions", positions, rows, what="positions of the device RoPE table")
         idx = positions.to(torch.int64)
         return tab[0].index_select(0, idx), tab[1].index_select(0, idx)
     lo, hi = int(positions.min()), int(positions.max())

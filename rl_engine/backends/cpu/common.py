@@ -50,7 +50,7 @@ class _SliceCache:
 
     @staticmethod
     def meta(w: torch.Tensor, beta: int) -> tuple | None:
-        # views (a transposed weight, a vocabulary chunk) are new objects every call: not kept
+        # a view (a transposed weight, a vocabulary chunk) is a new object at every call: it never hits
         if (type(w) not in (torch.Tensor, torch.nn.Parameter) or w.device.type != "cpu" or w.is_inference()
                 or w._base is not None):
             return None
@@ -117,11 +117,14 @@ def frozen_weights(budget_bytes: int = 1 << 30) -> Iterator[None]:
         _FROZEN.reset(token)
 
 
+def _block_slices(t: torch.Tensor, e: torch.Tensor, beta: int, k0: int) -> list[torch.Tensor]:
+    """The exact slices of columns ``k0 .. k0 + _K_BLOCK`` of ``t`` ``[..., R, K]`` (row exponents ``e``)."""
+    return _split(t[..., k0:k0 + _K_BLOCK].to(torch.float64), e, _slices_of(t.dtype), beta)
+
+
 def _weight_blocks(w: torch.Tensor, ew: torch.Tensor, beta: int) -> list[list[torch.Tensor]]:
-    """The exact slices of ``w`` ``[..., N, K]`` per ``_K_BLOCK`` columns (as :func:`exact_partial_sums` cuts them)."""
-    sw = _slices_of(w.dtype)
-    return [_split(w[..., k0:min(w.shape[-1], k0 + _K_BLOCK)].to(torch.float64), ew, sw, beta)
-            for k0 in range(0, w.shape[-1], _K_BLOCK)]
+    """:func:`_block_slices` of ``w`` for every ``_K_BLOCK`` columns, as :func:`exact_partial_sums` uses them."""
+    return [_block_slices(w, ew, beta, k0) for k0 in range(0, w.shape[-1], _K_BLOCK)]
 
 
 def _slices_of(dtype: torch.dtype) -> int:
@@ -339,9 +342,8 @@ def exact_partial_sums(x: torch.Tensor, w: torch.Tensor, ex: torch.Tensor, ew: t
     # Blocks of K bound the float64 temporaries; the sums over K blocks are exact integer
     # additions, so blocking changes no bit.
     for k0 in range(0, K, _K_BLOCK):
-        k1 = min(K, k0 + _K_BLOCK)
-        px = _split(x[..., k0:k1].to(torch.float64), ex, sx, beta)
-        pw = w_blocks[k0 // _K_BLOCK] if w_blocks is not None else _split(w[..., k0:k1].to(torch.float64), ew, sw, beta)
+        px = _block_slices(x, ex, beta, k0)
+        pw = w_blocks[k0 // _K_BLOCK] if w_blocks is not None else _block_slices(w, ew, beta, k0)
         part = _products(px, pw, beta, split_sum=True)
         acc = part if acc is None else [a_.add_(p_) for a_, p_ in zip(acc, part)]
     if acc is None:  # an empty K range contributes exact zeros

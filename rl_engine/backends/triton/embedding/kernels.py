@@ -5,7 +5,8 @@
 * ``rlk_embedding_bwd_tree``  the deterministic weight gradient, no atomics. The token ids are
   sorted stably (tokens grouped by id, each group in increasing token index) and ``fp32(dy)``
   gathered in that order into a scratch buffer; one program per (sorted token, feature block),
-  of which the first token of each id group (``count > 0``) folds its own group in place with the CPU's pairwise tree — at step ``s = 1, 2, 4, ...``
+  of which the first token of each id group (``count > 0``) folds its own group in place with
+  the CPU's pairwise tree — at step ``s = 1, 2, 4, ...``
   rank ``j ≡ 0 (mod 2s)`` adds rank ``j + s`` if it exists (``n = 3``: ``(g0 + g1) + g2``) — and
   writes the group's sum, rounded once, to ``dweight[id]``. Rows of ids that do not occur are
   +0. Groups are disjoint, so no two programs touch the same memory; within a program a
@@ -39,13 +40,12 @@ def rlk_embedding_fwd(ids_ptr, w_ptr, out_ptr, N, H, BLOCK_H: tl.constexpr):
     tl.store(out_ptr + tok * H + cols, tl.load(w_ptr + v * H + cols, mask=mask), mask=mask)
 
 
-@triton.jit(do_not_specialize=["G"])
-def rlk_embedding_bwd_tree(buf_ptr, start_ptr, count_ptr, gid_ptr, dw_ptr, G, H, BLOCK_H: tl.constexpr):
-    grp = tl.program_id(0)
+@triton.jit(do_not_specialize=["N"])
+def rlk_embedding_bwd_tree(buf_ptr, count_ptr, id_ptr, dw_ptr, N, H, BLOCK_H: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64)  # this program's sorted token
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
-    start = tl.load(start_ptr + grp).to(tl.int64)
-    n = tl.load(count_ptr + grp).to(tl.int64)
+    n = tl.load(count_ptr + start).to(tl.int64)  # its group's length if it starts one, else 0
     head = buf_ptr + start * H + cols
     step = 1
     while step < n:
@@ -56,7 +56,7 @@ def rlk_embedding_bwd_tree(buf_ptr, start_ptr, count_ptr, gid_ptr, dw_ptr, G, H,
         tl.debug_barrier()
         step *= 2
     if n > 0:  # the first token of its id group: write the group's sum
-        v = tl.load(gid_ptr + grp).to(tl.int64)
+        v = tl.load(id_ptr + start).to(tl.int64)
         total = tl.load(head, mask=mask, other=0.0)
         tl.store(dw_ptr + v * H + cols, total.to(dw_ptr.dtype.element_ty), mask=mask)
 
@@ -93,6 +93,6 @@ def backward(grad2: torch.Tensor, ids_flat: torch.Tensor, num_weights: int) -> t
     block = min(_BLOCK_H, max(16, triton.next_power_of_2(H)))
     with device_guard(grad2):
         rlk_embedding_bwd_tree[(N, triton.cdiv(H, block))](
-            buf, idx, counts, sid, dw, N, H, BLOCK_H=block, num_warps=4,
+            buf, counts, sid, dw, N, H, BLOCK_H=block, num_warps=4,
         )
     return dw
