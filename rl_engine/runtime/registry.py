@@ -218,6 +218,10 @@ def reference_for(op: str) -> Callable[..., Any]:
 #: list is the same object: ``register`` and any replacement of ``_REGISTRY[op]`` make a new one.
 _SELECTED: dict[tuple, tuple[list[Implementation], Implementation | None, list[tuple[str, list[str]]]]] = {}
 _SELECTED_MAX = 4096
+#: The same answers keyed by the request object (``id(request) -> (request, op's implementation
+#: list, implementation, rejections)``): :func:`make_request` hands out one request object per
+#: kind of call, so the hot path skips building and hashing the key above.
+_BY_REQUEST: dict[int, tuple[Request, list[Implementation], Implementation | None, list[tuple[str, list[str]]]]] = {}
 
 
 def _select_key(request: Request) -> tuple | None:
@@ -233,6 +237,9 @@ def _select_key(request: Request) -> tuple | None:
 
 def _selected(request: Request) -> tuple[Implementation | None, list[tuple[str, list[str]]]]:
     """:func:`select` without copying the cached rejections (callers must not mutate them)."""
+    hit = _BY_REQUEST.get(id(request))
+    if hit is not None and hit[0] is request and hit[1] is _REGISTRY.get(request.op):
+        return hit[2], hit[3]
     _load(request.op)
     key = _select_key(request)
     if key is not None:
@@ -244,6 +251,10 @@ def _selected(request: Request) -> tuple[Implementation | None, list[tuple[str, 
         if len(_SELECTED) >= _SELECTED_MAX:  # features such as a step's token count vary: stay bounded
             _SELECTED.clear()
         _SELECTED[key] = (_REGISTRY[request.op], impl, [(i, list(r)) for i, r in rejections])
+        if len(_BY_REQUEST) >= _SELECTED_MAX:
+            _BY_REQUEST.clear()
+        # the entry holds the request, so its id is not reused while the entry lives
+        _BY_REQUEST[id(request)] = (request, _REGISTRY[request.op], impl, _SELECTED[key][2])
     return impl, rejections
 
 
@@ -278,6 +289,8 @@ def _select(request: Request) -> tuple[Implementation | None, list[tuple[str, li
 
 #: ``(op, platform family) -> required invariances`` of the op's contract on that family.
 _REQUIRES: dict[tuple[str, str], frozenset[str]] = {}
+#: :func:`make_request`'s requests: ``(op, device, dtype, variants, features items) -> Request``.
+_REQUESTS: dict[tuple, Request] = {}
 #: ``device -> Platform`` for the devices seen (a device's platform never changes in a process).
 _PLATFORMS: dict[torch.device, Any] = {}
 
@@ -289,8 +302,19 @@ def make_request(op: str, device_tensor: torch.Tensor, *, features: Mapping[str,
 
     The platform of a device and the invariances an op's contract requires on a platform family
     are looked up once per process (both are fixed for its lifetime), so building a request costs
-    two dictionary lookups on the hot path."""
+    two dictionary lookups on the hot path. Without an explicit ``requires``, the request itself
+    is cached per ``(op, device, dtype, variants, features)`` (in the order given) and handed out
+    again with read-only features, so :func:`dispatch` finds its answer by the object's identity."""
     device = device_tensor.device
+    key = None
+    if requires is None:
+        key = (op, device, device_tensor.dtype, variants, tuple(features.items()) if features else ())
+        try:
+            hit = _REQUESTS.get(key)
+        except TypeError:  # an unhashable feature value: built afresh every call
+            key = hit = None
+        if hit is not None:
+            return hit
     platform = _PLATFORMS.get(device)
     if platform is None:
         from rl_engine.platforms import platform_of
@@ -300,8 +324,15 @@ def make_request(op: str, device_tensor: torch.Tensor, *, features: Mapping[str,
         requires = _REQUIRES.get((op, platform.family))
         if requires is None:
             requires = _REQUIRES.setdefault((op, platform.family), contracts.load_contract(op).guarantees_on(platform.family))
-    return Request(op=op, platform=platform, dtype=device_tensor.dtype, requires=requires,
-                   features=dict(features) if features else {}, variants=variants)
+    if key is None:
+        return Request(op=op, platform=platform, dtype=device_tensor.dtype, requires=requires,
+                       features=dict(features) if features else {}, variants=variants)
+    request = Request(op=op, platform=platform, dtype=device_tensor.dtype, requires=requires,
+                      features=MappingProxyType(dict(features) if features else {}), variants=variants)
+    if len(_REQUESTS) >= _SELECTED_MAX:
+        _REQUESTS.clear()
+    _REQUESTS[key] = request
+    return request
 
 
 def dispatch(request: Request, *args: Any, **kwargs: Any) -> Any:

@@ -174,9 +174,13 @@ def require_tensor(
 
 def require_same_device(**tensors: torch.Tensor | None) -> torch.device:
     """All given tensors live on one device; returns it."""
-    devs = {n: t.device for n, t in tensors.items() if t is not None}
-    first_name, first = next(iter(devs.items()))
-    for n, d in devs.items():
-        if d != first:
+    first_name, first = None, None
+    for n, t in tensors.items():
+        if t is None:
+            continue
+        d = t.device
+        if first is None:
+            first_name, first = n, d
+        elif d != first:
             raise ValueError(f"{n}: expected device {first} (the device of {first_name}), got {d}")
     return first

@@ -311,6 +311,27 @@ def test_select_caches_answers_until_the_registry_changes(fake_op, monkeypatch):
         assert len(registry._SELECTED) <= 3
 
 
+def test_make_request_hands_out_one_request_per_kind_of_call(fake_op):
+    """Equal calls get the same request object (read-only features) and its selection by identity;
+    different features, dtypes or variants get their own; an explicit ``requires`` or an unhashable
+    feature builds afresh; a registry change still recomputes the cached request's answer."""
+    x = torch.zeros(2, 3)
+    register(make_impl("kind.a", priority=10))
+    r1 = make_request(TEST_OP, x, features={"K": 3, "N": 8})
+    assert make_request(TEST_OP, x, features={"K": 3, "N": 8}) is r1
+    with pytest.raises(TypeError):
+        r1.features["K"] = 4  # shared: callers cannot change it under the others
+    assert make_request(TEST_OP, x, features={"K": 4, "N": 8}) is not r1
+    assert make_request(TEST_OP, x.bfloat16(), features={"K": 3, "N": 8}) is not r1
+    assert make_request(TEST_OP, x, features={"K": 3, "N": 8}, variants=frozenset({"v"})) is not r1
+    assert make_request(TEST_OP, x, features={"K": 3, "N": 8}, requires=frozenset({"row"})) is not r1
+    odd = make_request(TEST_OP, x, features={"shape": [3, 4]})
+    assert make_request(TEST_OP, x, features={"shape": [3, 4]}) is not odd and odd.features == {"shape": [3, 4]}
+    assert select(r1)[0].impl_id == "kind.a"
+    register(make_impl("kind.b", priority=5))
+    assert select(r1)[0].impl_id == "kind.b"
+
+
 def test_shipped_eligibility_runs_no_tensor_operation():
     """Selecting the shipped linear implementation executes no aten op (no allocation, no compute)."""
     from torch.profiler import ProfilerActivity, profile
