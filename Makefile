@@ -19,7 +19,7 @@ INTERP_ENV := TRITON_INTERPRET=1
 INTERP_TESTS := tests/backends/triton/attention tests/backends/triton/test_host_path_triton.py \
 	tests/backends/triton/test_embedding_triton.py \
 	tests/backends/triton/test_gemm_triton.py tests/backends/triton/test_linear_logprob_triton.py \
-	tests/backends/triton/test_moe_triton.py -k interpreter
+	tests/backends/triton/test_moe_triton.py tests/backends/triton/test_kernel_lists.py -k interpreter
 # Kernels compiled ahead of time for sm_90 with the same triton (no GPU, no interpreter): registers,
 # spills and pipelined loads of the attention launches (benchmarks/profiling/attention_resources_sm90.py).
 SM90_TESTS := tests/backends/triton/attention -k offline_sm90

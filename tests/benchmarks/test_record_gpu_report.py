@@ -75,3 +75,23 @@ def test_refuses_a_platform_without_a_device_record(tmp_path):
     (tmp_path / "h200").mkdir()
     with pytest.raises(SystemExit, match="no device record"):
         _tool().record("moe", {"rows": rows}, commit="abc", out=tmp_path / "h200" / "moe.json", notes=[])
+
+
+def test_merge_keeps_the_sections_a_run_did_not_measure(tmp_path):
+    """A generate-only run replaces the generate rows and keeps the training rows, each row naming
+    the commit it was measured at; a record of another family is refused."""
+    out = _platform(tmp_path) / "e2e_hf.json"
+    train = _row("train_step", "rl_engine", 1.0, config={"layout": "packed"}, ratio_vs_baseline=0.9,
+                 layout_mismatched=0, layout_compared=10)
+    old_gen = _row("generate", "rl_engine", 1.0, config={"mode": "eager", "sampling": "greedy"}, ratio_vs_baseline=3.0,
+                   mismatched=0, compared=10)
+    tool = _tool()
+    existing = tool.record("e2e_hf", {"rows": [train, old_gen]}, commit="old", out=out, notes=[])
+    gen = _row("generate", "rl_engine", 1.0, config={"mode": "static-compiled", "sampling": "greedy"},
+               ratio_vs_baseline=1.0, mismatched=0, compared=10)
+    rep = tool.merge(tool.record("e2e_hf", {"rows": [gen]}, commit="new", out=out, notes=[]), existing)
+    assert [(r["op"], r["measured_commit"]) for r in rep["rows"]] == [("generate", "new"), ("train_step", "old")]
+    assert {s["case"] for s in rep["summary"]} == {"generate static-compiled greedy", "train step, packed"}
+    assert rep["commit"] == "new (generate); old (train_step)"
+    with pytest.raises(SystemExit, match="family"):
+        tool.merge(rep, dict(existing, family="moe"))

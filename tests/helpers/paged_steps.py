@@ -39,8 +39,10 @@ class PagedEngine:
 
     def plan(self, n_new: list[int], **kw):
         slots, bt, cu, seq_lens, pos = self.metadata(n_new)
+        if self.device.type != "cpu":  # pinned, so the copy is asynchronous like the plan's own
+            pos = pos.pin_memory().to(self.device, non_blocking=True)
         return plan_paged_attention(slots, bt, self.bs, cu, seq_lens, num_blocks=self.num_blocks, device=self.device,
-                                    **kw), pos.to(self.device)
+                                    **kw), pos
 
     def advance(self, n_new: list[int]) -> None:
         self.lens = [l + n for l, n in zip(self.lens, n_new)]

@@ -20,6 +20,8 @@ Families and their targets:
 
     python tools/benchmarking/record_gpu_report.py moe OUT/bench_moe_gpu.json --commit 28d01d4 \\
         --out reports/gpu/h200/moe.json
+    python tools/benchmarking/record_gpu_report.py e2e_hf OUT/bench_hf_qwen3.json --commit eef99fc \\
+        --out reports/gpu/h200/e2e_hf.json --merge    # a generate-only run keeps the training rows
 """
 
 from __future__ import annotations
@@ -124,6 +126,24 @@ def record(family: str, raw: dict, *, commit: str, out: Path, notes: list[str]) 
             "notes": notes, "summary": summary, "rows": rows, "meta": raw.get("meta", {})}
 
 
+def merge(rep: dict, existing: dict) -> dict:
+    """``rep`` with the rows of ``existing`` (the same family's record) for the operations ``rep``
+    did not measure — a run that measured one section replaces that section only. Every row says
+    the commit it was measured at (``measured_commit``), and the report's ``commit`` lists both."""
+    if existing.get("family") != rep["family"]:
+        raise SystemExit(f"--merge: the existing record is of family {existing.get('family')!r}, not {rep['family']!r}")
+    new_ops = {r["op"] for r in rep["rows"]}
+    kept = [dict(r, measured_commit=r.get("measured_commit", existing["commit"])) for r in existing["rows"]
+            if r["op"] not in new_ops]
+    if not kept:
+        return rep
+    rows = [dict(r, measured_commit=rep["commit"]) for r in rep["rows"]] + kept
+    kept_ops = sorted({r["op"] for r in kept})
+    summary = SUMMARIES[rep["family"]](rows)
+    commit = f"{rep['commit']} ({', '.join(sorted(new_ops))}); {existing['commit']} ({', '.join(kept_ops)})"
+    return dict(rep, rows=rows, summary=summary, commit=commit)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("family", choices=sorted(SUMMARIES))
@@ -131,10 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", required=True, help="commit of the measured tree")
     ap.add_argument("--out", type=Path, required=True, help="reports/gpu/<platform>/<family>.json")
     ap.add_argument("--note", action="append", default=[], help="a sentence for the page (repeatable)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the existing record's rows of the operations this run did not measure (e.g. the "
+                         "training step when the run measured generate only)")
     a = ap.parse_args(argv)
     if a.out.stem != a.family:
         ap.error(f"--out: expected a file named {a.family}.json, got {a.out.name}")
+    if a.merge and not a.out.exists():
+        ap.error(f"--merge: {a.out} does not exist")
     rep = record(a.family, json.loads(a.raw.read_text(encoding="utf-8")), commit=a.commit, out=a.out, notes=a.note)
+    if a.merge:
+        rep = merge(rep, json.loads(a.out.read_text(encoding="utf-8")))
     a.out.write_text(json.dumps(rep, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     met = [s["met"] for s in rep["summary"] if s["met"] is not None]
     print(f"wrote {a.out}: {len(rep['rows'])} rows, targets met {sum(met)} of {len(met)}")

@@ -15,14 +15,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rl_engine.backends.triton.attention.device import (rlk_attn_gdc_launch)
+from rl_engine.backends.triton.attention.device import rlk_attn_gdc_launch
 
 __all__ = ["KERNEL_NAMES", "DEVICE_FUNCTIONS", "rlk_attn_tiles", "rlk_attn_varlen_tiles"]
 
 KERNEL_NAMES = ("rlk_attn_tiles", "rlk_attn_varlen_tiles")
 #: ``@triton.jit`` device functions in this module's namespace (its own and the shared ones it
 #: calls from ``device``), never launched on their own.
-DEVICE_FUNCTIONS = ("rlk_attn_gdc_launch")
+DEVICE_FUNCTIONS = ("rlk_attn_gdc_launch",)
 
 
 @triton.jit
