@@ -41,6 +41,8 @@ Usage::
 
     python benchmarks/e2e/bench_hf_qwen3.py --out bench_hf_qwen3.json            # CUDA if available, 36 layers, bf16
     python benchmarks/e2e/bench_hf_qwen3.py --layers 4 --out bench_hf_qwen3.json # fewer layers
+    python benchmarks/e2e/bench_hf_qwen3.py --sections generate --modes eager --samplings sampled \
+        --out bench_hf_qwen3.json     # one setting per device call (record_gpu_report.py --merge joins them)
     python benchmarks/e2e/bench_hf_qwen3.py --tiny --out /tmp/bench_hf_tiny.json # CPU dry run in seconds
     python benchmarks/e2e/bench_hf_qwen3.py --tiny --trl --out /tmp/bench_hf_trl.json
 """
@@ -262,7 +264,7 @@ def generate_section(ctx: dict, models: dict, shapes: dict) -> list[dict]:
     N = shapes["new_tokens"]
     rows = []
     for mode in ctx["modes"]:
-        for sampled in (False, True):
+        for sampled in (s == "sampled" for s in ctx["samplings"]):
             kw = dict(max_new_tokens=N, do_sample=sampled, temperature=TEMPERATURE if sampled else 1.0, seed=3)
             if mode == "static-compiled":
                 kw.update(cache_implementation="static", compile_config=_compile_config(ctx))
@@ -414,6 +416,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--sections", default="train,generate", help="comma-separated: train, generate")
     p.add_argument("--modes", default="eager,static-compiled", help="generate modes: eager, static-compiled")
+    p.add_argument("--samplings", default="greedy,sampled",
+                   help="generate settings: greedy, sampled (one per device call when a full run does not fit)")
     p.add_argument("--compile-backend", default=None,
                    help="torch.compile backend of the static-compiled mode (default: inductor on CUDA, aot_eager on CPU)")
     p.add_argument("--no-fallback", action="store_true", help="skip the transformers-DynamicCache fallback row")
@@ -446,10 +450,12 @@ def main(argv=None) -> int:
     dtype = getattr(torch, a.dtype)
     sections = [s for s in a.sections.split(",") if s]
     modes = [m for m in a.modes.split(",") if m]
-    bad = [s for s in sections if s not in ("train", "generate")] + [m for m in modes if m not in ("eager", "static-compiled")]
+    samplings = [s for s in a.samplings.split(",") if s]
+    bad = ([s for s in sections if s not in ("train", "generate")] + [m for m in modes if m not in ("eager", "static-compiled")]
+           + [s for s in samplings if s not in ("greedy", "sampled")])
     if bad:
-        raise SystemExit(f"--sections/--modes: unknown {bad}")
-    ctx = {"device": device, "dtype": dtype, "model_cfg": model_cfg, "modes": modes, "warmup": a.warmup,
+        raise SystemExit(f"--sections/--modes/--samplings: unknown {bad}")
+    ctx = {"device": device, "dtype": dtype, "model_cfg": model_cfg, "modes": modes, "samplings": samplings, "warmup": a.warmup,
            "repeats": a.repeats or 3, "memory": a.memory, "fallback": not a.no_fallback,
            "grad_checkpointing": not a.no_grad_checkpointing,
            "compile_backend": a.compile_backend or ("inductor" if device.startswith("cuda") else "aot_eager"),

@@ -59,9 +59,10 @@ def test_tiny_run_writes_rows_and_passes_its_bit_checks(tmp_path):
 
 
 def test_negative_control_without_the_install_fails_the_checks(tmp_path):
-    r, doc = run(tmp_path, "--sections", "generate", "--modes", "eager", "--no-fallback", "--warmup", "0",
-                 "--negative-control")
+    r, doc = run(tmp_path, "--sections", "generate", "--modes", "eager", "--samplings", "greedy", "--no-fallback",
+                 "--warmup", "0", "--negative-control")
     assert r.returncode == 1
+    assert {x["config"]["sampling"] for x in doc["rows"]} == {"greedy"}  # --samplings picks the settings
     assert "FAILED: generate eager greedy [rl_engine]" in r.stderr and "expected 0" in r.stderr
     assert doc["meta"]["negative_control"] and doc["meta"]["failures"]
     assert all(x["bits_check"] == "FAIL" for x in doc["rows"] if x["implementation"] == "rl_engine")

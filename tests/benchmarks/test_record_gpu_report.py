@@ -78,8 +78,9 @@ def test_refuses_a_platform_without_a_device_record(tmp_path):
 
 
 def test_merge_keeps_the_sections_a_run_did_not_measure(tmp_path):
-    """A generate-only run replaces the generate rows and keeps the training rows, each row naming
-    the commit it was measured at; a record of another family is refused."""
+    """A run of one generate setting replaces that setting's rows and keeps the others (training,
+    other modes), each row naming the commit it was measured at; a record of another family is
+    refused."""
     out = _platform(tmp_path) / "e2e_hf.json"
     train = _row("train_step", "rl_engine", 1.0, config={"layout": "packed"}, ratio_vs_baseline=0.9,
                  layout_mismatched=0, layout_compared=10)
@@ -90,8 +91,15 @@ def test_merge_keeps_the_sections_a_run_did_not_measure(tmp_path):
     gen = _row("generate", "rl_engine", 1.0, config={"mode": "static-compiled", "sampling": "greedy"},
                ratio_vs_baseline=1.0, mismatched=0, compared=10)
     rep = tool.merge(tool.record("e2e_hf", {"rows": [gen]}, commit="new", out=out, notes=[]), existing)
-    assert [(r["op"], r["measured_commit"]) for r in rep["rows"]] == [("generate", "new"), ("train_step", "old")]
-    assert {s["case"] for s in rep["summary"]} == {"generate static-compiled greedy", "train step, packed"}
-    assert rep["commit"] == "new (generate); old (train_step)"
+    assert [(r["op"], r["config"].get("mode"), r["measured_commit"]) for r in rep["rows"]] == [
+        ("generate", "static-compiled", "new"), ("train_step", None, "old"), ("generate", "eager", "old")]
+    assert {s["case"] for s in rep["summary"]} == {"generate static-compiled greedy", "generate eager greedy",
+                                                   "train step, packed"}
+    assert rep["commit"] == "new (generate); old (generate, train_step)"
+    # a later run of the same setting replaces it
+    again = tool.merge(tool.record("e2e_hf", {"rows": [dict(gen, ratio_vs_baseline=0.98)]}, commit="newer", out=out,
+                                   notes=[]), rep)
+    assert [(r["config"].get("mode"), r["measured_commit"]) for r in again["rows"]] == [
+        ("static-compiled", "newer"), (None, "old"), ("eager", "old")]
     with pytest.raises(SystemExit, match="family"):
         tool.merge(rep, dict(existing, family="moe"))

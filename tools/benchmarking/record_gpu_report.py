@@ -126,21 +126,35 @@ def record(family: str, raw: dict, *, commit: str, out: Path, notes: list[str]) 
             "notes": notes, "summary": summary, "rows": rows, "meta": raw.get("meta", {})}
 
 
+#: The config entries that tell one setting of a family's rows from another (the implementations
+#: of a setting are replaced together).
+SETTING_KEYS = ("mode", "sampling", "layout", "tokens", "kind")
+
+
+def _setting(row: dict) -> tuple:
+    return (row["op"], *(row["config"].get(k) for k in SETTING_KEYS))
+
+
 def merge(rep: dict, existing: dict) -> dict:
-    """``rep`` with the rows of ``existing`` (the same family's record) for the operations ``rep``
-    did not measure — a run that measured one section replaces that section only. Every row says
-    the commit it was measured at (``measured_commit``), and the report's ``commit`` lists both."""
+    """``rep`` with the rows of ``existing`` (the same family's record) for the settings ``rep``
+    did not measure (operation, mode, sampling, layout, tokens, kind) — a run that measured one
+    section or one setting replaces only those rows. Every row says the commit it was measured at
+    (``measured_commit``), and the report's ``commit`` lists the commits by operation."""
     if existing.get("family") != rep["family"]:
         raise SystemExit(f"--merge: the existing record is of family {existing.get('family')!r}, not {rep['family']!r}")
     new_ops = {r["op"] for r in rep["rows"]}
+    measured = {_setting(r) for r in rep["rows"]}
     kept = [dict(r, measured_commit=r.get("measured_commit", existing["commit"])) for r in existing["rows"]
-            if r["op"] not in new_ops]
+            if _setting(r) not in measured]
     if not kept:
         return rep
     rows = [dict(r, measured_commit=rep["commit"]) for r in rep["rows"]] + kept
-    kept_ops = sorted({r["op"] for r in kept})
     summary = SUMMARIES[rep["family"]](rows)
-    commit = f"{rep['commit']} ({', '.join(sorted(new_ops))}); {existing['commit']} ({', '.join(kept_ops)})"
+    by_commit: dict[str, set[str]] = {}
+    for r in kept:
+        by_commit.setdefault(r["measured_commit"], set()).add(r["op"])
+    commit = "; ".join([f"{rep['commit']} ({', '.join(sorted(new_ops))})"]
+                       + [f"{c} ({', '.join(sorted(ops))})" for c, ops in by_commit.items() if c != rep["commit"]])
     return dict(rep, rows=rows, summary=summary, commit=commit)
 
 
