@@ -32,7 +32,8 @@
 #   python3 -m pip download --no-deps liger-kernel==0.8.5 -d .whl
 # Each step has its own timeout (*_TIMEOUT, seconds) so one call of the
 # device tool (600 s) can hold them; TESTS / KEXPR narrow the test run. DEADLINE (seconds from
-# this script's start, default 570: under the device tool's 600 s per call) caps every step's
+# this script's start, default 570: under the device tool's 600 s per call; set it about 40 s under the
+# call's limit when less device time is left, since the tool then cuts the call shorter) caps every step's
 # limit to the time left, and the results are packed into $OUT after every step, so a job whose
 # limits add up to more than the call still returns what it finished (a job killed with the call
 # returns nothing).
@@ -59,6 +60,16 @@ export RLK_EVIDENCE_DIR="$OUT/evidence" TRITON_CACHE_DIR=/tmp/rlk_triton_cache
   echo "== env $(date -u +%FT%TZ)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, triton, pydantic, hypothesis, pytest; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'pydantic', pydantic.__version__, 'hypothesis', hypothesis.__version__, 'pytest', pytest.__version__); print(torch.cuda.get_device_name(0))"
+  # what the e2e step's --trl section needs, and which of it the image lacks (carry those in .whl)
+  python3 - <<'PY'
+import importlib.metadata as m
+def version(p):
+    try:
+        return m.version(p)
+    except m.PackageNotFoundError:
+        return "missing"
+print(" ".join(f"{p}={version(p)}" for p in ("transformers", "accelerate", "datasets", "trl", "pyarrow", "huggingface_hub")))
+PY
 } 2>&1 | tee "$OUT/env.txt"
 # the vLLM modules are CPU tests of .venv-vllm (no vLLM on the device image): left out, or their
 # module-level importorskip would read as two skips of the GPU run
