@@ -221,6 +221,29 @@ def test_bad_input_messages_name_the_argument():
         rope.apply_rope(torch.empty(4, 2, 8, device="meta"), torch.empty(4, dtype=torch.int64, device="meta"))
 
 
+def test_device_positions_are_checked_once_by_the_table_lookup(monkeypatch):
+    """Where the entry point may not read positions back (a GPU under the default policy), it
+    leaves the range to the table lookup, ``rope_cos_sin``, which checks the tighter bound of the
+    table it reads: one check per call, and out-of-range positions are still refused. Simulated
+    on the CPU by making the entry point see a non-readable device; the lookup, which still reads
+    back here, gives the error the device assertion stands for. Negative control: with the entry's
+    own check spied on, a readable device calls it once."""
+    import rl_engine.ops.rope as entry
+
+    calls = []
+    real = entry.check_index_range
+    monkeypatch.setattr(entry, "check_index_range", lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
+    x = torch.randn(4, 2, 8)
+    rope.apply_rope(x, torch.arange(4))
+    assert calls == ["positions"]
+    monkeypatch.setattr(entry, "reads_back", lambda t: False)
+    calls.clear()
+    rope.apply_rope(x, torch.arange(4))
+    assert calls == []
+    with pytest.raises(ValueError, match="^positions: expected values in"):
+        rope.apply_rope(x, torch.tensor([0, 1, -1, 2]))
+
+
 def test_int32_positions_and_empty_batch():
     x = _x((6, 2, 16), "float32", seed=12)
     assert same_bits(rope.apply_rope(x, torch.arange(6, dtype=torch.int32)), rope.apply_rope(x, torch.arange(6)))
