@@ -101,5 +101,8 @@ def test_merge_keeps_the_sections_a_run_did_not_measure(tmp_path):
                                    notes=[]), rep)
     assert [(r["config"].get("mode"), r["measured_commit"]) for r in again["rows"]] == [
         ("static-compiled", "newer"), (None, "old"), ("eager", "old")]
+    # a run of every setting keeps nothing, and its rows still name their commit
+    whole = tool.merge(tool.record("e2e_hf", {"rows": [train, old_gen]}, commit="all", out=out, notes=[]), existing)
+    assert [r["measured_commit"] for r in whole["rows"]] == ["all", "all"] and whole["commit"] == "all (generate, train_step)"
     with pytest.raises(SystemExit, match="family"):
         tool.merge(rep, dict(existing, family="moe"))

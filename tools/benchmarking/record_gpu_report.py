@@ -146,8 +146,6 @@ def merge(rep: dict, existing: dict) -> dict:
     measured = {_setting(r) for r in rep["rows"]}
     kept = [dict(r, measured_commit=r.get("measured_commit", existing["commit"])) for r in existing["rows"]
             if _setting(r) not in measured]
-    if not kept:
-        return rep
     rows = [dict(r, measured_commit=rep["commit"]) for r in rep["rows"]] + kept
     summary = SUMMARIES[rep["family"]](rows)
     by_commit: dict[str, set[str]] = {}
@@ -166,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="reports/gpu/<platform>/<family>.json")
     ap.add_argument("--note", action="append", default=[], help="a sentence for the page (repeatable)")
     ap.add_argument("--merge", action="store_true",
-                    help="keep the existing record's rows of the operations this run did not measure (e.g. the "
-                         "training step when the run measured generate only)")
+                    help="keep the existing record's rows of the settings this run did not measure (e.g. the "
+                         "training step and the eager rows when the run measured static-compiled generate only)")
     a = ap.parse_args(argv)
     if a.out.stem != a.family:
         ap.error(f"--out: expected a file named {a.family}.json, got {a.out.name}")

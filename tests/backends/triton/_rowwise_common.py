@@ -118,10 +118,30 @@ def evidence(name: str, payload: dict) -> None:
 
 
 def defined_kernel_names(kernels_module: str) -> set[str]:
+    """Names of the ``@triton.jit`` functions in the module's namespace (compiled, or run by the
+    interpreter under ``TRITON_INTERPRET=1``)."""
     import triton
 
+    kinds: tuple[type, ...] = (triton.runtime.JITFunction,)
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        kinds += (InterpretedFunction,)
+    except ImportError:
+        pass
     mod = importlib.import_module(kernels_module)
-    return {obj.fn.__name__ for obj in vars(mod).values() if isinstance(obj, triton.runtime.JITFunction)}
+    return {obj.fn.__name__ for obj in vars(mod).values() if isinstance(obj, kinds)}
+
+
+def check_kernel_lists(name: str, kernels, helpers, jit_names: set[str]) -> None:
+    """``kernels`` (a module's ``KERNEL_NAMES``) and ``helpers`` (its ``DEVICE_FUNCTIONS``) are
+    tuples of names; the kernels carry the ``rlk_`` prefix and are exactly the module's public JIT
+    functions that are not helpers (``jit_names``: :func:`defined_kernel_names`)."""
+    for what, names in (("KERNEL_NAMES", kernels), ("DEVICE_FUNCTIONS", helpers)):
+        assert isinstance(names, tuple) and all(isinstance(n, str) for n in names), (name, what, names)
+    assert all(n.startswith("rlk_") for n in kernels), (name, kernels)
+    launchable = {n for n in jit_names if not n.startswith("_")} - set(helpers)
+    assert launchable == set(kernels), (name, sorted(launchable), kernels)
 
 
 def gpu_kernel_events(call) -> list[str]:
@@ -144,9 +164,7 @@ def check_profiler_names(kernels_module: str | tuple[str, ...], call, must_see: 
     for name in (kernels_module,) if isinstance(kernels_module, str) else kernels_module:
         mod = importlib.import_module(name)
         names = defined_kernel_names(name)
-        launchable = {n for n in names if not n.startswith("_")} - set(getattr(mod, "DEVICE_FUNCTIONS", ()))
-        assert launchable == set(mod.KERNEL_NAMES), (name, launchable, mod.KERNEL_NAMES)
-        assert all(n.startswith("rlk_") for n in launchable), launchable
+        check_kernel_lists(name, mod.KERNEL_NAMES, getattr(mod, "DEVICE_FUNCTIONS", ()), names)
         defined |= names
     names = gpu_kernel_events(call)
     assert names, "profiler recorded no GPU events"
