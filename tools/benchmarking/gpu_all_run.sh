@@ -141,7 +141,7 @@ for step in $STEPS; do
         > "$OUT/attention_breakdown.log" 2>&1; cut -c1-200 "$OUT/attention_breakdown.log" | tail -60 ;;
     host_overhead)  # host time per eager call, where it goes (tools/benchmarking/host_overhead_gpu.py)
       timeout $(lim ${HOST_TIMEOUT:-90}) python3 tools/benchmarking/host_overhead_gpu.py --out "$OUT/bench_host_overhead.json" \
-        > "$OUT/host_overhead.log" 2>&1; head -60 "$OUT/host_overhead.log" ;;
+        > "$OUT/host_overhead.log" 2>&1; grep -v "^ " "$OUT/host_overhead.log" | head -60 ;;
     overhead)  # host cost per small call through the public API (benchmarks/operators/bench_call_overhead.py)
       timeout $(lim ${OVERHEAD_TIMEOUT:-120}) python3 benchmarks/operators/bench_call_overhead.py --device cuda \
         --out "$OUT/bench_call_overhead.json" ${OVERHEAD_ARGS:-} > "$OUT/bench_call_overhead.log" 2>&1

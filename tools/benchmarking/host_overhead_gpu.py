@@ -16,10 +16,12 @@ then other decode-step operators at batch 1 (``rms_norm``, ``silu_and_mul``, att
 ``paged_attention`` against a step's ``plan_paged_attention`` + per-layer
 ``paged_attention_step``; a whole 36-layer decode step of per-layer caches, one
 ``cached_attention`` per layer against ``plan_cached_attention`` + ``cached_attention_step``)
-next to their torch counterparts. Each is the median of repeated loops after warm-up, with the GPU kept ahead by a
+next to their torch counterparts; and the embedding lookup (``F.embedding``, the public entry point, the
+custom op) with the device-side index check of ``embedding`` / ``token_logprobs`` / ``apply_rope``
+whole and launch by launch (``aminmax``, the comparisons, ``torch._assert_async``). Each is the median of repeated loops after warm-up, with the GPU kept ahead by a
 CUDA sleep so the loop measures the host; calls that synchronise (the NaN scan, the attention
 op's ``cu_seqlens`` validation) run without the sleep and report host + device. A ``cProfile``
-of each ``--profile`` case (default: the custom-op loop) gives the top functions by own and by
+of each ``--profile`` case (default: the custom-op loop and the public embedding) gives the top functions by own and by
 cumulative time. JSON to ``--out``: ``rows`` (``case``, ``p50_us``, ``min_us``, ``host_only``, and
 the benchmark harness's ``implementation`` / ``config`` / ``median`` / ``unit``, so
 ``tools/benchmarking/trees_ab_gpu.py`` tabulates them) and ``cprofile`` (case: text).
@@ -77,6 +79,8 @@ OTHER_CASES = (
     "decode attn plan_paged_attention (once per step)", "decode attn paged_attention_step (per layer)",
     "decode step x36 layers: cached_attention per layer",
     "decode step x36 layers: plan_cached_attention + cached_attention_step",
+    "embedding torch", "embedding public", "embedding custom_op", "index check: check_index_range",
+    "index check: aminmax", "index check: comparisons", "index check: comparison + _assert_async",
 )
 
 
@@ -156,6 +160,16 @@ def other_ops() -> dict[str, tuple]:
         for c in layers:
             cached_attention_step(q, kv, kv, c, p)
 
+    # the device-side index check of embedding / token_logprobs / rope, whole and by its launches
+    from rl_engine.ops.embedding import embedding
+    from rl_engine.utils.checks import check_index_range
+
+    import rl_engine.backends.triton.embedding  # noqa: F401  (registers torch.ops.rlk.embedding_triton)
+
+    table = torch.randn(151936, 4096, device="cuda", dtype=torch.bfloat16)
+    ids = torch.tensor([17], device="cuda")
+    lo, hi = torch.aminmax(ids)
+
     return {
         "rms_norm torch": (lambda: torch.nn.functional.rms_norm(h, (4096,), nw, 1e-6), False, 400),
         "rms_norm public": (propagate(lambda: rms_norm(h, nw, 1e-6)), False, 400),
@@ -175,6 +189,13 @@ def other_ops() -> dict[str, tuple]:
         # per decode step of 36 layers (host + device: both forms read cu_seqlens_q on the host)
         "decode step x36 layers: cached_attention per layer": (propagate(step_per_layer_calls), True, 20),
         "decode step x36 layers: plan_cached_attention + cached_attention_step": (propagate(step_planned), True, 20),
+        "embedding torch": (lambda: F.embedding(ids, table), False, 400),
+        "embedding public": (lambda: embedding(ids, table), False, 400),
+        "embedding custom_op": (lambda: torch.ops.rlk.embedding_triton(ids, table), False, 400),
+        "index check: check_index_range": (lambda: check_index_range("ids", ids, 151936, what="token ids"), False, 400),
+        "index check: aminmax": (lambda: torch.aminmax(ids), False, 400),
+        "index check: comparisons": (lambda: (lo >= 0) & (hi < 151936), False, 400),
+        "index check: comparison + _assert_async": (lambda: torch._assert_async(lo >= 0, "ids: expected token ids"), False, 400),
     }
 
 
@@ -182,8 +203,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--m", type=int, default=1)
-    ap.add_argument("--profile", nargs="*", default=["custom_op"], metavar="CASE",
-                    help="cases to cProfile after the timings (any case name above; default: custom_op)")
+    ap.add_argument("--profile", nargs="*", default=["custom_op", "embedding public"], metavar="CASE",
+                    help="cases to cProfile after the timings (any case name above; default: custom_op and embedding public)")
     ap.add_argument("--profile-calls", type=int, default=300, help="calls per cProfile (after warm-up)")
     args = ap.parse_args()
     unknown = [c for c in args.profile if c not in GEMM_CASES + OTHER_CASES]
