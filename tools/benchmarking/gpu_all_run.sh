@@ -17,7 +17,8 @@
 # (tools/benchmarking/attention_breakdown_gpu.py), e2e (benchmarks/e2e/bench_hf_qwen3.py: transformers'
 # Qwen3 at 8B dimensions, plain against rl_engine installed, training step and generate; E2E_ARGS,
 # E2E_TIMEOUT; needs transformers >= 5.24, and trl for E2E_ARGS=--trl: carry their wheels in .whl
-# where the image's are older). Two jobs can share a 2-GPU machine: give each its
+# where the image's are older; the image lacks trl and datasets: carry trl, datasets, dill, multiprocess, xxhash,
+# pandas, python-dateutil, six and tzdata for --trl). Two jobs can share a 2-GPU machine: give each its
 # CUDA_VISIBLE_DEVICES, OUT and WORK.
 #
 # SHARD (attention | rest | all, default all) picks the tests step's default TESTS: a full GPU

@@ -126,11 +126,15 @@ def register_triton(
     version: str = "1",
     priority: int = 5,
     variants: frozenset[str] = frozenset(),
+    device_index_checks: bool = False,
 ) -> None:
     """Register ``fn`` as ``impl_id`` of ``op`` the way every module here does: for CUDA and
     (declared, untested) ROCm, with :func:`unavailable_reasons` and :func:`call_reasons`
-    (``variants``: the contract variants it implements). A custom op registered as is gets the
-    direct eager call (:func:`eager_entry`)."""
+    (``variants``: the contract variants it implements; ``device_index_checks``: its kernels
+    assert the index arguments' range where they read them: ``tl.device_assert`` in a kernel
+    compiled with ``debug=True``, launched with ``sanitize_overflow=False`` so only the asserts
+    are added). A custom
+    op registered as is gets the direct eager call (:func:`eager_entry`)."""
     if hasattr(fn, "_init_fn") and hasattr(fn, "register_fake"):
         fn = eager_entry(fn)
     register(
@@ -147,5 +151,6 @@ def register_triton(
             static_check=unavailable_reasons,
             call_check=call_reasons,
             variants=variants,
+            device_index_checks=device_index_checks,
         )
     )

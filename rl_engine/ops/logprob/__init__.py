@@ -25,7 +25,7 @@ import torch
 
 from rl_engine.ops.gemm import check_out_dtype
 from rl_engine.ops.logprob.kept import KEEP_ALL_BOUNDARY, KeptSet, canonical_prefix, kept_set, scale_logits
-from rl_engine.runtime.registry import dispatch, make_request
+from rl_engine.runtime.registry import checks_indices, dispatch, make_request
 from rl_engine.utils.checks import (FLOAT_DTYPES, check_finite, check_index_range, reads_back, require_same_device,
                                     require_tensor)
 
@@ -55,13 +55,16 @@ def _logits(logits: object) -> torch.Tensor:
     return logits
 
 
-def _targets(targets: object, lead: torch.Size, vocab: int, lead_name: str) -> torch.Tensor:
+def _targets(targets: object, lead: torch.Size, vocab: int, lead_name: str, *, device_checked: bool = False
+             ) -> torch.Tensor:
+    """Validate ``targets``; ``device_checked``: the selected implementation asserts their range
+    in its own kernel, so where they cannot be read back no separate check is launched."""
     require_tensor("targets", targets, dtypes=_INDEX_DTYPES)
     if targets.shape != lead:
         raise ValueError(f"targets: expected shape {tuple(lead)} (the leading dims of {lead_name}), got {tuple(targets.shape)}")
     if targets.numel() and targets.device.type != "meta" and not reads_back(targets):
-        # a GPU tensor under the default NaN policy: a device-side assertion, no host read
-        check_index_range("targets", targets, vocab, what="token ids")
+        if not device_checked:  # a GPU tensor under the default NaN policy: a device-side assertion, no host read
+            check_index_range("targets", targets, vocab, what="token ids")
     elif targets.numel() and targets.device.type != "meta":
         lo, hi = int(targets.min()), int(targets.max())
         if lo < 0 or hi >= vocab:
@@ -168,11 +171,12 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     _logits(logits)
-    _targets(targets, logits.shape[:-1], logits.shape[-1], "logits")
+    require_tensor("targets", targets, dtypes=_INDEX_DTYPES)
     t = _temperature(temperature)
     require_same_device(logits=logits, targets=targets)
     kw = _kept(kept, logits.shape[:-1], logits.device)
     req = make_request("logprob.token_logprobs", logits, features={"V": logits.shape[-1]}, variants=_variants(kw))
+    _targets(targets, logits.shape[:-1], logits.shape[-1], "logits", device_checked=checks_indices(req))
     return dispatch(req, logits, targets, t, **kw)
 
 

@@ -8,6 +8,8 @@ the Triton-interpreter subset (``interp``).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -36,6 +38,7 @@ __all__ = [
     "accuracy",
     "gpu_randn",
     "interp",
+    "interpreter_asserts",
     "offline_sm90",
 ]
 
@@ -208,3 +211,20 @@ def gpu_randn(shape, seed: int, dtype: torch.dtype = torch.float32, scale: float
     """Standard normal data generated on the GPU (large tensors: no host generation or copy)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     return (torch.randn(shape, generator=g, device="cuda") * scale).to(dtype)
+
+
+@contextlib.contextmanager
+def interpreter_asserts():
+    """Run ``tl.device_assert`` in the Triton interpreter, as a kernel compiled with
+    ``debug=True`` does on a GPU (the interpreter's options leave asserts off; a failing one
+    raises there instead of stopping the device)."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    saved = builder.options
+    builder.options = dataclasses.replace(saved, debug=True)
+    try:
+        yield
+    finally:
+        builder.options = saved
+

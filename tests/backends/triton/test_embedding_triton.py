@@ -227,3 +227,22 @@ def test_bounded_performance_vs_torch():
                                         "ours_fwd_bwd_us": ours_bwd, "torch_fwd_bwd_us": ref_bwd})
     assert ours <= 2.0 * ref, f"forward {ours:.1f} us vs torch {ref:.1f} us"
     assert ours_bwd <= 3.0 * ref_bwd, f"forward+backward {ours_bwd:.1f} us vs torch {ref_bwd:.1f} us"
+
+
+@interp
+def test_interpreter_forward_copies_rows_and_asserts_the_id_range():
+    """The forward is a bit copy of the selected rows, and the kernel itself asserts ``0 <= id <
+    V`` where it reads the id (``device_index_checks``: the entry point launches no separate
+    check on a GPU); in-range ids pass under the same asserts (the control)."""
+    from rl_engine.backends.triton.embedding import kernels
+    from rl_engine.runtime.registry import implementations
+    from tests.backends.triton._rowwise_common import interpreter_asserts
+
+    w = torch.randn(10, 40)
+    assert same_bits(kernels.forward(torch.tensor([3, 9, 0]), w), w[[3, 9, 0]])
+    with interpreter_asserts():
+        assert same_bits(kernels.forward(torch.tensor([9, 3]), w), w[[9, 3]])
+        for bad in ([3, 10], [-1, 2]):
+            with pytest.raises(BaseException, match="ids: expected token ids in"):
+                kernels.forward(torch.tensor(bad), w)
+    assert [i.device_index_checks for i in implementations(OP) if i.impl_id == IMPL] == [True]

@@ -34,6 +34,8 @@ from tests.backends.triton._rowwise_common import (
     evidence,
     gpu_randn,
     graph_us,
+    interp,
+    interpreter_asserts,
 )
 from tests.helpers.strategies import row_trials
 
@@ -339,3 +341,27 @@ def test_scale_logits_on_the_gpu_is_the_correctly_rounded_division(temp):
     want = x.cpu() / temp
     assert same_bits(scale_logits(x, temp).cpu(), want)
     evidence(f"scale_logits_host_scalar_division_{temp}", {"torch_x_div_float": str(same_bits((x / temp).cpu(), want))})
+
+
+@interp
+def test_interpreter_forward_asserts_the_target_range():
+    """``rlk_logprob_fwd`` asserts ``0 <= target < V`` where it reads the target
+    (``device_index_checks`` of ``logprob.token_logprobs``: its entry point launches no separate
+    check on a GPU); in-range targets give the same log-probs with the asserts on (the control).
+    The fused LM head's implementation does not declare it, so its entry point keeps the check."""
+    from rl_engine.backends.triton.logprob import kernels
+    from rl_engine.runtime.registry import implementations
+
+    x = torch.randn(3, 2500)
+    good = torch.tensor([0, 2499, 1024])
+    want = kernels.forward(x, 1.0, targets=good)[1]
+    with interpreter_asserts():
+        assert same_bits(kernels.forward(x, 1.0, targets=good)[1], want)
+        for bad in ([0, 2500, 1], [-1, 0, 1]):
+            with pytest.raises(BaseException, match="targets: expected token ids in"):
+                kernels.forward(x, 1.0, targets=torch.tensor(bad))
+        assert kernels.forward(x, 1.0)[1] is None  # no targets: nothing to assert
+    flags = {op: [i.device_index_checks for i in implementations(op) if i.impl_id == IMPL]
+             for op in ("logprob.token_logprobs", "logprob.linear_token_logprobs")}
+    assert flags == {"logprob.token_logprobs": [True], "logprob.linear_token_logprobs": [False]}
+

@@ -47,4 +47,5 @@ register_triton(
     embedding_triton,
     dtypes=_DTYPES,
     guarantees=frozenset({"row", "chunk", "run_to_run"}),
+    device_index_checks=True,
 )

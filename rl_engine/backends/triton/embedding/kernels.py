@@ -1,7 +1,9 @@
 """Triton kernels of ``embedding.embedding`` (imported on first call).
 
 * ``rlk_embedding_fwd``       ``out[t] = weight[ids[t]]``: a bit copy of one weight row per
-  token (grid: token × feature block);
+  token (grid: token × feature block); it asserts ``0 <= ids[t] < V`` on the device (compiled
+  with ``debug=True``, launched with ``sanitize_overflow=False``: the assertion and nothing
+  else), so the entry point launches no separate range check;
 * ``rlk_embedding_bwd_tree``  the deterministic weight gradient, no atomics. The token ids are
   sorted stably (tokens grouped by id, each group in increasing token index) and ``fp32(dy)``
   gathered in that order into a scratch buffer; one program per (sorted token, feature block),
@@ -31,12 +33,15 @@ KERNEL_NAMES = ("rlk_embedding_fwd", "rlk_embedding_bwd_tree")
 _BLOCK_H = 1024
 
 
-@triton.jit(do_not_specialize=["N"])
-def rlk_embedding_fwd(ids_ptr, w_ptr, out_ptr, N, H, BLOCK_H: tl.constexpr):
+@triton.jit(do_not_specialize=["N"], debug=True)
+def rlk_embedding_fwd(ids_ptr, w_ptr, out_ptr, N, V, H, BLOCK_H: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
     v = tl.load(ids_ptr + tok).to(tl.int64)
+    # the bound check of ids where they are read (the kernel is compiled with debug=True so the
+    # assertion is kept): an out-of-range id stops the launch instead of reading past weight
+    tl.device_assert((v >= 0) & (v < V), "ids: expected token ids in [0, V) (the rows of weight)")
     tl.store(out_ptr + tok * H + cols, tl.load(w_ptr + v * H + cols, mask=mask), mask=mask)
 
 
@@ -69,7 +74,8 @@ def forward(ids_flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return out
     block = min(_BLOCK_H, max(16, triton.next_power_of_2(H)))
     with device_guard(weight):
-        rlk_embedding_fwd[(N, triton.cdiv(H, block))](ids_flat, weight, out, N, H, BLOCK_H=block, num_warps=4)
+        rlk_embedding_fwd[(N, triton.cdiv(H, block))](ids_flat, weight, out, N, V, H, BLOCK_H=block, num_warps=4,
+                                                       sanitize_overflow=False)
     return out
 
 

@@ -327,4 +327,7 @@ for _op, _fn, _variants in (
     register_triton(
         _op, "triton.canonical_lse", _fn, dtypes=_DTYPES, guarantees=frozenset({"row", "chunk", "run_to_run"}),
         variants=_variants,
+        # rlk_logprob_fwd asserts the targets' range where it reads them; the fused LM head's
+        # kernels do not, so its entry point keeps the separate device check
+        device_index_checks=_op == "logprob.token_logprobs",
     )

@@ -7,7 +7,9 @@ blocks of ``VOCAB_BLOCK`` = 1024 columns at absolute offsets, per block the exac
 canonicalised to ``+0``), ``s_b = Σ exp(z − m_b)`` and ``t_b = Σ exp(d)·max(d, −FLT_MAX)``, then
 merged **sequentially in block order** with the same ``(m, s, t)`` update; finally
 ``lse = m + log s``, ``H = log s − t / s``, ``lp = z_t − lse`` and (``WRITE_LS``) the log-softmax
-row ``z − lse``. The in-block sum is ``tl.sum``'s fixed tree (a function of the block width and
+row ``z − lse``. With targets it asserts ``0 <= t < V`` on the device where it reads the target
+(compiled with ``debug=True``, launched with ``sanitize_overflow=False``: the assertion and
+nothing else is added), so the entry point launches no separate range check. The in-block sum is ``tl.sum``'s fixed tree (a function of the block width and
 warp count, both constant) instead of the CPU's ``fixed_order_sum`` — so GPU and CPU bits
 differ, while each platform is **row invariant** (the row count is never a specialisation
 key) and **chunk invariant** over rows.
@@ -104,7 +106,7 @@ def rlk_lse_finish(m, s, t):
     return m + log_s, log_s - tl.div_rn(t, s)
 
 
-@triton.jit(do_not_specialize=["R"])
+@triton.jit(do_not_specialize=["R"], debug=True)
 def rlk_logprob_fwd(x_ptr, tgt_ptr, ls_ptr, lp_ptr, lse_ptr, ent_ptr, kt_ptr, kb_ptr, R, V, temperature,
                     HAS_TEMP: tl.constexpr, HAS_TARGETS: tl.constexpr, ENTROPY: tl.constexpr,
                     WRITE_LS: tl.constexpr, KEPT: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -114,6 +116,9 @@ def rlk_logprob_fwd(x_ptr, tgt_ptr, ls_ptr, lp_ptr, lse_ptr, ent_ptr, kt_ptr, kb
     thr, bnd = rlk_load_kept(kt_ptr, kb_ptr, row, KEPT)
     if HAS_TARGETS:
         tgt = tl.load(tgt_ptr + row).to(tl.int64)
+        # the bound check of targets where they are read (compiled with debug=True so the
+        # assertion is kept): an out-of-range target stops the launch instead of reading past the row
+        tl.device_assert((tgt >= 0) & (tgt < V), "targets: expected token ids in [0, V)")
     else:
         tgt = -1
     m = tl.max(tl.full((BLOCK_V,), float("-inf"), tl.float32), axis=0)
@@ -261,7 +266,7 @@ def forward(logits2: torch.Tensor, temperature: float, *, targets: torch.Tensor 
                 lp if lp is not None else dummy, lse, ent if ent is not None else dummy,
                 kept_threshold if kept else dummy, kept_boundary if kept else dummy, R, V, float(temperature),
                 HAS_TEMP=temperature != 1.0, HAS_TARGETS=targets is not None, ENTROPY=entropy,
-                WRITE_LS=log_softmax, KEPT=kept, BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS,
+                WRITE_LS=log_softmax, KEPT=kept, BLOCK_V=VOCAB_BLOCK, num_warps=_WARPS, sanitize_overflow=False,
             )
     return ls, lp, lse, ent
 
