@@ -5,7 +5,9 @@
 #
 #   STEPS="tests bench_attention bench_logprob bench_gemm" bash tools/benchmarking/gpu_all_run.sh
 #
-# Steps: tests, bench_attention, bench_moe (benchmarks/operators/bench_moe_gpu.py, BENCH_MOE_ARGS), bench_attention_extra (BENCH_ATTENTION_EXTRA_ARGS), bench_attention_configs, bench_logprob, debug_logprob, bench_gemm,
+# Steps: tests, bench_attention, bench_moe (benchmarks/operators/bench_moe_gpu.py, BENCH_MOE_ARGS), moe_profile
+# (tools/benchmarking/moe_profile_gpu.py: the MoE layer kernel by kernel, MOE_PROFILE_ARGS), moe_ncu (its rlk_moe kernels
+# over one forward+backward under ncu, a CSV; MOE_NCU_ARGS, e.g. --tokens 1024), bench_attention_extra (BENCH_ATTENTION_EXTRA_ARGS), bench_attention_configs, bench_logprob, debug_logprob, bench_gemm,
 # check_cuda (`rlk check --device cuda`: fp32 and bf16 R/R, the P/P control, bf16 R/R past the first KV
 # split at Qwen3-0.6B's dimensions over contiguous and paged caches; CHECK_RUNS overrides), ablation
 # (tools/benchmarking/attention_ablation_gpu.py), sweep (tools/benchmarking/gemm_sweep.py),
@@ -164,6 +166,15 @@ for step in $STEPS; do
     bench_moe)  # the routed-expert layer at Qwen3-30B-A3B's dimensions against torch._grouped_mm (benchmarks/operators/bench_moe_gpu.py)
       timeout $(lim ${BENCH_MOE_TIMEOUT:-150}) python3 benchmarks/operators/bench_moe_gpu.py --out "$OUT/bench_moe_gpu.json" \
         ${BENCH_MOE_ARGS:-} > "$OUT/bench_moe_gpu.log" 2>&1; echo "rc=$?"; tail -40 "$OUT/bench_moe_gpu.log" | cut -c1-220 ;;
+    moe_profile)  # the MoE layer kernel by kernel: device time, wall time, GEMM TFLOP/s, ours and torch._grouped_mm (tools/benchmarking/moe_profile_gpu.py)
+      timeout $(lim ${MOE_PROFILE_TIMEOUT:-120}) python3 tools/benchmarking/moe_profile_gpu.py --out "$OUT/bench_moe_profile.json" \
+        ${MOE_PROFILE_ARGS:-} > "$OUT/moe_profile.log" 2>&1; echo "rc=$?"; tail -60 "$OUT/moe_profile.log" | cut -c1-220 ;;
+    moe_ncu)  # Nsight Compute counters of the rlk_moe kernels over one forward+backward (moe_profile_gpu.py --single, 16,384 tokens)
+      ncu_cmd=$(python3 tools/benchmarking/moe_profile_gpu.py --ncu-command ${MOE_NCU_ARGS:-}) && echo "$ncu_cmd" | cut -c1-220 \
+        && PATH="$PATH:/usr/local/cuda/bin" timeout $(lim ${MOE_NCU_TIMEOUT:-200}) bash -c "exec $ncu_cmd" > "$OUT/moe_ncu.csv" 2> "$OUT/moe_ncu.log"
+      echo "rc=$?"; head -5 "$OUT/moe_ncu.csv" | cut -c1-220; grep -h "==ERROR==" "$OUT"/moe_ncu.* | head -5
+      tail -12 "$OUT/moe_ncu.log" | cut -c1-220
+      python3 tools/benchmarking/moe_profile_gpu.py --ncu-summary "$OUT/moe_ncu.csv" | cut -c1-220 | head -100 ;;
     bench_gemm)
       timeout $(lim ${BENCH_GEMM_TIMEOUT:-150}) python3 benchmarks/operators/bench_gemm_gpu.py --out "$OUT/bench_gemm_gpu.json" \
         ${BENCH_GEMM_ARGS:-} > "$OUT/bench_gemm_gpu.log" 2>&1; tail -32 "$OUT/bench_gemm_gpu.log" ;;
