@@ -48,11 +48,23 @@ class KeptSetRecorder:
     def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0):
         if not temperature > 0:
             raise ValueError(f"temperature: expected > 0 (greedy decoding filters nothing), got {temperature!r}")
+        if not 0.0 < float(top_p) <= 1.0:
+            raise ValueError(f"top_p: expected a value in (0, 1], got {top_p!r}")
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k or 0), float(top_p)
         self.steps: list[KeptSet] = []
 
+    @property
+    def filters(self) -> bool:
+        """Whether top-k or top-p is on. Without either the kept set is the whole vocabulary
+        whatever the logits, so a step records keep-all rows without sorting or reading the
+        logits back (``canonical_prefix`` would copy ``[B, V]`` to the host every step)."""
+        return self.top_k > 0 or self.top_p < 1.0
+
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         z = scale_logits(scores, self.temperature)
+        if not self.filters or (self.top_p >= 1.0 and self.top_k >= z.shape[-1]):
+            self.steps.append(KeptSet.everything((z.shape[0],), device=z.device))
+            return z
         kept = canonical_prefix(z.detach(), self.top_k, self.top_p).kept.to(z.device)
         self.steps.append(kept)
         return z.masked_fill(~kept.mask(z), float("-inf"))

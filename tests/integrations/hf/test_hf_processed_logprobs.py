@@ -71,3 +71,28 @@ def test_no_filter_and_greedy_give_the_full_bits(model):
 def test_recorder_rejects_greedy_temperature():
     with pytest.raises(ValueError, match="^temperature: expected > 0"):
         KeptSetRecorder(0.0)
+
+
+def test_recorder_without_filters_keeps_everything_without_reading_the_logits(monkeypatch):
+    """Without top-k / top-p the kept set is the whole vocabulary whatever the logits: the
+    recorder returns the scaled logits and keep-all records without ``canonical_prefix`` (which
+    sorts ``[B, V]`` on the host every step), with the same bits as that path. The control: a
+    filtering recorder still calls it."""
+    import rl_engine.integrations.hf.rollout as rollout
+
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(3, 50, generator=g)
+    calls = []
+    real = rollout.canonical_prefix
+    monkeypatch.setattr(rollout, "canonical_prefix", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    for top_k in (0, 50, 80):
+        rec = KeptSetRecorder(0.7, top_k=top_k)
+        z = rec(None, scores)
+        want = real(rollout.scale_logits(scores, 0.7), 0, 1.0).kept
+        assert same_bits(z, rollout.scale_logits(scores, 0.7))
+        assert same_bits(rec.steps[0].threshold, want.threshold) and same_bits(rec.steps[0].boundary, want.boundary)
+    assert calls == []
+    KeptSetRecorder(0.7, top_p=0.9)(None, scores)
+    assert calls == [1]
+    with pytest.raises(ValueError, match="^top_p: expected a value in"):
+        KeptSetRecorder(0.7, top_p=1.5)
