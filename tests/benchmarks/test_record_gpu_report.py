@@ -53,11 +53,13 @@ def test_e2e_needs_both_the_ratio_and_zero_mismatches(tmp_path):
             _row("generate", "rl_engine (transformers DynamicCache)", 11.0, config=gen, ratio_vs_baseline=1.1,
                  mismatched=3, compared=1000),
             _row("train_step", "rl_engine", 1.0, config={"layout": "packed"}, ratio_vs_baseline=1.2,
-                 layout_mismatched=0, layout_compared=10)]
+                 layout_mismatched=0, layout_compared=10),
+            _row("trl_grpo_step", "rl_engine", 5.0, config={"layers": 2, "generations": 8, "completion_len": 64},
+                 ratio_vs_baseline=7.0, mismatched=0, compared=1024)]
     rep = _tool().record("e2e_hf", {"rows": rows}, commit="abc", out=_platform(tmp_path) / "e2e_hf.json", notes=[])
     got = {s["case"]: s["met"] for s in rep["summary"]}
     assert got == {"generate eager greedy": True, "generate eager greedy (transformers DynamicCache)": False,
-                   "train step, packed": False}
+                   "train step, packed": False, "TRL GRPO step (2 layers, 8 × 64 tokens)": None}  # no time target
 
 
 def test_call_overhead_reads_the_benchmarks_own_summary(tmp_path):

@@ -19,6 +19,7 @@ vocabulary (and a keep-all record gives the same bits). See docs/operators/proce
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -43,9 +44,17 @@ def _temperature(temperature: object) -> float:
     t = float(temperature)
     if not math.isfinite(t) or t <= 0.0:
         raise ValueError(f"temperature: expected a finite value > 0, got {temperature!r}")
-    if not math.isfinite(float(torch.tensor(t, dtype=torch.float32))) or float(torch.tensor(t, dtype=torch.float32)) == 0.0:
+    if not _positive_finite_fp32(t):
         raise ValueError(f"temperature: {temperature!r} is not representable as a positive finite float32")
     return t
+
+
+@functools.lru_cache(maxsize=256)
+def _positive_finite_fp32(t: float) -> bool:
+    """Whether ``fl32(t)`` is finite and nonzero (the kernels divide by it). Cached per value: a
+    loop calls with a handful of temperatures, and building the fp32 scalar costs host time."""
+    v = float(torch.tensor(t, dtype=torch.float32))
+    return math.isfinite(v) and v != 0.0
 
 
 def _logits(logits: object) -> torch.Tensor:
