@@ -119,6 +119,17 @@ def _fwd_bwd(fn, leaves):
     return run
 
 
+def weights(H: int, E: int, I: int, dtype: torch.dtype, device: str):
+    """``((w_router [E, H], w_gate_up [E, 2I, H], w_down [E, H, I]), generator)``: the layer's
+    weights drawn from a CPU generator seeded 0, scaled by ``1/sqrt(fan-in)``; the generator then
+    draws the inputs, so every tool built on this benchmark times the same data."""
+    g = torch.Generator().manual_seed(0)
+    wr = (torch.randn(E, H, generator=g) / H**0.5).to(dtype).to(device)
+    wgu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype).to(device)
+    wd = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype).to(device)
+    return (wr, wgu, wd), g
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON report to write")
@@ -157,10 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     dev, ver = device_info(args.device), versions()
     base_name = baseline_name()
     graph_base = base_name == "torch._grouped_mm"
-    g = torch.Generator().manual_seed(0)
-    wr = (torch.randn(E, H, generator=g) / H**0.5).to(dtype).to(args.device)
-    wgu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype).to(args.device)
-    wd = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype).to(args.device)
+    (wr, wgu, wd), g = weights(H, E, I, dtype, args.device)
     rows: list[dict[str, Any]] = []
     for T in tokens:
         x = torch.randn(T, H, generator=g).to(dtype).to(args.device)

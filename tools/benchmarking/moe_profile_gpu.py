@@ -1,9 +1,9 @@
 """Where the device time of the MoE expert layer goes, kernel by kernel, on the GPU.
 
-The layer of ``benchmarks/operators/bench_moe_gpu.py`` (its ``_layers`` and ``_fwd_bwd``, weights
-drawn as it draws them): Qwen3-30B-A3B dimensions (hidden 2048, 128 experts, top-8, expert
-intermediate 768), bf16, router GEMM → ``moe.route`` → ``moe.experts`` through the public API
-(``ours``, ``triton.grouped``) against an F.linear router, fp32 softmax + ``torch.topk`` and
+The layer of ``benchmarks/operators/bench_moe_gpu.py`` (its ``weights``, ``_layers`` and
+``_fwd_bwd``): Qwen3-30B-A3B dimensions (hidden 2048, 128 experts, top-8, expert intermediate
+768), bf16, router GEMM → ``moe.route`` → ``moe.experts`` through the public API (``ours``,
+``triton.grouped``) against an F.linear router, fp32 softmax + ``torch.topk`` and
 ``torch._grouped_mm`` experts (``base``). Per token count (``--tokens``, default 1024,16384) and
 case (``ours_fwd``, ``ours_fwd_bwd``, ``base_fwd``, ``base_fwd_bwd``), after ``--warmup`` calls
 (compilation excluded):
@@ -164,16 +164,6 @@ def attribute(events, launches, iters: int, table: list[dict]) -> tuple[list[dic
     return sorted(rows, key=lambda r: -r["device_us_per_iter"]), notes
 
 
-def build_inputs(H: int, E: int, I: int):
-    """The benchmark's weights (CPU generator, seed 0, the same draws) on the GPU, and its generator."""
-    g = torch.Generator().manual_seed(0)
-    dt = torch.bfloat16
-    wr = (torch.randn(E, H, generator=g) / H**0.5).to(dt).cuda()
-    wgu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dt).cuda()
-    wd = (torch.randn(E, H, I, generator=g) / I**0.5).to(dt).cuda()
-    return (wr, wgu, wd), g
-
-
 def case_fns(x, weights, K: int, names) -> dict:
     """Callables of the named cases, built as bench_moe_gpu builds them (fwd_bwd: fresh leaves)."""
     ours, base = bench._layers(x, *weights, K)
@@ -297,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("moe_profile_gpu: no CUDA device visible; this tool profiles the GPU kernels only", file=sys.stderr)
         return 1
-    weights, g = build_inputs(H, E, I)
+    weights, g = bench.weights(H, E, I, torch.bfloat16, "cuda")
     dev, ver = device_info("cuda"), versions()
     base_impl = bench.baseline_name()
     rows: list[dict] = []

@@ -84,12 +84,9 @@ def e2e_hf(rows: list[dict]) -> list[dict]:
         if r["implementation"] != "rl_engine":
             case += f" ({r['implementation'].removeprefix('rl_engine').strip(' ()')})"
         v = r["ratio_vs_baseline"]
-        if limit is None:
-            out.append({"case": case, "metric": "time vs plain HF (×)", "achieved": round(v, 3),
-                        "target": "(no time target; 0 mismatches)", "met": None, "mismatched": mism, "compared": comp})
-            continue
-        out.append({"case": case, "metric": "time vs plain HF (×)", "achieved": round(v, 3), "target": f"≤ {limit:.2f}",
-                    "met": _met(v, limit) and mism == 0, "mismatched": mism, "compared": comp})
+        target, met = ("(no time target; 0 mismatches)", None) if limit is None else (f"≤ {limit:.2f}", _met(v, limit) and mism == 0)
+        out.append({"case": case, "metric": "time vs plain HF (×)", "achieved": round(v, 3), "target": target, "met": met,
+                    "mismatched": mism, "compared": comp})
     return out
 
 

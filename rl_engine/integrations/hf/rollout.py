@@ -53,16 +53,11 @@ class KeptSetRecorder:
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k or 0), float(top_p)
         self.steps: list[KeptSet] = []
 
-    @property
-    def filters(self) -> bool:
-        """Whether top-k or top-p is on. Without either the kept set is the whole vocabulary
-        whatever the logits, so a step records keep-all rows without sorting or reading the
-        logits back (``canonical_prefix`` would copy ``[B, V]`` to the host every step)."""
-        return self.top_k > 0 or self.top_p < 1.0
-
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         z = scale_logits(scores, self.temperature)
-        if not self.filters or (self.top_p >= 1.0 and self.top_k >= z.shape[-1]):
+        if self.top_p >= 1.0 and (self.top_k <= 0 or self.top_k >= z.shape[-1]):
+            # no filter: the kept set is the whole vocabulary whatever the logits, so the step
+            # records keep-all rows without canonical_prefix's host copy and sort of [B, V]
             self.steps.append(KeptSet.everything((z.shape[0],), device=z.device))
             return z
         kept = canonical_prefix(z.detach(), self.top_k, self.top_p).kept.to(z.device)

@@ -180,12 +180,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     _logits(logits)
-    require_tensor("targets", targets, dtypes=_INDEX_DTYPES)
-    t = _temperature(temperature)
-    require_same_device(logits=logits, targets=targets)
     kw = _kept(kept, logits.shape[:-1], logits.device)
     req = make_request("logprob.token_logprobs", logits, features={"V": logits.shape[-1]}, variants=_variants(kw))
     _targets(targets, logits.shape[:-1], logits.shape[-1], "logits", device_checked=checks_indices(req))
+    t = _temperature(temperature)
+    require_same_device(logits=logits, targets=targets)
     return dispatch(req, logits, targets, t, **kw)
 
 
