@@ -5,7 +5,9 @@
 #
 #   STEPS="tests bench_attention bench_logprob bench_gemm" bash tools/benchmarking/gpu_all_run.sh
 #
-# Steps: tests, bench_attention, bench_moe (benchmarks/operators/bench_moe_gpu.py, BENCH_MOE_ARGS), moe_profile
+# Steps: tests, bench_attention, bench_moe (benchmarks/operators/bench_moe_gpu.py, BENCH_MOE_ARGS), moe_tiles
+# (tools/benchmarking/moe_tiles_gpu.py: measures the MoE GEMMs' tile candidates and writes the tile table into this tree,
+# so the steps after it run with it; MOE_TILES_ARGS), moe_profile
 # (tools/benchmarking/moe_profile_gpu.py: the MoE layer kernel by kernel, MOE_PROFILE_ARGS), moe_ncu (its rlk_moe kernels
 # over one forward+backward under ncu, a CSV; MOE_NCU_ARGS, e.g. --tokens 1024), bench_attention_extra (BENCH_ATTENTION_EXTRA_ARGS), bench_attention_configs, bench_logprob, debug_logprob, bench_gemm,
 # check_cuda (`rlk check --device cuda`: fp32 and bf16 R/R, the P/P control, bf16 R/R past the first KV
@@ -166,6 +168,10 @@ for step in $STEPS; do
     bench_moe)  # the routed-expert layer at Qwen3-30B-A3B's dimensions against torch._grouped_mm (benchmarks/operators/bench_moe_gpu.py)
       timeout $(lim ${BENCH_MOE_TIMEOUT:-150}) python3 benchmarks/operators/bench_moe_gpu.py --out "$OUT/bench_moe_gpu.json" \
         ${BENCH_MOE_ARGS:-} > "$OUT/bench_moe_gpu.log" 2>&1; echo "rc=$?"; tail -40 "$OUT/bench_moe_gpu.log" | cut -c1-220 ;;
+    moe_tiles)  # measure the MoE GEMMs' tile candidates; writes the tile table into this tree (later steps use it) and $OUT
+      timeout $(lim ${MOE_TILES_TIMEOUT:-240}) python3 tools/benchmarking/moe_tiles_gpu.py --out "$OUT/bench_moe_tiles.json" \
+        ${MOE_TILES_ARGS:-} > "$OUT/moe_tiles.log" 2>&1; echo "rc=$?"; tail -50 "$OUT/moe_tiles.log" | cut -c1-220
+      cp rl_engine/backends/triton/moe/tile_tables/*.json "$OUT/" 2>/dev/null ;;
     moe_profile)  # the MoE layer kernel by kernel: device time, wall time, GEMM TFLOP/s, ours and torch._grouped_mm (tools/benchmarking/moe_profile_gpu.py)
       timeout $(lim ${MOE_PROFILE_TIMEOUT:-120}) python3 tools/benchmarking/moe_profile_gpu.py --out "$OUT/bench_moe_profile.json" \
         ${MOE_PROFILE_ARGS:-} > "$OUT/moe_profile.log" 2>&1; echo "rc=$?"; tail -60 "$OUT/moe_profile.log" | cut -c1-220 ;;

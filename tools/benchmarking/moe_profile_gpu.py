@@ -92,7 +92,7 @@ def recording_launches(H: int, I: int):
             b = sig_g.bind(*args, **kwargs).arguments
             rows, n, kd = b["a_rows"].numel(), b["n"], b["kd"]
             if rows:  # the launcher returns without a launch when there are no slots
-                tag = " scaled" if b.get("scale") is not None else ""
+                tag = (" scaled" if b.get("scale") is not None else "") + f" [{b['cfg'].key}]"
                 log.append((GEMM_KERNELS[0], f"{roles.get((n, kd), 'gemm')} N={n} K={kd}{tag}", 2.0 * rows * n * kd))
         except (TypeError, KeyError, AttributeError):
             log.append((GEMM_KERNELS[0], "?", None))
@@ -102,7 +102,7 @@ def recording_launches(H: int, I: int):
         try:
             b = sig_w.bind(*args, **kwargs).arguments
             _, n1, n2 = b["dw"].shape
-            tag = " scaled" if b.get("scale") is not None else ""
+            tag = (" scaled" if b.get("scale") is not None else "") + f" [{b['cfg'].key}]"
             log.append((GEMM_KERNELS[1], f"{wroles.get((n1, n2), 'wgrad')} {n1}x{n2}{tag}",
                         2.0 * b["l_rows"].numel() * n1 * n2))
         except (TypeError, KeyError, AttributeError, ValueError):

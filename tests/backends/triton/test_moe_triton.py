@@ -6,11 +6,13 @@ eligibility checks. Triton-interpreter tests (``-k interpreter``, ``TRITON_INTER
 .venv-vllm; fp32 and tiny shapes — the interpreter's bf16 ``tl.dot`` is not usable): accuracy of
 every output and gradient against the CPU implementation, the tie rule, a token's bits
 independent of its experts' loads and of the tile shape ``BLOCK_M`` (negative control: a
-``BLOCK_K`` that follows the load changes them), tensor-parallel shards, run-to-run determinism.
+``BLOCK_K`` that follows the load changes them), the launch variants' bits, tensor-parallel
+shards, run-to-run determinism. CPU tests of the tile table (``tiles.py``): selection by load,
+validation with negative controls, the shipped tables load.
 GPU tests (``@pytest.mark.gpu``, zero skips on the device): accuracy against float64 in fp32 and
-bf16, row invariance (Hypothesis) and expert-load independence on raw bits, shards, run to run
-including weight gradients, dispatch, profiler names, a CUDA-graph capture (no host
-synchronisation), ``opcheck``.
+bf16, row invariance (Hypothesis) and expert-load independence on raw bits, every shipped tile
+configuration's bits, shards, run to run including weight gradients, dispatch, profiler names,
+a CUDA-graph capture (no host synchronisation), ``opcheck``.
 """
 
 from __future__ import annotations
@@ -164,6 +166,85 @@ def test_interpreter_tensor_parallel_shards_and_run_to_run():
     assert all(same_bits(a, b) for a, b in zip(first, again))
 
 
+@interp
+def test_interpreter_launch_variants_give_the_same_bits():
+    """The tile table's launch choices — a transposed copy of the weights for the input
+    gradients, operands gathered into slot order for the weight gradients — change where the
+    kernels load from, not what they multiply: every backward output keeps its bits."""
+    import dataclasses
+
+    kern = _kernels()
+    x, wgu, wd, ids, w = _block(11, 32, 4, 16, 2, seed=8)
+    act = kern.gate_up_forward(x, wgu, ids, _cfg())
+    g = torch.Generator().manual_seed(9)
+    ga, go = torch.randn(act.shape, generator=g), torch.randn(11, 32, generator=g)
+    plain = _cfg()
+    for variant in (dataclasses.replace(plain, w_transposed=True), dataclasses.replace(plain, sorted_operands=True)):
+        for a, b in zip(kern.gate_up_backward(ga, x, wgu, ids, plain), kern.gate_up_backward(ga, x, wgu, ids, variant)):
+            assert same_bits(a, b), variant
+        for a, b in zip(kern.down_combine_backward(go, act, wd, w, ids, plain),
+                        kern.down_combine_backward(go, act, wd, w, ids, variant)):
+            assert same_bits(a, b), variant
+
+
+def test_tile_table_selection_by_load_and_its_validation(tmp_path):
+    """``tiles.load_table`` / ``tiles.select``: rows ordered by bound, the first row whose bound
+    covers the load, the last beyond it, the reference configuration without a table or off the
+    GPU; a malformed table is refused with the field named (negative controls)."""
+    import json
+
+    from rl_engine.backends.triton.moe import tiles
+
+    def row(role, bound, bm, **kw):
+        return {"role": role, "dtype": "bfloat16", "max_slots_per_expert": bound,
+                "config": {"block_m": bm, "block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 3, **kw}}
+
+    good = {"schema_version": 1, "arch": "smX", "source": {"command": "test"},
+            "rows": [row("dx", 1.0, 16), row("dx", 64.0, 64, w_transposed=True), row("dx", None, 128)]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(good))
+    rows = tiles.load_table(path)[("dx", torch.bfloat16)]
+    assert [b for b, _ in rows] == [1.0, 64.0, float("inf")]
+    assert rows[1][1] == tiles.GemmConfig(64, 64, 32, 4, 3, w_transposed=True)
+    assert tiles.select("dx", torch.bfloat16, 3.0, torch.device("cpu")) == tiles.DEFAULT
+    bad_order = dict(good, rows=[row("dx", 64.0, 64), row("dx", 1.0, 16)])
+    bad_field = dict(good, rows=[row("dx", 1.0, 16, colour=1)])
+    bad_role = dict(good, rows=[row("dy", 1.0, 16)])
+    bad_tile = dict(good, rows=[row("dx", 1.0, 24)])
+    for bad, needle in ((bad_order, "strictly increasing"), (bad_field, "colour"), (bad_role, "role"),
+                        (bad_tile, "block_m")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=needle):
+            tiles.load_table(path)
+
+
+def test_tile_table_select_walks_the_rows(monkeypatch):
+    from rl_engine.backends.triton.moe import tiles
+
+    small, mid, big = tiles.GemmConfig(16, 64), tiles.GemmConfig(64, 128), tiles.GemmConfig(128, 128, num_warps=8)
+    table = {("dw_down", torch.bfloat16): ((0.5, small), (8.0, mid), (float("inf"), big))}
+    monkeypatch.setattr(tiles, "_arch_table", lambda arch: table)
+    monkeypatch.setattr(tiles, "_arch_of", lambda index: "smX")
+    cuda = torch.device("cuda", 0)
+    assert [tiles.select("dw_down", torch.bfloat16, spe, cuda) for spe in (0.0625, 0.5, 0.51, 8.0, 1024.0)] == [
+        small, small, mid, mid, big]
+    assert tiles.select("dw_down", torch.float32, 1024.0, cuda) == tiles.DEFAULT  # no fp32 rows
+    assert tiles.select("dx", torch.bfloat16, 1024.0, cuda) == tiles.DEFAULT
+    assert tiles.shipped_configs("smX") == [tiles.DEFAULT, small, mid, big]
+
+
+def test_shipped_tile_tables_load():
+    """Every table in the package validates, and names the architecture of its file."""
+    import json
+
+    from rl_engine.backends.triton.moe import tiles
+
+    paths = sorted(tiles.table_path("x").parent.glob("*.json"))
+    for path in paths:
+        assert json.loads(path.read_text())["arch"] == path.stem
+        assert tiles.load_table(path)
+
+
 # --------------------------------------------------------------------------- GPU
 
 
@@ -262,6 +343,34 @@ def test_profiler_names_and_graph_capture():
         graph.replay()
     torch.cuda.synchronize()
     assert same_bits(y, ref)
+
+
+@gpu
+def test_every_shipped_tile_configuration_gives_the_reference_bits():
+    """Each configuration the device's tile table can launch (``tiles.shipped_configs``), and the
+    two launch variants on the reference tile, give the reference configuration's bits for every
+    forward output and gradient (bf16; the token counts cross several tiles per expert)."""
+    import dataclasses
+
+    from rl_engine.backends.triton.moe import tiles
+
+    kern = _kernels()
+    x, wgu, wd, ids, w = _block(300, 512, 16, 256, 4, torch.bfloat16, seed=15, device="cuda")
+    g = torch.Generator().manual_seed(16)
+    ga = torch.randn(300, 4, 256, generator=g).to(torch.bfloat16).cuda()
+    go = torch.randn(300, 512, generator=g).to(torch.bfloat16).cuda()
+
+    def run(cfg):
+        act = kern.gate_up_forward(x, wgu, ids, cfg)
+        return (act, kern.down_combine_forward(act, wd, w, ids, cfg), *kern.gate_up_backward(ga, x, wgu, ids, cfg),
+                *kern.down_combine_backward(go, act, wd, w, ids, cfg))
+
+    ref = run(tiles.DEFAULT)
+    configs = tiles.shipped_configs(tiles._arch_of(torch.cuda.current_device()))
+    configs += [dataclasses.replace(tiles.DEFAULT, w_transposed=True), dataclasses.replace(tiles.DEFAULT, sorted_operands=True)]
+    for cfg in configs:
+        for i, (a, b) in enumerate(zip(run(cfg), ref)):
+            assert same_bits(a, b), (cfg.key, i)
 
 
 @gpu

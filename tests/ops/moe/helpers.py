@@ -48,6 +48,26 @@ def native_experts(x, w_gate_up, w_down, weights, ids):
     return out
 
 
+def thread_split_experts(x, w_gate_up, w_down, weights, ids):
+    """:func:`native_experts` whose down projection splits its reduction into one partial product
+    per intra-op thread and adds the partials, as a threaded BLAS may split a GEMM's K dimension
+    (Intel MKL does for HF's eager experts at some shapes; AMD hosts may not): a thread-dependent
+    control whose bits differ between 1 and 2 threads on any CPU."""
+    out = torch.zeros_like(x)
+    E = w_gate_up.shape[0]
+    mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
+    parts = torch.get_num_threads()
+    for e in range(E):
+        k, t = torch.where(mask[e])
+        if t.numel() == 0:
+            continue
+        gate, up = F.linear(x[t], w_gate_up[e]).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        y = sum(F.linear(a, w) for a, w in zip(act.chunk(parts, -1), w_down[e].chunk(parts, -1)))
+        out.index_add_(0, t, (y * weights[t, k, None].to(x.dtype)).to(x.dtype))
+    return out
+
+
 def native_route(logits, top_k, renormalize):
     """HF ``Qwen3MoeTopKRouter``: fp32 softmax, ``torch.topk`` of the probabilities, renormalised."""
     p = torch.softmax(logits, dim=-1, dtype=torch.float)

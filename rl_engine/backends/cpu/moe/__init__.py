@@ -16,7 +16,10 @@ input row and the weight), rounded to ``x.dtype``, then the invariant ``silu_and
 
 **Down + combine** (``moe.expert_down_combine``): ``y[s] = act[s] W_down[e]ᵀ`` per group, rounded
 once to fp32; ``out[t] = round(((w_0 y_0 + w_1 y_1) + ...) + w_{K-1} y_{K-1})`` with separate
-fp32 products and sums in rank order.
+fp32 products and sums in rank order. Its backward scales by the routing weight where a GPU
+does it at no cost: ``dact[s] = round(w_s · fp32(g[t] W_down[e]))`` (after the GEMM) and
+``dW_down[e] = Σ_s round(w_s · g[t])ᵀ act[s]`` (the scaled gradient rounded to the activation
+dtype, so the GEMM takes 16-bit operands).
 
 Every step is an exact GEMM, an IEEE elementwise operation, a fixed-order sum or an exact index
 operation, so each token's forward bits (and its ``dx``/``dact``/``dweights`` rows) depend only on
@@ -173,31 +176,35 @@ def moe_expert_down_combine_cpu_backward(grad: torch.Tensor, act: torch.Tensor, 
                                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, K, I = act.shape
     perm = expert_permutation(ids, w_down.shape[0])
-    g = grad.float()
+    g = grad.to(act.dtype)
     y = _slot_outputs(act, w_down, perm)
-    dweights = fixed_order_sum(g[:, None, :] * y)  # [T, K]
-    dy = (weights[:, :, None] * g[:, None, :]).reshape(T * K, -1)  # [T·K, H] fp32
+    dweights = fixed_order_sum(g.float()[:, None, :] * y)  # [T, K]
+    w_flat = weights.reshape(T * K)
     act_flat = act.reshape(T * K, I)
     dact = torch.zeros((T * K, I), dtype=act.dtype)
     dw = torch.zeros_like(w_down)
     for e, s0, s1 in perm.groups():
         slots = perm.order[s0:s1]
-        dy_e = dy[slots]
-        dact[slots] = exact_matmul(dy_e, w_down[e].t(), out_dtype=act.dtype)
-        dw[e] = exact_matmul(dy_e.t(), act_flat[slots].t(), out_dtype=w_down.dtype)  # [H, I] over the slots
+        g_e = g[perm.tokens[s0:s1]]  # the slots' output-gradient rows, act.dtype
+        w_e = w_flat[slots, None]
+        # dact = round(w · fp32(g W_down[e])): the routing weight scales the GEMM's fp32 result
+        dact[slots] = (w_e * exact_matmul(g_e, w_down[e].t(), out_dtype=torch.float32)).to(act.dtype)
+        # dW_down[e] = Σ round(w · g)ᵀ act over the slots: [H, I], the scaled gradient rounded to act.dtype
+        dy_e = (w_e * g_e.float()).to(act.dtype)
+        dw[e] = exact_matmul(dy_e.t(), act_flat[slots].t(), out_dtype=w_down.dtype)
     return dact.view(T, K, I), dw, dweights
 
 
 wire_moe_expert_down_combine(moe_expert_down_combine_cpu, moe_expert_down_combine_cpu_backward)
 
 
-for _op, _fn in (("moe.route", moe_route_cpu), ("moe.expert_gate_up", moe_expert_gate_up_cpu),
-                 ("moe.expert_down_combine", moe_expert_down_combine_cpu)):
+for _op, _fn, _version in (("moe.route", moe_route_cpu, "1"), ("moe.expert_gate_up", moe_expert_gate_up_cpu, "1"),
+                           ("moe.expert_down_combine", moe_expert_down_combine_cpu, "2")):
     register(
         Implementation(
             op=_op,
             impl_id="cpu.exact_sum",
-            version="1",
+            version=_version,
             fn=_fn,
             families=("cpu",),
             dtypes=_DTYPES,

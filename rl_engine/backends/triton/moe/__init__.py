@@ -4,7 +4,9 @@
 Same public semantics and rounding points as the CPU implementation (``backends/cpu/moe``): the
 router's fp32 softmax, top-k by logit with ties to the lower expert id and rank-order
 renormalisation; the gate/up GEMM rounded to the activation dtype, then ``silu_and_mul``; the
-down GEMM in fp32 and the rank-order fp32 combine, rounded once. The grouped GEMMs take the slots
+down GEMM in fp32 and the rank-order fp32 combine, rounded once; in the down projection's backward
+the routing weight scales ``dact``'s fp32 GEMM result and ``dW_down``'s operand (rounded to the
+activation dtype). The grouped GEMMs take the slots
 in the canonical order (:func:`~rl_engine.utils.routing.expert_permutation`), ``BLOCK_M`` slots
 of one expert per program, with a fixed K loop and no split-K or atomics (``kernels.py``), so a
 token's bits do not depend on how many tokens its experts received: **row** and **chunk**
@@ -75,6 +77,6 @@ def moe_expert_down_combine_triton_backward(grad: torch.Tensor, act: torch.Tenso
 
 wire_moe_expert_down_combine(moe_expert_down_combine_triton, moe_expert_down_combine_triton_backward)
 
-for _op, _fn in (("moe.route", moe_route_triton), ("moe.expert_gate_up", moe_expert_gate_up_triton),
-                 ("moe.expert_down_combine", moe_expert_down_combine_triton)):
-    register_triton(_op, "triton.grouped", _fn, dtypes=_DTYPES, guarantees=_GUARANTEES)
+for _op, _fn, _version in (("moe.route", moe_route_triton, "1"), ("moe.expert_gate_up", moe_expert_gate_up_triton, "1"),
+                           ("moe.expert_down_combine", moe_expert_down_combine_triton, "2")):
+    register_triton(_op, "triton.grouped", _fn, dtypes=_DTYPES, guarantees=_GUARANTEES, version=_version)

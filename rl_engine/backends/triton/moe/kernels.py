@@ -5,18 +5,20 @@ Kernels (every launched name starts with ``rlk_``):
 * ``rlk_moe_route_fwd`` / ``rlk_moe_route_bwd`` — one program per token row: fp32 softmax of the
   logits, the ``K`` largest logits by repeated ``argmax`` (ties to the lower expert id), the
   renormalisation in rank order; the backward of the same formulas;
-* ``rlk_moe_grouped_gemm`` — ``C[c(s)] = (scale(s) ·) A[a(s)] · W[e(s)]ᵀ`` over the slots sorted by
-  expert (:func:`~rl_engine.utils.routing.expert_permutation`): each program takes ``BLOCK_M``
-  slots of **one** expert and ``BLOCK_N`` output features and runs the K loop from 0 upwards in
-  fp32 (``tl.dot``; IEEE fp32 products for fp32 operands). No split-K and no atomics: a slot's
-  row is a function of its own row and its expert's weight, whatever the expert's load;
-* ``rlk_moe_wgrad`` — ``dW[e] = Σ_{slots of e} (scale ·) L[l(s)]ᵀ R[r(s)]``, one program per
-  (expert, output tile), the slots in canonical order (deterministic run to run);
+* ``rlk_moe_grouped_gemm`` — ``C[c(s)] = round((scale(s) ·) fp32(A[a(s)] · W[e(s)]ᵀ))`` over the
+  slots sorted by expert (:func:`~rl_engine.utils.routing.expert_permutation`): each program
+  takes ``BLOCK_M`` slots of **one** expert and ``BLOCK_N`` output features and runs the K loop
+  from 0 upwards in fp32 (``tl.dot``; IEEE fp32 products for fp32 operands). No split-K and no
+  atomics: a slot's row is a function of its own row and its expert's weight, whatever the
+  expert's load;
+* ``rlk_moe_wgrad`` — ``dW[e] = Σ_{slots of e} round(scale · L[l(s)])ᵀ R[r(s)]`` (or ``L[l(s)]ᵀ R[r(s)]``),
+  one program per (expert, output tile), the slots in canonical order (deterministic run to run);
 * ``rlk_moe_combine`` — per token ``acc = w_0 y_0; acc = acc + w_j y_j`` in rank order (or the
   plain rank-order sum), one rounding;
 * ``rlk_moe_slot_dot`` — per slot ``Σ_h g[t, h] · y[s, h]`` (the routing weights' gradient).
 
-The elementwise kernels are compiled with ``enable_fp_fusion=False``: products and sums are
+Each GEMM role takes its tile configuration from the tile table (``tiles.py``), unless the
+caller forces one (``cfg``). The elementwise kernels are compiled with ``enable_fp_fusion=False``: products and sums are
 separate IEEE operations, as the contracts state. The expert tiles are mapped to programs by
 tables built on the device (``torch.searchsorted`` over the cumulative tile counts): no host
 synchronisation, so a step can be captured in a CUDA graph.
@@ -32,6 +34,7 @@ import triton.language as tl
 
 from rl_engine.backends.triton import device_guard
 from rl_engine.backends.triton.activation import kernels as act_kernels
+from rl_engine.backends.triton.moe.tiles import DEFAULT, GemmConfig, select
 
 __all__ = ["KERNEL_NAMES", "DEVICE_FUNCTIONS", "GemmConfig", "route_forward", "route_backward", "gate_up_forward", "gate_up_backward",
            "down_combine_forward", "down_combine_backward"]
@@ -41,19 +44,6 @@ KERNEL_NAMES = ("rlk_moe_route_fwd", "rlk_moe_route_bwd", "rlk_moe_grouped_gemm"
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
 DEVICE_FUNCTIONS = ("rlk_moe_softmax",)
 _NO_FMA = {"enable_fp_fusion": False}
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """Tile shape of the grouped GEMMs (``BLOCK_K`` is the fixed reduction step)."""
-
-    block_m: int = 64
-    block_n: int = 64
-    block_k: int = 32
-    num_warps: int = 4
-
-
-DEFAULT = GemmConfig()
 
 
 # --------------------------------------------------------------------------------------------- router
@@ -150,29 +140,47 @@ def route_backward(grad: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, 
 
 
 @dataclass(frozen=True)
-class _Tables:
-    """The canonical slot order and the map from programs to (expert, block of its slots)."""
+class _Perm:
+    """The canonical slot order of one call (:func:`~rl_engine.utils.routing.expert_permutation`)."""
 
     order: torch.Tensor  # [S] slot ids sorted by expert, then slot id
     tokens: torch.Tensor  # [S] the token of each sorted slot
-    offsets: torch.Tensor  # [E+1]
+    offsets: torch.Tensor  # [E+1] the first sorted position of each expert
+    counts: torch.Tensor  # [E] slots per expert
+    slots_per_expert: float  # S / E, known on the host: what the tile table is keyed by
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """The map from programs to (expert, block of ``block_m`` of its slots), built on the device."""
+
     tile_cum: torch.Tensor  # [E+1] cumulative tile counts
     tile_expert: torch.Tensor  # [max_tiles] the expert of each program
     max_tiles: int
 
 
-def _tables(ids: torch.Tensor, num_experts: int, block_m: int) -> _Tables:
+def _perm(ids: torch.Tensor, num_experts: int) -> _Perm:
     from rl_engine.utils.routing import expert_permutation
 
-    perm = expert_permutation(ids, num_experts)
-    S = ids.numel()
+    p = expert_permutation(ids, num_experts)
+    return _Perm(p.order, p.tokens, p.offsets, p.counts, ids.numel() / max(num_experts, 1))
+
+
+def _tiles(perm: _Perm, block_m: int) -> _Tiles:
+    E = perm.counts.shape[0]
+    dev = perm.counts.device
     tiles = torch.div(perm.counts + (block_m - 1), block_m, rounding_mode="floor")
-    tile_cum = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    tile_cum = torch.zeros(E + 1, dtype=torch.int64, device=dev)
     tile_cum[1:] = torch.cumsum(tiles, 0)
-    max_tiles = triton.cdiv(S, block_m) + num_experts  # each expert adds at most one partial tile
-    pid = torch.arange(max_tiles, dtype=torch.int64, device=ids.device)
-    tile_expert = torch.searchsorted(tile_cum[1:], pid, right=True).clamp_max_(num_experts - 1)
-    return _Tables(perm.order, perm.tokens, perm.offsets, tile_cum, tile_expert, max_tiles)
+    max_tiles = triton.cdiv(perm.order.numel(), block_m) + E  # each expert adds at most one partial tile
+    pid = torch.arange(max_tiles, dtype=torch.int64, device=dev)
+    tile_expert = torch.searchsorted(tile_cum[1:], pid, right=True).clamp_max_(E - 1)
+    return _Tiles(tile_cum, tile_expert, max_tiles)
+
+
+def _config(role: str, dtype: torch.dtype, perm: _Perm, device: torch.device, cfg: GemmConfig | None) -> GemmConfig:
+    """``cfg`` when the caller forces one, else the tile table's entry for ``role`` (``tiles.py``)."""
+    return cfg if cfg is not None else select(role, dtype, perm.slots_per_expert, device)
 
 
 # --------------------------------------------------------------------------------------------- GEMMs
@@ -182,7 +190,7 @@ def _tables(ids: torch.Tensor, num_experts: int, block_m: int) -> _Tables:
 def rlk_moe_grouped_gemm(a_ptr, a_rows_ptr, scale_ptr, w_ptr, c_ptr, c_rows_ptr, tile_expert_ptr, tile_cum_ptr,
                          offsets_ptr, E, N, KD,
                          stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
-                         HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
+                         SCALE_OUT: tl.constexpr, IEEE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     if pid < tl.load(tile_cum_ptr + E):
@@ -196,47 +204,56 @@ def rlk_moe_grouped_gemm(a_ptr, a_rows_ptr, scale_ptr, w_ptr, c_ptr, c_rows_ptr,
         nmask = offs_n < N
         ld_n = tl.where(nmask, offs_n, 0)
         offs_k = tl.arange(0, BLOCK_K)
-        if HAS_SCALE:
-            sc = tl.load(scale_ptr + c_rows, mask=rmask, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         w_base = w_ptr + e.to(tl.int64) * stride_we
+        a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
         for k0 in range(0, KD, BLOCK_K):
             kmask = (k0 + offs_k) < KD
-            a = tl.load(a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
-                        mask=kmask[None, :], other=0.0)
+            a = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=kmask[None, :], other=0.0)
             b = tl.load(w_base + ld_n[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk,
                         mask=kmask[:, None], other=0.0)
-            if HAS_SCALE:
-                a = a.to(tl.float32) * sc[:, None]
-                b = b.to(tl.float32)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
+        if SCALE_OUT:  # the routing weight scales the fp32 result: one product, then the rounding
+            acc = acc * tl.load(scale_ptr + c_rows, mask=rmask, other=0.0)[:, None]
         c = c_ptr + c_rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
-def _grouped(a: torch.Tensor, a_rows: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n: int,
-             kd: int, out: torch.Tensor, tb: _Tables, cfg: GemmConfig, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[order[s]] = (scale[order[s]] ·) a[a_rows[s]] · W[e(s)]ᵀ`` (``W[e][n, k]`` at ``w_strides``)."""
+def _grouped(a: torch.Tensor, a_rows: torch.Tensor, w: torch.Tensor, n: int, kd: int, out: torch.Tensor,
+             perm: _Perm, cfg: GemmConfig, *, transposed: bool = False,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[order[s]] = (scale[order[s]] ·) a[a_rows[s]] · B[e(s)]`` over the sorted slots ``s``.
+
+    ``B[e]`` is ``W[e]ᵀ`` (``w [E, n, kd]``, the forward) or, with ``transposed``, ``W[e]``
+    itself (``w [E, kd, n]``: the input gradients). A transposed product reads ``W[e]`` with
+    its rows as the reduction dimension; ``cfg.w_transposed`` makes a contiguous ``[E, n, kd]``
+    copy first so that both orientations load the same tile layout (the tile table says which
+    is faster). Either way the kernel multiplies the same values in the same order: the same
+    bits. ``scale`` multiplies the fp32 result before its rounding to ``out.dtype``."""
     if a_rows.numel() == 0:
         return out
-    ieee = torch.float32 in (a.dtype, w.dtype) or scale is not None
-    grid = (tb.max_tiles, triton.cdiv(n, cfg.block_n))
+    if transposed and cfg.w_transposed:
+        w, transposed = w.transpose(1, 2).contiguous(), False
+    strides = (w.stride(0), w.stride(2), w.stride(1)) if transposed else (w.stride(0), w.stride(1), w.stride(2))
+    tiles = _tiles(perm, cfg.block_m)
+    ieee = torch.float32 in (a.dtype, w.dtype)
+    grid = (tiles.max_tiles, triton.cdiv(n, cfg.block_n))
     with device_guard(a):
         rlk_moe_grouped_gemm[grid](
-            a, a_rows, scale if scale is not None else a, w, out, tb.order, tb.tile_expert, tb.tile_cum, tb.offsets,
-            tb.tile_cum.shape[0] - 1, n, kd, a.stride(0), a.stride(1), *w_strides, out.stride(0), out.stride(1),
-            HAS_SCALE=scale is not None, IEEE=ieee, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps)
+            a, a_rows, scale if scale is not None else a, w, out, perm.order, tiles.tile_expert, tiles.tile_cum,
+            perm.offsets, perm.counts.shape[0], n, kd, a.stride(0), a.stride(1), *strides, out.stride(0),
+            out.stride(1), SCALE_OUT=scale is not None, IEEE=ieee, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
 @triton.jit
 def rlk_moe_wgrad(l_ptr, l_rows_ptr, scale_ptr, scale_rows_ptr, r_ptr, r_rows_ptr, dw_ptr, offsets_ptr, N1, N2,
                   stride_lm, stride_ln, stride_rm, stride_rk, stride_we, stride_wn, stride_wk,
-                  HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, SORTED: tl.constexpr, IEEE: tl.constexpr,
                   BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_S: tl.constexpr):
     e = tl.program_id(1).to(tl.int64)
     tiles_n2 = tl.cdiv(N2, BLOCK_N2)
@@ -252,14 +269,20 @@ def rlk_moe_wgrad(l_ptr, l_rows_ptr, scale_ptr, scale_rows_ptr, r_ptr, r_rows_pt
     for base in range(s0, s1, BLOCK_S):  # the expert's slots in canonical order
         slots = base + tl.arange(0, BLOCK_S)
         sm = slots < s1
-        lr = tl.load(l_rows_ptr + slots, mask=sm, other=0).to(tl.int64)
-        rr = tl.load(r_rows_ptr + slots, mask=sm, other=0).to(tl.int64)
+        if SORTED:  # the operands were gathered into the sorted slot order: row = sorted position
+            lr = slots.to(tl.int64)
+            rr = lr
+        else:
+            lr = tl.load(l_rows_ptr + slots, mask=sm, other=0).to(tl.int64)
+            rr = tl.load(r_rows_ptr + slots, mask=sm, other=0).to(tl.int64)
         lt = tl.load(l_ptr + lr[None, :] * stride_lm + ld1[:, None] * stride_ln, mask=sm[None, :], other=0.0)
         rt = tl.load(r_ptr + rr[:, None] * stride_rm + ld2[None, :] * stride_rk, mask=sm[:, None], other=0.0)
-        if HAS_SCALE:
-            sc = tl.load(scale_ptr + tl.load(scale_rows_ptr + slots, mask=sm, other=0), mask=sm, other=0.0)
-            lt = lt.to(tl.float32) * sc[None, :]
-            rt = rt.to(tl.float32)
+        if HAS_SCALE:  # round(w · g) in the operands' dtype: one fp32 product, one rounding
+            if SORTED:
+                sc = tl.load(scale_ptr + slots, mask=sm, other=0.0)
+            else:
+                sc = tl.load(scale_ptr + tl.load(scale_rows_ptr + slots, mask=sm, other=0), mask=sm, other=0.0)
+            lt = (lt.to(tl.float32) * sc[None, :]).to(l_ptr.dtype.element_ty)
         if IEEE:
             acc = tl.dot(lt, rt, acc, input_precision="ieee")
         else:
@@ -269,16 +292,25 @@ def rlk_moe_wgrad(l_ptr, l_rows_ptr, scale_ptr, scale_rows_ptr, r_ptr, r_rows_pt
 
 
 def _wgrad(left: torch.Tensor, l_rows: torch.Tensor, right: torch.Tensor, r_rows: torch.Tensor, dw: torch.Tensor,
-           tb: _Tables, cfg: GemmConfig, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``dw[e] = Σ_{slots s of e} (scale[order[s]] ·) left[l_rows[s]]ᵀ right[r_rows[s]]`` (``dw [E, N1, N2]``)."""
+           perm: _Perm, cfg: GemmConfig, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``dw[e] = Σ_{slots s of e} round(scale[order[s]] · left[l_rows[s]])ᵀ right[r_rows[s]]`` (``dw [E, N1, N2]``;
+    without ``scale``, ``left[l_rows[s]]`` as is). ``cfg.sorted_operands`` gathers both operands (and the
+    scale) into the sorted slot order first, so the kernel's loads follow the slot index instead of an
+    index table; the same values meet in the same order: the same bits."""
     E, N1, N2 = dw.shape
-    ieee = torch.float32 in (left.dtype, right.dtype) or scale is not None
+    ieee = torch.float32 in (left.dtype, right.dtype)
+    sorted_ = cfg.sorted_operands
+    if sorted_:
+        left, right = left.index_select(0, l_rows), right.index_select(0, r_rows)
+        scale = scale.index_select(0, perm.order) if scale is not None else None
+        l_rows = r_rows = perm.order  # unread
     grid = (triton.cdiv(N1, cfg.block_m) * triton.cdiv(N2, cfg.block_n), E)
     with device_guard(dw):
-        rlk_moe_wgrad[grid](left, l_rows, scale if scale is not None else left, tb.order, right, r_rows, dw,
-                            tb.offsets, N1, N2, left.stride(0), left.stride(1), right.stride(0), right.stride(1),
-                            dw.stride(0), dw.stride(1), dw.stride(2), HAS_SCALE=scale is not None, IEEE=ieee,
-                            BLOCK_N1=cfg.block_m, BLOCK_N2=cfg.block_n, BLOCK_S=cfg.block_k, num_warps=cfg.num_warps)
+        rlk_moe_wgrad[grid](left, l_rows, scale if scale is not None else left, perm.order, right, r_rows, dw,
+                            perm.offsets, N1, N2, left.stride(0), left.stride(1), right.stride(0), right.stride(1),
+                            dw.stride(0), dw.stride(1), dw.stride(2), HAS_SCALE=scale is not None, SORTED=sorted_,
+                            IEEE=ieee, BLOCK_N1=cfg.block_m, BLOCK_N2=cfg.block_n, BLOCK_S=cfg.block_k,
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dw
 
 
@@ -328,69 +360,74 @@ def rlk_moe_slot_dot(g_ptr, y_ptr, out_ptr, S, H, K, BLOCK_H: tl.constexpr):
 # --------------------------------------------------------------------------------------------- operators
 
 
-def _gate_up_h(x, w_gate_up, ids, tb, cfg):
-    S = ids.numel()
-    h = torch.empty((S, w_gate_up.shape[1]), dtype=x.dtype, device=x.device)
-    return _grouped(x, tb.tokens, w_gate_up, (w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2)),
-                    w_gate_up.shape[1], x.shape[1], h, tb, cfg)
+def _gate_up_h(x, w_gate_up, perm, cfg):
+    h = torch.empty((perm.order.numel(), w_gate_up.shape[1]), dtype=x.dtype, device=x.device)
+    return _grouped(x, perm.tokens, w_gate_up, w_gate_up.shape[1], x.shape[1], h, perm, cfg)
 
 
-def gate_up_forward(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor, cfg: GemmConfig = DEFAULT) -> torch.Tensor:
-    """``act [T, K, I]``: the slots' gate/up GEMM rounded to ``x.dtype``, then ``silu_and_mul``."""
+def gate_up_forward(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor,
+                    cfg: GemmConfig | None = None) -> torch.Tensor:
+    """``act [T, K, I]``: the slots' gate/up GEMM rounded to ``x.dtype``, then ``silu_and_mul``.
+    ``cfg`` forces one tile configuration for every GEMM (default: the tile table, ``tiles.py``)."""
     T, K = ids.shape
-    tb = _tables(ids, w_gate_up.shape[0], cfg.block_m)
-    act = act_kernels.forward(_gate_up_h(x, w_gate_up, ids, tb, cfg))
-    return act.view(T, K, w_gate_up.shape[1] // 2)
+    perm = _perm(ids, w_gate_up.shape[0])
+    h = _gate_up_h(x, w_gate_up, perm, _config("gate_up", x.dtype, perm, x.device, cfg))
+    return act_kernels.forward(h).view(T, K, w_gate_up.shape[1] // 2)
 
 
 def gate_up_backward(grad: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor,
-                     cfg: GemmConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
+                     cfg: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dW_gate_up)``: ``dx[t] = round(Σ_j dh[t, j] W[e])`` in rank order, ``dW[e] = Σ dhᵀ x``."""
     T, K = ids.shape
     E, N2, H = w_gate_up.shape
-    tb = _tables(ids, E, cfg.block_m)
-    h = _gate_up_h(x, w_gate_up, ids, tb, cfg)
+    perm = _perm(ids, E)
+    h = _gate_up_h(x, w_gate_up, perm, _config("gate_up", x.dtype, perm, x.device, cfg))
     dh = act_kernels.backward(grad.reshape(T * K, N2 // 2).contiguous(), h)
     dx_slots = torch.empty((T * K, H), dtype=torch.float32, device=x.device)
-    _grouped(dh, tb.order, w_gate_up, (w_gate_up.stride(0), w_gate_up.stride(2), w_gate_up.stride(1)), H, N2,
-             dx_slots, tb, cfg)
+    _grouped(dh, perm.order, w_gate_up, H, N2, dx_slots, perm, _config("dx", x.dtype, perm, x.device, cfg),
+             transposed=True)
     dw = torch.zeros_like(w_gate_up)
     if T * K:
-        _wgrad(dh, tb.order, x, tb.tokens, dw, tb, cfg)
+        _wgrad(dh, perm.order, x, perm.tokens, dw, perm, _config("dw_gate_up", x.dtype, perm, x.device, cfg))
     return _combine(dx_slots, None, T, K, x.dtype), dw
 
 
-def _slot_outputs(act, w_down, tb, cfg):
+def _slot_outputs(act, w_down, perm, cfg):
     T, K, I = act.shape
     y = torch.empty((T * K, w_down.shape[1]), dtype=torch.float32, device=act.device)
-    return _grouped(act.reshape(T * K, I), tb.order, w_down, (w_down.stride(0), w_down.stride(1), w_down.stride(2)),
-                    w_down.shape[1], I, y, tb, cfg)
+    return _grouped(act.reshape(T * K, I), perm.order, w_down, w_down.shape[1], I, y, perm, cfg)
 
 
 def down_combine_forward(act: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                         cfg: GemmConfig = DEFAULT) -> torch.Tensor:
+                         cfg: GemmConfig | None = None) -> torch.Tensor:
     """``out[t] = round(Σ_j w[t, j] · fp32(act[t, j] W_down[e]ᵀ))`` in rank order."""
     T, K, _ = act.shape
-    tb = _tables(ids, w_down.shape[0], cfg.block_m)
-    return _combine(_slot_outputs(act, w_down, tb, cfg), weights, T, K, act.dtype)
+    perm = _perm(ids, w_down.shape[0])
+    y = _slot_outputs(act, w_down, perm, _config("down", act.dtype, perm, act.device, cfg))
+    return _combine(y, weights, T, K, act.dtype)
 
 
 def down_combine_backward(grad: torch.Tensor, act: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-                          ids: torch.Tensor, cfg: GemmConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dact, dW_down, dweights)`` (see the contract ``moe.expert_down_combine``)."""
+                          ids: torch.Tensor, cfg: GemmConfig | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dact, dW_down, dweights)`` (contract ``moe.expert_down_combine``, version 2):
+    ``dact[s] = round(w_s · fp32(g[t] W_down[e]))``, ``dW_down[e] = Σ_s round(w_s · g[t])ᵀ act[s]``,
+    ``dweights[s] = Σ_h g[t, h] y[s, h]``."""
     T, K, I = act.shape
     E, H, _ = w_down.shape
-    tb = _tables(ids, E, cfg.block_m)
-    y = _slot_outputs(act, w_down, tb, cfg)
+    perm = _perm(ids, E)
+    g = grad.to(act.dtype)
+    y = _slot_outputs(act, w_down, perm, _config("down", act.dtype, perm, act.device, cfg))
     dweights = torch.empty((T, K), dtype=torch.float32, device=act.device)
     if T * K:
         with device_guard(act):
-            rlk_moe_slot_dot[(T * K,)](grad, y, dweights, T * K, H, K, BLOCK_H=1024, num_warps=4, **_NO_FMA)
+            rlk_moe_slot_dot[(T * K,)](g, y, dweights, T * K, H, K, BLOCK_H=1024, num_warps=4, **_NO_FMA)
     w_flat = weights.reshape(-1).contiguous()
     dact = torch.empty((T * K, I), dtype=act.dtype, device=act.device)
-    _grouped(grad, tb.tokens, w_down, (w_down.stride(0), w_down.stride(2), w_down.stride(1)), I, H, dact, tb, cfg,
-             scale=w_flat)
+    _grouped(g, perm.tokens, w_down, I, H, dact, perm, _config("dact", act.dtype, perm, act.device, cfg),
+             transposed=True, scale=w_flat)
     dw = torch.zeros_like(w_down)
     if T * K:
-        _wgrad(grad, tb.tokens, act.reshape(T * K, I), tb.order, dw, tb, cfg, scale=w_flat)
+        _wgrad(g, perm.tokens, act.reshape(T * K, I), perm.order, dw, perm,
+               _config("dw_down", act.dtype, perm, act.device, cfg), scale=w_flat)
     return dact.view(T, K, I), dw, dweights

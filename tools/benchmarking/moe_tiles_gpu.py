@@ -1,0 +1,233 @@
+"""Measure the tile candidates of the MoE grouped GEMMs on the GPU and write the tile table.
+
+For every token count (``--tokens``) the layer of ``benchmarks/operators/bench_moe_gpu.py``
+(Qwen3-30B-A3B dimensions: hidden 2048, 128 experts, top-8, expert intermediate 768; bf16; the
+benchmark's weights, routing by ``moe.route`` of the router GEMM) runs each of the six GEMM roles
+of ``rl_engine/backends/triton/moe/tiles.py`` through its launcher (``kernels._grouped`` /
+``kernels._wgrad``) with the reference configuration ``tiles.DEFAULT`` and with every candidate:
+
+* **bits**: a candidate whose output differs from the reference's on raw bits (or that fails to
+  compile: too much shared memory) is rejected and recorded with the reason;
+* **time**: CUDA events around one launch, the median of ``--repeats`` after a warm-up launch
+  (compilation excluded), candidates interleaved round-robin so that clock drift hits all alike.
+
+The fastest accepted candidate per (role, token count) becomes a row of the table, bounded by
+that count's mean slots per expert (``T·K / E``); consecutive rows with the same configuration
+merge, and the last row is unbounded. ``--table`` writes it (default: the package's
+``tile_tables/<arch>.json``, which ``tiles.select`` reads); ``--out`` gets every measurement.
+
+    python3 tools/benchmarking/moe_tiles_gpu.py --out $OUT/moe_tiles.json
+
+CUDA only (exit 1 without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.common.harness import device_info, versions  # noqa: E402
+from benchmarks.operators import bench_moe_gpu as bench  # noqa: E402
+
+#: hidden, experts, experts per token, expert intermediate size (Qwen3-30B-A3B)
+DIMS = (2048, 128, 8, 768)
+TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+
+_GEMM = ((64, 64, 32, 4, 3), (16, 64, 64, 4, 4), (16, 128, 128, 4, 3), (32, 128, 64, 4, 4), (64, 128, 64, 4, 3),
+         (64, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3))
+_TRANSPOSED = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3))
+_WGRAD = ((64, 64, 32, 4, 3, False), (64, 64, 32, 4, 3, True), (128, 128, 32, 8, 3, False), (128, 128, 32, 8, 3, True),
+          (128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True), (128, 256, 64, 8, 3, True), (64, 128, 64, 4, 4, True))
+
+
+def candidates(role: str) -> list:
+    """The configurations measured for ``role`` (the reference first)."""
+    from rl_engine.backends.triton.moe.tiles import DEFAULT, GemmConfig
+
+    if role.startswith("dw_"):
+        out = [GemmConfig(bm, bn, bk, w, s, sorted_operands=so) for bm, bn, bk, w, s, so in _WGRAD]
+    else:
+        out = [GemmConfig(*c) for c in _GEMM]
+        if role in ("dx", "dact"):
+            out += [GemmConfig(*c, w_transposed=True) for c in _TRANSPOSED]
+    assert out[0] == DEFAULT, "the reference configuration is measured first"
+    return out
+
+
+def role_calls(T: int, dtype: torch.dtype) -> dict:
+    """``role -> fn(cfg) -> output`` at ``T`` tokens: each launches that role's GEMM once."""
+    from rl_engine.backends.triton.moe import kernels as km
+    from rl_engine.ops import moe
+    from rl_engine.ops.gemm import linear
+
+    H, E, K, I = DIMS
+    (wr, wgu, wd), g = bench.weights(H, E, I, dtype, "cuda")
+    x = torch.randn(T, H, generator=g).to(dtype).cuda()
+    with torch.no_grad():
+        w, ids = moe.route(linear(x, wr), K, True)
+    perm = km._perm(ids, E)
+    S = T * K
+    act = (torch.randn(S, I, generator=g) / 4).to(dtype).cuda()
+    dh = (torch.randn(S, 2 * I, generator=g) / 4).to(dtype).cuda()
+    grad = (torch.randn(T, H, generator=g) / 4).to(dtype).cuda()
+    w_flat = w.reshape(-1).contiguous()
+
+    def grouped(a, rows, wt, n, kd, out_dtype, **kw):
+        return lambda cfg: km._grouped(a, rows, wt, n, kd, torch.empty((S, n), dtype=out_dtype, device="cuda"),
+                                       perm, cfg, **kw)
+
+    def wgrad(left, l_rows, right, r_rows, like, **kw):
+        return lambda cfg: km._wgrad(left, l_rows, right, r_rows, torch.empty_like(like), perm, cfg, **kw)
+
+    return {
+        "gate_up": grouped(x, perm.tokens, wgu, 2 * I, H, dtype),
+        "down": grouped(act, perm.order, wd, H, I, torch.float32),
+        "dx": grouped(dh, perm.order, wgu, H, 2 * I, torch.float32, transposed=True),
+        "dact": grouped(grad, perm.tokens, wd, I, H, dtype, transposed=True, scale=w_flat),
+        "dw_gate_up": wgrad(dh, perm.order, x, perm.tokens, wgu),
+        "dw_down": wgrad(grad, perm.tokens, act, perm.order, wd, scale=w_flat),
+    }
+
+
+def _time(fn, cfg) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(cfg)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def measure(role: str, fn, repeats: int) -> list[dict]:
+    """Rows ``config, accepted, reason, ms`` of every candidate of ``role``."""
+    from rl_engine.utils.bits import same_bits
+
+    cands = candidates(role)
+    ref = fn(cands[0]).clone()
+    rows, live = [], []
+    for cfg in cands:
+        row = {"config": cfg.key, "accepted": False, "reason": None, "ms": None, "samples": []}
+        try:
+            out = fn(cfg)
+            torch.cuda.synchronize()
+        except Exception as exc:  # compilation: out of shared memory or registers for this tile
+            row["reason"] = f"launch failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        else:
+            cmp = same_bits(out, ref)
+            if cmp.equal:
+                row["accepted"] = True
+                live.append((cfg, row))
+            else:
+                row["reason"] = f"bits differ from the reference configuration ({cmp})"
+        rows.append((cfg, row))
+    for _ in range(repeats):  # round-robin
+        for cfg, row in live:
+            row["samples"].append(_time(fn, cfg))
+    for _, row in live:
+        row["ms"] = statistics.median(row["samples"])
+        row["samples"] = [round(s, 4) for s in row["samples"]]
+    return [dict(row, cfg=cfg) for cfg, row in rows]
+
+
+def table(results: dict, arch: str, source: dict) -> dict:
+    """The tile table (``tiles.TileTable``) from ``results[role][T] = rows``."""
+    from dataclasses import asdict
+
+    H, E, K, I = DIMS
+    rows = []
+    for role, by_t in results.items():
+        picks = []
+        for T in sorted(by_t):
+            ok = [r for r in by_t[T] if r["accepted"]]
+            best = min(ok, key=lambda r: r["ms"])
+            ref = by_t[T][0]
+            picks.append((T * K / E, best["cfg"], best["ms"], ref["ms"]))
+        merged: list[list] = []
+        for p in picks:
+            if merged and merged[-1][1] == p[1]:
+                merged[-1] = list(p)  # the same configuration up to this load: one row, the larger bound
+            else:
+                merged.append(list(p))
+        for i, (bound, cfg, ms, ref_ms) in enumerate(merged):
+            rows.append({"role": role, "dtype": "bfloat16",
+                         "max_slots_per_expert": None if i == len(merged) - 1 else bound,
+                         "config": asdict(cfg), "ms": round(ms, 4), "default_ms": round(ref_ms, 4)})
+    return {"schema_version": 1, "arch": arch, "source": source, "rows": rows}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON of every measurement")
+    ap.add_argument("--table", default=None, help="tile table to write (default: the package's tile_tables/<arch>.json)")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts, comma-separated")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--roles", default=",".join(("gate_up", "down", "dx", "dact", "dw_gate_up", "dw_down")))
+    args = ap.parse_args(argv)
+    from rl_engine.backends.triton.moe import tiles
+
+    roles = [r for r in args.roles.split(",") if r]
+    if not roles or set(roles) - set(tiles.ROLES):
+        ap.error(f"--roles: expected some of {', '.join(tiles.ROLES)}, got {args.roles!r}")
+    try:
+        tokens = [int(t) for t in args.tokens.split(",") if t]
+    except ValueError:
+        tokens = []
+    if not tokens or min(tokens) < 1:
+        ap.error(f"--tokens: expected positive token counts, comma-separated, got {args.tokens!r}")
+    if args.repeats < 1:
+        ap.error(f"--repeats: expected a positive count, got {args.repeats}")
+    if not torch.cuda.is_available():
+        print("moe_tiles_gpu: needs a CUDA device", file=sys.stderr)
+        return 1
+    arch = tiles._arch_of(torch.cuda.current_device())
+    results: dict[str, dict[int, list]] = {r: {} for r in roles}
+    for T in tokens:
+        calls = role_calls(T, torch.bfloat16)
+        for role in roles:
+            results[role][T] = measure(role, calls[role], args.repeats)
+            best = min((r for r in results[role][T] if r["accepted"]), key=lambda r: r["ms"])
+            ref = results[role][T][0]
+            rejected = sum(not r["accepted"] for r in results[role][T])
+            print(f"T={T:6d} {role:11s} reference {ref['ms']:.4f} ms  best {best['config']} {best['ms']:.4f} ms "
+                  f"({ref['ms'] / best['ms']:.2f}x)  rejected {rejected}", flush=True)
+        del calls
+        torch.cuda.empty_cache()
+    source = {"command": "python3 tools/benchmarking/moe_tiles_gpu.py " + " ".join(argv or sys.argv[1:]),
+              "device": torch.cuda.get_device_name(), "commit": _commit(),
+              "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "triton": str(versions().get("triton"))}
+    tab = table(results, arch, source)
+    tiles.TileTable.model_validate(tab)
+    path = Path(args.table) if args.table else tiles.table_path(arch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(tab, indent=1) + "\n")
+    tiles.load_table(path)  # the written table loads
+    report = {"schema_version": 1, "family": "moe_tiles", "device": device_info("cuda"), "versions": versions(),
+              "dims": dict(zip(("hidden", "experts", "top_k", "intermediate"), DIMS)), "source": source,
+              "table": str(path), "measurements": {role: {str(T): [{k: v for k, v in r.items() if k != "cfg"}
+                                                                    for r in rows] for T, rows in by_t.items()}
+                                                    for role, by_t in results.items()}}
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path} ({len(tab['rows'])} rows) and {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
