@@ -13,7 +13,7 @@
 # check_cuda (`rlk check --device cuda`: fp32 and bf16 R/R, the P/P control, bf16 R/R past the first KV
 # split at Qwen3-0.6B's dimensions over contiguous and paged caches; CHECK_RUNS overrides), ablation
 # (tools/benchmarking/attention_ablation_gpu.py), sweep (tools/benchmarking/gemm_sweep.py),
-# host_overhead (tools/benchmarking/host_overhead_gpu.py), overhead (benchmarks/operators/bench_call_overhead.py),
+# host_overhead (tools/benchmarking/host_overhead_gpu.py; HOST_PROFILE: ';'-separated cases to cProfile), overhead (benchmarks/operators/bench_call_overhead.py),
 # matrix (benchmarks/operators/bench_matrix_gpu.py, MATRIX_ARGS, default --quick), gate (the parity gate:
 # tools/benchmarking/matrix_gate_gpu.py, the matrix of this tree against GATE_BASE, default .whl/base.tgz
 # made by `git archive --format=tar.gz -o .whl/base.tgz BASE rl_engine`; GATE_ARGS, default --quick --modes graph),
@@ -145,8 +145,10 @@ for step in $STEPS; do
       timeout $(lim ${BREAKDOWN_TIMEOUT:-120}) python3 tools/benchmarking/attention_breakdown_gpu.py --out "$OUT/bench_attention_breakdown.json" \
         > "$OUT/attention_breakdown.log" 2>&1; cut -c1-200 "$OUT/attention_breakdown.log" | tail -60 ;;
     host_overhead)  # host time per eager call, where it goes (tools/benchmarking/host_overhead_gpu.py)
+      # HOST_PROFILE: ';'-separated case names to cProfile (they contain spaces), e.g. "kernels;rms_norm public"
+      prof=(); if [ -n "${HOST_PROFILE:-}" ]; then IFS=';' read -ra cases <<< "$HOST_PROFILE"; prof=(--profile "${cases[@]}"); fi
       timeout $(lim ${HOST_TIMEOUT:-90}) python3 tools/benchmarking/host_overhead_gpu.py --out "$OUT/bench_host_overhead.json" \
-        > "$OUT/host_overhead.log" 2>&1; grep -v "^ " "$OUT/host_overhead.log" | head -60 ;;
+        "${prof[@]}" > "$OUT/host_overhead.log" 2>&1; grep -v "^ " "$OUT/host_overhead.log" | head -60 ;;
     overhead)  # host cost per small call through the public API (benchmarks/operators/bench_call_overhead.py)
       timeout $(lim ${OVERHEAD_TIMEOUT:-120}) python3 benchmarks/operators/bench_call_overhead.py --device cuda \
         --out "$OUT/bench_call_overhead.json" ${OVERHEAD_ARGS:-} > "$OUT/bench_call_overhead.log" 2>&1
