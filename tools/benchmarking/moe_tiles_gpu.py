@@ -8,12 +8,15 @@ of ``rl_engine/backends/triton/moe/tiles.py`` through its launcher (``kernels._g
 
 * **bits**: a candidate whose output differs from the reference's on raw bits (or that fails to
   compile: too much shared memory) is rejected and recorded with the reason;
-* **time**: CUDA events around one launch, the median of ``--repeats`` after a warm-up launch
-  (compilation excluded), candidates interleaved round-robin so that clock drift hits all alike.
+* **time**: device time per launch — CUDA events around three launches queued behind a CUDA
+  sleep, so the host's launch cost is not timed — the median of ``--repeats`` samples after a
+  warm-up launch, candidates interleaved round-robin so that clock drift hits all alike.
+  Compilation comes first, in ``--compile-workers`` processes at once (each fills Triton's
+  on-disk cache), and is never timed.
 
 The fastest accepted candidate per (role, token count) becomes a row of the table, bounded by
 that count's mean slots per expert (``T·K / E``); consecutive rows with the same configuration
-merge, and the last row is unbounded. ``--table`` writes it (default: the package's
+merge, and the last row is unbounded. After every token count ``--table`` writes it (default: the package's
 ``tile_tables/<arch>.json``, which ``tiles.select`` reads); ``--out`` gets every measurement.
 
     python3 tools/benchmarking/moe_tiles_gpu.py --out $OUT/moe_tiles.json
@@ -63,22 +66,30 @@ def candidates(role: str) -> list:
     return out
 
 
-def role_calls(T: int, dtype: torch.dtype) -> dict:
-    """``role -> fn(cfg) -> output`` at ``T`` tokens: each launches that role's GEMM once."""
+def role_calls(T: int, dtype: torch.dtype, data: bool = True) -> dict:
+    """``role -> fn(cfg) -> output`` at ``T`` tokens: each launches that role's GEMM once
+    (``data=False``: zeros instead of the benchmark's data, for compiling only)."""
     from rl_engine.backends.triton.moe import kernels as km
     from rl_engine.ops import moe
     from rl_engine.ops.gemm import linear
 
     H, E, K, I = DIMS
-    (wr, wgu, wd), g = bench.weights(H, E, I, dtype, "cuda")
-    x = torch.randn(T, H, generator=g).to(dtype).cuda()
+    S = T * K
+    if data:
+        (wr, wgu, wd), g = bench.weights(H, E, I, dtype, "cuda")
+
+        def rand(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=g) * scale).to(dtype).cuda()
+    else:
+        def rand(*shape, scale=1.0):
+            return torch.zeros(shape, dtype=dtype, device="cuda")
+
+        wr, wgu, wd = rand(E, H), rand(E, 2 * I, H), rand(E, H, I)
+    x = rand(T, H)
     with torch.no_grad():
         w, ids = moe.route(linear(x, wr), K, True)
     perm = km._perm(ids, E)
-    S = T * K
-    act = (torch.randn(S, I, generator=g) / 4).to(dtype).cuda()
-    dh = (torch.randn(S, 2 * I, generator=g) / 4).to(dtype).cuda()
-    grad = (torch.randn(T, H, generator=g) / 4).to(dtype).cuda()
+    act, dh, grad = rand(S, I, scale=0.25), rand(S, 2 * I, scale=0.25), rand(T, H, scale=0.25)
     w_flat = w.reshape(-1).contiguous()
 
     def grouped(a, rows, wt, n, kd, out_dtype, **kw):
@@ -98,13 +109,47 @@ def role_calls(T: int, dtype: torch.dtype) -> dict:
     }
 
 
-def _time(fn, cfg) -> float:
+def _time(fn, cfg, calls: int = 3) -> float:
+    """Device ms per launch: ``calls`` launches between two events, queued behind a CUDA sleep so
+    that the host's launch cost (larger than the kernel at small token counts) is not timed."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(10_000_000)  # ~5 ms: longer than the host takes to queue the launches
     start.record()
-    fn(cfg)
+    for _ in range(calls):
+        fn(cfg)
     end.record()
     end.synchronize()
-    return start.elapsed_time(end)
+    return start.elapsed_time(end) / calls
+
+
+def _compile_worker(jobs: list[tuple[str, tuple]]) -> list[str]:
+    """Launch each ``(role, config fields)`` once at 16 tokens (a spawned process: fills Triton's
+    on-disk cache, which the measuring process then loads instead of compiling); returns errors."""
+    from rl_engine.backends.triton.moe.tiles import GemmConfig
+
+    calls = role_calls(16, torch.bfloat16, data=False)
+    errors = []
+    for role, fields in jobs:
+        try:
+            calls[role](GemmConfig(*fields))
+        except Exception as exc:  # the measuring process records the failure with the candidate
+            errors.append(f"{role} {fields}: {type(exc).__name__}")
+    torch.cuda.synchronize()
+    return errors
+
+
+def precompile(roles: list[str], workers: int) -> None:
+    """Compile every candidate of ``roles`` in ``workers`` processes at once (Triton compiles in the
+    launching thread, one kernel at a time: about 3 s each on the H200 host)."""
+    import dataclasses
+    import multiprocessing as mp
+
+    jobs = [(role, dataclasses.astuple(cfg)) for role in roles for cfg in candidates(role)]
+    chunks = [jobs[i::workers] for i in range(workers)]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for errs in pool.map(_compile_worker, chunks):
+            for e in errs:
+                print(f"precompile: {e}", flush=True)
 
 
 def measure(role: str, fn, repeats: int) -> list[dict]:
@@ -179,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts, comma-separated")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--roles", default=",".join(("gate_up", "down", "dx", "dact", "dw_gate_up", "dw_down")))
+    ap.add_argument("--compile-workers", type=int, default=8, help="processes compiling the candidates first (0: none)")
     args = ap.parse_args(argv)
     from rl_engine.backends.triton.moe import tiles
 
@@ -196,7 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("moe_tiles_gpu: needs a CUDA device", file=sys.stderr)
         return 1
+    if args.compile_workers < 0:
+        ap.error(f"--compile-workers: expected a count >= 0, got {args.compile_workers}")
     arch = tiles._arch_of(torch.cuda.current_device())
+    path = Path(args.table) if args.table else tiles.table_path(arch)
+    if args.compile_workers:
+        precompile(roles, args.compile_workers)
+    source = {"command": "python3 tools/benchmarking/moe_tiles_gpu.py " + " ".join(argv or sys.argv[1:]),
+              "device": torch.cuda.get_device_name(), "commit": _commit(),
+              "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "triton": str(versions().get("triton"))}
     results: dict[str, dict[int, list]] = {r: {} for r in roles}
     for T in tokens:
         calls = role_calls(T, torch.bfloat16)
@@ -209,24 +264,26 @@ def main(argv: list[str] | None = None) -> int:
                   f"({ref['ms'] / best['ms']:.2f}x)  rejected {rejected}", flush=True)
         del calls
         torch.cuda.empty_cache()
-    source = {"command": "python3 tools/benchmarking/moe_tiles_gpu.py " + " ".join(argv or sys.argv[1:]),
-              "device": torch.cuda.get_device_name(), "commit": _commit(),
-              "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-              "torch": torch.__version__, "triton": str(versions().get("triton"))}
+        write(results, arch, source, path, Path(args.out))  # after every token count: a time limit keeps them
+    print(f"wrote {path} and {args.out}")
+    return 0
+
+
+def write(results: dict, arch: str, source: dict, path: Path, out: Path) -> None:
+    """The tile table (validated, then loaded back) and the report of every measurement."""
+    from rl_engine.backends.triton.moe import tiles
+
     tab = table(results, arch, source)
     tiles.TileTable.model_validate(tab)
-    path = Path(args.table) if args.table else tiles.table_path(arch)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(tab, indent=1) + "\n")
-    tiles.load_table(path)  # the written table loads
+    tiles.load_table(path)
     report = {"schema_version": 1, "family": "moe_tiles", "device": device_info("cuda"), "versions": versions(),
               "dims": dict(zip(("hidden", "experts", "top_k", "intermediate"), DIMS)), "source": source,
               "table": str(path), "measurements": {role: {str(T): [{k: v for k, v in r.items() if k != "cfg"}
                                                                     for r in rows] for T, rows in by_t.items()}
                                                     for role, by_t in results.items()}}
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {path} ({len(tab['rows'])} rows) and {args.out}")
-    return 0
+    out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
