@@ -1,6 +1,6 @@
 """``tools/benchmarking/moe_tiles_gpu.py`` on the CPU: the table it builds from measurements
-(fastest accepted candidate per load, rows merged, the last unbounded; a rejected candidate is
-never picked) validates and loads; bad arguments are refused by name before any device work; a
+(fastest accepted candidate per load, rows merged and bounded by the largest measured load; a
+rejected candidate is never picked) validates and loads, also rebuilt from a report; bad arguments are refused by name before any device work; a
 machine without CUDA gets a clear exit."""
 
 from __future__ import annotations
@@ -41,17 +41,32 @@ def test_table_from_measurements_picks_the_fastest_accepted_and_merges(tmp_path)
 
     results = {"dx": {1: [m(ref, 2.0), m(a, 1.0), m(b, 0.5, ok=False)],   # b is faster but its bits differ
                       16: [m(ref, 3.0), m(a, 1.5), m(b, 2.0)],
-                      1024: [m(ref, 9.0), m(a, 8.0), m(b, 4.0)]}}
+                      1024: [m(ref, 9.0), m(a, 8.0), m(b, 4.0)]},
+               "dact": {1: [m(ref, 2.0), m(a, 1.0)], 16: [m(ref, 1.0), m(a, 1.5)]}}  # the reference last: no row
     tab = tool.table(results, "smX", {"command": "test"})
     tiles.TileTable.model_validate(tab)
     _, E, K, _ = tool.DIMS
-    assert [(r["max_slots_per_expert"], r["config"]["block_m"]) for r in tab["rows"]] == [
-        (16 * K / E, a.block_m), (None, b.block_m)]
+    assert [(r["role"], r["max_slots_per_expert"], r["config"]["block_m"]) for r in tab["rows"]] == [
+        ("dx", 16 * K / E, a.block_m), ("dx", 1024 * K / E, b.block_m), ("dact", 1 * K / E, a.block_m)]
     assert tab["rows"][0]["ms"] == 1.5 and tab["rows"][0]["default_ms"] == 3.0
     path = tmp_path / "smX.json"
     path.write_text(json.dumps(tab))
     rows = tiles.load_table(path)[("dx", torch.bfloat16)]
     assert [cfg for _, cfg in rows] == [a, b]
+
+
+def test_rebuild_writes_the_table_of_an_earlier_report_without_a_gpu(tmp_path):
+    tool = _tool()
+    ref, a = tool.candidates("dw_down")[:2]
+    rows = [{"config": ref.key, "accepted": True, "ms": 2.0}, {"config": a.key, "accepted": True, "ms": 1.0}]
+    report = tmp_path / "moe_tiles.json"
+    report.write_text(json.dumps({"arch": "smX", "source": {"command": "c", "commit": "old"},
+                                  "measurements": {"dw_down": {"16": rows}}}))
+    out = tmp_path / "smX.json"
+    r = run("--rebuild", str(report), "--table", str(out), "--commit", "abc1234")
+    assert r.returncode == 0, r.stderr
+    tab = json.loads(out.read_text())
+    assert tab["source"]["commit"] == "abc1234" and [row["config"]["sorted_operands"] for row in tab["rows"]] == [True]
 
 
 def test_every_role_measures_the_reference_first():

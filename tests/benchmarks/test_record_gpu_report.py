@@ -108,3 +108,17 @@ def test_merge_keeps_the_sections_a_run_did_not_measure(tmp_path):
     assert [r["measured_commit"] for r in whole["rows"]] == ["all", "all"] and whole["commit"] == "all (generate, train_step)"
     with pytest.raises(SystemExit, match="family"):
         tool.merge(rep, dict(existing, family="moe"))
+
+
+def test_host_overhead_rows_become_untargeted_entries_and_keep_the_profiles(tmp_path):
+    """The host-overhead tool's flat rows (device name and versions inline) and its cProfile texts;
+    a row that synchronises is marked as host + device time."""
+    env = {"device": "NVIDIA H200", "torch": "2.11", "triton": "3.6.0", "cuda": "13.0", "timestamp": "t"}
+    rows = [{**env, "case": "cublas", "p50_us": 22.3, "min_us": 22.1, "host_only": True},
+            {**env, "case": "public_nan", "p50_us": 134.1, "min_us": 131.5, "host_only": False}]
+    rep = _tool().record("host_overhead", {"rows": rows, "cprofile": {"kernels": "text"}}, commit="abc",
+                         out=_platform(tmp_path) / "host_overhead.json", notes=[], command="python x.py --profile kernels")
+    assert [(s["case"], s["achieved"], s["met"], s.get("host_and_device")) for s in rep["summary"]] == [
+        ("cublas", 22.3, None, None), ("public_nan", 134.1, None, True)]
+    assert rep["versions"] == {"torch": "2.11", "triton": "3.6.0", "cuda": "13.0"} and rep["device"] == DEVICE
+    assert rep["cprofile"] == {"kernels": "text"} and rep["command"] == "python x.py --profile kernels"

@@ -16,7 +16,9 @@ of ``rl_engine/backends/triton/moe/tiles.py`` through its launcher (``kernels._g
 
 The fastest accepted candidate per (role, token count) becomes a row of the table, bounded by
 that count's mean slots per expert (``T·K / E``); consecutive rows with the same configuration
-merge, and the last row is unbounded. After every token count ``--table`` writes it (default: the package's
+merge. Beyond the largest measured count a call takes the reference configuration (the table
+does not extrapolate), so a run over fewer token counts ships only what it measured.
+``--rebuild REPORT`` writes the table again from an earlier run's report, without a GPU. After every token count ``--table`` writes it (default: the package's
 ``tile_tables/<arch>.json``, which ``tiles.select`` reads); ``--out`` gets every measurement.
 
     python3 tools/benchmarking/moe_tiles_gpu.py --out $OUT/moe_tiles.json
@@ -66,9 +68,10 @@ def candidates(role: str) -> list:
     return out
 
 
-def role_calls(T: int, dtype: torch.dtype, data: bool = True) -> dict:
+def role_calls(T: int, dtype: torch.dtype, data: bool = True, weights: tuple | None = None) -> dict:
     """``role -> fn(cfg) -> output`` at ``T`` tokens: each launches that role's GEMM once
-    (``data=False``: zeros instead of the benchmark's data, for compiling only)."""
+    (``data=False``: zeros instead of the benchmark's data, for compiling only; ``weights``: the
+    benchmark's ``(w_router, w_gate_up, w_down)`` drawn once, reused across token counts)."""
     from rl_engine.backends.triton.moe import kernels as km
     from rl_engine.ops import moe
     from rl_engine.ops.gemm import linear
@@ -76,7 +79,8 @@ def role_calls(T: int, dtype: torch.dtype, data: bool = True) -> dict:
     H, E, K, I = DIMS
     S = T * K
     if data:
-        (wr, wgu, wd), g = bench.weights(H, E, I, dtype, "cuda")
+        wr, wgu, wd = weights if weights is not None else bench.weights(H, E, I, dtype, "cuda")[0]
+        g = torch.Generator().manual_seed(T)
 
         def rand(*shape, scale=1.0):
             return (torch.randn(*shape, generator=g) * scale).to(dtype).cuda()
@@ -187,6 +191,8 @@ def table(results: dict, arch: str, source: dict) -> dict:
     """The tile table (``tiles.TileTable``) from ``results[role][T] = rows``."""
     from dataclasses import asdict
 
+    from rl_engine.backends.triton.moe.tiles import DEFAULT
+
     H, E, K, I = DIMS
     rows = []
     for role, by_t in results.items():
@@ -202,9 +208,10 @@ def table(results: dict, arch: str, source: dict) -> dict:
                 merged[-1] = list(p)  # the same configuration up to this load: one row, the larger bound
             else:
                 merged.append(list(p))
-        for i, (bound, cfg, ms, ref_ms) in enumerate(merged):
-            rows.append({"role": role, "dtype": "bfloat16",
-                         "max_slots_per_expert": None if i == len(merged) - 1 else bound,
+        for bound, cfg, ms, ref_ms in merged:
+            if cfg == DEFAULT and bound == merged[-1][0]:
+                continue  # the last measured loads chose the reference: what a call past the rows gets anyway
+            rows.append({"role": role, "dtype": "bfloat16", "max_slots_per_expert": bound,
                          "config": asdict(cfg), "ms": round(ms, 4), "default_ms": round(ref_ms, 4)})
     return {"schema_version": 1, "arch": arch, "source": source, "rows": rows}
 
@@ -219,7 +226,10 @@ def _commit() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="JSON of every measurement")
+    ap.add_argument("--out", default=None, help="JSON of every measurement (required unless --rebuild)")
+    ap.add_argument("--commit", default=None, help="the measured tree's commit (default: git rev-parse HEAD of this tree)")
+    ap.add_argument("--rebuild", type=Path, default=None, metavar="REPORT",
+                    help="write the table from an earlier run's --out report (no GPU, nothing measured)")
     ap.add_argument("--table", default=None, help="tile table to write (default: the package's tile_tables/<arch>.json)")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts, comma-separated")
     ap.add_argument("--repeats", type=int, default=7)
@@ -227,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-workers", type=int, default=8, help="processes compiling the candidates first (0: none)")
     args = ap.parse_args(argv)
     from rl_engine.backends.triton.moe import tiles
+
+    if args.rebuild is not None:
+        return rebuild(args.rebuild, Path(args.table) if args.table else None, args.commit)
+    if args.out is None:
+        ap.error("--out: required (unless --rebuild)")
 
     roles = [r for r in args.roles.split(",") if r]
     if not roles or set(roles) - set(tiles.ROLES):
@@ -249,12 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_workers:
         precompile(roles, args.compile_workers)
     source = {"command": "python3 tools/benchmarking/moe_tiles_gpu.py " + " ".join(argv or sys.argv[1:]),
-              "device": torch.cuda.get_device_name(), "commit": _commit(),
+              "device": torch.cuda.get_device_name(), "commit": args.commit or _commit(),
               "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "triton": str(versions().get("triton"))}
     results: dict[str, dict[int, list]] = {r: {} for r in roles}
+    H, E, _, I = DIMS
+    weights = bench.weights(H, E, I, torch.bfloat16, "cuda")[0]  # drawn once: 600 M numbers on the CPU
     for T in tokens:
-        calls = role_calls(T, torch.bfloat16)
+        calls = role_calls(T, torch.bfloat16, weights=weights)
         for role in roles:
             results[role][T] = measure(role, calls[role], args.repeats)
             best = min((r for r in results[role][T] if r["accepted"]), key=lambda r: r["ms"])
@@ -269,6 +286,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def rebuild(report: Path, table_path: Path | None, commit: str | None = None) -> int:
+    """Write the tile table of an earlier run's report (its measurements, source and architecture)."""
+    from rl_engine.backends.triton.moe import tiles
+
+    rep = json.loads(report.read_text())
+    arch = rep.get("arch") or Path(rep["table"]).stem
+    results = {role: {int(T): [dict(r, cfg=tiles.GemmConfig.from_key(r["config"])) for r in rows]
+                      for T, rows in by_t.items()} for role, by_t in rep["measurements"].items()}
+    path = table_path or tiles.table_path(arch)
+    tab = table(results, arch, dict(rep["source"], commit=commit) if commit else rep["source"])
+    tiles.TileTable.model_validate(tab)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(tab, indent=1) + "\n")
+    tiles.load_table(path)
+    print(f"wrote {path} ({len(tab['rows'])} rows) from {report}")
+    return 0
+
+
 def write(results: dict, arch: str, source: dict, path: Path, out: Path) -> None:
     """The tile table (validated, then loaded back) and the report of every measurement."""
     from rl_engine.backends.triton.moe import tiles
@@ -278,7 +313,8 @@ def write(results: dict, arch: str, source: dict, path: Path, out: Path) -> None
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(tab, indent=1) + "\n")
     tiles.load_table(path)
-    report = {"schema_version": 1, "family": "moe_tiles", "device": device_info("cuda"), "versions": versions(),
+    report = {"schema_version": 1, "family": "moe_tiles", "arch": arch, "device": device_info("cuda"),
+              "versions": versions(),
               "dims": dict(zip(("hidden", "experts", "top_k", "intermediate"), DIMS)), "source": source,
               "table": str(path), "measurements": {role: {str(T): [{k: v for k, v in r.items() if k != "cfg"}
                                                                     for r in rows] for T, rows in by_t.items()}

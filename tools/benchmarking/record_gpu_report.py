@@ -18,6 +18,8 @@ Families and their targets:
   time target.
 * ``moe`` (``benchmarks/operators/bench_moe_gpu.py``): rl-kernel time over the grouped-GEMM
   baseline's time; at ≥ 1,024 tokens ≥ 0.90× its throughput (time ratio ≤ 1/0.9), below it ≤ 1.2×.
+* ``host_overhead`` (``tools/benchmarking/host_overhead_gpu.py``): host µs per eager call, per
+  case, no target (where the per-call cost goes); the tool's cProfile texts are kept (``cprofile``).
 
     python tools/benchmarking/record_gpu_report.py moe OUT/bench_moe_gpu.json --commit 28d01d4 \\
         --out reports/gpu/h200/moe.json
@@ -42,6 +44,8 @@ TITLES = {
               "installed: training step and generate",
     "moe": "Routed-expert layer at Qwen3-30B-A3B dimensions (hidden 2,048, 128 experts, top-8, intermediate 768), "
            "rl-kernel against a non-invariant grouped GEMM",
+    "host_overhead": "Host time per eager call at decode sizes (qkv M=1 GEMM layers, decode-step operators, "
+                     "attention step)",
 }
 
 
@@ -104,11 +108,34 @@ def moe(rows: list[dict]) -> list[dict]:
     return out
 
 
-SUMMARIES: dict[str, Callable[[list[dict]], list[dict]]] = {"call_overhead": call_overhead, "e2e_hf": e2e_hf, "moe": moe}
+def host_overhead(rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        entry = {"case": r["case"], "metric": "us per call (p50)", "achieved": r["p50_us"], "target": "(no target)",
+                 "met": None, "min_us": r["min_us"]}
+        if not r.get("host_only", True):
+            entry["host_and_device"] = True
+        out.append(entry)
+    return out
+
+
+SUMMARIES: dict[str, Callable[[list[dict]], list[dict]]] = {"call_overhead": call_overhead, "e2e_hf": e2e_hf, "moe": moe,
+                                                            "host_overhead": host_overhead}
+
+
+def _row_device_name(row: dict) -> str:
+    dev = row["device"]
+    return dev if isinstance(dev, str) else dev["name"]
+
+
+def _row_versions(row: dict) -> dict[str, Any]:
+    if "versions" in row:
+        return row["versions"]
+    return {k: row[k] for k in ("torch", "triton", "cuda") if k in row}
 
 
 def _device(rows: list[dict], platform_dir: Path) -> dict[str, Any]:
-    name = rows[0]["device"]["name"]
+    name = _row_device_name(rows[0])
     tests = platform_dir / "gpu_tests.json"
     if tests.exists():
         dev = json.loads(tests.read_text(encoding="utf-8"))["device"]
@@ -117,19 +144,26 @@ def _device(rows: list[dict], platform_dir: Path) -> dict[str, Any]:
     raise SystemExit(f"--out: {tests} has no device record for {name!r} (SM count, driver); record a GPU test run first")
 
 
-def record(family: str, raw: dict, *, commit: str, out: Path, notes: list[str]) -> dict:
+def record(family: str, raw: dict, *, commit: str, out: Path, notes: list[str], command: str | None = None) -> dict:
     rows = raw["rows"]
     if not rows:
         raise SystemExit("raw report: no rows")
     summary = SUMMARIES[family](rows)
     if not summary:
         raise SystemExit(f"raw report: no row of family {family!r} carries a ratio to judge")
-    versions = {k: v for k, v in rows[0]["versions"].items() if v is not None and k != "rl_engine"}
-    return {"schema_version": 1, "family": family, "platform": out.parent.name, "title": TITLES[family],
-            "command": raw.get("command", "").replace("/tmp/rlk_gpu_work/", ""), "commit": commit,
-            "device": _device(rows, out.parent), "versions": versions, "timestamp": rows[-1]["timestamp"],
-            "notes": notes, "summary": summary, "rows": rows, "meta": raw.get("meta", {})}
+    versions = {k: v for k, v in _row_versions(rows[0]).items() if v is not None and k != "rl_engine"}
+    rep = {"schema_version": 1, "family": family, "platform": out.parent.name, "title": TITLES[family],
+           "command": (command or raw.get("command") or COMMANDS.get(family, "")).replace("/tmp/rlk_gpu_work/", ""),
+           "commit": commit,
+           "device": _device(rows, out.parent), "versions": versions, "timestamp": rows[-1]["timestamp"],
+           "notes": notes, "summary": summary, "rows": rows, "meta": raw.get("meta", {})}
+    if "cprofile" in raw:
+        rep["cprofile"] = raw["cprofile"]
+    return rep
 
+
+#: The command of a family whose raw report does not carry one.
+COMMANDS = {"host_overhead": "python tools/benchmarking/host_overhead_gpu.py --out host_overhead.json"}
 
 #: The config entries that tell one setting of a family's rows from another (the implementations
 #: of a setting are replaced together).
@@ -169,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", required=True, help="commit of the measured tree")
     ap.add_argument("--out", type=Path, required=True, help="reports/gpu/<platform>/<family>.json")
     ap.add_argument("--note", action="append", default=[], help="a sentence for the page (repeatable)")
+    ap.add_argument("--command", default=None, help="the command the device ran (default: the raw report's)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the existing record's rows of the settings this run did not measure (e.g. the "
                          "training step and the eager rows when the run measured static-compiled generate only)")
@@ -177,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--out: expected a file named {a.family}.json, got {a.out.name}")
     if a.merge and not a.out.exists():
         ap.error(f"--merge: {a.out} does not exist")
-    rep = record(a.family, json.loads(a.raw.read_text(encoding="utf-8")), commit=a.commit, out=a.out, notes=a.note)
+    rep = record(a.family, json.loads(a.raw.read_text(encoding="utf-8")), commit=a.commit, out=a.out, notes=a.note,
+                 command=a.command)
     if a.merge:
         rep = merge(rep, json.loads(a.out.read_text(encoding="utf-8")))
     a.out.write_text(json.dumps(rep, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

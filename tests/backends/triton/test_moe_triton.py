@@ -189,8 +189,8 @@ def test_interpreter_launch_variants_give_the_same_bits():
 
 def test_tile_table_selection_by_load_and_its_validation(tmp_path):
     """``tiles.load_table`` / ``tiles.select``: rows ordered by bound, the first row whose bound
-    covers the load, the last beyond it, the reference configuration without a table or off the
-    GPU; a malformed table is refused with the field named (negative controls)."""
+    covers the load, the reference configuration beyond the last bound, without a table or off
+    the GPU; a malformed table is refused with the field named (negative controls)."""
     import json
 
     from rl_engine.backends.triton.moe import tiles
@@ -229,8 +229,14 @@ def test_tile_table_select_walks_the_rows(monkeypatch):
     assert [tiles.select("dw_down", torch.bfloat16, spe, cuda) for spe in (0.0625, 0.5, 0.51, 8.0, 1024.0)] == [
         small, small, mid, mid, big]
     assert tiles.select("dw_down", torch.float32, 1024.0, cuda) == tiles.DEFAULT  # no fp32 rows
+    table[("dw_down", torch.bfloat16)] = ((0.5, small), (8.0, mid))  # measured up to 8 slots per expert
+    assert tiles.select("dw_down", torch.bfloat16, 8.5, cuda) == tiles.DEFAULT  # no extrapolation
     assert tiles.select("dx", torch.bfloat16, 1024.0, cuda) == tiles.DEFAULT
-    assert tiles.shipped_configs("smX") == [tiles.DEFAULT, small, mid, big]
+    assert tiles.shipped_configs("smX") == [tiles.DEFAULT, small, mid]
+    assert tiles.GemmConfig.from_key(mid.key) == mid and tiles.GemmConfig.from_key("64x64x32w4s3TS") == tiles.GemmConfig(
+        w_transposed=True, sorted_operands=True)
+    with pytest.raises(ValueError, match="key"):
+        tiles.GemmConfig.from_key("64x64x32")
 
 
 def test_shipped_tile_tables_load():

@@ -29,8 +29,9 @@ The table of an architecture (``tile_tables/<arch>.json``, e.g. ``sm90``) is wri
 tool from its measurements: for each role and 16-bit dtype, rows of ``max_slots_per_expert``
 (the mean number of slots per expert, ``T·K / E``, a host number: choosing costs no
 synchronisation) and the configuration that was fastest at that load. A call takes the first row
-whose bound is at least its load, the last row beyond it, and :data:`DEFAULT` where no table
-exists (other architectures, fp32, the CPU interpreter).
+whose bound is at least its load; beyond the largest measured load (a table does not extrapolate:
+the best tile changes with the load), where no table exists (other architectures, fp32, the CPU
+interpreter) and for a role without rows, :data:`DEFAULT`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -51,6 +53,7 @@ ROLES = ("gate_up", "down", "dx", "dact", "dw_gate_up", "dw_down")
 Role = Literal["gate_up", "down", "dx", "dact", "dw_gate_up", "dw_down"]
 
 _TABLES = Path(__file__).with_name("tile_tables")
+_KEY = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(T?)(S?)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +84,15 @@ class GemmConfig:
         flags = ("T" if self.w_transposed else "") + ("S" if self.sorted_operands else "")
         return f"{self.block_m}x{self.block_n}x{self.block_k}w{self.num_warps}s{self.num_stages}{flags}"
 
+    @classmethod
+    def from_key(cls, key: str) -> GemmConfig:
+        """The configuration whose :attr:`key` is ``key`` (``"16x128x128w4s3"``, ``"...S"``, ``"...T"``)."""
+        m = _KEY.fullmatch(key)
+        if m is None:
+            raise ValueError(f"key: expected BMxBNxBKwWARPSsSTAGES[T][S], got {key!r}")
+        bm, bn, bk, w, st, t, so = m.groups()
+        return cls(int(bm), int(bn), int(bk), int(w), int(st), w_transposed=bool(t), sorted_operands=bool(so))
+
 
 #: The reference configuration: what every role launches without a table, and what the tuning
 #: tool compares each candidate's bits against.
@@ -102,7 +114,7 @@ class _Config(_Strict):
 
 
 class TileRow(_Strict):
-    """One row: loads up to ``max_slots_per_expert`` (``None``: any) launch ``config``; ``ms`` /
+    """One row: loads up to ``max_slots_per_expert`` (``None``: any load) launch ``config``; ``ms`` /
     ``default_ms`` are the measured medians (ms) of that configuration and of :data:`DEFAULT` at
     the load the row was chosen at."""
 
@@ -171,12 +183,10 @@ def select(role: str, dtype: torch.dtype, slots_per_expert: float, device: torch
         return DEFAULT
     rows = _arch_table(_arch_of(device.index if device.index is not None else torch.cuda.current_device())).get(
         (role, dtype))
-    if not rows:
-        return DEFAULT
-    for bound, cfg in rows:
+    for bound, cfg in rows or ():
         if slots_per_expert <= bound:
             return cfg
-    return rows[-1][1]
+    return DEFAULT  # beyond the largest measured load: the reference configuration
 
 
 def shipped_configs(arch: str) -> list[GemmConfig]:
