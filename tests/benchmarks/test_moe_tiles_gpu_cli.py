@@ -78,6 +78,7 @@ def test_every_role_measures_the_reference_first():
         assert cands[0] == tiles.DEFAULT and len(set(cands)) == len(cands)
         assert any(c.w_transposed for c in cands) == (role in ("dx", "dact"))
         assert any(c.sorted_operands for c in cands) == role.startswith("dw_")
+        assert any(c.masked_loads for c in cands) == (role in ("dx", "dact") or role.startswith("dw_"))
 
 
 @pytest.mark.parametrize("args,message", [

@@ -130,6 +130,8 @@ def cases() -> dict[str, Callable[[], str]]:
     )
     out["native/exp/fp32"] = lambda: digest(torch.exp(hashed((1 << 16,), 24, 30.0)))
     out["native/log/fp32"] = lambda: digest(torch.log(hashed((1 << 16,), 25, 30.0).abs() + 1e-3))
+    # ATen's parallel reduction: one partial sum per thread, so the association follows the thread count
+    out["native/sum/fp32"] = lambda: digest(hashed((1 << 20,), 26, 1000.0).sum())
     return out
 
 

@@ -18,7 +18,9 @@ The fastest accepted candidate per (role, token count) becomes a row of the tabl
 that count's mean slots per expert (``T·K / E``); consecutive rows with the same configuration
 merge. Beyond the largest measured count a call takes the reference configuration (the table
 does not extrapolate), so a run over fewer token counts ships only what it measured.
-``--rebuild REPORT`` writes the table again from an earlier run's report, without a GPU. After every token count ``--table`` writes it (default: the package's
+``--rebuild REPORT`` writes the table again from an earlier run's report, without a GPU;
+``--keep REPORT`` adds an earlier run's token counts that this run does not measure (a run over
+the large counts extends the table measured at the small ones). After every token count ``--table`` writes it (default: the package's
 ``tile_tables/<arch>.json``, which ``tiles.select`` reads); ``--out`` gets every measurement.
 
     python3 tools/benchmarking/moe_tiles_gpu.py --out $OUT/moe_tiles.json
@@ -34,6 +36,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -50,8 +53,13 @@ TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 _GEMM = ((64, 64, 32, 4, 3), (16, 64, 64, 4, 4), (16, 128, 128, 4, 3), (32, 128, 64, 4, 4), (64, 128, 64, 4, 3),
          (64, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3))
 _TRANSPOSED = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3))
-_WGRAD = ((64, 64, 32, 4, 3, False), (64, 64, 32, 4, 3, True), (128, 128, 32, 8, 3, False), (128, 128, 32, 8, 3, True),
-          (128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True), (128, 256, 64, 8, 3, True), (64, 128, 64, 4, 4, True))
+#: input-gradient tiles measured with masked_loads too
+_MASKED = ((64, 64, 32, 4, 3), (16, 64, 64, 4, 4), (32, 128, 64, 4, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3))
+#: (tile, warps, stages, sorted_operands, masked_loads)
+_WGRAD = ((64, 64, 32, 4, 3, False, False), (64, 64, 32, 4, 3, True, False), (128, 128, 32, 8, 3, False, False),
+          (128, 128, 32, 8, 3, True, False), (128, 128, 64, 8, 3, False, False), (128, 128, 64, 8, 3, True, False),
+          (128, 256, 64, 8, 3, True, False), (64, 128, 64, 4, 4, True, False), (64, 64, 32, 4, 3, True, True),
+          (128, 128, 32, 8, 3, True, True), (128, 128, 64, 8, 3, True, True), (128, 256, 64, 8, 3, True, True))
 
 
 def candidates(role: str) -> list:
@@ -59,11 +67,12 @@ def candidates(role: str) -> list:
     from rl_engine.backends.triton.moe.tiles import DEFAULT, GemmConfig
 
     if role.startswith("dw_"):
-        out = [GemmConfig(bm, bn, bk, w, s, sorted_operands=so) for bm, bn, bk, w, s, so in _WGRAD]
+        out = [GemmConfig(bm, bn, bk, w, s, sorted_operands=so, masked_loads=ml) for bm, bn, bk, w, s, so, ml in _WGRAD]
     else:
         out = [GemmConfig(*c) for c in _GEMM]
         if role in ("dx", "dact"):
             out += [GemmConfig(*c, w_transposed=True) for c in _TRANSPOSED]
+            out += [GemmConfig(*c, masked_loads=True) for c in _MASKED]
     assert out[0] == DEFAULT, "the reference configuration is measured first"
     return out
 
@@ -227,6 +236,8 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="JSON of every measurement (required unless --rebuild)")
+    ap.add_argument("--keep", type=Path, default=None, metavar="REPORT",
+                    help="an earlier run's report: its token counts that this run does not measure join the table")
     ap.add_argument("--commit", default=None, help="the measured tree's commit (default: git rev-parse HEAD of this tree)")
     ap.add_argument("--rebuild", type=Path, default=None, metavar="REPORT",
                     help="write the table from an earlier run's --out report (no GPU, nothing measured)")
@@ -261,13 +272,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--compile-workers: expected a count >= 0, got {args.compile_workers}")
     arch = tiles._arch_of(torch.cuda.current_device())
     path = Path(args.table) if args.table else tiles.table_path(arch)
+    t0 = time.perf_counter()
     if args.compile_workers:
         precompile(roles, args.compile_workers)
+        print(f"precompiled {sum(len(candidates(r)) for r in roles)} candidates in {args.compile_workers} processes: "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
     source = {"command": "python3 tools/benchmarking/moe_tiles_gpu.py " + " ".join(argv or sys.argv[1:]),
               "device": torch.cuda.get_device_name(), "commit": args.commit or _commit(),
               "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "triton": str(versions().get("triton"))}
     results: dict[str, dict[int, list]] = {r: {} for r in roles}
+    if args.keep is not None:  # the earlier run's other token counts (and roles), kept as measured
+        kept = json.loads(args.keep.read_text())
+        for role, by_t in _measurements(kept).items():
+            results.setdefault(role, {}).update({T: rows for T, rows in by_t.items() if T not in tokens})
+        source["kept"] = f"{kept['source'].get('commit')} {kept['source'].get('timestamp')}: token counts not measured here"
     H, E, _, I = DIMS
     weights = bench.weights(H, E, I, torch.bfloat16, "cuda")[0]  # drawn once: 600 M numbers on the CPU
     for T in tokens:
@@ -282,8 +301,17 @@ def main(argv: list[str] | None = None) -> int:
         del calls
         torch.cuda.empty_cache()
         write(results, arch, source, path, Path(args.out))  # after every token count: a time limit keeps them
+        print(f"T={T}: done at {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"wrote {path} and {args.out}")
     return 0
+
+
+def _measurements(rep: dict) -> dict[str, dict[int, list]]:
+    """A report's measurements with each candidate's configuration rebuilt from its key."""
+    from rl_engine.backends.triton.moe import tiles
+
+    return {role: {int(T): [dict(r, cfg=tiles.GemmConfig.from_key(r["config"])) for r in rows]
+                   for T, rows in by_t.items()} for role, by_t in rep["measurements"].items()}
 
 
 def rebuild(report: Path, table_path: Path | None, commit: str | None = None) -> int:
@@ -292,8 +320,7 @@ def rebuild(report: Path, table_path: Path | None, commit: str | None = None) ->
 
     rep = json.loads(report.read_text())
     arch = rep.get("arch") or Path(rep["table"]).stem
-    results = {role: {int(T): [dict(r, cfg=tiles.GemmConfig.from_key(r["config"])) for r in rows]
-                      for T, rows in by_t.items()} for role, by_t in rep["measurements"].items()}
+    results = _measurements(rep)
     path = table_path or tiles.table_path(arch)
     tab = table(results, arch, dict(rep["source"], commit=commit) if commit else rep["source"])
     tiles.TileTable.model_validate(tab)

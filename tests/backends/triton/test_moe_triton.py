@@ -169,17 +169,19 @@ def test_interpreter_tensor_parallel_shards_and_run_to_run():
 @interp
 def test_interpreter_launch_variants_give_the_same_bits():
     """The tile table's launch choices — a transposed copy of the weights for the input
-    gradients, operands gathered into slot order for the weight gradients — change where the
-    kernels load from, not what they multiply: every backward output keeps its bits."""
+    gradients, operands gathered into slot order for the weight gradients, masked instead of
+    clamped edge columns — change where the kernels load from, not what they multiply: every
+    backward output keeps its bits (the shapes leave partial edge tiles)."""
     import dataclasses
 
     kern = _kernels()
-    x, wgu, wd, ids, w = _block(11, 32, 4, 16, 2, seed=8)
+    x, wgu, wd, ids, w = _block(11, 40, 4, 12, 2, seed=8)  # 40 and 24 columns: partial 16-wide edge tiles
     act = kern.gate_up_forward(x, wgu, ids, _cfg())
     g = torch.Generator().manual_seed(9)
-    ga, go = torch.randn(act.shape, generator=g), torch.randn(11, 32, generator=g)
+    ga, go = torch.randn(act.shape, generator=g), torch.randn(11, 40, generator=g)
     plain = _cfg()
-    for variant in (dataclasses.replace(plain, w_transposed=True), dataclasses.replace(plain, sorted_operands=True)):
+    for variant in (dataclasses.replace(plain, w_transposed=True), dataclasses.replace(plain, sorted_operands=True),
+                    dataclasses.replace(plain, masked_loads=True)):
         for a, b in zip(kern.gate_up_backward(ga, x, wgu, ids, plain), kern.gate_up_backward(ga, x, wgu, ids, variant)):
             assert same_bits(a, b), variant
         for a, b in zip(kern.down_combine_backward(go, act, wd, w, ids, plain),
@@ -237,6 +239,7 @@ def test_tile_table_select_walks_the_rows(monkeypatch):
         w_transposed=True, sorted_operands=True)
     with pytest.raises(ValueError, match="key"):
         tiles.GemmConfig.from_key("64x64x32")
+    assert tiles.GemmConfig.from_key("64x64x32w4s3SM") == tiles.GemmConfig(sorted_operands=True, masked_loads=True)
 
 
 def test_shipped_tile_tables_load():
@@ -352,19 +355,22 @@ def test_profiler_names_and_graph_capture():
 
 
 @gpu
-def test_every_shipped_tile_configuration_gives_the_reference_bits():
+@pytest.mark.parametrize("shape", [(300, 512, 16, 256, 4), (97, 264, 8, 72, 2)])
+def test_every_shipped_tile_configuration_gives_the_reference_bits(shape):
     """Each configuration the device's tile table can launch (``tiles.shipped_configs``), and the
-    two launch variants on the reference tile, give the reference configuration's bits for every
-    forward output and gradient (bf16; the token counts cross several tiles per expert)."""
+    launch variants on the reference tile, give the reference configuration's bits for every
+    forward output and gradient (bf16; the token counts cross several tiles per expert; the second
+    shape leaves partial edge tiles in every dimension)."""
     import dataclasses
 
     from rl_engine.backends.triton.moe import tiles
 
     kern = _kernels()
-    x, wgu, wd, ids, w = _block(300, 512, 16, 256, 4, torch.bfloat16, seed=15, device="cuda")
+    T, H, E, I, K = shape
+    x, wgu, wd, ids, w = _block(T, H, E, I, K, torch.bfloat16, seed=15, device="cuda")
     g = torch.Generator().manual_seed(16)
-    ga = torch.randn(300, 4, 256, generator=g).to(torch.bfloat16).cuda()
-    go = torch.randn(300, 512, generator=g).to(torch.bfloat16).cuda()
+    ga = torch.randn(T, K, I, generator=g).to(torch.bfloat16).cuda()
+    go = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
 
     def run(cfg):
         act = kern.gate_up_forward(x, wgu, ids, cfg)
@@ -373,7 +379,8 @@ def test_every_shipped_tile_configuration_gives_the_reference_bits():
 
     ref = run(tiles.DEFAULT)
     configs = tiles.shipped_configs(tiles._arch_of(torch.cuda.current_device()))
-    configs += [dataclasses.replace(tiles.DEFAULT, w_transposed=True), dataclasses.replace(tiles.DEFAULT, sorted_operands=True)]
+    configs += [dataclasses.replace(tiles.DEFAULT, w_transposed=True), dataclasses.replace(tiles.DEFAULT, sorted_operands=True),
+                dataclasses.replace(tiles.DEFAULT, masked_loads=True)]
     for cfg in configs:
         for i, (a, b) in enumerate(zip(run(cfg), ref)):
             assert same_bits(a, b), (cfg.key, i)

@@ -14,6 +14,7 @@ from rl_engine.backends.cpu.common import TILE_N
 from rl_engine.utils.reductions import fixed_order_sum
 from rl_engine.backends.cpu.logprob.lse import VOCAB_BLOCK, LseAccumulator, finish_grad, scale_logits
 from rl_engine.ops import logprob
+from rl_engine.utils import portable
 from rl_engine.utils.bits import same_bits
 from tests.helpers.threads import threads
 
@@ -25,7 +26,9 @@ def _rows(n, v, seed=0, scale=4.0):
 
 
 def spec_lse_entropy(z_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """docs/operators/logprob.md, written out for one row with 0-dim fp32 tensors."""
+    """docs/operators/logprob.md, written out for one row with 0-dim fp32 tensors (``exp`` and
+    ``log`` are `rl_engine.utils.portable`'s, as the CPU backend computes them: torch's own differ
+    between CPUs)."""
     f = torch.float32
     m = torch.tensor(float("-inf"), dtype=f)
     s = torch.tensor(0.0, dtype=f)
@@ -36,18 +39,18 @@ def spec_lse_entropy(z_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m_b = blk.max() + 0.0
         shift = torch.where(m_b == float("-inf"), torch.tensor(0.0), m_b)
         d = blk - shift
-        e = torch.exp(d)
+        e = portable.exp(d)
         s_b = fixed_order_sum(e)
         t_b = fixed_order_sum(e * d.clamp_min(-F32_MAX))
         m_new = torch.maximum(m, m_b)
         ref = torch.where(m_new == float("-inf"), torch.tensor(0.0), m_new)
         d_old = (m - ref).clamp_min(-F32_MAX)
         d_b = (m_b - ref).clamp_min(-F32_MAX)
-        a_old, a_b = torch.exp(d_old), torch.exp(d_b)
+        a_old, a_b = portable.exp(d_old), portable.exp(d_b)
         t = (a_old * t + (a_old * d_old) * s) + (a_b * t_b + (a_b * d_b) * s_b)
         s = s * a_old + s_b * a_b
         m = m_new
-    return m + torch.log(s), torch.log(s) - t / s
+    return m + portable.log(s), portable.log(s) - t / s
 
 
 def test_vocab_block_is_the_gemm_column_tile():

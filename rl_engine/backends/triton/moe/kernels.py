@@ -190,7 +190,7 @@ def _config(role: str, dtype: torch.dtype, perm: _Perm, device: torch.device, cf
 def rlk_moe_grouped_gemm(a_ptr, a_rows_ptr, scale_ptr, w_ptr, c_ptr, c_rows_ptr, tile_expert_ptr, tile_cum_ptr,
                          offsets_ptr, E, N, KD,
                          stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
-                         SCALE_OUT: tl.constexpr, IEEE: tl.constexpr,
+                         SCALE_OUT: tl.constexpr, IEEE: tl.constexpr, MASKED_N: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     if pid < tl.load(tile_cum_ptr + E):
@@ -210,8 +210,12 @@ def rlk_moe_grouped_gemm(a_ptr, a_rows_ptr, scale_ptr, w_ptr, c_ptr, c_rows_ptr,
         for k0 in range(0, KD, BLOCK_K):
             kmask = (k0 + offs_k) < KD
             a = tl.load(a_base + (k0 + offs_k)[None, :] * stride_ak, mask=kmask[None, :], other=0.0)
-            b = tl.load(w_base + ld_n[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk,
-                        mask=kmask[:, None], other=0.0)
+            if MASKED_N:  # columns past N masked, not clamped: the contiguous offsets stay provably contiguous
+                b = tl.load(w_base + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk,
+                            mask=kmask[:, None] & nmask[None, :], other=0.0)
+            else:  # columns past N read column 0 (never stored)
+                b = tl.load(w_base + ld_n[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk,
+                            mask=kmask[:, None], other=0.0)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
@@ -245,7 +249,8 @@ def _grouped(a: torch.Tensor, a_rows: torch.Tensor, w: torch.Tensor, n: int, kd:
         rlk_moe_grouped_gemm[grid](
             a, a_rows, scale if scale is not None else a, w, out, perm.order, tiles.tile_expert, tiles.tile_cum,
             perm.offsets, perm.counts.shape[0], n, kd, a.stride(0), a.stride(1), *strides, out.stride(0),
-            out.stride(1), SCALE_OUT=scale is not None, IEEE=ieee, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            out.stride(1), SCALE_OUT=scale is not None, IEEE=ieee, MASKED_N=cfg.masked_loads, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -253,7 +258,7 @@ def _grouped(a: torch.Tensor, a_rows: torch.Tensor, w: torch.Tensor, n: int, kd:
 @triton.jit
 def rlk_moe_wgrad(l_ptr, l_rows_ptr, scale_ptr, scale_rows_ptr, r_ptr, r_rows_ptr, dw_ptr, offsets_ptr, N1, N2,
                   stride_lm, stride_ln, stride_rm, stride_rk, stride_we, stride_wn, stride_wk,
-                  HAS_SCALE: tl.constexpr, SORTED: tl.constexpr, IEEE: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, SORTED: tl.constexpr, IEEE: tl.constexpr, MASKED_N: tl.constexpr,
                   BLOCK_N1: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_S: tl.constexpr):
     e = tl.program_id(1).to(tl.int64)
     tiles_n2 = tl.cdiv(N2, BLOCK_N2)
@@ -275,8 +280,14 @@ def rlk_moe_wgrad(l_ptr, l_rows_ptr, scale_ptr, scale_rows_ptr, r_ptr, r_rows_pt
         else:
             lr = tl.load(l_rows_ptr + slots, mask=sm, other=0).to(tl.int64)
             rr = tl.load(r_rows_ptr + slots, mask=sm, other=0).to(tl.int64)
-        lt = tl.load(l_ptr + lr[None, :] * stride_lm + ld1[:, None] * stride_ln, mask=sm[None, :], other=0.0)
-        rt = tl.load(r_ptr + rr[:, None] * stride_rm + ld2[None, :] * stride_rk, mask=sm[:, None], other=0.0)
+        if MASKED_N:  # features past N1 / N2 masked, not clamped (see rlk_moe_grouped_gemm)
+            lt = tl.load(l_ptr + lr[None, :] * stride_lm + n1[:, None] * stride_ln, mask=sm[None, :] & m1[:, None],
+                         other=0.0)
+            rt = tl.load(r_ptr + rr[:, None] * stride_rm + n2[None, :] * stride_rk, mask=sm[:, None] & m2[None, :],
+                         other=0.0)
+        else:
+            lt = tl.load(l_ptr + lr[None, :] * stride_lm + ld1[:, None] * stride_ln, mask=sm[None, :], other=0.0)
+            rt = tl.load(r_ptr + rr[:, None] * stride_rm + ld2[None, :] * stride_rk, mask=sm[:, None], other=0.0)
         if HAS_SCALE:  # round(w · g) in the operands' dtype: one fp32 product, one rounding
             if SORTED:
                 sc = tl.load(scale_ptr + slots, mask=sm, other=0.0)
@@ -309,7 +320,8 @@ def _wgrad(left: torch.Tensor, l_rows: torch.Tensor, right: torch.Tensor, r_rows
         rlk_moe_wgrad[grid](left, l_rows, scale if scale is not None else left, perm.order, right, r_rows, dw,
                             perm.offsets, N1, N2, left.stride(0), left.stride(1), right.stride(0), right.stride(1),
                             dw.stride(0), dw.stride(1), dw.stride(2), HAS_SCALE=scale is not None, SORTED=sorted_,
-                            IEEE=ieee, BLOCK_N1=cfg.block_m, BLOCK_N2=cfg.block_n, BLOCK_S=cfg.block_k,
+                            IEEE=ieee, MASKED_N=cfg.masked_loads, BLOCK_N1=cfg.block_m, BLOCK_N2=cfg.block_n,
+                            BLOCK_S=cfg.block_k,
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dw
 

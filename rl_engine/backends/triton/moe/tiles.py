@@ -14,11 +14,15 @@ dw_gate_up  ``Σ dhᵀ x`` (weight gradient)                ``rlk_moe_wgrad``
 dw_down     ``Σ round(w · g)ᵀ act`` (weight gradient)    ``rlk_moe_wgrad``
 ========== ============================================ =========================
 
-A configuration (:class:`GemmConfig`) is a tile shape, warps and pipeline stages, plus two
+A configuration (:class:`GemmConfig`) is a tile shape, warps and pipeline stages, plus three
 launch choices: ``w_transposed`` (the input-gradient roles read a contiguous transposed copy of
-the expert weights instead of the weights with their rows as the reduction dimension) and
+the expert weights instead of the weights with their rows as the reduction dimension),
 ``sorted_operands`` (the weight-gradient roles gather both operands into the sorted slot order
-before the kernel, so its loads follow the slot index). No choice changes a bit: every
+before the kernel, so its loads follow the slot index) and ``masked_loads`` (where a tile's
+contiguous dimension is its output columns — the input and weight gradients — the columns past
+the edge are masked instead of clamped to column 0, which keeps the offsets provably contiguous
+for the compiler's vectorised loads; the clamped form is what the forward uses, whose contiguous
+dimension is the reduction). No choice changes a bit: every
 configuration multiplies the same values in the same order with fp32 accumulation — ``BLOCK_K``
 consumes the reduction in steps whose products the tensor cores add in order, 16 at a time —
 and ``tools/benchmarking/moe_tiles_gpu.py``, which measures the candidates, keeps only those
@@ -53,15 +57,15 @@ ROLES = ("gate_up", "down", "dx", "dact", "dw_gate_up", "dw_down")
 Role = Literal["gate_up", "down", "dx", "dact", "dw_gate_up", "dw_down"]
 
 _TABLES = Path(__file__).with_name("tile_tables")
-_KEY = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(T?)(S?)")
+_KEY = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(T?)(S?)(M?)")
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
     """One grouped-GEMM launch: ``block_m`` slots (or, for a weight gradient, output rows) ×
     ``block_n`` output columns per program, the reduction in steps of ``block_k``; ``num_warps``,
-    ``num_stages`` (software pipeline depth); ``w_transposed`` and ``sorted_operands`` (module
-    docstring)."""
+    ``num_stages`` (software pipeline depth); ``w_transposed``, ``sorted_operands`` and
+    ``masked_loads`` (module docstring)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -70,6 +74,7 @@ class GemmConfig:
     num_stages: int = 3
     w_transposed: bool = False
     sorted_operands: bool = False
+    masked_loads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -81,17 +86,19 @@ class GemmConfig:
 
     @property
     def key(self) -> str:
-        flags = ("T" if self.w_transposed else "") + ("S" if self.sorted_operands else "")
+        flags = ("T" if self.w_transposed else "") + ("S" if self.sorted_operands else "") + (
+            "M" if self.masked_loads else "")
         return f"{self.block_m}x{self.block_n}x{self.block_k}w{self.num_warps}s{self.num_stages}{flags}"
 
     @classmethod
     def from_key(cls, key: str) -> GemmConfig:
-        """The configuration whose :attr:`key` is ``key`` (``"16x128x128w4s3"``, ``"...S"``, ``"...T"``)."""
+        """The configuration whose :attr:`key` is ``key`` (``"16x128x128w4s3"``, ``"...T"``, ``"...SM"``)."""
         m = _KEY.fullmatch(key)
         if m is None:
-            raise ValueError(f"key: expected BMxBNxBKwWARPSsSTAGES[T][S], got {key!r}")
-        bm, bn, bk, w, st, t, so = m.groups()
-        return cls(int(bm), int(bn), int(bk), int(w), int(st), w_transposed=bool(t), sorted_operands=bool(so))
+            raise ValueError(f"key: expected BMxBNxBKwWARPSsSTAGES[T][S][M], got {key!r}")
+        bm, bn, bk, w, st, t, so, ml = m.groups()
+        return cls(int(bm), int(bn), int(bk), int(w), int(st), w_transposed=bool(t), sorted_operands=bool(so),
+                   masked_loads=bool(ml))
 
 
 #: The reference configuration: what every role launches without a table, and what the tuning
@@ -111,6 +118,7 @@ class _Config(_Strict):
     num_stages: int
     w_transposed: bool = False
     sorted_operands: bool = False
+    masked_loads: bool = False
 
 
 class TileRow(_Strict):

@@ -1,0 +1,87 @@
+"""``tools/benchmarking/matrix_reasons.py``: every missed point of a matrix report gets the reason
+its evidence supports — a reasons file's pattern first, then a profiled reason an earlier record
+gave the same case, then, for an eager miss, its graph twin (met: host-bound; missed: the
+kernel) — and a miss with no evidence gets none; a malformed reasons file is refused by name."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "benchmarking" / "matrix_reasons.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("matrix_reasons", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _s(case, met):
+    return {"case": case, "met": met}
+
+
+REPORT = {"family": "matrix", "platform": "h200", "summary": [
+    _s("gemm: a M=1 [graph]", True), _s("gemm: a M=1 [eager]", False),          # host-bound
+    _s("gemm: b M=1 [graph]", False), _s("gemm: b M=1 [eager]", False),         # kernel; the graph miss: no reason
+    _s("lmhead: c fwd_bwd [eager]", False),                                     # the reasons file
+    _s("decode: d [graph]", False),                                             # kept from the earlier record
+    _s("decode: e [graph]", None), _s("decode: e [eager]", False),              # twin not judged: no reason
+    _s("gemm: f M=4 [eager]", True)]}
+
+
+def test_each_miss_gets_the_reason_its_evidence_supports():
+    tool = _tool()
+    rules = [{"cases": "lmhead: * fwd_bwd *", "reason": "peak memory over Liger's", "evidence": "peak_memory_bytes"}]
+    kept = {"decode: d [graph]": {"case": "decode: d [graph]", "reason": "occupancy", "evidence": "ncu",
+                                  "source": "profile"}}
+    got = {r["case"]: (r["reason"], r["source"]) for r in tool.miss_reasons(REPORT, rules, kept, "host.json")}
+    assert got == {
+        "gemm: a M=1 [eager]": (tool.HOST_REASON, "graph twin"),
+        "gemm: b M=1 [eager]": (tool.KERNEL_REASON, "graph twin"),
+        "lmhead: c fwd_bwd [eager]": ("peak memory over Liger's", "profile"),
+        "decode: d [graph]": ("occupancy", "profile"),
+    }
+
+
+def test_cli_writes_the_record_and_carries_profiled_reasons(tmp_path):
+    raw, reasons, out = tmp_path / "raw.json", tmp_path / "reasons.json", tmp_path / "matrix.json"
+    raw.write_text(json.dumps(REPORT))
+    reasons.write_text(json.dumps([{"cases": "decode: d *", "reason": "occupancy", "evidence": "ncu.csv"}]))
+    run = [sys.executable, str(TOOL), str(raw), "--out", str(out)]
+    assert subprocess.run(run + ["--reasons", str(reasons), "--note", "n"], capture_output=True, text=True).returncode == 0
+    first = json.loads(out.read_text())
+    assert first["notes"] == ["n"] and len(first["miss_reasons"]) == 3
+    r = subprocess.run(run + ["--keep-from", str(out)], capture_output=True, text=True)  # no reasons file this time
+    assert r.returncode == 0, r.stderr
+    again = {m["case"]: m["evidence"] for m in json.loads(out.read_text())["miss_reasons"]}
+    assert again["decode: d [graph]"] == "ncu.csv"
+
+
+@pytest.mark.parametrize("content,message", [
+    ({"cases": "x"}, "expected a JSON list"),
+    ([{"cases": "x", "reason": "r"}], "entry 0: expected exactly non-empty 'cases', 'reason' and 'evidence'"),
+    ([{"cases": "x", "reason": "", "evidence": "e"}], "entry 0"),
+])
+def test_a_malformed_reasons_file_is_refused_by_name(tmp_path, content, message):
+    raw, reasons = tmp_path / "raw.json", tmp_path / "reasons.json"
+    raw.write_text(json.dumps(REPORT))
+    reasons.write_text(json.dumps(content))
+    r = subprocess.run([sys.executable, str(TOOL), str(raw), "--out", str(tmp_path / "matrix.json"), "--reasons",
+                        str(reasons)], capture_output=True, text=True)
+    assert r.returncode == 2 and "--reasons" in r.stderr and message in r.stderr, r.stderr
+
+
+def test_out_must_be_the_matrix_record(tmp_path):
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps(REPORT))
+    r = subprocess.run([sys.executable, str(TOOL), str(raw), "--out", str(tmp_path / "m.json")], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "expected a file named matrix.json" in r.stderr

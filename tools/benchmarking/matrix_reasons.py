@@ -1,0 +1,114 @@
+"""Give each missed point of a benchmark-matrix report its measured reason, and write the record.
+
+``benchmarks/operators/bench_matrix_gpu.py`` writes a complete report (command, device, versions,
+summary, rows); the record ``reports/gpu/<platform>/matrix.json`` adds ``miss_reasons`` —
+``[{"case", "reason", "evidence"}]``, which the generated page prints next to each miss — and
+``notes``. A reason comes from, in this order:
+
+1. ``--reasons FILE``: a JSON list of ``{"cases": PATTERN, "reason": TEXT, "evidence": TEXT}``,
+   ``PATTERN`` a shell-style pattern on the case label (``"lmhead: * fwd_bwd *"``); the first
+   pattern that matches a missed case gives its reason. This is where a profile's finding goes
+   (the counters that explain a kernel's miss, the peak memory of a point), with the file that
+   holds the measurement as evidence;
+2. ``--keep-from RECORD``: the reason an earlier record gave the same case, when that reason came
+   from a reasons file (``"source": "profile"``);
+3. for an eager point, its graph twin in the same report: when the graph row meets its target
+   the eager miss is host time (the per-call launch cost, ``--host-evidence``); when the graph
+   row misses too, the kernel misses and the eager call adds the host cost.
+
+A miss with none of these is left without a reason (the page says "not yet profiled").
+
+    python tools/benchmarking/matrix_reasons.py OUT/bench_matrix_gpu.json --out reports/gpu/h200/matrix.json \\
+        --reasons reasons.json --keep-from reports/gpu/h200/matrix.json --note "..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HOST_REASON = ("host-bound: the graph row of this point meets its target, so the eager call's extra time is the "
+               "host's per-call cost (Triton's Python launch path and the entry point's checks)")
+KERNEL_REASON = "the kernel misses under CUDA graphs too (the graph row), and the eager call adds the host's per-call cost"
+
+
+def _twin(case: str) -> str | None:
+    return case[: -len("[eager]")] + "[graph]" if case.endswith("[eager]") else None
+
+
+def load_rules(path: Path) -> list[dict[str, str]]:
+    """The reasons file, validated: a list of objects with non-empty ``cases``, ``reason`` and ``evidence``."""
+    rules = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(rules, list):
+        raise ValueError(f"{path}: expected a JSON list of {{cases, reason, evidence}} objects")
+    for i, r in enumerate(rules):
+        if not isinstance(r, dict) or set(r) != {"cases", "reason", "evidence"} or not all(
+                isinstance(r[k], str) and r[k].strip() for k in r):
+            raise ValueError(f"{path}: entry {i}: expected exactly non-empty 'cases', 'reason' and 'evidence' strings, "
+                             f"got {r!r}")
+    return rules
+
+
+def miss_reasons(report: dict[str, Any], rules: list[dict[str, str]], kept: dict[str, dict[str, Any]],
+                 host_evidence: str) -> list[dict[str, Any]]:
+    """One entry per missed point that has a reason (module docstring), in the summary's order."""
+    by_case = {s["case"]: s for s in report["summary"]}
+    out = []
+    for s in report["summary"]:
+        if s.get("met") is not False:
+            continue
+        case = s["case"]
+        rule = next((r for r in rules if fnmatch.fnmatchcase(case, r["cases"])), None)
+        if rule is not None:
+            out.append({"case": case, "reason": rule["reason"], "evidence": rule["evidence"], "source": "profile"})
+            continue
+        if case in kept:
+            out.append(dict(kept[case]))
+            continue
+        twin = by_case.get(_twin(case) or "")
+        if twin is not None and twin.get("met") is True:
+            out.append({"case": case, "reason": HOST_REASON, "evidence": f"the graph row; {host_evidence}",
+                        "source": "graph twin"})
+        elif twin is not None and twin.get("met") is False:
+            out.append({"case": case, "reason": KERNEL_REASON, "evidence": "the graph row", "source": "graph twin"})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("raw", type=Path, help="bench_matrix_gpu.py's report as the device run wrote it")
+    ap.add_argument("--out", type=Path, required=True, help="reports/gpu/<platform>/matrix.json")
+    ap.add_argument("--reasons", type=Path, default=None, help="JSON list of {cases, reason, evidence}")
+    ap.add_argument("--keep-from", type=Path, default=None, help="an earlier record whose profiled reasons carry over")
+    ap.add_argument("--host-evidence", default=None,
+                    help="where the host cost is measured (default: reports/gpu/<platform>/host_overhead.json)")
+    ap.add_argument("--note", action="append", default=[], help="a sentence for the page (repeatable)")
+    a = ap.parse_args(argv)
+    if a.out.name != "matrix.json":
+        ap.error(f"--out: expected a file named matrix.json, got {a.out.name}")
+    report = json.loads(a.raw.read_text(encoding="utf-8"))
+    if report.get("family") != "matrix" or "summary" not in report:
+        ap.error(f"raw: {a.raw} is not a benchmark-matrix report (family {report.get('family')!r})")
+    try:
+        rules = load_rules(a.reasons) if a.reasons else []
+    except (ValueError, json.JSONDecodeError) as exc:
+        ap.error(f"--reasons: {exc}")
+    kept: dict[str, dict[str, Any]] = {}
+    if a.keep_from is not None:
+        old = json.loads(a.keep_from.read_text(encoding="utf-8"))
+        kept = {r["case"]: r for r in old.get("miss_reasons", []) if r.get("source") == "profile"}
+    host = a.host_evidence or f"reports/gpu/{report['platform']}/host_overhead.json"
+    report["miss_reasons"] = miss_reasons(report, rules, kept, host)
+    report["notes"] = list(a.note)
+    a.out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    misses = sum(1 for s in report["summary"] if s.get("met") is False)
+    print(f"wrote {a.out}: {misses} misses, {len(report['miss_reasons'])} with a reason")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
