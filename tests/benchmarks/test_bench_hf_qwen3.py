@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common.harness import ROW_KEYS
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "e2e" / "bench_hf_qwen3.py"
@@ -70,11 +71,7 @@ def test_negative_control_without_the_install_fails_the_checks(tmp_path):
 
 def test_negative_controls_rule():
     """Per operation, transformers rows that never mismatch are reported (the checker must bite)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_hf_qwen3", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("benchmarks/e2e/bench_hf_qwen3.py")
     rows = [{"op": "generate", "implementation": "transformers", "mismatched": 0},
             {"op": "generate", "implementation": "transformers", "mismatched": 3},
             {"op": "train_step", "implementation": "transformers", "layout_mismatched": 0}]

@@ -5,7 +5,6 @@ trees, each importing ``rl_engine`` from its own tree; bad arguments are refused
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "benchmarking" / "matrix_gate_gpu.py"
-_spec = importlib.util.spec_from_file_location("matrix_gate_gpu", TOOL)
-gate = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gate)
+gate = load_script("tools/benchmarking/matrix_gate_gpu.py")
 
 
 def row(case: str, median: float, bits: str = "aaaa", *, mode: str = "graph", role: str = "ours",

@@ -5,7 +5,6 @@ kernel) — and a miss with no evidence gets none; a malformed reasons file is r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,15 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "benchmarking" / "matrix_reasons.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("matrix_reasons", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("tools/benchmarking/matrix_reasons.py")
 
 
 def _s(case, met):

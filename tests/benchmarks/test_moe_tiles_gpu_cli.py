@@ -5,7 +5,6 @@ machine without CUDA gets a clear exit."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,15 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "benchmarking" / "moe_tiles_gpu.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("moe_tiles_gpu", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("tools/benchmarking/moe_tiles_gpu.py")
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

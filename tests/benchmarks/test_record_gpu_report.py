@@ -4,21 +4,18 @@ judged from the rows; a ratio past its target or an installed row with mismatche
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "benchmarking" / "record_gpu_report.py"
+from tests.helpers.scripts import load_script
+
 DEVICE = {"name": "NVIDIA H200", "sm_count": 132, "capability": "sm90", "driver": "580", "memory_mib": 143771}
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("record_gpu_report", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("tools/benchmarking/record_gpu_report.py")
 
 
 def _row(op, impl, median, **extra):

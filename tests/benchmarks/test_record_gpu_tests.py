@@ -3,13 +3,12 @@ failed node ids), replacing the shard of the same name; failures without a state
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "benchmarking" / "record_gpu_tests.py"
+from tests.helpers.scripts import load_script
+
 XML = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" failures="1"
  skipped="1" tests="3" time="12.5" timestamp="2026-01-01T00:00:00">
 <testcase classname="tests.a.test_x" name="test_one" time="1"/>
@@ -19,10 +18,7 @@ XML = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pyte
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("record_gpu_tests", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("tools/benchmarking/record_gpu_tests.py")
 
 
 def test_shard_from_junit_replaces_the_named_shard(tmp_path):
