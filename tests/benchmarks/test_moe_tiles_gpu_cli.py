@@ -80,10 +80,11 @@ def test_every_role_measures_the_reference_first():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--out", "x.json", "--roles", "dx,dz"], "--roles: expected some of gate_up, down, dx, dact, dw_gate_up, dw_down"),
-    (["--out", "x.json", "--tokens", "16,0"], "--tokens: expected positive token counts"),
-    (["--out", "x.json", "--tokens", "a"], "--tokens: expected positive token counts"),
-    (["--out", "x.json", "--repeats", "0"], "--repeats: expected a positive count"),
+    (["--out", "x.json", "--commit", "abc", "--roles", "dx,dz"], "--roles: expected some of gate_up, down, dx, dact, dw_gate_up, dw_down"),
+    (["--out", "x.json", "--commit", "abc", "--tokens", "16,0"], "--tokens: expected positive token counts"),
+    (["--out", "x.json", "--commit", "abc", "--tokens", "a"], "--tokens: expected positive token counts"),
+    (["--out", "x.json", "--commit", "abc", "--repeats", "0"], "--repeats: expected a positive count"),
+    (["--out", "x.json"], "--commit: required, the commit of the measured tree"),
 ])
 def test_bad_arguments_are_refused_by_name(args, message):
     r = run(*args)
@@ -92,6 +93,6 @@ def test_bad_arguments_are_refused_by_name(args, message):
 
 
 def test_without_cuda_exit_cleanly(tmp_path):
-    r = run("--out", str(tmp_path / "t.json"))
+    r = run("--out", str(tmp_path / "t.json"), "--commit", "abc")
     assert r.returncode == 1, r.stderr
     assert "moe_tiles_gpu: needs a CUDA device" in r.stderr and "Traceback" not in r.stderr

@@ -7,7 +7,7 @@
 #
 # Steps: tests, bench_attention, bench_moe (benchmarks/operators/bench_moe_gpu.py, BENCH_MOE_ARGS), moe_tiles
 # (tools/benchmarking/moe_tiles_gpu.py: measures the MoE GEMMs' tile candidates and writes the tile table into this tree,
-# so the steps after it run with it; MOE_TILES_ARGS), moe_profile
+# so the steps after it run with it; MOE_TILES_ARGS, which must hold --commit SHA of the tree), moe_profile
 # (tools/benchmarking/moe_profile_gpu.py: the MoE layer kernel by kernel, MOE_PROFILE_ARGS), moe_ncu (its rlk_moe kernels
 # over one forward+backward under ncu, a CSV; MOE_NCU_ARGS, e.g. --tokens 1024), bench_attention_extra (BENCH_ATTENTION_EXTRA_ARGS), bench_attention_configs, bench_logprob, debug_logprob, bench_gemm,
 # check_cuda (`rlk check --device cuda`: fp32 and bf16 R/R, the P/P control, bf16 R/R past the first KV

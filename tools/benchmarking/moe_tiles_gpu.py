@@ -23,7 +23,7 @@ does not extrapolate), so a run over fewer token counts ships only what it measu
 the large counts extends the table measured at the small ones). After every token count ``--table`` writes it (default: the package's
 ``tile_tables/<arch>.json``, which ``tiles.select`` reads); ``--out`` gets every measurement.
 
-    python3 tools/benchmarking/moe_tiles_gpu.py --out $OUT/moe_tiles.json
+    python3 tools/benchmarking/moe_tiles_gpu.py --out $OUT/moe_tiles.json --commit $(git rev-parse --short HEAD)
 
 CUDA only (exit 1 without it).
 """
@@ -34,7 +34,6 @@ import argparse
 import datetime as _dt
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -225,20 +224,14 @@ def table(results: dict, arch: str, source: dict) -> dict:
     return {"schema_version": 1, "arch": arch, "source": source, "rows": rows}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="JSON of every measurement (required unless --rebuild)")
     ap.add_argument("--keep", type=Path, default=None, metavar="REPORT",
                     help="an earlier run's report: its token counts that this run does not measure join the table")
-    ap.add_argument("--commit", default=None, help="the measured tree's commit (default: git rev-parse HEAD of this tree)")
+    ap.add_argument("--commit", default=None,
+                    help="the measured tree's commit (required to measure: the device's copy of the tree may carry "
+                         "another checkout's git history; with --rebuild it replaces the report's)")
     ap.add_argument("--rebuild", type=Path, default=None, metavar="REPORT",
                     help="write the table from an earlier run's --out report (no GPU, nothing measured)")
     ap.add_argument("--table", default=None, help="tile table to write (default: the package's tile_tables/<arch>.json)")
@@ -253,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         return rebuild(args.rebuild, Path(args.table) if args.table else None, args.commit)
     if args.out is None:
         ap.error("--out: required (unless --rebuild)")
+    if not args.commit:
+        ap.error("--commit: required, the commit of the measured tree (git rev-parse --short HEAD where you commit)")
 
     roles = [r for r in args.roles.split(",") if r]
     if not roles or set(roles) - set(tiles.ROLES):
@@ -278,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"precompiled {sum(len(candidates(r)) for r in roles)} candidates in {args.compile_workers} processes: "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
     source = {"command": "python3 tools/benchmarking/moe_tiles_gpu.py " + " ".join(argv or sys.argv[1:]),
-              "device": torch.cuda.get_device_name(), "commit": args.commit or _commit(),
+              "device": torch.cuda.get_device_name(), "commit": args.commit,
               "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "triton": str(versions().get("triton"))}
     results: dict[str, dict[int, list]] = {r: {} for r in roles}

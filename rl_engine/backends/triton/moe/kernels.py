@@ -34,7 +34,7 @@ import triton.language as tl
 
 from rl_engine.backends.triton import device_guard
 from rl_engine.backends.triton.activation import kernels as act_kernels
-from rl_engine.backends.triton.moe.tiles import DEFAULT, GemmConfig, select
+from rl_engine.backends.triton.moe.tiles import GemmConfig, select
 
 __all__ = ["KERNEL_NAMES", "DEVICE_FUNCTIONS", "GemmConfig", "route_forward", "route_backward", "gate_up_forward", "gate_up_backward",
            "down_combine_forward", "down_combine_backward"]
