@@ -60,8 +60,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> BitComparison:
         return BitComparison(False, a.numel(), a.numel(), 0, None, None, float("inf"), f"dtype differs: {a.dtype} vs {b.dtype}")
     if a.shape != b.shape:
         return BitComparison(False, a.numel(), a.numel(), 0, None, None, float("inf"), f"shape differs: {tuple(a.shape)} vs {tuple(b.shape)}")
-    a = a.detach().cpu()
-    b = b.detach().cpu()
+    a, b = a.detach(), b.detach()
+    if a.device != b.device:
+        a, b = a.cpu(), b.cpu()
+    # the count is taken where the tensors live (one scalar comes back); only a mismatch's details
+    # are worked out on the host
     ne = int_view(a) != int_view(b)
     nan = torch.zeros_like(ne)
     if a.is_floating_point():
@@ -70,6 +73,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> BitComparison:
     mism = int(ne.sum())
     if mism == 0:
         return BitComparison(True, a.numel(), 0, 0, None, None, 0.0)
+    a, b, ne, nan = a.cpu(), b.cpu(), ne.cpu(), nan.cpu()
     idx = tuple(int(i) for i in torch.nonzero(ne)[0])
     if a.is_floating_point():
         d = (a.double() - b.double()).abs()
