@@ -29,6 +29,7 @@ __all__ = [
     "wire_varlen_attention",
     "wire_moe_route",
     "wire_moe_expert_gate_up",
+    "wire_moe_expert_gate_up_saving",
     "wire_moe_expert_down_combine",
 ]
 
@@ -342,6 +343,28 @@ def wire_moe_expert_gate_up(forward, backward) -> None:
     def grad_fn(ctx, grad):
         x, w, ids = ctx.saved_tensors
         dx, dw = backward(grad.contiguous(), x, w, ids)
+        return dx, dw, None
+
+    forward.register_autograd(grad_fn, setup_context=setup)
+
+
+def wire_moe_expert_gate_up_saving(forward, backward) -> None:
+    """``forward(x, w_gate_up, ids) -> (act, h)`` (``[T, K, I]`` and the gate/up GEMM result
+    ``[T·K, 2I]`` it activates, not differentiable); ``backward(grad, x, w_gate_up, ids, h) -> (dx,
+    dw_gate_up)``: the backward reads the forward's ``h`` instead of recomputing the GEMM, at the
+    memory of one ``[T·K, 2I]`` tensor per call kept for the backward."""
+    forward.register_fake(lambda x, w, ids: (x.new_empty((*ids.shape, w.shape[1] // 2)),
+                                             x.new_empty((ids.numel(), w.shape[1]))))
+    backward.register_fake(lambda grad, x, w, ids, h: (_like(x), _like(w)))
+
+    def setup(ctx, inputs, output):
+        x, w, ids = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(x, w, ids, output[1])
+
+    def grad_fn(ctx, grad, _grad_h):
+        x, w, ids, h = ctx.saved_tensors
+        dx, dw = backward(grad.contiguous(), x, w, ids, h)
         return dx, dw, None
 
     forward.register_autograd(grad_fn, setup_context=setup)

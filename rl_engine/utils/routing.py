@@ -58,7 +58,10 @@ def expert_permutation(ids: torch.Tensor, num_experts: int) -> ExpertPermutation
     """
     T, K = ids.shape
     flat = ids.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
+    # A stable sort gives the same order whatever the key's width, and a radix sort makes one
+    # pass per key byte: the narrowest integer type that holds every id (one byte for E <= 256).
+    key = flat.to(torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 32768 else torch.int32)
+    order = torch.sort(key, stable=True).indices
     # scatter_add, not bincount: bincount sizes its result from the largest id (a host read on a
     # GPU); integer adds are exact in any order.
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))

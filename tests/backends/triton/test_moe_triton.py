@@ -189,6 +189,22 @@ def test_interpreter_launch_variants_give_the_same_bits():
             assert same_bits(a, b), variant
 
 
+@interp
+def test_interpreter_saved_gate_up_result_gives_the_recomputed_bits():
+    """The custom op keeps the forward's gate/up GEMM result ``h`` for the backward instead of
+    recomputing it: the same ``act`` and the same gradients, bit for bit."""
+    kern = _kernels()
+    x, wgu, _, ids, _ = _block(13, 40, 4, 12, 2, seed=10)
+    act, h = kern.gate_up_forward_saving(x, wgu, ids, _cfg())
+    assert h.shape == (13 * 2, 24) and same_bits(act, kern.gate_up_forward(x, wgu, ids, _cfg()))
+    ga = torch.randn(act.shape, generator=torch.Generator().manual_seed(11))
+    for a, b in zip(kern.gate_up_backward(ga, x, wgu, ids, _cfg(), h=h), kern.gate_up_backward(ga, x, wgu, ids, _cfg())):
+        assert same_bits(a, b)
+    # negative control: a different h changes dx (the backward does read what it is given)
+    dx_wrong, _ = kern.gate_up_backward(ga, x, wgu, ids, _cfg(), h=h * 2)
+    assert not same_bits(dx_wrong, kern.gate_up_backward(ga, x, wgu, ids, _cfg())[0])
+
+
 def test_tile_table_selection_by_load_and_its_validation(tmp_path):
     """``tiles.load_table`` / ``tiles.select``: rows ordered by bound, the first row whose bound
     covers the load, the reference configuration beyond the last bound, without a table or off
@@ -384,6 +400,21 @@ def test_every_shipped_tile_configuration_gives_the_reference_bits(shape):
     for cfg in configs:
         for i, (a, b) in enumerate(zip(run(cfg), ref)):
             assert same_bits(a, b), (cfg.key, i)
+
+
+@gpu
+def test_public_backward_with_the_saved_gate_up_result_matches_the_recomputing_kernels():
+    """Autograd through ``moe.expert_gate_up`` reads the forward's saved ``h``: its gradients are
+    the bits of the backward kernels that recompute ``h``."""
+    kern = _kernels()
+    x, wgu, _, ids, _ = _block(70, 256, 8, 96, 2, torch.bfloat16, seed=17, device="cuda")
+    xx, ww = x.clone().requires_grad_(), wgu.clone().requires_grad_()
+    act = moe.expert_gate_up(xx, ww, ids)
+    ga = torch.randn(act.shape, generator=torch.Generator().manual_seed(18)).to(torch.bfloat16).cuda()
+    act.backward(ga)
+    dx, dw = kern.gate_up_backward(ga, x, wgu, ids)
+    assert same_bits(act.detach(), kern.gate_up_forward(x, wgu, ids))
+    assert same_bits(xx.grad, dx) and same_bits(ww.grad, dw)
 
 
 @gpu

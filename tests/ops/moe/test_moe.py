@@ -321,6 +321,17 @@ def test_expert_permutation_is_by_expert_then_token_position():
     assert perm.groups() == [(0, 0, 3), (1, 3, 4), (2, 4, 6)]
 
 
+@pytest.mark.parametrize("num_experts", [8, 256, 257, 40_000])
+def test_expert_permutation_key_width_does_not_change_the_order(num_experts):
+    """The sort key is the narrowest integer type holding every id (uint8 up to 256 experts,
+    then int16, then int32); a stable sort orders by expert, then slot, at any width."""
+    g = torch.Generator().manual_seed(num_experts)
+    ids = torch.randint(0, num_experts, (600, 8), generator=g)
+    ids[::7, 0] = num_experts - 1  # the largest id, where a too-narrow key would wrap
+    perm = moe.expert_permutation(ids, num_experts)
+    assert torch.equal(perm.order, torch.sort(ids.reshape(-1), stable=True).indices)
+
+
 # --------------------------------------------------------------------------- errors, custom ops, dispatch
 
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.backends._customop import wire_moe_expert_down_combine, wire_moe_expert_gate_up, wire_moe_route
-from rl_engine.backends.triton import register_triton
+from rl_engine.backends._customop import wire_moe_expert_down_combine, wire_moe_expert_gate_up_saving, wire_moe_route
+from rl_engine.backends.triton import call_op, register_triton
 
-__all__ = ["moe_route_triton", "moe_expert_gate_up_triton", "moe_expert_down_combine_triton"]
+__all__ = ["moe_route_triton", "moe_expert_gate_up_triton", "moe_expert_gate_up_triton_entry", "moe_expert_down_combine_triton"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _GUARANTEES = frozenset({"row", "chunk", "run_to_run"})
@@ -49,17 +49,29 @@ wire_moe_route(moe_route_triton, moe_route_triton_backward)
 
 
 @torch.library.custom_op("rlk::moe_expert_gate_up_triton", mutates_args=(), device_types="cuda")
-def moe_expert_gate_up_triton(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return _kernels().gate_up_forward(x, w_gate_up, ids)
+def moe_expert_gate_up_triton(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(act, h)``: the activations and the gate/up GEMM result they come from, which the
+    backward reads instead of recomputing the GEMM (:func:`moe_expert_gate_up_triton_entry`
+    returns ``act``)."""
+    return _kernels().gate_up_forward_saving(x, w_gate_up, ids)
 
 
 @torch.library.custom_op("rlk::moe_expert_gate_up_triton_backward", mutates_args=(), device_types="cuda")
 def moe_expert_gate_up_triton_backward(grad: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tensor,
-                                       ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels().gate_up_backward(grad, x, w_gate_up, ids)
+                                       ids: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels().gate_up_backward(grad, x, w_gate_up, ids, h=h)
 
 
-wire_moe_expert_gate_up(moe_expert_gate_up_triton, moe_expert_gate_up_triton_backward)
+wire_moe_expert_gate_up_saving(moe_expert_gate_up_triton, moe_expert_gate_up_triton_backward)
+
+
+def moe_expert_gate_up_triton_entry(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The registry entry of ``moe.expert_gate_up``: the custom op's ``act``."""
+    return call_op(moe_expert_gate_up_triton, x, w_gate_up, ids)[0]
+
+
+moe_expert_gate_up_triton_entry._init_fn = moe_expert_gate_up_triton._init_fn  # provenance: this module
 
 
 @torch.library.custom_op("rlk::moe_expert_down_combine_triton", mutates_args=(), device_types="cuda")
@@ -77,6 +89,6 @@ def moe_expert_down_combine_triton_backward(grad: torch.Tensor, act: torch.Tenso
 
 wire_moe_expert_down_combine(moe_expert_down_combine_triton, moe_expert_down_combine_triton_backward)
 
-for _op, _fn, _version in (("moe.route", moe_route_triton, "1"), ("moe.expert_gate_up", moe_expert_gate_up_triton, "1"),
+for _op, _fn, _version in (("moe.route", moe_route_triton, "1"), ("moe.expert_gate_up", moe_expert_gate_up_triton_entry, "1"),
                            ("moe.expert_down_combine", moe_expert_down_combine_triton, "2")):
     register_triton(_op, "triton.grouped", _fn, dtypes=_DTYPES, guarantees=_GUARANTEES, version=_version)

@@ -36,7 +36,7 @@ from rl_engine.backends.triton import device_guard
 from rl_engine.backends.triton.activation import kernels as act_kernels
 from rl_engine.backends.triton.moe.tiles import GemmConfig, select
 
-__all__ = ["KERNEL_NAMES", "DEVICE_FUNCTIONS", "GemmConfig", "route_forward", "route_backward", "gate_up_forward", "gate_up_backward",
+__all__ = ["KERNEL_NAMES", "DEVICE_FUNCTIONS", "GemmConfig", "route_forward", "route_backward", "gate_up_forward", "gate_up_forward_saving", "gate_up_backward",
            "down_combine_forward", "down_combine_backward"]
 
 KERNEL_NAMES = ("rlk_moe_route_fwd", "rlk_moe_route_bwd", "rlk_moe_grouped_gemm", "rlk_moe_wgrad", "rlk_moe_combine",
@@ -381,24 +381,35 @@ def gate_up_forward(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor,
                     cfg: GemmConfig | None = None) -> torch.Tensor:
     """``act [T, K, I]``: the slots' gate/up GEMM rounded to ``x.dtype``, then ``silu_and_mul``.
     ``cfg`` forces one tile configuration for every GEMM (default: the tile table, ``tiles.py``)."""
+    return gate_up_forward_saving(x, w_gate_up, ids, cfg)[0]
+
+
+def gate_up_forward_saving(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor,
+                           cfg: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(act [T, K, I], h [T·K, 2I])``: :func:`gate_up_forward` and the GEMM result it activates
+    (slot order, ``x.dtype``), which :func:`gate_up_backward` takes instead of recomputing it."""
     T, K = ids.shape
     perm = _perm(ids, w_gate_up.shape[0])
     h = _gate_up_h(x, w_gate_up, perm, _config("gate_up", x.dtype, perm, x.device, cfg))
-    return act_kernels.forward(h).view(T, K, w_gate_up.shape[1] // 2)
+    return act_kernels.forward(h).view(T, K, w_gate_up.shape[1] // 2), h
 
 
 def gate_up_backward(grad: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor,
-                     cfg: GemmConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dW_gate_up)``: ``dx[t] = round(Σ_j dh[t, j] W[e])`` in rank order, ``dW[e] = Σ dhᵀ x``."""
+                     cfg: GemmConfig | None = None, h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dW_gate_up)``: ``dx[t] = round(Σ_j dh[t, j] W[e])`` in rank order, ``dW[e] = Σ dhᵀ x``.
+    ``h``: the forward's GEMM result (:func:`gate_up_forward_saving`); recomputed when absent (the
+    same kernel on the same operands: the same bits)."""
     T, K = ids.shape
     E, N2, H = w_gate_up.shape
     perm = _perm(ids, E)
-    h = _gate_up_h(x, w_gate_up, perm, _config("gate_up", x.dtype, perm, x.device, cfg))
+    if h is None:
+        h = _gate_up_h(x, w_gate_up, perm, _config("gate_up", x.dtype, perm, x.device, cfg))
     dh = act_kernels.backward(grad.reshape(T * K, N2 // 2).contiguous(), h)
     dx_slots = torch.empty((T * K, H), dtype=torch.float32, device=x.device)
     _grouped(dh, perm.order, w_gate_up, H, N2, dx_slots, perm, _config("dx", x.dtype, perm, x.device, cfg),
              transposed=True)
-    dw = torch.zeros_like(w_gate_up)
+    # the weight-gradient kernel stores every tile of every expert (zeros where an expert got no slot)
+    dw = torch.empty_like(w_gate_up) if T * K else torch.zeros_like(w_gate_up)
     if T * K:
         _wgrad(dh, perm.order, x, perm.tokens, dw, perm, _config("dw_gate_up", x.dtype, perm, x.device, cfg))
     return _combine(dx_slots, None, T, K, x.dtype), dw
@@ -438,7 +449,7 @@ def down_combine_backward(grad: torch.Tensor, act: torch.Tensor, w_down: torch.T
     dact = torch.empty((T * K, I), dtype=act.dtype, device=act.device)
     _grouped(g, perm.tokens, w_down, I, H, dact, perm, _config("dact", act.dtype, perm, act.device, cfg),
              transposed=True, scale=w_flat)
-    dw = torch.zeros_like(w_down)
+    dw = torch.empty_like(w_down) if T * K else torch.zeros_like(w_down)
     if T * K:
         _wgrad(g, perm.tokens, act.reshape(T * K, I), perm.order, dw, perm,
                _config("dw_down", act.dtype, perm, act.device, cfg), scale=w_flat)
