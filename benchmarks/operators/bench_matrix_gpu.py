@@ -66,9 +66,10 @@ Usage::
     python benchmarks/operators/bench_matrix_gpu.py --families decode --max-seconds 500 --out d.json
     python benchmarks/operators/bench_matrix_gpu.py --device cpu --tiny --out /tmp/m.json   # dry run, seconds
     python benchmarks/operators/bench_matrix_gpu.py --list --quick                          # the points only
-    # one missed point under Nsight Compute: only the last call of ours (NVTX range rlk_profile)
-    ncu --nvtx --nvtx-include "rlk_profile/" --set full -o miss python benchmarks/operators/bench_matrix_gpu.py \
-        --profile --cases 'qwen3-8b.down K=12288 N=4096 M=64'
+    # one missed point under Nsight Compute: one call of ours and of each baseline, each kernel
+    # named "<case> | <side>" (tools/benchmarking/matrix_ncu.py runs the record's misses this way)
+    ncu --profile-from-start off --nvtx --print-nvtx-rename kernel --set full -o miss \
+        python benchmarks/operators/bench_matrix_gpu.py --profile --cases 'qwen3-8b.down K=12288 N=4096 M=64'
 
 The report (``--out``) is rewritten after every point (``meta.partial`` until the run ends), so a
 run cut by ``--max-seconds`` — which starts no point once the budget is spent — or by a time limit
@@ -844,10 +845,12 @@ def run_point(run: Run, p: Point, log: Callable[[str], None]) -> list[dict[str, 
 
 
 def profile_points(env: Env, points: Sequence[Point], log: Callable[[str], None]) -> None:
-    """For a profiler: each point's candidates called a few times (compilation, warm-up), the last
-    call of ours inside the NVTX range ``rlk_profile`` and each baseline's inside
-    ``rlk_profile_baseline``, so ``ncu --nvtx --nvtx-include "rlk_profile/"`` profiles exactly one
-    call of ours per point (``"rlk_profile_baseline/"``: one call of each baseline)."""
+    """For a profiler: each point's candidates called a few times (compilation, warm-up), then one
+    more call of each between ``cudaProfilerStart`` and ``cudaProfilerStop``, inside an NVTX range
+    named ``"<case> | ours"`` or ``"<case> | <baseline>"``. ``ncu --profile-from-start off`` then
+    profiles exactly one call of ours and of each baseline per point, and ``--nvtx
+    --print-nvtx-rename kernel`` names each profiled kernel by its point and side
+    (``tools/benchmarking/matrix_ncu.py``)."""
     cuda = env.device.startswith("cuda")
 
     def once(fn: Callable[[], Any], label: str) -> None:
@@ -855,18 +858,20 @@ def profile_points(env: Env, points: Sequence[Point], log: Callable[[str], None]
             fn()
         if cuda:
             torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
             torch.cuda.nvtx.range_push(label)
         fn()
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_pop()
+            torch.cuda.cudart().cudaProfilerStop()
 
     for p in points:
         log(f"{p.family}: {p.case}")
         built = p.build(env)
-        once(built.ours[1], "rlk_profile")
-        for fn in built.baselines.values():
-            once(fn, "rlk_profile_baseline")
+        once(built.ours[1], f"{p.case} | ours")
+        for name, fn in built.baselines.items():
+            once(fn, f"{p.case} | {name}")
         del built
         if cuda:
             torch.cuda.empty_cache()
@@ -997,8 +1002,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--commit", default=None, help="the measured tree's commit (default: git rev-parse of its root)")
     ap.add_argument("--list", action="store_true", help="print the selected points and exit")
     ap.add_argument("--profile", action="store_true",
-                    help="no timing: call each selected point's candidates, the last call of ours inside the NVTX "
-                         "range rlk_profile and each baseline's inside rlk_profile_baseline, for ncu")
+                    help="no timing: one call of ours and of each baseline per selected point between "
+                         "cudaProfilerStart/Stop, in the NVTX range '<case> | <side>', for ncu --profile-from-start off")
     args = ap.parse_args(argv)
     if not (args.list or args.profile) and args.out is None:
         ap.error("--out: required (the JSON report), unless --list or --profile")

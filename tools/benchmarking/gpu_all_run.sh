@@ -17,7 +17,8 @@
 # matrix (benchmarks/operators/bench_matrix_gpu.py, MATRIX_ARGS, default --quick), gate (the parity gate:
 # tools/benchmarking/matrix_gate_gpu.py, the matrix of this tree against GATE_BASE, default .whl/base.tgz
 # made by `git archive --format=tar.gz -o .whl/base.tgz BASE rl_engine`; GATE_ARGS, default --quick --modes graph),
-# breakdown
+# matrix_ncu (tools/benchmarking/matrix_ncu.py: ncu counters of the matrix record's graph misses; MATRIX_NCU_FAMILIES,
+# MATRIX_NCU_ARGS), breakdown
 # (tools/benchmarking/attention_breakdown_gpu.py), e2e (benchmarks/e2e/bench_hf_qwen3.py: transformers'
 # Qwen3 at 8B dimensions, plain against rl_engine installed, training step and generate; E2E_ARGS,
 # E2E_TIMEOUT; needs transformers >= 5.24, and trl for E2E_ARGS=--trl: carry their wheels in .whl
@@ -177,6 +178,15 @@ for step in $STEPS; do
     moe_profile)  # the MoE layer kernel by kernel: device time, wall time, GEMM TFLOP/s, ours and torch._grouped_mm (tools/benchmarking/moe_profile_gpu.py)
       timeout $(lim ${MOE_PROFILE_TIMEOUT:-120}) python3 tools/benchmarking/moe_profile_gpu.py --out "$OUT/bench_moe_profile.json" \
         ${MOE_PROFILE_ARGS:-} > "$OUT/moe_profile.log" 2>&1; echo "rc=$?"; tail -60 "$OUT/moe_profile.log" | cut -c1-220 ;;
+    matrix_ncu)  # Nsight Compute counters of a matrix record's graph-mode misses, ours and each baseline, one ncu run per
+      # family so a time limit keeps the families finished (tools/benchmarking/matrix_ncu.py; MATRIX_NCU_ARGS, e.g. --record R)
+      for fam in ${MATRIX_NCU_FAMILIES:-gemm attention decode}; do
+        ncu_cmd=$(python3 tools/benchmarking/matrix_ncu.py --command --families "$fam" ${MATRIX_NCU_ARGS:-}) || continue
+        PATH="$PATH:/usr/local/cuda/bin" timeout $(lim ${MATRIX_NCU_TIMEOUT:-200}) bash -c "exec $ncu_cmd" \
+          > "$OUT/matrix_ncu_$fam.csv" 2> "$OUT/matrix_ncu_$fam.log"
+        echo "$fam rc=$?"; grep -h "==ERROR==" "$OUT/matrix_ncu_$fam".* | head -5; tail -4 "$OUT/matrix_ncu_$fam.log" | cut -c1-220
+      done
+      python3 tools/benchmarking/matrix_ncu.py --summary "$OUT"/matrix_ncu_*.csv --out "$OUT/matrix_ncu.json" | cut -c1-300 | head -150 ;;
     moe_ncu)  # Nsight Compute counters of the rlk_moe kernels over one forward+backward (moe_profile_gpu.py --single, 16,384 tokens)
       ncu_cmd=$(python3 tools/benchmarking/moe_profile_gpu.py --ncu-command ${MOE_NCU_ARGS:-}) && echo "$ncu_cmd" | cut -c1-220 \
         && PATH="$PATH:/usr/local/cuda/bin" timeout $(lim ${MOE_NCU_TIMEOUT:-200}) bash -c "exec $ncu_cmd" > "$OUT/moe_ncu.csv" 2> "$OUT/moe_ncu.log"

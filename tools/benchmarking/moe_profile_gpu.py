@@ -36,7 +36,6 @@ overrides the metrics); ``--ncu-summary CSV`` prints ncu's ``--csv`` output laun
 from __future__ import annotations
 
 import argparse
-import csv
 import inspect
 import json
 import shlex
@@ -53,28 +52,13 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common.harness import device_info, versions  # noqa: E402
+from benchmarks.common.ncu import NCU_METRICS, read_launches  # noqa: E402
 from benchmarks.operators import bench_moe_gpu as bench  # noqa: E402
 
 #: hidden, experts, experts per token, expert intermediate size (Qwen3-30B-A3B)
 DIMS = (2048, 128, 8, 768)
 CASES = ("ours_fwd", "ours_fwd_bwd", "base_fwd", "base_fwd_bwd")
 GEMM_KERNELS = ("rlk_moe_grouped_gemm", "rlk_moe_wgrad")
-_STALLS = ("long_scoreboard", "short_scoreboard", "wait", "barrier", "mio_throttle", "math_pipe_throttle",
-           "lg_throttle", "not_selected", "no_instruction", "dispatch_stall")
-#: Nsight Compute metrics of --ncu-command: duration, SM and DRAM throughput, tensor pipes (all MMA
-#: kinds, and HMMA), the FP32 FMA pipe, achieved occupancy, registers and the occupancy they allow,
-#: and the warp stall reasons in cycles per issued instruction (WarpStateStats' breakdown)
-NCU_METRICS = (
-    "gpu__time_duration.sum", "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
-    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
-    "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active", "sm__warps_active.avg.pct_of_peak_sustained_active",
-    "launch__registers_per_thread", "launch__occupancy_limit_registers",
-    *(f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in _STALLS),
-)
-
-
 @contextmanager
 def recording_launches(H: int, I: int):
     """Wrap the MoE GEMM launchers; yield the list of ``(kernel, role, useful FLOPs or None)``
@@ -229,22 +213,13 @@ def print_row(row: dict, top: int) -> None:
 
 def ncu_summary(path: str) -> int:
     """Print ncu's ``--csv`` output (a row per launch and metric) as one block per launch."""
-    rows = list(csv.DictReader(ln for ln in Path(path).read_text(errors="replace").splitlines() if ln.startswith('"')))
-    if not rows or "Metric Name" not in rows[0]:
+    launches = read_launches(path)
+    if not launches:
         print(f"{path}: no ncu CSV rows")
         return 1
-    short = (("smsp__average_warps_issue_stalled_", "stall_"), ("_per_issue_active.ratio", ""),
-             (".avg.pct_of_peak_sustained_elapsed", "%el"), (".avg.pct_of_peak_sustained_active", "%act"))
-    launches: dict[str, list] = defaultdict(list)
-    for r in rows:
-        name = r["Metric Name"]
-        for a, b in short:
-            name = name.replace(a, b)
-        unit = r.get("Metric Unit", "") if name.startswith("gpu__time") else ""
-        key = (r.get("ID"), r.get("Kernel Name"), r.get("Grid Size"))
-        launches[key].append(f"{name}={r.get('Metric Value')}{unit}")
-    for (key, kernel, grid), items in launches.items():
-        print(f"#{key} {kernel} grid {grid}")
+    for launch in launches:
+        print(f"#{launch['id']} {launch['kernel']} grid {launch['grid']}")
+        items = [f"{k}={v}" for k, v in launch["metrics"].items()]
         for i in range(0, len(items), 4):
             print("    " + "  ".join(items[i:i + 4]))
     return 0

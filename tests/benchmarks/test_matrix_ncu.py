@@ -1,0 +1,96 @@
+"""tools/benchmarking/matrix_ncu.py: the ncu command over a matrix record's graph misses, and the
+summary of ncu's CSV per point and side (kernels named ``"<case> | <side>"`` by NVTX renaming)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shlex
+
+import pytest
+
+from benchmarks.common.ncu import read_launches, short_name
+from tests.helpers.scripts import load_script
+
+tool = load_script("tools/benchmarking/matrix_ncu.py")
+
+RECORD = {"summary": [
+    {"case": "gemm: qwen3-8b.qkv K=4096 N=6144 M=64 [graph]", "family": "gemm", "mode": "graph", "met": False},
+    {"case": "gemm: qwen3-8b.qkv K=4096 N=6144 M=64 [eager]", "family": "gemm", "mode": "eager", "met": False},
+    {"case": "gemm: qwen3-8b.down K=12288 N=4096 M=1 [graph]", "family": "gemm", "mode": "graph", "met": True},
+    {"case": "decode: qwen3-8b B=1 ctx=1024 contiguous [graph]", "family": "decode", "mode": "graph", "met": False},
+]}
+
+
+def _csv(launches):
+    """ncu's --csv details page: one row per launch and metric (application output lines mixed in)."""
+    buf = io.StringIO()
+    w = csv.writer(buf, quoting=csv.QUOTE_ALL)
+    w.writerow(["ID", "Kernel Name", "Grid Size", "Block Size", "Metric Name", "Metric Unit", "Metric Value"])
+    for i, (name, metrics) in enumerate(launches):
+        for k, v in metrics.items():
+            w.writerow([i, name, "(132, 1, 1)", "(256, 1, 1)", k, "", v])
+    return "gemm: qwen3-8b.qkv K=4096 N=6144 M=64\n==PROF== Disconnected\n" + buf.getvalue()
+
+
+def test_record_misses_are_the_graph_mode_misses_as_case_patterns():
+    assert tool.record_misses(RECORD) == ["qwen3-8b.qkv K=4096 N=6144 M=64", "qwen3-8b B=1 ctx=1024 contiguous"]
+    assert tool.record_misses(RECORD, ["decode"]) == ["qwen3-8b B=1 ctx=1024 contiguous"]
+    assert tool.record_misses(RECORD, ["lmhead"]) == []
+
+
+def test_command_profiles_from_the_ranges_and_renames_kernels(tmp_path, capsys):
+    rec = tmp_path / "matrix.json"
+    rec.write_text(json.dumps(RECORD))
+    assert tool.main(["--command", "--record", str(rec), "--families", "gemm", "--python", "python3"]) == 0
+    cmd = shlex.split(capsys.readouterr().out)
+    assert cmd[0] == "ncu" and "--profile-from-start" in cmd and cmd[cmd.index("--print-nvtx-rename") + 1] == "kernel"
+    assert cmd[cmd.index("--cases") + 1] == "qwen3-8b.qkv K=4096 N=6144 M=64"
+    assert cmd[cmd.index("--families") + 1] == "gemm" and "--profile" in cmd
+    with pytest.raises(SystemExit):
+        tool.main(["--command", "--record", str(rec), "--families", "lmhead"])
+    assert "no points to profile" in capsys.readouterr().err
+
+
+def test_summary_groups_launches_by_point_and_side(tmp_path, capsys):
+    path = tmp_path / "gemm.csv"
+    t = "gpu__time_duration.sum"
+    path.write_text(_csv([
+        ("qwen3-8b.qkv K=4096 N=6144 M=64 | ours", {t: "30000", "sm__throughput.avg.pct_of_peak_sustained_elapsed": "40.5",
+                                                  "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": "2.5",
+                                                  "launch__registers_per_thread": "168"}),
+        ("qwen3-8b.qkv K=4096 N=6144 M=64 | ours", {t: "2000"}),
+        ("qwen3-8b.qkv K=4096 N=6144 M=64 | torch.F.linear", {t: "25,000"}),
+        ("nvjet_unnamed", {t: "1000"}),
+    ]))
+    out = tmp_path / "s.json"
+    assert tool.main(["--summary", str(path), "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    (point,) = rep["points"]
+    assert point["case"] == "qwen3-8b.qkv K=4096 N=6144 M=64"
+    assert point["sides"]["ours"]["device_us"] == 32.0 and len(point["sides"]["ours"]["launches"]) == 2
+    assert point["sides"]["torch.F.linear"]["device_us"] == 25.0
+    assert len(rep["unattributed"]) == 1
+    printed = capsys.readouterr().out
+    assert "SM  40.5%" in printed and "regs 168" in printed and "wait 2.50" in printed
+    assert "1 launches without a '<case> | <side>' name" in printed
+
+
+def test_summary_of_an_output_without_metric_rows_fails(tmp_path, capsys):
+    path = tmp_path / "empty.csv"
+    path.write_text("==PROF== Connected to process\n==ERROR== the profiler could not start\n")
+    assert read_launches(path) == []
+    assert tool.main(["--summary", str(path)]) == 1
+    assert "no ncu launches" in capsys.readouterr().out
+
+
+def test_short_names_and_argument_errors(capsys):
+    assert short_name("smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio") == "stall_long_scoreboard"
+    assert short_name("dram__throughput.avg.pct_of_peak_sustained_elapsed") == "dram__throughput%el"
+    with pytest.raises(SystemExit):
+        tool.main([])
+    assert "exactly one of --command and --summary" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.main(["--summary", "/nonexistent.csv"])
+    assert "no such file" in capsys.readouterr().err

@@ -1,0 +1,149 @@
+"""Nsight Compute counters for the benchmark matrix's missed points: ours next to each baseline.
+
+``--command`` prints the ncu command line that runs ``benchmarks/operators/bench_matrix_gpu.py
+--profile`` over the selected points — by default the graph-mode misses of a matrix record
+(``--record``), narrowed to ``--families`` — with ``--profile-from-start off --nvtx
+--print-nvtx-rename kernel``: the benchmark calls ours and each baseline once per point between
+``cudaProfilerStart``/``Stop`` inside an NVTX range ``"<case> | <side>"``, so every profiled
+kernel comes out named by its point and side. The counters are those of
+:data:`benchmarks.common.ncu.NCU_METRICS` (device time, SM / DRAM / tensor-pipe shares of peak,
+occupancy, registers, warp stall reasons).
+
+``--summary CSV [CSV ...] --out JSON`` reads ncu's ``--csv`` outputs and writes, per point and
+side, every launch's counters and the side's device time; it prints one line per side: device
+time, launches, and the longest launch's SM, DRAM and tensor-pipe shares, active warps,
+registers per thread and its two largest stall reasons — what ``matrix_reasons.py --reasons``
+cites as the measured reason of a miss.
+
+    eval "$(python3 tools/benchmarking/matrix_ncu.py --command --families gemm)" > gemm_ncu.csv
+    python3 tools/benchmarking/matrix_ncu.py --summary gemm_ncu.csv --out matrix_ncu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.common.ncu import NCU_METRICS, STALLS, read_launches  # noqa: E402
+
+BENCH = "benchmarks/operators/bench_matrix_gpu.py"
+SEP = " | "
+
+
+def record_misses(record: dict, families: list[str] | None = None, mode: str = "graph") -> list[str]:
+    """The case labels (``bench_matrix_gpu.py --cases`` patterns) of the record's points that miss
+    their target in ``mode``, in the record's order, of ``families`` (all when None)."""
+    out = []
+    for s in record.get("summary", []):
+        if s.get("mode") != mode or s.get("met") is not False or (families and s.get("family") not in families):
+            continue
+        case = s["case"]
+        prefix, suffix = f"{s['family']}: ", f" [{mode}]"
+        if case.startswith(prefix):
+            case = case[len(prefix):]
+        if case.endswith(suffix):
+            case = case[: -len(suffix)]
+        if case not in out:
+            out.append(case)
+    return out
+
+
+def command(cases: list[str], metrics: str, families: list[str] | None, python: str) -> list[str]:
+    """The ncu command line over ``bench_matrix_gpu.py --profile --cases ...``."""
+    cmd = ["ncu", "--target-processes", "all", "--profile-from-start", "off", "--clock-control", "none", "--nvtx",
+           "--print-nvtx-rename", "kernel", "--csv", "--print-units", "base", "--metrics", metrics,
+           python, BENCH, "--profile", "--cases", ",".join(cases)]
+    if families:
+        cmd += ["--families", ",".join(families)]
+    return cmd
+
+
+def summarize(paths: list[Path]) -> dict:
+    """Per point, per side: launches (id, grid, block, counters) and the device time in µs."""
+    points: dict[str, dict] = {}
+    unattributed: list[dict] = []
+    for path in paths:
+        for launch in read_launches(path):
+            name = launch["kernel"] or ""
+            if SEP not in name:
+                unattributed.append(launch)
+                continue
+            case, side = name.rsplit(SEP, 1)
+            entry = points.setdefault(case, {"case": case, "sides": {}})
+            s = entry["sides"].setdefault(side, {"launches": [], "device_us": 0.0})
+            s["launches"].append({k: launch[k] for k in ("id", "grid", "block", "metrics")})
+            t = launch["metrics"].get("gpu__time_duration.sum")
+            if isinstance(t, float):
+                s["device_us"] += t / 1000.0  # ncu's base unit: ns
+    return {"schema_version": 1, "family": "matrix_ncu", "metrics": list(NCU_METRICS), "sources": [str(p) for p in paths],
+            "points": list(points.values()), "unattributed": unattributed}
+
+
+def side_line(side: str, s: dict) -> str:
+    """One printed line: device time, launches and the longest launch's counters."""
+    main = max(s["launches"], key=lambda x: x["metrics"].get("gpu__time_duration.sum") or 0.0)
+    m = main["metrics"]
+
+    def pct(key: str) -> str:
+        v = m.get(key)
+        return f"{v:5.1f}" if isinstance(v, float) else "    -"
+
+    stalls = sorted(((m.get(f"stall_{k}"), k) for k in STALLS if isinstance(m.get(f"stall_{k}"), float)), reverse=True)
+    top = ", ".join(f"{k} {v:.2f}" for v, k in stalls[:2])
+    regs = m.get("launch__registers_per_thread")
+    return (f"  {side:22s} {s['device_us']:9.1f} us  {len(s['launches']):2d} launches | longest: grid {main['grid']}, "
+            f"SM {pct('sm__throughput%el')}%  DRAM {pct('dram__throughput%el')}%  tensor {pct('sm__pipe_tensor_cycles_active%act')}%  "
+            f"warps {pct('sm__warps_active%act')}%  regs {int(regs) if isinstance(regs, float) else '-'}  stalls: {top}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--command", action="store_true", help="print the ncu command line and exit")
+    ap.add_argument("--record", type=Path, default=Path("reports/gpu/h200/matrix.json"),
+                    help="matrix record whose graph-mode misses are profiled (with --command)")
+    ap.add_argument("--cases", default=None, help="comma-separated case patterns instead of the record's misses")
+    ap.add_argument("--families", default=None, help="comma-separated families to keep (gemm, attention, decode, lmhead)")
+    ap.add_argument("--metrics", default=",".join(NCU_METRICS), help="ncu metrics (comma-separated)")
+    ap.add_argument("--python", default=sys.executable, help="interpreter ncu launches")
+    ap.add_argument("--summary", type=Path, nargs="+", default=None, metavar="CSV", help="ncu --csv outputs to summarise")
+    ap.add_argument("--out", type=Path, default=None, help="JSON summary (with --summary)")
+    a = ap.parse_args(argv)
+    families = [f for f in a.families.split(",") if f] if a.families else None
+    if a.command == (a.summary is not None):
+        ap.error("expected exactly one of --command and --summary")
+    if a.command:
+        if a.cases:
+            cases = [c for c in a.cases.split(",") if c]
+        else:
+            if not a.record.is_file():
+                ap.error(f"--record: no such file {str(a.record)!r}")
+            cases = record_misses(json.loads(a.record.read_text(encoding="utf-8")), families)
+        if not cases:
+            ap.error("no points to profile: the record has no graph-mode miss in these families (or --cases is empty)")
+        print(shlex.join(command(cases, a.metrics, families, a.python)))
+        return 0
+    missing = [str(p) for p in a.summary if not p.is_file()]
+    if missing:
+        ap.error(f"--summary: no such file {', '.join(missing)}")
+    rep = summarize(list(a.summary))
+    for point in rep["points"]:
+        print(point["case"])
+        for side, s in point["sides"].items():
+            print(side_line(side, s))
+    if rep["unattributed"]:
+        print(f"{len(rep['unattributed'])} launches without a '<case> | <side>' name (ncu did not rename them)")
+    if not rep["points"] and not rep["unattributed"]:
+        print("no ncu launches in " + ", ".join(map(str, a.summary)))
+    if a.out is not None:
+        a.out.write_text(json.dumps(rep, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {a.out}: {len(rep['points'])} points")
+    return 0 if rep["points"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
