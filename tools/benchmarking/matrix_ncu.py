@@ -64,19 +64,34 @@ def command(cases: list[str], metrics: str, families: list[str] | None, python: 
 
 
 def summarize(paths: list[Path]) -> dict:
-    """Per point, per side: launches (id, grid, block, counters) and the device time in µs."""
+    """Per point, per side: launches (id, kernel, grid, block, counters) and the device time in µs.
+
+    ncu renames a kernel ``"<case> | <side>/<kernel>"`` (the innermost NVTX range, then the
+    kernel's own name). NVTX ranges belong to the thread that pushed them, so a backward's kernels
+    — launched from autograd's device thread — come out unnamed; each profiled call runs alone
+    between ``cudaProfilerStart`` and ``cudaProfilerStop``, so an unnamed launch belongs to the
+    named launch before it in the same output (``"thread": "other"``). Unnamed launches before any
+    named one stay ``unattributed``."""
     points: dict[str, dict] = {}
     unattributed: list[dict] = []
     for path in paths:
+        current: tuple[str, str] | None = None
         for launch in read_launches(path):
             name = launch["kernel"] or ""
-            if SEP not in name:
+            thread = "range"
+            if SEP in name:
+                case, rest = name.rsplit(SEP, 1)
+                side, _, kernel = rest.partition("/")
+                current = (case, side)
+            elif current is not None:
+                (case, side), kernel, thread = current, name, "other"
+            else:
                 unattributed.append(launch)
                 continue
-            case, side = name.rsplit(SEP, 1)
             entry = points.setdefault(case, {"case": case, "sides": {}})
             s = entry["sides"].setdefault(side, {"launches": [], "device_us": 0.0})
-            s["launches"].append({k: launch[k] for k in ("id", "grid", "block", "metrics")})
+            s["launches"].append({"id": launch["id"], "kernel": kernel, "thread": thread, "grid": launch["grid"],
+                                  "block": launch["block"], "metrics": launch["metrics"]})
             t = launch["metrics"].get("gpu__time_duration.sum")
             if isinstance(t, float):
                 s["device_us"] += t / 1000.0  # ncu's base unit: ns
@@ -96,7 +111,8 @@ def side_line(side: str, s: dict) -> str:
     stalls = sorted(((m.get(f"stall_{k}"), k) for k in STALLS if isinstance(m.get(f"stall_{k}"), float)), reverse=True)
     top = ", ".join(f"{k} {v:.2f}" for v, k in stalls[:2])
     regs = m.get("launch__registers_per_thread")
-    return (f"  {side:22s} {s['device_us']:9.1f} us  {len(s['launches']):2d} launches | longest: grid {main['grid']}, "
+    return (f"  {side:18s} {s['device_us']:9.1f} us  {len(s['launches']):2d} launches | longest {main['kernel'][:40]} "
+            f"grid {main['grid']}: "
             f"SM {pct('sm__throughput%el')}%  DRAM {pct('dram__throughput%el')}%  tensor {pct('sm__pipe_tensor_cycles_active%act')}%  "
             f"warps {pct('sm__warps_active%act')}%  regs {int(regs) if isinstance(regs, float) else '-'}  stalls: {top}")
 
@@ -112,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default=sys.executable, help="interpreter ncu launches")
     ap.add_argument("--summary", type=Path, nargs="+", default=None, metavar="CSV", help="ncu --csv outputs to summarise")
     ap.add_argument("--out", type=Path, default=None, help="JSON summary (with --summary)")
+    ap.add_argument("--commit", default=None, help="the profiled tree's commit, recorded in the summary")
     a = ap.parse_args(argv)
     families = [f for f in a.families.split(",") if f] if a.families else None
     if a.command == (a.summary is not None):
@@ -131,12 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         ap.error(f"--summary: no such file {', '.join(missing)}")
     rep = summarize(list(a.summary))
+    rep["commit"] = a.commit
     for point in rep["points"]:
         print(point["case"])
         for side, s in point["sides"].items():
             print(side_line(side, s))
     if rep["unattributed"]:
-        print(f"{len(rep['unattributed'])} launches without a '<case> | <side>' name (ncu did not rename them)")
+        print(f"{len(rep['unattributed'])} launches before any '<case> | <side>' range (not attributed)")
     if not rep["points"] and not rep["unattributed"]:
         print("no ncu launches in " + ", ".join(map(str, a.summary)))
     if a.out is not None:
