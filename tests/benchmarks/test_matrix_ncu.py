@@ -54,27 +54,34 @@ def test_command_profiles_from_the_ranges_and_renames_kernels(tmp_path, capsys):
 
 
 def test_summary_groups_launches_by_point_and_side(tmp_path, capsys):
+    """ncu names a kernel ``"<case> | <side>/<kernel>"``; a launch from another thread (autograd's
+    backward) has no range and belongs to the named launch before it; one before any stays
+    unattributed."""
     path = tmp_path / "gemm.csv"
     t = "gpu__time_duration.sum"
+    case = "qwen3-8b.qkv K=4096 N=6144 M=64"
     path.write_text(_csv([
-        ("qwen3-8b.qkv K=4096 N=6144 M=64 | ours", {t: "30000", "sm__throughput.avg.pct_of_peak_sustained_elapsed": "40.5",
-                                                  "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": "2.5",
-                                                  "launch__registers_per_thread": "168"}),
-        ("qwen3-8b.qkv K=4096 N=6144 M=64 | ours", {t: "2000"}),
-        ("qwen3-8b.qkv K=4096 N=6144 M=64 | torch.F.linear", {t: "25,000"}),
-        ("nvjet_unnamed", {t: "1000"}),
+        ("warmup_kernel", {t: "500"}),
+        (f"{case} | ours/rlk_linear_fwd_tma", {t: "30000", "sm__throughput.avg.pct_of_peak_sustained_elapsed": "40.5",
+                                               "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": "2.5",
+                                               "launch__registers_per_thread": "168"}),
+        ("rlk_attn_bwd_dq", {t: "2000"}),
+        (f"{case} | torch.F.linear/nvjet_sm90", {t: "25,000"}),
     ]))
     out = tmp_path / "s.json"
-    assert tool.main(["--summary", str(path), "--out", str(out)]) == 0
+    assert tool.main(["--summary", str(path), "--out", str(out), "--commit", "abc1234"]) == 0
     rep = json.loads(out.read_text())
+    assert rep["commit"] == "abc1234"
     (point,) = rep["points"]
-    assert point["case"] == "qwen3-8b.qkv K=4096 N=6144 M=64"
-    assert point["sides"]["ours"]["device_us"] == 32.0 and len(point["sides"]["ours"]["launches"]) == 2
+    ours = point["sides"]["ours"]
+    assert point["case"] == case and ours["device_us"] == 32.0
+    assert [(x["kernel"], x["thread"]) for x in ours["launches"]] == [("rlk_linear_fwd_tma", "range"),
+                                                                       ("rlk_attn_bwd_dq", "other")]
     assert point["sides"]["torch.F.linear"]["device_us"] == 25.0
-    assert len(rep["unattributed"]) == 1
+    assert [x["kernel"] for x in rep["unattributed"]] == ["warmup_kernel"]
     printed = capsys.readouterr().out
     assert "SM  40.5%" in printed and "regs 168" in printed and "wait 2.50" in printed
-    assert "1 launches without a '<case> | <side>' name" in printed
+    assert "1 launches before any '<case> | <side>' range" in printed
 
 
 def test_summary_of_an_output_without_metric_rows_fails(tmp_path, capsys):
