@@ -27,6 +27,8 @@ runs one warmed-up forward+backward of ``ours`` per token count between ``cudaPr
 ``cudaProfilerStop`` (not an NVTX range: the backward launches from the autograd thread) and
 prints the GEMM launches in order to stderr; ``--ncu-command`` prints the ncu command line over it (``--ncu-metrics``
 overrides the metrics); ``--ncu-summary CSV`` prints ncu's ``--csv`` output launch by launch.
+``--host-profile CALLS`` adds each case's ``cProfile`` of that many eager calls (``cprofile``: where
+the host time of the eager rows goes, function by function).
 
     python3 tools/benchmarking/moe_profile_gpu.py --out $OUT/bench_moe_profile.json
     eval "$(python3 tools/benchmarking/moe_profile_gpu.py --ncu-command)" > /tmp/moe_ncu.csv
@@ -196,6 +198,8 @@ def profile_case(fn, ours: bool, iters: int, warmup: int) -> dict:
 
 
 def print_row(row: dict, top: int) -> None:
+    if row.get("cprofile"):
+        print(f"== cProfile T={row['tokens']} {row['case']}\n{row['cprofile'][:2500]}")
     print(f"T={row['tokens']} {row['case']} ({row['implementation']}): device {row['device_us_per_iter'] / 1e3:.3f} "
           f"ms/iter, wall {row['wall_us_median'] / 1e3:.3f} ms (median of {row['iters']}), "
           f"{len(row['kernels'])} kernels")
@@ -209,6 +213,31 @@ def print_row(row: dict, top: int) -> None:
     for k, note in row["attribution_notes"].items():
         print(f"      {k}: {note}")
     sys.stdout.flush()
+
+
+def host_profile(fn, calls: int, top: int = 25) -> str:
+    """``cProfile`` of ``calls`` eager calls of ``fn`` (after two warm-up calls), the device kept
+    ahead by a CUDA sleep so the host is what is measured: the top functions by own time, then by
+    cumulative time (the eager rows' host cost, function by function)."""
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9 * calls * 2e-3))  # ~2 ms of device time per call queued ahead
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
 
 
 def ncu_summary(path: str) -> int:
@@ -235,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--single", action="store_true",
                     help="one warmed-up forward+backward of ours per token count, between cudaProfilerStart and "
                          "cudaProfilerStop (for ncu)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
+                    help="also cProfile CALLS eager calls of each case (host time by function; the device kept ahead)")
     ap.add_argument("--ncu-command", action="store_true", help="print the ncu command line over --single and exit")
     ap.add_argument("--ncu-metrics", default=",".join(NCU_METRICS), help="metrics of --ncu-command")
     ap.add_argument("--ncu-summary", metavar="CSV", help="print an ncu --csv output one launch at a time and exit")
@@ -246,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     except argparse.ArgumentTypeError as exc:
         ap.error(str(exc))
     H, E, K, I = DIMS
-    if args.iters < 1 or args.warmup < 0 or args.top < 0:
-        ap.error("--iters must be positive, --warmup and --top non-negative")
+    if args.iters < 1 or args.warmup < 0 or args.top < 0 or args.host_profile < 0:
+        ap.error("--iters must be positive, --warmup, --top and --host-profile non-negative")
     if args.ncu_command:
         script = Path(__file__).resolve()
         if Path.cwd() in script.parents:  # the repository root (as gpu_all_run.sh runs it): a relative path
@@ -286,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                    "implementation": bench.IMPL if case.startswith("ours") else base_impl, "hidden": H, "experts": E,
                    "top_k": K, "moe_intermediate": I, "dtype": "bfloat16", "iters": args.iters}
             rows.append({**row, **profile_case(fn, case.startswith("ours"), args.iters, args.warmup)})
+            if args.host_profile:
+                rows[-1]["cprofile"] = host_profile(fn, args.host_profile)
             print_row(rows[-1], args.top)
         del x, fn
         torch.cuda.empty_cache()
