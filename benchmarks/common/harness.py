@@ -178,6 +178,33 @@ def host_call_samples(fn: Callable[[], Any], *, calls: int = 200, repeats: int =
     return out
 
 
+def cprofile_text(fn: Callable[[], Any], calls: int, *, top: int = 30, warmup: int = 20, device: str = "cpu",
+                  ahead_s_per_call: float = 0.0) -> str:
+    """``cProfile`` of ``calls`` calls of ``fn`` after ``warmup`` untimed ones: the ``top``
+    functions by own time, then by cumulative time. On CUDA, ``ahead_s_per_call`` > 0 first queues
+    that much device sleep per call, so the GPU stays ahead and the profile is of the host alone."""
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    if ahead_s_per_call > 0 and torch.device(device).type == "cuda":
+        torch.cuda._sleep(int(2e9 * calls * ahead_s_per_call))  # ~2 GHz
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    _sync(device)
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
 def capture_cuda_graph(fn: Callable[[], Any], *, calls: int = 1) -> tuple[torch.cuda.CUDAGraph, Any]:
     """``fn`` captured ``calls`` times in one CUDA graph after one eager call on a side stream
     (what capture needs: lazy initialisation and compilation happen outside the graph); returns

@@ -10,7 +10,6 @@ stall reasons in cycles per issued instruction (the breakdown of ncu's WarpState
 from __future__ import annotations
 
 import csv
-from collections import defaultdict
 from pathlib import Path
 
 __all__ = ["STALLS", "NCU_METRICS", "read_launches", "short_name"]
@@ -63,11 +62,3 @@ def read_launches(path: str | Path) -> list[dict]:
             parsed = value
         launches[key]["metrics"][short_name(r["Metric Name"])] = parsed
     return [launches[k] for k in order]
-
-
-def group_by_kernel(launches: list[dict]) -> dict[str, list[dict]]:
-    """Launches grouped by kernel name, each group in launch order."""
-    out: dict[str, list[dict]] = defaultdict(list)
-    for launch in launches:
-        out[launch["kernel"]].append(launch)
-    return dict(out)

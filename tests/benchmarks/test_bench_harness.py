@@ -171,3 +171,19 @@ def test_cuda_graphs_interleaved_ms_times_every_callable_per_call():
     assert set(got) == {"small", "big"} and all(len(v) == 7 and min(v) > 0 for v in got.values())
     # 256x the bytes: the medians must order (a broken pairing of names and graphs would not)
     assert sorted(got["big"])[3] > 4 * sorted(got["small"])[3]
+
+
+def test_cprofile_text_lists_the_profiled_calls_by_own_and_cumulative_time():
+    from benchmarks.common.harness import cprofile_text
+
+    calls = []
+
+    def fn():
+        calls.append(1)
+        return torch.randn(16).sum()
+
+    text = cprofile_text(fn, 7, top=5, warmup=3)
+    assert len(calls) == 10  # warm-up calls are made but not profiled
+    assert "Ordered by: internal time" in text and "Ordered by: cumulative time" in text
+    fn_rows = [ln.split() for ln in text.splitlines() if ln.rstrip().endswith("(fn)")]
+    assert fn_rows and all(r[0] == "7" for r in fn_rows)  # fn profiled 7 times, in both listings

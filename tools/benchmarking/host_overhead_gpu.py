@@ -32,10 +32,7 @@ the benchmark harness's ``implementation`` / ``config`` / ``median`` / ``unit``,
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import statistics
 import sys
 import time
@@ -49,6 +46,8 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "operators"))
 sys.path.insert(0, str(ROOT))
 
 import bench_gemm_gpu as bench  # noqa: E402
+
+from benchmarks.common.harness import cprofile_text  # noqa: E402
 
 
 def per_call_us(fn, n: int = 400, reps: int = 7, syncs: bool = False) -> dict:
@@ -82,25 +81,6 @@ OTHER_CASES = (
     "embedding torch", "embedding public", "embedding custom_op", "index check: check_index_range",
     "index check: aminmax", "index check: comparisons", "index check: comparison + _assert_async",
 )
-
-
-def profile_text(fn, calls: int, top: int = 30) -> str:
-    """``cProfile`` of ``calls`` calls of ``fn`` (after 20 warm-up calls): the top functions by
-    own time, then by cumulative time."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    stats = pstats.Stats(prof, stream=s)
-    stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_stats(top)
-    return s.getvalue()
 
 
 def other_ops() -> dict[str, tuple]:
@@ -272,7 +252,7 @@ def main() -> int:
     assert tuple(every) == GEMM_CASES + OTHER_CASES, "GEMM_CASES / OTHER_CASES must list the cases timed"
     profiles = {}
     for name in args.profile:
-        profiles[name] = profile_text(every[name], args.profile_calls)
+        profiles[name] = cprofile_text(every[name], args.profile_calls, device="cuda")
         print(f"== cProfile {name} ({args.profile_calls} calls)\n{profiles[name][:6000]}", flush=True)
     args.out.write_text(json.dumps({"rows": rows, "cprofile": profiles}, indent=1))
     return 0

@@ -53,7 +53,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common.harness import device_info, versions  # noqa: E402
+from benchmarks.common.harness import cprofile_text, device_info, versions  # noqa: E402
 from benchmarks.common.ncu import NCU_METRICS, read_launches  # noqa: E402
 from benchmarks.operators import bench_moe_gpu as bench  # noqa: E402
 
@@ -215,31 +215,6 @@ def print_row(row: dict, top: int) -> None:
     sys.stdout.flush()
 
 
-def host_profile(fn, calls: int, top: int = 25) -> str:
-    """``cProfile`` of ``calls`` eager calls of ``fn`` (after two warm-up calls), the device kept
-    ahead by a CUDA sleep so the host is what is measured: the top functions by own time, then by
-    cumulative time (the eager rows' host cost, function by function)."""
-    import cProfile
-    import io
-    import pstats
-
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9 * calls * 2e-3))  # ~2 ms of device time per call queued ahead
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    stats = pstats.Stats(prof, stream=out)
-    stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_stats(top)
-    return out.getvalue()
-
-
 def ncu_summary(path: str) -> int:
     """Print ncu's ``--csv`` output (a row per launch and metric) as one block per launch."""
     launches = read_launches(path)
@@ -318,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                    "top_k": K, "moe_intermediate": I, "dtype": "bfloat16", "iters": args.iters}
             rows.append({**row, **profile_case(fn, case.startswith("ours"), args.iters, args.warmup)})
             if args.host_profile:
-                rows[-1]["cprofile"] = host_profile(fn, args.host_profile)
+                rows[-1]["cprofile"] = cprofile_text(fn, args.host_profile, top=25, warmup=2, device="cuda",
+                                                     ahead_s_per_call=2e-3)  # the GPU kept ahead
             print_row(rows[-1], args.top)
         del x, fn
         torch.cuda.empty_cache()

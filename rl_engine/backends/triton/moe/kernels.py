@@ -250,8 +250,7 @@ def _grouped(a: torch.Tensor, a_rows: torch.Tensor, w: torch.Tensor, n: int, kd:
             a, a_rows, scale if scale is not None else a, w, out, perm.order, tiles.tile_expert, tiles.tile_cum,
             perm.offsets, perm.counts.shape[0], n, kd, a.stride(0), a.stride(1), *strides, out.stride(0),
             out.stride(1), SCALE_OUT=scale is not None, IEEE=ieee, MASKED_N=cfg.masked_loads, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -321,8 +320,7 @@ def _wgrad(left: torch.Tensor, l_rows: torch.Tensor, right: torch.Tensor, r_rows
                             perm.offsets, N1, N2, left.stride(0), left.stride(1), right.stride(0), right.stride(1),
                             dw.stride(0), dw.stride(1), dw.stride(2), HAS_SCALE=scale is not None, SORTED=sorted_,
                             IEEE=ieee, MASKED_N=cfg.masked_loads, BLOCK_N1=cfg.block_m, BLOCK_N2=cfg.block_n,
-                            BLOCK_S=cfg.block_k,
-                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                            BLOCK_S=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dw
 
 
