@@ -16,10 +16,13 @@ family                  baselines (the row's ``baseline`` is the fastest one tim
                         ``enable_gqa``; one batched call per sequence length of the mix, on
                         ``[b, H, S, D]`` copies made outside the timing: the layout it is
                         fastest in) and ``flash_attn.varlen`` when ``flash_attn`` imports
-``decode``              contiguous: ``torch.sdpa`` on ``[B, H, ctx, D]`` copies; paged:
-                        ``torch.gather+sdpa`` (the step's pages gathered, then SDPA: the gather
-                        is timed); ``flash_attn.with_kvcache`` (which also appends the new
-                        token, as ours does) when ``flash_attn`` imports and takes the layout
+``decode``              the whole step, as ours does it: the new token's key and value
+                        written into the cache, then attention over it. Contiguous:
+                        ``torch.append+sdpa`` (two in-place copies into ``[B, H, ctx, D]``
+                        caches, then SDPA); paged: ``torch.append+gather+sdpa`` (two
+                        ``index_copy_`` into the pages, the step's pages gathered, then SDPA);
+                        ``flash_attn.with_kvcache`` (append and attention in one kernel) when
+                        ``flash_attn`` imports and takes the layout
 ``lmhead``              ``naive`` (``F.linear`` → ``log_softmax`` in fp32 → ``gather``), and
                         for forward + backward ``liger.flce`` (Liger-Kernel's fused linear
                         cross-entropy, ``reduction="none"``) when ``liger_kernel`` imports
@@ -452,7 +455,14 @@ def _decode_build(case: str, B: int, ctx: int, Hq: int, Hkv: int, D: int, layout
             name = "rlk.ops.attention.cached_attention_step"
             ks, vs = keys.transpose(1, 2).contiguous(), vals.transpose(1, 2).contiguous()
             qs = q[:, :, None]
-            baselines["torch.sdpa"] = lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=Hq != Hkv)
+            k_step, v_step = k_new[:, :, None], v_new[:, :, None]
+
+            def append_sdpa():
+                ks[:, :, ctx - 1:].copy_(k_step)
+                vs[:, :, ctx - 1:].copy_(v_step)
+                return F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=Hq != Hkv)
+
+            baselines["torch.append+sdpa"] = append_sdpa
             fa_cache = (cache.k, cache.v, None)
         else:
             pages = -(-ctx // PAGE)
@@ -479,12 +489,16 @@ def _decode_build(case: str, B: int, ctx: int, Hq: int, Hkv: int, D: int, layout
             flat = rows_dev.reshape(-1)
             qs = q[:, :, None]
 
-            def gather_sdpa():
+            slots = rows_dev[:, ctx - 1].contiguous()
+
+            def append_gather_sdpa():
+                k_rows.index_copy_(0, slots, k_new)
+                v_rows.index_copy_(0, slots, v_new)
                 kg = k_rows.index_select(0, flat).view(B, ctx, Hkv, D).transpose(1, 2)
                 vg = v_rows.index_select(0, flat).view(B, ctx, Hkv, D).transpose(1, 2)
                 return F.scaled_dot_product_attention(qs, kg, vg, enable_gqa=Hq != Hkv)
 
-            baselines["torch.gather+sdpa"] = gather_sdpa
+            baselines["torch.append+gather+sdpa"] = append_gather_sdpa
             fa_cache = (k_cache, v_cache, table.to(env.device))
         del keys, vals
         if fa is not None and env.device != "cpu":

@@ -216,8 +216,9 @@ def main() -> int:
     grid = (-(-args.m // cfg.block_m) * -(-n // cfg.block_n),)
 
     def launch():
-        K.rlk_linear_fwd_tma[grid](da, db, dc, y, args.m, n, k, HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                   BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        K.rlk_linear_fwd_tma[grid](da, db, dc, y, args.m, n, k, y.stride(0), HAS_BIAS=False, BLOCK_M=cfg.block_m,
+                                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STORE_PTR=False,
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def public():
         with nan_policy("propagate"):

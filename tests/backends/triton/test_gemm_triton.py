@@ -214,12 +214,14 @@ def _all_forward_variants(dtype: torch.dtype):
 @gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("k", [4096, 1000])
-def test_every_shipped_config_gives_identical_bits(dtype, k):
-    """The configuration may follow M only because all of them compute the same bits."""
+@pytest.mark.parametrize("n", [264, 263])
+def test_every_shipped_config_gives_identical_bits(dtype, k, n):
+    """The configuration may follow M only because all of them compute the same bits. N = 263
+    (a 526-byte output row) runs the TMA configurations with pointer stores of the output."""
     kern = _kernels()
     dt = _dt(dtype)
-    x, w, b = _data(300, k, 264, dtype, seed=k)
-    gy = torch.randn(300, 264, generator=torch.Generator().manual_seed(1)).to(dt).cuda()
+    x, w, b = _data(300, k, n, dtype, seed=k)
+    gy = torch.randn(300, n, generator=torch.Generator().manual_seed(1)).to(dt).cuda()
     variants = list(_all_forward_variants(dt))
     assert len(variants) >= 2
     base_cfg, _ = variants[0]
@@ -271,6 +273,39 @@ def test_tail_split_launch_gives_the_same_bits(dtype, n, bias):
     acc = (x[:, :half].float() @ w[tail_cols, :half].float().T) + (x[:, half:].float() @ w[tail_cols, half:].float().T)
     planted[:, tail_cols] = (acc + (b[tail_cols].float() if bias else 0.0)).to(dt)
     assert not same_bits(planted, ref), "a tail computed in another K order was not caught"
+
+
+@interp
+@pytest.mark.parametrize("n,out_dtype,store_tma", [(40, None, True), (37, None, False), (40, torch.float32, False)])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_interpreter_tma_loads_store_by_tma_or_by_pointer(monkeypatch, n, out_dtype, store_tma, persistent):
+    """TMA configurations load by TMA whenever the inputs allow it; the output goes by TMA only
+    where TMA can address it: a ragged N (37 float16 columns: a 74-byte row) and the fp32 output
+    are stored by pointer from the same kernel. Each path equals the pointer-load kernel's bits
+    (float16 in the interpreter, a K tail, a bias; the persistent configuration with a tail split
+    into half tiles and its warp-specialised, subtiled epilogue, which pointer stores turn off);
+    the launch records which store ran; a product in another K order is caught (on the fp32
+    accumulator: a 16-bit rounding can hide it)."""
+    from rl_engine.backends.triton.gemm.configs import TileConfig
+
+    kern = _kernels()
+    monkeypatch.setattr(kern, "tma_supported", lambda *ts: all(kern._tma_addressable(t) for t in ts))
+    stores = []
+    real_output_arg = kern._output_arg
+    monkeypatch.setattr(kern, "_output_arg", lambda y, cfg, bn, tma: stores.append(tma) or real_output_arg(y, cfg, bn, tma))
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(33, 72, generator=g).half()
+    w, b = (torch.randn(n, 72, generator=g) * 0.2).half(), torch.randn(n, generator=g).half()
+    ref = kern.forward(x, w, b, config=TileConfig(16, 16, 32, 4, 2), allow_tma=False, out_dtype=out_dtype)
+    cfg = (TileConfig(16, 32, 32, 4, 2, tma=True, persistent=True, warp_specialize=True, epilogue_subtile=True)
+           if persistent else TileConfig(16, 16, 32, 4, 2, tma=True))
+    y = kern.forward(x, w, b, config=cfg, out_dtype=out_dtype, programs=4)  # 6 tiles on 4 programs: a tail split
+    assert stores and set(stores) == {store_tma}, stores
+    assert y.dtype == (out_dtype or x.dtype) and same_bits(y, ref), same_bits(y, ref)
+    # negative control on the unrounded accumulator (a 16-bit rounding can hide a K order)
+    acc = kern.forward(x, w, b, config=TileConfig(16, 16, 32, 4, 2), allow_tma=False, out_dtype=torch.float32)
+    split_k = (x[:, :40].float() @ w[:, :40].float().T) + (x[:, 40:].float() @ w[:, 40:].float().T) + b.float()
+    assert not same_bits(split_k, acc), "a product in another K order was not caught"
 
 
 @interp

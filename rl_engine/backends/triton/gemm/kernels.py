@@ -6,8 +6,8 @@ registration module imports it lazily, on the first call.
 Kernels (every launched name starts with ``rlk_``):
 
 * ``rlk_linear_fwd``      ``y = x Wᵀ + b``: pointer loads, any strides;
-* ``rlk_linear_fwd_tma``  the same arithmetic with TMA tensor-descriptor loads/stores (Hopper+,
-  16-byte aligned strides), used for large M;
+* ``rlk_linear_fwd_tma``  the same arithmetic with TMA tensor-descriptor loads (Hopper+, 16-byte
+  aligned strides) and TMA or pointer stores of the output (``rlk_store_tile``);
 * ``rlk_linear_dx``       ``dx = dy W`` (the forward tile kernel on ``W`` read as ``[K, N]``);
 * ``rlk_linear_dw``       ``dW = dyᵀ x``: the same tile kernel, reduction over the M rows in
   increasing order (no split-K, no atomics: deterministic run to run);
@@ -37,7 +37,7 @@ __all__ = ["forward", "grad_input", "grad_weight", "grad_bias", "KERNEL_NAMES", 
 KERNEL_NAMES = ("rlk_linear_fwd", "rlk_linear_fwd_tma", "rlk_linear_fwd_tma_persistent", "rlk_linear_dx",
                 "rlk_linear_dw", "rlk_linear_dbias")
 #: ``@triton.jit`` device functions (inlined into the kernels above, never launched on their own).
-DEVICE_FUNCTIONS = ("rlk_tile_coords", "rlk_tile_of", "rlk_abt_tile")
+DEVICE_FUNCTIONS = ("rlk_tile_coords", "rlk_tile_of", "rlk_abt_tile", "rlk_store_tile")
 
 _I32_LIMIT = 2**31 - 1
 
@@ -155,12 +155,30 @@ def rlk_linear_dw(a_ptr, b_ptr, c_ptr, bias_ptr, acc_ptr, M, N, K,
               BLOCK_K, GROUP_M)
 
 
+@triton.jit
+def rlk_store_tile(c, off_m, off_n, tile, M, N, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   STORE_PTR: tl.constexpr):
+    """Store a rounded output tile at ``(off_m, off_n)``: by TMA through the descriptor ``c``, or,
+    with ``STORE_PTR``, through the pointer ``c`` (row stride ``stride_cm``, unit column stride),
+    masked at rows ``M`` and columns ``N`` — for outputs whose row stride TMA cannot address (not
+    a multiple of 16 bytes: a ragged N) or whose tile would not fit shared memory (fp32 logits).
+    The values stored are the same either way."""
+    if STORE_PTR:
+        offs_m = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        tl.store(c + offs_m[:, None] * stride_cm + offs_n[None, :], tile.to(c.dtype.element_ty),
+                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    else:
+        c.store([off_m, off_n], tile.to(c.dtype))
+
+
 @triton.jit(do_not_specialize=["M", "N"])
-def rlk_linear_fwd_tma(a_desc, b_desc, c_desc, bias_ptr, M, N, K,
+def rlk_linear_fwd_tma(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_cm,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STORE_PTR: tl.constexpr):
     """Same arithmetic as ``rlk_linear_fwd`` (K from 0 upwards, fp32 acc, bias in fp32, one
-    rounding); tiles move by TMA, which zero-fills out-of-range rows, columns and the K tail."""
+    rounding); tiles move by TMA, which zero-fills out-of-range rows, columns and the K tail.
+    ``STORE_PTR``: ``c_desc`` is the output pointer (``rlk_store_tile``)."""
     pid_m, pid_n = rlk_tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
@@ -173,15 +191,15 @@ def rlk_linear_fwd_tma(a_desc, b_desc, c_desc, bias_ptr, M, N, K,
         offs_n = off_n + tl.arange(0, BLOCK_N)
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
         acc = acc + bias.to(tl.float32)[None, :]
-    c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+    rlk_store_tile(c_desc, off_m, off_n, acc, M, N, stride_cm, BLOCK_M, BLOCK_N, STORE_PTR)
 
 
 @triton.jit(do_not_specialize=["M", "N", "NUM_PROGRAMS", "TILE0", "TILE1"])
-def rlk_linear_fwd_tma_persistent(a_desc, b_desc, c_desc, bias_ptr, M, N, K, NUM_PROGRAMS, TILE0, TILE1,
+def rlk_linear_fwd_tma_persistent(a_desc, b_desc, c_desc, bias_ptr, M, N, K, stride_cm, NUM_PROGRAMS, TILE0, TILE1,
                                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                                   FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                                  EPILOGUE_SUBTILE: tl.constexpr, SUB: tl.constexpr):
+                                  EPILOGUE_SUBTILE: tl.constexpr, SUB: tl.constexpr, STORE_PTR: tl.constexpr):
     """Persistent form of ``rlk_linear_fwd_tma``: NUM_PROGRAMS programs walk the output tiles;
     each tile is computed exactly as there (same K loop, same epilogue), only the schedule and
     the software pipeline across tiles differ. ``EPILOGUE_SUBTILE``: the rounded tile is stored
@@ -191,7 +209,8 @@ def rlk_linear_fwd_tma_persistent(a_desc, b_desc, c_desc, bias_ptr, M, N, K, NUM
     ``rlk_tile_of``'s grouped order) ``TILE0 .. TILE1 - 1``, each computed as ``SUB`` column
     pieces of ``BLOCK_N``: ``SUB = 1`` is the whole launch (``TILE0 = 0``, ``TILE1`` every tile)
     or its full waves; ``SUB = 2`` the last wave's tiles as half-width tiles
-    (``configs.tail_split``). A piece past column N is zero-filled on load and not stored."""
+    (``configs.tail_split``). A piece past column N is zero-filled on load and not stored.
+    ``STORE_PTR``: ``c_desc`` is the output pointer (``rlk_store_tile``; no epilogue subtiles)."""
     num_tiles = (TILE1 - TILE0) * SUB
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
@@ -211,12 +230,12 @@ def rlk_linear_fwd_tma_persistent(a_desc, b_desc, c_desc, bias_ptr, M, N, K, NUM
             offs_n = off_n + tl.arange(0, BLOCK_N)
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
             acc = acc + bias.to(tl.float32)[None, :]
-        if EPILOGUE_SUBTILE:
+        if EPILOGUE_SUBTILE and not STORE_PTR:
             c0, c1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             c_desc.store([off_m, off_n], c0.to(c_desc.dtype))
             c_desc.store([off_m, off_n + BLOCK_N // 2], c1.to(c_desc.dtype))
         else:
-            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+            rlk_store_tile(c_desc, off_m, off_n, acc, M, N, stride_cm, BLOCK_M, BLOCK_N, STORE_PTR)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -266,13 +285,16 @@ def _tma_device(index: int) -> bool:
 def tma_supported(*tensors: torch.Tensor) -> bool:
     """TMA needs a Hopper+ CUDA device, a 16-byte aligned base, unit last stride and 16-byte
     aligned row strides."""
+    if tensors[0].device.type != "cuda":
+        return False
     index = tensors[0].device.index
     if not _tma_device(index if index is not None else torch.cuda.current_device()):
         return False
-    for t in tensors:
-        if t.dim() != 2 or t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            return False
-    return True
+    return all(_tma_addressable(t) for t in tensors)
+
+
+def _tma_addressable(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.stride(1) == 1 and not t.data_ptr() % 16 and not (t.stride(0) * t.element_size()) % 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -284,26 +306,41 @@ def _sm_count(device: torch.device) -> int:
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _launch_persistent(x, w, y, bias, cfg: TileConfig, programs: int, tile0: int, tile1: int, sub: int) -> None:
+def _output_arg(y: torch.Tensor, cfg: TileConfig, block_n: int, store_tma: bool):
+    """The kernels' output argument and the configuration they run: a descriptor of ``y``'s
+    ``[block_m, block_n]`` tiles, or (``store_tma=False``) ``y`` itself for pointer stores, with
+    warp specialisation and epilogue subtiles off (both shape the TMA-store epilogue; the
+    pointer store writes the tile from registers)."""
+    if store_tma:
+        return TensorDescriptor.from_tensor(y, [cfg.block_m, block_n]), cfg
+    if cfg.warp_specialize or cfg.epilogue_subtile:
+        cfg = dataclasses.replace(cfg, warp_specialize=False, epilogue_subtile=False)
+    return y, cfg
+
+
+def _launch_persistent(x, w, y, bias, cfg: TileConfig, programs: int, tile0: int, tile1: int, sub: int,
+                       store_tma: bool = True) -> None:
     """One launch of ``rlk_linear_fwd_tma_persistent`` over the schedule's tiles ``tile0 ..
     tile1 - 1`` (tiles of ``block_m × sub·block_n``, each as ``sub`` pieces of ``cfg``'s tile)."""
     M, K = x.shape
     N = w.shape[0]
-    subtile = cfg.epilogue_subtile
     a_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
-    c_desc = TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n // 2 if subtile else cfg.block_n])
+    c, cfg = _output_arg(y, cfg, cfg.block_n // 2 if cfg.epilogue_subtile else cfg.block_n, store_tma)
     rlk_linear_fwd_tma_persistent[(programs,)](
-        a_desc, b_desc, c_desc, bias if bias is not None else y, M, N, K, programs, tile0, tile1,
+        a_desc, b_desc, c, bias if bias is not None else y, M, N, K, y.stride(0), programs, tile0, tile1,
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, FLATTEN=not cfg.warp_specialize, WARP_SPECIALIZE=cfg.warp_specialize,
-        EPILOGUE_SUBTILE=subtile, SUB=sub, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EPILOGUE_SUBTILE=cfg.epilogue_subtile, SUB=sub, STORE_PTR=not store_tma, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
-def _launch_tma(x, w, y, bias, cfg: TileConfig, programs: int | None = None, tail: bool = True) -> None:
-    """``programs``: the persistent grid's size (default: the device's SM count); ``tail``: run
-    a last wave that is at most half full as half-width tiles (``configs.tail_split``)."""
+def _launch_tma(x, w, y, bias, cfg: TileConfig, programs: int | None = None, tail: bool = True,
+                store_tma: bool = True) -> None:
+    """TMA loads of ``x`` and ``w``; the output by TMA or (``store_tma=False``) by pointer stores.
+    ``programs``: the persistent grid's size (default: the device's SM count); ``tail``: run a
+    last wave that is at most half full as half-width tiles (``configs.tail_split``)."""
     M, K = x.shape
     N = w.shape[0]
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
@@ -311,18 +348,18 @@ def _launch_tma(x, w, y, bias, cfg: TileConfig, programs: int | None = None, tai
         programs = programs or _sm_count(x.device)
         split = tail_split(tiles, programs) if tail else None
         if split is None:
-            _launch_persistent(x, w, y, bias, cfg, min(tiles, programs), 0, tiles, 1)
+            _launch_persistent(x, w, y, bias, cfg, min(tiles, programs), 0, tiles, 1, store_tma)
         else:
-            _launch_persistent(x, w, y, bias, cfg, programs, 0, split, 1)
-            _launch_persistent(x, w, y, bias, tail_config(cfg), 2 * (tiles - split), split, tiles, 2)
+            _launch_persistent(x, w, y, bias, cfg, programs, 0, split, 1, store_tma)
+            _launch_persistent(x, w, y, bias, tail_config(cfg), 2 * (tiles - split), split, tiles, 2, store_tma)
         return
     a_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
-    c_desc = TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n])
+    c, cfg = _output_arg(y, cfg, cfg.block_n, store_tma)
     rlk_linear_fwd_tma[(tiles,)](
-        a_desc, b_desc, c_desc, bias if bias is not None else y, M, N, K,
+        a_desc, b_desc, c, bias if bias is not None else y, M, N, K, y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP_M=cfg.group_m, STORE_PTR=not store_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -343,9 +380,12 @@ def forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config:
     tests set it to exercise ``configs.tail_split`` on small shapes); ``tail=False`` keeps a
     partly filled last wave in the one launch. Every choice gives the same bits.
 
-    ``out_dtype=torch.float32`` with 16-bit ``x`` (the fp32-output variant): the fp32
-    accumulator (bias added) is stored unrounded, by the pointer-load kernel with the
-    configuration M selects (the TMA epilogue tiles are sized for 16-bit outputs)."""
+    TMA configurations load ``x`` and ``w`` by TMA where both allow it (Hopper+, 16-byte
+    aligned base and row stride) and store ``y`` by TMA where it allows it too; an output TMA
+    cannot address (a ragged N: ``N·2`` bytes not a multiple of 16) or an fp32 output (the
+    fp32-output variant: the fp32 accumulator, bias added, stored unrounded; its tile would not
+    fit the TMA epilogue's shared memory) is written by pointer stores from the same kernel.
+    Otherwise the pointer-load kernel runs the configuration's tile."""
     M, K = x.shape
     N = w.shape[0]
     if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
@@ -356,8 +396,8 @@ def forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config:
     cfg = config or select_forward(x.dtype, M, N)
     y = x.new_empty((M, N), dtype=out_dtype)
     with device_guard(x):
-        if cfg.tma and allow_tma and x.dtype != torch.float32 and out_dtype == x.dtype and tma_supported(x, w, y):
-            _launch_tma(x, w, y, bias, cfg, programs, tail)
+        if cfg.tma and allow_tma and x.dtype != torch.float32 and tma_supported(x, w):
+            _launch_tma(x, w, y, bias, cfg, programs, tail, store_tma=out_dtype == x.dtype and _tma_addressable(y))
         else:
             _launch_abt(rlk_linear_fwd, x, w, y, bias, M, N, K, x.stride(), w.stride(), y.stride(), cfg)
     return y
