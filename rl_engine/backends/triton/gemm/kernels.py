@@ -161,8 +161,7 @@ def rlk_store_tile(c, off_m, off_n, tile, M, N, stride_cm, BLOCK_M: tl.constexpr
     """Store a rounded output tile at ``(off_m, off_n)``: by TMA through the descriptor ``c``, or,
     with ``STORE_PTR``, through the pointer ``c`` (row stride ``stride_cm``, unit column stride),
     masked at rows ``M`` and columns ``N`` — for outputs whose row stride TMA cannot address (not
-    a multiple of 16 bytes: a ragged N) or whose tile would not fit shared memory (fp32 logits).
-    The values stored are the same either way."""
+    a multiple of 16 bytes: a ragged N). The values stored are the same either way."""
     if STORE_PTR:
         offs_m = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = off_n + tl.arange(0, BLOCK_N)
@@ -382,10 +381,12 @@ def forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config:
 
     TMA configurations load ``x`` and ``w`` by TMA where both allow it (Hopper+, 16-byte
     aligned base and row stride) and store ``y`` by TMA where it allows it too; an output TMA
-    cannot address (a ragged N: ``N·2`` bytes not a multiple of 16) or an fp32 output (the
-    fp32-output variant: the fp32 accumulator, bias added, stored unrounded; its tile would not
-    fit the TMA epilogue's shared memory) is written by pointer stores from the same kernel.
-    Otherwise the pointer-load kernel runs the configuration's tile."""
+    cannot address (a ragged N: ``N·2`` bytes not a multiple of 16) is written by pointer stores
+    from the same kernel. Otherwise the pointer-load kernel runs the configuration's tile.
+
+    ``out_dtype=torch.float32`` with 16-bit ``x`` (the fp32-output variant): the fp32
+    accumulator (bias added) is stored unrounded, by the pointer-load kernel with the
+    configuration M selects (the TMA epilogue tiles are sized for 16-bit outputs)."""
     M, K = x.shape
     N = w.shape[0]
     if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
@@ -396,8 +397,8 @@ def forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config:
     cfg = config or select_forward(x.dtype, M, N)
     y = x.new_empty((M, N), dtype=out_dtype)
     with device_guard(x):
-        if cfg.tma and allow_tma and x.dtype != torch.float32 and tma_supported(x, w):
-            _launch_tma(x, w, y, bias, cfg, programs, tail, store_tma=out_dtype == x.dtype and _tma_addressable(y))
+        if cfg.tma and allow_tma and x.dtype != torch.float32 and out_dtype == x.dtype and tma_supported(x, w):
+            _launch_tma(x, w, y, bias, cfg, programs, tail, store_tma=_tma_addressable(y))
         else:
             _launch_abt(rlk_linear_fwd, x, w, y, bias, M, N, K, x.stride(), w.stride(), y.stride(), cfg)
     return y
