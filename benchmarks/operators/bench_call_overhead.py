@@ -10,12 +10,15 @@ row) three ways, interleaved in one process:
   custom op and kernels, without the entry point's checks and dispatch);
 * ``entry``   the public call while the registry's selection answers with the implementation's
   output for these arguments, computed once (:func:`entry_only`): the entry point's checks,
-  request and dispatch alone, without the implementation's work.
+  request and dispatch alone, without the implementation's work;
+* ``composed`` the ``entry`` call, then the ``impl`` call: the public call's work in two pieces.
 
 Each row's ``extra`` carries ``overhead_us`` (public − impl: what the entry point adds to a
-call), ``entry_us`` (the ``entry`` call: the entry point's own work, timed alone — where
-``overhead_us`` exceeds it, the checks and the implementation cost more together than apart) and
-``excess_us`` (public − native). The attention rows are the engine-facing step APIs:
+call), ``entry_us`` (the ``entry`` call: the entry point's own work, timed alone), ``composed_us``
+and ``interaction_us`` (composed − entry − impl: what the two pieces cost together beyond their
+separate times; where ``composed_us`` ≈ ``public_us``, the public call does no work beyond the
+two pieces, and an ``overhead_us`` above ``entry_us`` is that interaction) and ``excess_us``
+(public − native). The attention rows are the engine-facing step APIs:
 ``paged_attention_step`` of a planned step over an engine's paged cache, and
 ``cached_attention_step``, one layer of a planned step over rl_engine's own caches (its row is
 the per-layer cost of an 8-layer step, plan included, after the caches' state is restored).
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -106,6 +110,18 @@ def _entry(op: str, public: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
+def _composed(entry: Callable[[], Any], impl: Callable[[], Any]) -> Callable[[], Any]:
+    """The ``composed`` variant: ``entry`` (timed under the same :func:`entry_only` scope), then
+    ``impl``."""
+
+    def run():
+        entry()
+        return impl()
+
+    run.entry_op, run.answer = entry.entry_op, entry.answer  # type: ignore[attr-defined]
+    return run
+
+
 def cases(device: str, dtype: torch.dtype, H: int = 1024, heads: int = 8, kv_heads: int = 2, D: int = 128,
           ctx: int = 256, vocab: int = 512) -> dict[str, dict[str, Callable]]:
     """``case -> {"native", "public", "entry", "impl"}`` callables at one token row."""
@@ -174,7 +190,36 @@ def cases(device: str, dtype: torch.dtype, H: int = 1024, heads: int = 8, kv_hea
                 _impl("logprob.token_logprobs", logits, {"V": logits.shape[-1], "kept": False})),
         },
     }
+    for fns in out.values():
+        fns["composed"] = _composed(fns["entry"], fns["impl"])
     out.update(_attention_cases(device, dtype, q, kn, vn, heads, kv_heads, D, ctx, rnd))
+    return out
+
+
+def neutral_cases(impl: Callable[[], Any], x: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """Controls for ``interaction_us``: neutral work of three kinds, alone and before each call of
+    ``impl`` — pure-Python integer arithmetic, four reductions of ``x`` and four small
+    allocations. Where ``kind+impl`` costs more than ``kind`` and ``impl`` apart, the extra comes
+    from running other work between two implementation calls, whatever that work is."""
+
+    def python():
+        s = 0
+        for i in range(180):
+            s += i
+        return s
+
+    def reductions():
+        for _ in range(4):
+            x.sum()
+
+    def allocations():
+        for _ in range(4):
+            torch.empty(256, device=x.device)
+
+    out: dict[str, Callable[[], Any]] = {"impl": impl}
+    for name, work in (("python", python), ("reductions", reductions), ("allocations", allocations)):
+        out[name] = work
+        out[f"{name}+impl"] = (lambda w: lambda: (w(), impl())[1])(work)
     return out
 
 
@@ -226,6 +271,32 @@ def _attention_cases(device, dtype, q, kn, vn, heads, kv_heads, D, ctx, rnd) -> 
     }
 
 
+def _neutral_rows(impl: Callable[[], Any], a: argparse.Namespace, dtype: torch.dtype, dev: dict,
+                  ver: dict) -> list[dict]:
+    """Rows of :func:`neutral_cases` (op ``rms_norm.neutral``), timed round-robin; the ``impl``
+    row's summary holds each kind's time alone and its ``interaction_us``."""
+    x = torch.randn(1, 256, device=a.device)
+    fns = neutral_cases(impl, x)
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(a.repeats):
+        for k, f in fns.items():
+            samples[k] += host_call_samples(f, calls=a.calls, repeats=1, warmup=5 if samples[k] else 20,
+                                            device=a.device)
+    st = {k: summarize(v) for k, v in samples.items()}
+    impl_us = st["impl"].median * 1e3
+    summary = {"impl_us": impl_us}
+    for kind in ("python", "reductions", "allocations"):
+        alone = st[kind].median * 1e3
+        summary[f"{kind}_us"] = alone
+        summary[f"{kind}_interaction_us"] = st[f"{kind}+impl"].median * 1e3 - alone - impl_us
+    print("rms_norm.neutral         " + "  ".join(f"{k} {v:7.1f} µs" for k, v in summary.items()))
+    return [make_row(benchmark="bench_call_overhead", op="rms_norm.neutral", implementation=k,
+                     baseline=None if k == "impl" else "impl",
+                     config={"dtype": str(dtype).removeprefix("torch."), "calls": a.calls}, stats=s, warmup=20,
+                     device=dev, versions=ver, extra={"summary": summary} if k == "impl" else None)
+            for k, s in st.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
@@ -233,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=200, help="calls per timed loop")
     ap.add_argument("--repeats", type=int, default=15, help="timed loops per callable")
     ap.add_argument("--cases", default=None, help="comma-separated subset of the cases")
+    ap.add_argument("--neutral", action="store_true",
+                    help="also time the interaction controls (neutral_cases) around the rms_norm implementation")
     ap.add_argument("--out", required=True, help="JSON report path")
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype or ("float32" if a.device == "cpu" else "bfloat16"))
@@ -271,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         target = TARGET_US["attention"] if "attention" in name else DEFAULT_TARGET_US
         overhead_us = None if impl_ms is None else (public_ms - impl_ms) * 1e3
         entry_us = st["entry"].median * 1e3 if "entry" in st else None
+        composed_us = st["composed"].median * 1e3 if "composed" in st else None
+        interaction_us = (None if composed_us is None or entry_us is None or impl_ms is None
+                          else composed_us - entry_us - impl_ms * 1e3)
         excess_us = (public_ms - native_ms) * 1e3
         measured = overhead_us if overhead_us is not None else excess_us
         for k, s in st.items():
@@ -280,15 +356,20 @@ def main(argv: list[str] | None = None) -> int:
                 device=dev, versions=ver,
                 extra={"summary": {"public_us": public_ms * 1e3, "native_us": native_ms * 1e3,
                                    "impl_us": None if impl_ms is None else impl_ms * 1e3,
-                                   "overhead_us": overhead_us, "entry_us": entry_us, "excess_us": excess_us,
+                                   "overhead_us": overhead_us, "entry_us": entry_us, "composed_us": composed_us,
+                                   "interaction_us": interaction_us, "excess_us": excess_us,
                                    "target_us": target, "target_on": "overhead_us" if overhead_us is not None else "excess_us",
                                    "meets_target": measured <= target, "step_fixed_us": fixed_us}} if k == "native" else None,
             ))
         print(f"{name:24s} native {native_ms * 1e3:8.1f} µs  public {public_ms * 1e3:8.1f} µs  "
               + (f"impl {impl_ms * 1e3:8.1f} µs  overhead {overhead_us:6.1f} µs  entry {entry_us:6.1f} µs  "
-                 if impl_ms is not None else "")
+                 f"composed {composed_us:8.1f} µs  " if impl_ms is not None else "")
               + f"excess {excess_us:8.1f} µs  target {target:.0f} µs: {'met' if measured <= target else 'MISSED'}")
-    write_report(rows, a.out, meta={"machine_load": machine_load()})
+    if a.neutral:
+        rows += _neutral_rows(allc["rms_norm"]["impl"], a, dtype, dev, ver)
+    # glibc's allocator settings change how large temporaries are returned to the OS between calls
+    malloc_env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    write_report(rows, a.out, meta={"machine_load": machine_load(), "malloc_env": malloc_env})
     return 0
 
 

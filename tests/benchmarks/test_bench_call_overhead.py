@@ -45,4 +45,51 @@ def test_tiny_cpu_run_reports_the_entry_time_beside_the_overhead(tmp_path):
     for s in summaries.values():
         assert s["target_on"] == "overhead_us" and s["entry_us"] > 0
         assert s["meets_target"] == (s["overhead_us"] <= 15.0)
-    assert {r["implementation"] for r in rows} == {"native", "public", "entry", "impl"}
+        assert s["interaction_us"] == pytest.approx(s["composed_us"] - s["entry_us"] - s["impl_us"])
+    assert {r["implementation"] for r in rows} == {"native", "public", "entry", "impl", "composed"}
+
+
+def test_composed_runs_the_entry_then_the_implementation():
+    """``composed`` = the entry call (whose answer stands in for the implementation's) and then
+    the implementation: its result is the implementation's, not the stand-in's; outside the
+    scope the entry piece runs the real work (negative control)."""
+    x, w = torch.randn(2, 8), torch.rand(8) + 0.5
+    calls = []
+    stand_in = torch.full((2, 8), 7.0)
+
+    def public():
+        return ops.norm.rms_norm(x, w, 1e-6)
+
+    entry = bench._entry("norm.rms_norm", public)
+    entry.answer = stand_in
+    impl = bench._impl("norm.rms_norm", x, {"H": 8})
+    composed = bench._composed(entry, lambda: calls.append(1) or impl(x, w, 1e-6))
+    with bench.entry_only(composed.entry_op, composed.answer):
+        assert entry() is stand_in
+        out = composed()
+    assert calls == [1] and torch.equal(out, public())
+    assert not torch.equal(entry(), stand_in)
+
+
+def test_neutral_controls_time_each_kind_alone_and_before_the_implementation(tmp_path):
+    """``--neutral``: every kind of neutral work alone and before the implementation, and the
+    implementation alone; each ``kind+impl`` call runs both pieces (negative control: a piece that
+    is not called leaves its counter at zero)."""
+    calls = {"impl": 0}
+    x = torch.randn(1, 256)
+    fns = bench.neutral_cases(lambda: calls.__setitem__("impl", calls["impl"] + 1), x)
+    assert set(fns) == {"impl", "python", "reductions", "allocations", "python+impl", "reductions+impl",
+                        "allocations+impl"}
+    fns["python"]()
+    assert calls["impl"] == 0
+    fns["python+impl"]()
+    fns["allocations+impl"]()
+    assert calls["impl"] == 2
+    out = tmp_path / "n.json"
+    assert bench.main(["--device", "cpu", "--calls", "3", "--repeats", "2", "--cases", "embedding", "--neutral",
+                       "--out", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["op"] == "rms_norm.neutral"]
+    assert len(rows) == 7
+    summary = next(r["summary"] for r in rows if r["implementation"] == "impl")
+    assert set(summary) == {"impl_us", "python_us", "python_interaction_us", "reductions_us",
+                            "reductions_interaction_us", "allocations_us", "allocations_interaction_us"}
