@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.compile_workers < 0:
         ap.error(f"--compile-workers: expected a count >= 0, got {args.compile_workers}")
-    arch = tiles._arch_of(torch.cuda.current_device())
+    arch = tiles.arch_of(torch.device("cuda"))
     path = Path(args.table) if args.table else tiles.table_path(arch)
     t0 = time.perf_counter()
     if args.compile_workers:

@@ -35,8 +35,8 @@ import torch
 
 from rl_engine.runtime.registry import Implementation, Request, register
 
-__all__ = ["unavailable_reasons", "arch_reasons", "call_reasons", "register_triton", "device_guard", "direct_call_ok",
-           "call_op", "eager_entry"]
+__all__ = ["unavailable_reasons", "arch_reasons", "call_reasons", "register_triton", "device_guard", "arch_of",
+           "direct_call_ok", "call_op", "eager_entry"]
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -47,6 +47,23 @@ def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
     if not t.is_cuda or t.device.index is None or t.device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(t.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_of_index(index: int) -> str:
+    if torch.version.hip:
+        return torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def arch_of(device: torch.device) -> str | None:
+    """The architecture name a GPU device's tile tables are keyed by (``"sm90"`` for an H100 or
+    H200; the ``gcnArchName`` on ROCm, e.g. ``"gfx942"``); ``None`` off the GPU (the CPU
+    interpreter). Looked up once per device index."""
+    if device.type != "cuda":
+        return None
+    return _arch_of_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def direct_call_ok(args: tuple[Any, ...]) -> bool:

@@ -120,8 +120,8 @@ def test_tail_split_runs_a_half_full_last_wave_as_half_tiles():
     half full, else None; ``tail_config`` halves the tile's width. Qwen3-8B on 132 SMs: 3072
     tiles of 128 x 256 (qkv M = 16384, gate_up M = 4096) split at 23 waves; 19008 (lm_head
     M = 4096, 144 waves exactly) and 768 (qkv M = 4096, the last wave 82 % full) do not."""
-    from rl_engine.backends.triton.gemm.configs import (FORWARD_TABLE, select_forward, shipped_configs,
-                                                               tail_config, tail_split)
+    from rl_engine.backends.triton.gemm.configs import (forward_table, select_forward, shipped_configs, tail_config,
+                                                        tail_split)
 
     assert tail_split(3072, 132) == 3036
     assert tail_split(12288, 132) == 12276  # gate_up M = 16384: 93 waves and 12 tiles
@@ -140,8 +140,61 @@ def test_tail_split_runs_a_half_full_last_wave_as_half_tiles():
     with pytest.raises(ValueError, match="persistent"):
         tail_config(select_forward(torch.bfloat16, 1, 4096))
     for dt in (torch.bfloat16, torch.float16):
-        persistent = [cfg for *_, cfg in FORWARD_TABLE[dt] if cfg.persistent]
+        persistent = [cfg for *_, cfg in forward_table(dt) if cfg.persistent]
         assert persistent and all(tail_config(c) in shipped_configs(dt) for c in persistent)
+
+
+def test_tile_table_is_data_per_architecture(tmp_path):
+    """The forward tiles come from ``tile_tables/<arch>.json`` (CPU, pure): the shipped sm90 table
+    loads, selects by (M, N) with the first matching row, serves an architecture without a table
+    (its fallback) and the CPU interpreter's calls; every configuration it can launch is in
+    ``shipped_configs`` (which the GPU bits tests walk). A table whose last row is bounded, that
+    lacks a weight-gradient row, or that has an unknown field is refused, naming what is wrong."""
+    import json
+
+    from rl_engine.backends.triton.gemm import configs
+
+    assert "sm90" in configs.shipped_arches() and configs.FALLBACK_ARCH == "sm90"
+    forward, wgrad = configs.load_table(configs.table_path("sm90"))
+    assert set(forward) == set(wgrad) == {torch.bfloat16, torch.float16, torch.float32}
+    bf = forward[torch.bfloat16]
+    assert bf[-1][:2] == (None, None) and bf[0][:2] == (1, 4096)
+    sel = configs.select_forward
+    assert sel(torch.bfloat16, 1, 4096, "sm90") == bf[0][2]
+    assert sel(torch.bfloat16, 1, 4097, "sm90") == next(c for m, n, c in bf if m >= 1 and (n is None or n >= 4097))
+    assert sel(torch.bfloat16, 16384, 151936, "sm90") == bf[-1][2]
+    assert sel(torch.bfloat16, 64, 6144, "sm120") == sel(torch.bfloat16, 64, 6144, "sm90")  # no table: the fallback's
+    assert configs.select_weight_grad(torch.float16, "gfx942") == wgrad[torch.float16]
+    shipped = configs.shipped_configs(torch.bfloat16)
+    assert all(c in shipped for *_, c in bf) and wgrad[torch.bfloat16] in shipped
+    # negative controls: malformed tables are refused with the reason
+    good = json.loads(configs.table_path("sm90").read_text())
+    cases = {
+        "last row unbounded": dict(good, forward=[r for r in good["forward"] if not (r["max_m"] is None and r["max_n"] is None
+                                                                                    and r["dtype"] == "float32")]),
+        "weight_grad": dict(good, weight_grad=[r for r in good["weight_grad"] if r["dtype"] != "float16"]),
+        "extra": dict(good, extra_field=1),
+    }
+    for needle, table in cases.items():
+        path = tmp_path / "t.json"
+        path.write_text(json.dumps(table))
+        with pytest.raises(ValueError, match=needle):
+            configs.load_table(path)
+
+
+@interp
+def test_interpreter_calls_select_from_the_fallback_table(monkeypatch):
+    """Off the GPU (the interpreter) ``kernels.forward`` selects from :data:`FALLBACK_ARCH`'s table:
+    the launched configuration is the table's row for (M, N)."""
+    from rl_engine.backends.triton.gemm import configs
+
+    kern = _kernels()
+    seen = []
+    real = kern._launch_abt
+    monkeypatch.setattr(kern, "_launch_abt", lambda *a, **k: seen.append(a[11]) or real(*a, **k))
+    x, w, _ = _data(3, 32, 24, "float32", device="cpu", bias=False)
+    kern.forward(x, w, None)
+    assert seen == [configs.select_forward(torch.float32, 3, 24, configs.FALLBACK_ARCH)]
 
 
 @interp

@@ -16,18 +16,28 @@ part) forward and dx outputs are raw-bit equal across BLOCK_K 32..512 (fp32 16..
 warp-specialised vs not, for bf16, fp16 and fp32, at K = 4096 and at K = 1000 (a K tail) —
 consistent with the tensor cores consuming K in steps of 16 in order whatever the tile, so a
 larger BLOCK_K only groups more steps per loop iteration.
+
+Which configuration a call launches is data: a table per device architecture,
+``tile_tables/<arch>.json`` (:class:`GemmTable`: forward rows bounded by M and N, first match
+wins, and the weight gradient's configuration, per dtype), with the measurements it came from.
+A device without a table runs :data:`FALLBACK_ARCH`'s. Every configuration of every shipped table
+is covered by the GPU bits tests (:func:`shipped_configs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["TileConfig", "FORWARD_TABLE", "select_forward", "select_weight_grad", "shipped_configs", "tail_split",
-           "tail_config"]
+__all__ = ["TileConfig", "FALLBACK_ARCH", "GemmTable", "load_table", "table_path", "shipped_arches", "forward_table",
+           "select_forward", "select_weight_grad", "shipped_configs", "tail_split", "tail_config"]
 
 
 @dataclass(frozen=True)
@@ -60,58 +70,119 @@ class TileConfig:
 
 C = TileConfig
 
-# Forward tables for 16-bit inputs: (max M, max N, config); the first row with M <= max M and
-# N <= max N wins (N = output features). Tuned on an H200 for the Qwen3-8B projections
-# (N = 4096 down, 6144 qkv, 24576 gate_up, 151936 lm_head): reports/gpu/h200/gemm.json (achieved
-# against cuBLAS) and reports/gpu/h200/gemm_small_m_sweep.json (the small-M candidates).
-_BIG = 1 << 62
-_WS = dict(tma=True, persistent=True, warp_specialize=True)
-_TABLE_16BIT: tuple[tuple[int, int, TileConfig], ...] = (
-    # decode-sized M: memory bound; few, deep programs streaming W (16×64×256 with 4 stages beats
-    # more, smaller programs at qkv and down M = 1: reports/gpu/h200/gemm_small_m_sweep.json)
-    (1, 4096, C(16, 64, 256, 4, 4, tma=True)),
-    (16, 4096, C(16, 32, 256, 4, 6, tma=True)),
-    (16, 8192, C(16, 64, 256, 4, 4, tma=True)),
-    (16, _BIG, C(16, 64, 128, 4, 4, tma=True)),
-    (64, 8192, C(64, 64, 128, 4, 6, tma=True)),
-    (64, _BIG, C(64, 128, 64, 4, 4, tma=True)),
-    (256, 8192, C(64, 128, 128, 4, 3, tma=True)),
-    (256, _BIG, C(128, 128, 64, 4, 4, tma=True, persistent=True)),
-    # prefill / training M: compute bound; persistent, warp-specialised 128x256 tiles, except
-    # mid-sized N at M <= 2048 where 128x256 tiles leave a ragged last wave. Large M: the
-    # epilogue stores two 128x128 halves, which frees shared memory for a 4th stage, and tiles
-    # are grouped 16 along M for L2 reuse of the weight.
-    (2048, 4096, C(128, 256, 64, 8, 3, **_WS)),
-    (2048, 8192, C(128, 128, 64, 4, 5, tma=True)),
-    (_BIG, _BIG, C(128, 256, 64, 8, 4, group_m=16, epilogue_subtile=True, **_WS)),
-)
-_TABLE_FP32: tuple[tuple[int, int, TileConfig], ...] = (
-    (64, _BIG, C(32, 64, 32, 4, 3)),
-    (_BIG, _BIG, C(64, 128, 32, 8, 3)),
-)
+#: The architecture whose table serves devices that have none (the one measured so far: the
+#: H200). Pre-Hopper devices run its tiles with pointer loads (``kernels.tma_supported``).
+FALLBACK_ARCH = "sm90"
+_TABLES = Path(__file__).with_name("tile_tables")
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-FORWARD_TABLE: dict[torch.dtype, tuple[tuple[int, int, TileConfig], ...]] = {
-    torch.bfloat16: _TABLE_16BIT,
-    torch.float16: _TABLE_16BIT,
-    torch.float32: _TABLE_FP32,
-}
 
-#: dW = dyᵀ x (output [N, K], reduction over the M rows): large tiles, any M.
-_WGRAD: dict[torch.dtype, TileConfig] = {
-    torch.bfloat16: C(128, 128, 64, 8, 3),
-    torch.float16: C(128, 128, 64, 8, 3),
-    torch.float32: C(64, 128, 32, 8, 3),
-}
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Config(_Strict):
+    block_m: int = Field(gt=0)
+    block_n: int = Field(gt=0)
+    block_k: int = Field(gt=0)
+    num_warps: int = Field(gt=0)
+    num_stages: int = Field(gt=0)
+    group_m: int = Field(default=8, gt=0)
+    tma: bool = False
+    persistent: bool = False
+    warp_specialize: bool = False
+    epilogue_subtile: bool = False
+
+
+class ForwardRow(_Strict):
+    """Calls with ``M <= max_m`` and ``N <= max_n`` (``None``: unbounded) launch ``config``; the
+    first matching row of a dtype wins. ``note``: why the row is what it is."""
+
+    dtype: Literal["bfloat16", "float16", "float32"]
+    max_m: int | None = Field(default=None, gt=0)
+    max_n: int | None = Field(default=None, gt=0)
+    config: _Config
+    note: str | None = None
+
+
+class WeightGradRow(_Strict):
+    dtype: Literal["bfloat16", "float16", "float32"]
+    config: _Config
+
+
+class GemmTable(_Strict):
+    """``tile_tables/<arch>.json``: the forward rows (also the ``dx = dy W`` product's, with
+    ``N`` = K) and the weight gradient's configuration, per dtype, and where they were measured."""
+
+    schema_version: Literal[1]
+    arch: str
+    source: dict[str, str]
+    forward: list[ForwardRow]
+    weight_grad: list[WeightGradRow]
+
+
+ForwardTable = dict[torch.dtype, tuple[tuple[int | None, int | None, TileConfig], ...]]
+
+
+def table_path(arch: str) -> Path:
+    """Where the table of ``arch`` (``"sm90"``) lives in the package."""
+    return _TABLES / f"{arch}.json"
+
+
+def load_table(path: str | Path) -> tuple[ForwardTable, dict[torch.dtype, TileConfig]]:
+    """A table file's forward rows by dtype (``(max_m, max_n, config)``, in file order) and its
+    weight-gradient configuration by dtype.
+
+    Raises:
+        ValueError: the file is not a valid table (the message names the field), or a dtype's
+            forward rows do not end with a row unbounded in M and N (selection must be total), or
+            a dtype has forward rows and no weight-gradient row, or either twice.
+    """
+    table = GemmTable.model_validate(json.loads(Path(path).read_text()))
+    forward: dict[torch.dtype, list[tuple[int | None, int | None, TileConfig]]] = {}
+    for row in table.forward:
+        forward.setdefault(_DTYPES[row.dtype], []).append((row.max_m, row.max_n, TileConfig(**row.config.model_dump())))
+    wgrad: dict[torch.dtype, TileConfig] = {}
+    for row in table.weight_grad:
+        dt = _DTYPES[row.dtype]
+        if dt in wgrad:
+            raise ValueError(f"{path}: weight_grad: expected one row per dtype, got {row.dtype} twice")
+        wgrad[dt] = TileConfig(**row.config.model_dump())
+    for dt, rows in forward.items():
+        if rows[-1][:2] != (None, None):
+            raise ValueError(f"{path}: forward rows of {dt}: expected the last row unbounded (max_m and max_n null), "
+                             f"got max_m={rows[-1][0]}, max_n={rows[-1][1]}")
+        if dt not in wgrad:
+            raise ValueError(f"{path}: weight_grad: expected a row for {dt} (it has forward rows)")
+    return {dt: tuple(rows) for dt, rows in forward.items()}, wgrad
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_table(arch: str) -> tuple[ForwardTable, dict[torch.dtype, TileConfig]]:
+    path = table_path(arch)
+    return load_table(path) if path.is_file() else _arch_table(FALLBACK_ARCH) if arch != FALLBACK_ARCH else ({}, {})
+
+
+def shipped_arches() -> list[str]:
+    """The architectures with a table in the package."""
+    return sorted(p.stem for p in _TABLES.glob("*.json"))
+
+
+def forward_table(dtype: torch.dtype, arch: str = FALLBACK_ARCH) -> tuple[tuple[int | None, int | None, TileConfig], ...]:
+    """The forward rows ``arch`` launches for ``dtype`` (:data:`FALLBACK_ARCH`'s where ``arch`` has
+    no table)."""
+    return _arch_table(arch)[0][dtype]
 
 
 @functools.lru_cache(maxsize=4096)
-def select_forward(dtype: torch.dtype, m: int, n: int) -> TileConfig:
+def select_forward(dtype: torch.dtype, m: int, n: int, arch: str = FALLBACK_ARCH) -> TileConfig:
     """Configuration for ``y = x Wᵀ`` with ``m`` rows and ``n`` output features (also used for
-    ``dx = dy W`` with ``n`` = K). Any choice gives the same bits (module docstring)."""
-    for max_m, max_n, cfg in FORWARD_TABLE[dtype]:
-        if m <= max_m and n <= max_n:
+    ``dx = dy W`` with ``n`` = K) on ``arch``: the first row of its table with ``m <= max_m`` and
+    ``n <= max_n``. Any choice gives the same bits (module docstring)."""
+    for max_m, max_n, cfg in forward_table(dtype, arch):
+        if (max_m is None or m <= max_m) and (max_n is None or n <= max_n):
             return cfg
-    raise AssertionError("unreachable: the last row is unbounded")
+    raise AssertionError("unreachable: load_table checks that the last row is unbounded")
 
 
 def tail_split(tiles: int, programs: int) -> int | None:
@@ -143,18 +214,20 @@ def tail_config(cfg: TileConfig) -> TileConfig:
     return dataclasses.replace(cfg, block_n=cfg.block_n // 2)
 
 
-def select_weight_grad(dtype: torch.dtype) -> TileConfig:
-    return _WGRAD[dtype]
+def select_weight_grad(dtype: torch.dtype, arch: str = FALLBACK_ARCH) -> TileConfig:
+    return _arch_table(arch)[1][dtype]
 
 
 def shipped_configs(dtype: torch.dtype) -> list[TileConfig]:
-    """Every configuration this module can launch for ``dtype``, the persistent ones' tail tiles
-    (``tail_config``) included (the tests cover each)."""
+    """Every configuration the package's tables can launch for ``dtype`` (every architecture's),
+    the persistent ones' tail tiles (``tail_config``) included (the tests cover each)."""
     out: list[TileConfig] = []
-    for *_, cfg in FORWARD_TABLE[dtype]:
-        for c in (cfg, tail_config(cfg)) if cfg.persistent else (cfg,):
-            if c not in out:
-                out.append(c)
-    if _WGRAD[dtype] not in out:
-        out.append(_WGRAD[dtype])
+    for arch in shipped_arches():
+        for *_, cfg in forward_table(dtype, arch):
+            for c in (cfg, tail_config(cfg)) if cfg.persistent else (cfg,):
+                if c not in out:
+                    out.append(c)
+        wgrad = select_weight_grad(dtype, arch)
+        if wgrad not in out:
+            out.append(wgrad)
     return out

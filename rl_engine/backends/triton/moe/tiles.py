@@ -50,6 +50,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from rl_engine.backends.triton import arch_of
+
 __all__ = ["ROLES", "DEFAULT", "GemmConfig", "TileRow", "TileTable", "select", "load_table", "shipped_configs",
            "table_path"]
 
@@ -176,21 +178,13 @@ def _arch_table(arch: str) -> dict[tuple[str, torch.dtype], tuple[tuple[float, G
     return load_table(path) if path.is_file() else {}
 
 
-@functools.lru_cache(maxsize=None)
-def _arch_of(index: int) -> str:
-    if torch.version.hip:
-        return torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm{major}{minor}"
-
-
 def select(role: str, dtype: torch.dtype, slots_per_expert: float, device: torch.device) -> GemmConfig:
     """The configuration ``role`` launches for ``dtype`` at a mean load of ``slots_per_expert``
     on ``device`` (:data:`DEFAULT` for a device without a table and for the CPU interpreter)."""
-    if device.type != "cuda":
+    arch = arch_of(device)
+    if arch is None:
         return DEFAULT
-    rows = _arch_table(_arch_of(device.index if device.index is not None else torch.cuda.current_device())).get(
-        (role, dtype))
+    rows = _arch_table(arch).get((role, dtype))
     for bound, cfg in rows or ():
         if slots_per_expert <= bound:
             return cfg
