@@ -10,7 +10,7 @@ decode kernels off; integer views; negative control: a perturbed visible key mus
 output), then
 times them all with SDPA (``F.scaled_dot_product_attention(..., enable_gqa=True)``) in CUDA
 graphs replayed round-robin (``cuda_graphs_interleaved_ms``). A tool for choosing the decode
-tables and rules (``FEW_DECODE_CONFIGS``, ``value_slices``, ``pair_blocks``, ``quad_blocks``); the
+tables and rules (the ``few_decode`` table, ``value_slices``, ``pair_blocks``, ``quad_blocks``); the
 benchmark of record is ``benchmarks/operators/bench_attention_gpu.py``.
 
     python tools/benchmarking/attention_decode_gpu.py --out /tmp/decode.json \\

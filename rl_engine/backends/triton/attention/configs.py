@@ -8,8 +8,10 @@ benchmark and the offline sm_90 compile. The switches the rules consult are the 
 Every table entry and rule decides speed only: ``KV_BLOCK`` (64), the head dim and the dtypes are
 the same on every path; only the query tile, the warps, the pipeline depth, the value slicing and
 the blocks per step change, and the GPU tests prove rows raw-bit equal across every configuration
-listed here (``shipped_forward_configs``). The tables and bands are measured on the H200 (sm90):
-the portable Triton tables serve every device; the Hopper kernels' bands (``wg_decode_programs``,
+listed here (``shipped_forward_configs``). The tiles are data, a file per device architecture
+(``config_tables/<arch>.json``, :func:`table`; only ``sm90``, the H200, is measured, and devices
+without a file run its tiles). The rules' bands are measured on the H200 too and live in
+``tuning.AttentionTuning``'s defaults; the Hopper kernels' bands (``wg_decode_programs``,
 ``wgt_decode_programs``, ``wgt_quad_blocks``) apply where those kernels are eligible (sm90 only).
 """
 
@@ -17,10 +19,14 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import os
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from rl_engine.backends.triton.attention.tuning import GRID_ORDERS, current_tuning
 
@@ -32,13 +38,13 @@ __all__ = [
     "LOG2E",
     "AttnConfig",
     "Variant",
-    "PREFILL_CONFIGS",
-    "PAGED_PREFILL_CONFIGS",
-    "DECODE_CONFIGS",
-    "FEW_DECODE_CONFIGS",
-    "FEW_PAGED_DECODE_CONFIGS",
-    "MANY_DECODE_CONFIGS",
-    "BWD_CONFIGS",
+    "TABLE_NAMES",
+    "FALLBACK_ARCH",
+    "AttentionTileTable",
+    "table_path",
+    "load_tables",
+    "shipped_arches",
+    "table",
     "CANDIDATE_CONFIGS",
     "MAX_V_SLICES",
     "MIN_V_COLUMNS",
@@ -47,6 +53,7 @@ __all__ = [
     "supported_head_dim",
     "select_prefill",
     "select_decode",
+    "select_backward",
     "sm_count",
     "device_index",
     "few_programs",
@@ -159,68 +166,111 @@ class Variant(enum.Enum):
 
 
 C = AttnConfig
-# Prefill (one program per tile and kv head, splits in sequence): (dtype, head_dim) -> config.
-# D = 128, 16-bit: 64-row tiles, 4 warps (two programs per SM hide each other's prologue and
-# epilogue): 350 / 1779 µs at 32 x 512 / 4 x 4096 against 393 / 1820 µs with a 128-row, 8-warp
-# tile on the H200; 3 stages (base-2 scores): 289 / 1362 µs against 309 / 1472 µs with 2 (two
-# programs of 3 stages, 112 KiB of shared memory each, still fit an SM). Measured with
-# ``benchmarks/operators/bench_attention_gpu.py --configs all``.
-PREFILL_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
-    (torch.bfloat16, 32): C(128, 4, 3),
-    (torch.bfloat16, 64): C(128, 4, 3),
-    (torch.bfloat16, 128): C(64, 4, 3),
-    (torch.float16, 32): C(128, 4, 3),
-    (torch.float16, 64): C(128, 4, 3),
-    (torch.float16, 128): C(64, 4, 3),
-    (torch.float32, 32): C(64, 4, 2),
-    (torch.float32, 64): C(64, 4, 2),
-    (torch.float32, 128): C(32, 4, 2),
-}
-# Prefill over a paged cache whose pages are smaller than a 64-key block (each block's keys
-# gathered through the page table): the 128-row tile reads each gathered block for twice the
-# query rows. D = 128, 16-bit: 427 / 2299 µs against 452 / 2480 µs with the 64-row tile at
-# 32 x 512 / 4 x 4096 over 16-token pages (H200, ``tools/benchmarking/attention_breakdown_gpu.py``).
-PAGED_PREFILL_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
-    (torch.bfloat16, 128): C(128, 4, 2),
-    (torch.float16, 128): C(128, 4, 2),
-}
-# Decode (split-parallel): 16-row tiles (the smallest tl.dot M), every split its own program;
-# contiguous and paged caches alike (the page arithmetic is compile-time). 4 warps, 2 stages:
-# ``select_decode``'s default (``launch.attend`` and ``launch.varlen_forward`` on the decode path without a
-# config); the steps ``launch.cached_forward`` launches take ``FEW_DECODE_CONFIGS`` or
-# ``MANY_DECODE_CONFIGS`` (``one_wave``).
-DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
-    (dt, d): C(16, 4, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
-}
-# Decode with fewer (sequence, kv head) pairs than the GPU has SMs (batch 1): programs are few
-# and each walks up to 16 blocks in sequence, so latency decides. Contiguous: 3 stages, 0.60 /
-# 0.38 / 0.62 of SDPA at batch 1 against 0.54 / 0.34 / 0.56 with 2 (but 0.74 against 0.86 at batch
-# 64 x 512 keys); 16-token pages: 2 warps, 0.52 / 0.33 / 0.49 against 0.41 / 0.30 / 0.51. Both
-# walk two blocks per step where ``pair_blocks`` says so.
-FEW_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
-    **{(dt, d): C(16, 4, 3) for dt in (torch.bfloat16, torch.float16) for d in (32, 64, 128)},
-    **{(torch.float32, d): C(16, 4, 2) for d in (32, 64, 128)},  # fp32 tiles: 2x the shared memory per stage
-}
-FEW_PAGED_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
-    (dt, d): C(16, 2, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
-}
-# Decode steps with at least as many (sequence, kv head) pairs as SMs (batch 64), and steps of few
-# pairs past one wave (``one_wave``): 2 warps, with TMA copies over a contiguous cache. On the H200
-# at batch 64 against the 4-warp tile: contiguous 1.02 / 0.91 / 0.95 of SDPA against 0.98 / 0.90 /
-# 0.95 at 512 / 4096 / 32768 keys, 16-token pages 1.02 / 0.88 / 0.94 against 0.95 / 0.90 / 0.92 (paged
-# steps of 2-4 KV splits: 0.88 against 0.84-0.85). Past one wave against the 4-warp pointer-load
-# tile (batch 16 x 4096 keys, 512 programs): 16-token pages 97.1 -> 69.5 us (0.67 -> 0.94 of SDPA),
-# contiguous 70.9 -> 69.6 us; against the 3-stage few-programs tile, batch 2 x 32768 keys
-# contiguous 0.86 -> 0.94 (``tools/benchmarking/attention_decode_gpu.py``).
-MANY_DECODE_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
-    (dt, d): C(16, 2, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
-}
-# Backward (dq tiles of 64 query rows; dk/dv blocks of 64 keys against 64-position query blocks).
-# 4 warps, 2 stages: 8.3 ms vs 13.2 ms (8 warps) for train fwd+bwd at B=4 x S=4096, D=128 bf16
-# on the H200 (same report).
-BWD_CONFIGS: dict[tuple[torch.dtype, int], AttnConfig] = {
-    (dt, d): C(64, 4, 2) for dt in (torch.bfloat16, torch.float16, torch.float32) for d in (32, 64, 128)
-}
+
+#: The tables of the configuration each launch takes, by name: ``prefill``, ``paged_prefill``
+#: (pages shorter than a key block; a subset of ``(dtype, head_dim)``), ``decode`` (the default
+#: decode tile), ``few_decode`` / ``few_paged_decode`` (steps with fewer (sequence, kv head) pairs
+#: than SMs, within one wave: ``one_wave``), ``many_decode`` (the other decode steps) and
+#: ``backward``. Each is data, one file per device architecture (``config_tables/<arch>.json``, with
+#: the measurements behind each table); a device without a file runs ``FALLBACK_ARCH``'s.
+TABLE_NAMES = ("prefill", "paged_prefill", "decode", "few_decode", "few_paged_decode", "many_decode", "backward")
+#: The tables every ``(dtype, head_dim)`` must have a row in.
+_COMPLETE = tuple(n for n in TABLE_NAMES if n != "paged_prefill")
+FALLBACK_ARCH = "sm90"
+_TABLES = Path(__file__).with_name("config_tables")
+_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+ConfigTable = dict[tuple[torch.dtype, int], AttnConfig]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Tile(_Strict):
+    block_m: int = Field(gt=0)
+    num_warps: int = Field(gt=0)
+    num_stages: int = Field(gt=0)
+
+
+class _Row(_Strict):
+    dtype: Literal["bfloat16", "float16", "float32"]
+    head_dim: int
+    config: _Tile
+
+
+class _Table(_Strict):
+    note: str
+    rows: list[_Row]
+
+
+class AttentionTileTable(_Strict):
+    """``config_tables/<arch>.json``: every table of :data:`TABLE_NAMES` by name."""
+
+    schema_version: Literal[1]
+    arch: str
+    source: dict[str, str]
+    tables: dict[Literal[TABLE_NAMES], _Table]  # type: ignore[valid-type]
+
+
+def table_path(arch: str) -> Path:
+    """Where the tables of ``arch`` (``"sm90"``) live in the package."""
+    return _TABLES / f"{arch}.json"
+
+
+def load_tables(path: str | Path) -> dict[str, ConfigTable]:
+    """A table file's tables by name, each ``(dtype, head_dim) -> AttnConfig``.
+
+    Raises:
+        ValueError: the file is not a valid table file (the message names the field), a table is
+            missing, a row repeats a ``(dtype, head_dim)`` or names an unsupported head dim, or a
+            table other than ``paged_prefill`` lacks a supported ``(dtype, head_dim)``.
+    """
+    doc = AttentionTileTable.model_validate(json.loads(Path(path).read_text()))
+    missing = [n for n in TABLE_NAMES if n not in doc.tables]
+    if missing:
+        raise ValueError(f"{path}: tables: expected {list(TABLE_NAMES)}, missing {missing}")
+    out: dict[str, ConfigTable] = {}
+    for name, table in doc.tables.items():
+        rows: ConfigTable = {}
+        for row in table.rows:
+            key = (_DTYPE_NAMES[row.dtype], row.head_dim)
+            if row.head_dim not in _HEAD_DIMS:
+                raise ValueError(f"{path}: {name}: head_dim {row.head_dim} is not one of {_HEAD_DIMS}")
+            if key in rows:
+                raise ValueError(f"{path}: {name}: ({row.dtype}, {row.head_dim}) appears twice")
+            rows[key] = AttnConfig(row.config.block_m, row.config.num_warps, row.config.num_stages)
+        if name in _COMPLETE:
+            gaps = [(n, d) for n, dt in _DTYPE_NAMES.items() for d in _HEAD_DIMS if (dt, d) not in rows]
+            if gaps:
+                raise ValueError(f"{path}: {name}: expected a row for every dtype and head dim, missing {gaps}")
+        out[name] = rows
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_tables(arch: str) -> dict[str, ConfigTable]:
+    path = table_path(arch)
+    if path.is_file():
+        return load_tables(path)
+    if arch == FALLBACK_ARCH:
+        raise FileNotFoundError(f"the fallback attention tile table {path} is missing from the package")
+    return _arch_tables(FALLBACK_ARCH)
+
+
+def shipped_arches() -> list[str]:
+    """The architectures with a table file in the package."""
+    return sorted(p.stem for p in _TABLES.glob("*.json"))
+
+
+def table(name: str, arch: str | None = None) -> ConfigTable:
+    """The table ``name`` (:data:`TABLE_NAMES`) of ``arch`` (``None``: :data:`FALLBACK_ARCH`; an
+    architecture without a file: the fallback's)."""
+    if name not in TABLE_NAMES:
+        raise ValueError(f"name: expected one of {TABLE_NAMES}, got {name!r}")
+    return _arch_tables(arch or FALLBACK_ARCH)[name]
+
+
 #: Candidate configurations the GPU benchmark times (``--configs all``) and the GPU tests prove
 #: raw-bit equal to the shipped ones (forward: every row on every config and path; backward: the
 #: contract holds for any fixed choice): pick the fastest into the tables above.
@@ -247,27 +297,36 @@ def supported_head_dim(d: int) -> bool:
     return d in _HEAD_DIMS
 
 
-def select_prefill(dtype: torch.dtype, head_dim: int, page_size: int | None = None) -> AttnConfig:
-    """The prefill tile; ``page_size``: that of a paged cache (``None``: contiguous or the packed
-    varlen layout). Every choice gives the same bits."""
-    if page_size is not None and page_size < KV_BLOCK and (dtype, head_dim) in PAGED_PREFILL_CONFIGS:
-        return PAGED_PREFILL_CONFIGS[(dtype, head_dim)]
-    return PREFILL_CONFIGS[(dtype, head_dim)]
+def select_prefill(dtype: torch.dtype, head_dim: int, page_size: int | None = None, *,
+                   arch: str | None = None) -> AttnConfig:
+    """The prefill tile on ``arch`` (:func:`table`); ``page_size``: that of a paged cache
+    (``None``: contiguous or the packed varlen layout). Every choice gives the same bits."""
+    if page_size is not None and page_size < KV_BLOCK:
+        paged = table("paged_prefill", arch).get((dtype, head_dim))
+        if paged is not None:
+            return paged
+    return table("prefill", arch)[(dtype, head_dim)]
 
 
 def select_decode(dtype: torch.dtype, head_dim: int, page_size: int | None = None, *, few: bool = False,
-                  many: bool = False) -> AttnConfig:
-    """The decode tile; ``page_size``: that of a paged cache (``None``: contiguous); ``few``: the
-    few-programs tile (``launch.cached_forward``: fewer (sequence, kv head) pairs than SMs, ``few_programs``,
-    and the launch fits one wave, ``one_wave``); ``many``: the many-pairs tile
-    (``cached_forward``'s every other decode step); neither: ``DECODE_CONFIGS``, the default of
-    ``launch.attend`` and ``launch.varlen_forward``. Every choice gives the same bits."""
+                  many: bool = False, arch: str | None = None) -> AttnConfig:
+    """The decode tile on ``arch`` (:func:`table`); ``page_size``: that of a paged cache (``None``:
+    contiguous); ``few``: the few-programs tile (``launch.cached_forward``: fewer (sequence, kv
+    head) pairs than SMs, ``few_programs``, and the launch fits one wave, ``one_wave``); ``many``:
+    the many-pairs tile (``cached_forward``'s every other decode step); neither: the ``decode``
+    table, the default of ``launch.attend`` and ``launch.varlen_forward``. Every choice gives the
+    same bits."""
     paged = page_size is not None and page_size < KV_BLOCK
     if few:
-        return (FEW_PAGED_DECODE_CONFIGS if paged else FEW_DECODE_CONFIGS)[(dtype, head_dim)]
+        return table("few_paged_decode" if paged else "few_decode", arch)[(dtype, head_dim)]
     if many:
-        return MANY_DECODE_CONFIGS[(dtype, head_dim)]
-    return DECODE_CONFIGS[(dtype, head_dim)]
+        return table("many_decode", arch)[(dtype, head_dim)]
+    return table("decode", arch)[(dtype, head_dim)]
+
+
+def select_backward(dtype: torch.dtype, head_dim: int, *, arch: str | None = None) -> AttnConfig:
+    """The backward's tile on ``arch`` (:func:`table`)."""
+    return table("backward", arch)[(dtype, head_dim)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -380,20 +439,23 @@ def quad_tile(cfg: AttnConfig) -> AttnConfig:
 
 
 def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfig]:
-    """Every forward configuration a call can use for ``(dtype, head_dim)`` (the tests cover each):
-    the prefill tiles, the decode tiles (fewer and many pairs), and the
-    few-programs decode tiles with every value slicing ``value_slices`` can choose, each with one
-    and two blocks per step (``pair_blocks``)."""
-    out = [select_prefill(dtype, head_dim)]
-    few = [replace(select_decode(dtype, head_dim, page, few=True), unroll=u) for page in (None, 1) for u in (1, 2)]
-    # sliced: by value_slices' rule; a sliced step also walks four blocks a step (quad_blocks)
-    sliced = [replace(t, v_slices=v) for c in few for v in (2, 4, 8) if v <= MAX_V_SLICES and head_dim // v >= MIN_V_COLUMNS
-              for t in (c, quad_tile(c))]
-    for cfg in (select_prefill(dtype, head_dim, page_size=1),
-                *(select_decode(dtype, head_dim, page, many=many) for page in (None, 1) for many in (False, True)),
-                *few, *sliced):
-        if cfg not in out:
-            out.append(cfg)
+    """Every forward configuration a call can use for ``(dtype, head_dim)`` on any architecture
+    with a table in the package (the tests cover each): the prefill tiles, the decode tiles (fewer
+    and many pairs), and the few-programs decode tiles with every value slicing ``value_slices``
+    can choose, each with one and two blocks per step (``pair_blocks``)."""
+    out: list[AttnConfig] = []
+    for arch in shipped_arches():
+        few = [replace(select_decode(dtype, head_dim, page, few=True, arch=arch), unroll=u) for page in (None, 1)
+               for u in (1, 2)]
+        # sliced: by value_slices' rule; a sliced step also walks four blocks a step (quad_blocks)
+        sliced = [replace(t, v_slices=v) for c in few for v in (2, 4, 8)
+                  if v <= MAX_V_SLICES and head_dim // v >= MIN_V_COLUMNS for t in (c, quad_tile(c))]
+        for cfg in (select_prefill(dtype, head_dim, arch=arch), select_prefill(dtype, head_dim, page_size=1, arch=arch),
+                    *(select_decode(dtype, head_dim, page, many=many, arch=arch) for page in (None, 1)
+                      for many in (False, True)),
+                    *few, *sliced):
+            if cfg not in out:
+                out.append(cfg)
     return out
 
 

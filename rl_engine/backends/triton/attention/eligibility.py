@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from rl_engine.backends.triton import arch_of
 from rl_engine.backends.triton.attention import configs
 from rl_engine.backends.triton.attention.configs import COMPILED_CUDA, AttnConfig, Variant, device_index
 from rl_engine.backends.triton.attention.tuning import current_tuning
@@ -131,7 +132,8 @@ def wg_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: AttnC
     tile's queries unclamped). Otherwise the Triton kernel, with the same bits (GPU tests)."""
     if not current_tuning().wg_forward or config is not None or not _wg_query(q):
         return False
-    if not tma_eligible(q, k, v, configs.select_prefill(q.dtype, q.shape[2])) or not has_gluon_hopper():
+    if not tma_eligible(q, k, v, configs.select_prefill(q.dtype, q.shape[2], arch=arch_of(q.device))) \
+            or not has_gluon_hopper():
         return False
     return True
 

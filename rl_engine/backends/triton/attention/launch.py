@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from rl_engine.backends.triton import device_guard
+from rl_engine.backends.triton import arch_of, device_guard
 from rl_engine.backends.triton.attention import configs, eligibility
-from rl_engine.backends.triton.attention.configs import BWD_CONFIGS, COMBINE_COLUMNS, KV_BLOCK, AttnConfig, Variant
+from rl_engine.backends.triton.attention.configs import COMBINE_COLUMNS, KV_BLOCK, AttnConfig, Variant
 from rl_engine.backends.triton.attention.portable_backward import rlk_attn_bwd_delta, rlk_attn_bwd_dkdv, rlk_attn_bwd_dq
 from rl_engine.backends.triton.attention.portable_forward import rlk_attn_fwd, rlk_attn_fwd_split
 from rl_engine.backends.triton.attention.split_kv_combine import rlk_attn_combine
@@ -212,8 +212,9 @@ def attend(q, k_rows, v_rows, page_rows, page_size, counts, tok_start, pos_base,
     # a compile-time constant of the forward kernels: 1 (unused) for a contiguous cache, so that
     # contiguous caches of any length share one compilation
     psz = int(page_size) if paged else 1
-    cfg = config or (configs.select_decode(q.dtype, D, page_size if paged else None) if path == "decode"
-                     else configs.select_prefill(q.dtype, D, page_size if paged else None))
+    arch = arch_of(q.device)
+    cfg = config or (configs.select_decode(q.dtype, D, page_size if paged else None, arch=arch) if path == "decode"
+                     else configs.select_prefill(q.dtype, D, page_size if paged else None, arch=arch))
     if wgt_split and not (window is None and (not paged or int(page_size) in eligibility.WG_DECODE_PAGE_SIZES)
                           and D == 128 and q.element_size() == 2 and path == "decode" and not want_lse
                           and not want_f32 and eligibility.copyable_rows(k_rows, v_rows)
@@ -396,7 +397,9 @@ def varlen_forward(q, k, v, cu_seqlens, scale, window, *, path: str = "prefill",
     bound = T if max_seqlen is None else min(int(max_seqlen), T)
     if path == "prefill" and eligibility.wg_eligible(q, k, v, config):
         return _warpgroup_forward(q, k, v, cu_seqlens, scale, window, bound, for_backward)
-    cfg = config or (configs.select_decode(q.dtype, D) if path == "decode" else configs.select_prefill(q.dtype, D))
+    arch = arch_of(q.device)
+    cfg = config or (configs.select_decode(q.dtype, D, arch=arch) if path == "decode"
+                     else configs.select_prefill(q.dtype, D, arch=arch))
     # key row of position 0: the first token (a view, no cast kernel: the kernels read int32 or
     # int64 rows as int64, rlk_attn_kv_base)
     page_rows = cu_seqlens[:-1].unsqueeze(1)
@@ -443,7 +446,8 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         few_tile = few and configs.one_wave(B * Hkv * ns, q.device)
         small_pages = P > 1 and page_size < KV_BLOCK  # the paged tiles (select_decode's own test)
         # steps of few pairs past one wave take the many-pairs tile too (``one_wave``)
-        cfg = configs.select_decode(q.dtype, D, page_size if P > 1 else None, few=few_tile, many=not few_tile)
+        cfg = configs.select_decode(q.dtype, D, page_size if P > 1 else None, few=few_tile, many=not few_tile,
+                                    arch=arch_of(q.device))
         # programs: tiles (one per sequence in a decode-only step, else the table's bound) x kv heads x splits
         programs = (B if decode_only else -(-T * G // cfg.block_m) + B) * Hkv * ns
         if few and current_tuning().auto_value_slices:
@@ -453,7 +457,7 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         elif few_tile and configs.pair_blocks(programs * cfg.v_slices, P > 1, q.device):
             cfg = replace(cfg, unroll=2)
     else:
-        cfg = configs.select_prefill(q.dtype, D, page_size if P > 1 else None)
+        cfg = configs.select_prefill(q.dtype, D, page_size if P > 1 else None, arch=arch_of(q.device))
     q_seq = q_seq.to(torch.int64).contiguous()
     q_pos = q_pos.to(torch.int64).contiguous()
     if decode_only and T != B:
@@ -485,7 +489,8 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
 
 def varlen_backward(grad, q, k, v, out, lse, cu_seqlens, scale, window, *, config: AttnConfig | None = None):
     """``(dq, dk, dv)`` in the input dtype; ``out`` is the unrounded fp32 output for 16-bit inputs.
-    ``config`` forces the backward configuration (benchmark candidates); default ``BWD_CONFIGS``."""
+    ``config`` forces the backward configuration (benchmark candidates); default the ``backward``
+    table's (``configs.select_backward``)."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -493,7 +498,7 @@ def varlen_backward(grad, q, k, v, out, lse, cu_seqlens, scale, window, *, confi
     if T == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     counts, tok_start, pos_base = varlen_rows(cu_seqlens)
-    cfg = config or BWD_CONFIGS[(q.dtype, D)]
+    cfg = config or configs.select_backward(q.dtype, D, arch=arch_of(q.device))
     runs = configs.split_runs(q.dtype)
     grad = grad.contiguous()
     out = out.contiguous()

@@ -59,7 +59,7 @@ class AttentionTuning:
       ``configs.value_slices`` for decode steps with few programs (batch 1 on the H200: 0.72 ->
       0.82 of SDPA at 512 keys and 0.40 -> 0.51 at 4096 with 4 slices, 32768 keys unsliced).
     * ``max_paged_v_slices``: most value slices ``configs.value_slices`` picks over a cache of pages
-      shorter than a key block (the paged few-programs tile, ``configs.FEW_PAGED_DECODE_CONFIGS``;
+      shorter than a key block (the paged few-programs tile, the ``few_paged_decode`` table;
       two beat four there, measured in ``value_slices``' docstring).
     * ``four_block_steps``: sliced few-programs decode steps walk their unmasked run four blocks
       a step (``configs.quad_blocks``).

@@ -19,6 +19,42 @@ from rl_engine.utils.bits import same_bits
 from tests.backends.triton.attention._attention_common import interp, make_qkv
 
 
+def test_config_tables_are_data_per_architecture(tmp_path):
+    """The tiles come from ``config_tables/<arch>.json`` (CPU, pure): the shipped sm90 file loads
+    with every table, the selections read it, an architecture without a file and ``arch=None``
+    (the interpreter) take the fallback's tiles. A file missing a table, lacking a (dtype, head
+    dim) of a complete table, repeating a row or carrying an unknown field is refused, naming
+    what is wrong."""
+    import json
+
+    from rl_engine.backends.triton.attention import configs as C
+
+    assert "sm90" in C.shipped_arches() and C.FALLBACK_ARCH == "sm90"
+    tables = C.load_tables(C.table_path("sm90"))
+    assert set(tables) == set(C.TABLE_NAMES)
+    assert C.select_prefill(torch.bfloat16, 128, arch="sm90") == tables["prefill"][(torch.bfloat16, 128)]
+    assert C.select_prefill(torch.bfloat16, 128, 16, arch="sm90") == tables["paged_prefill"][(torch.bfloat16, 128)]
+    assert C.select_prefill(torch.float32, 64, 16, arch="sm90") == tables["prefill"][(torch.float32, 64)]  # no paged row
+    assert C.select_decode(torch.float16, 64, 16, few=True, arch="sm90") == tables["few_paged_decode"][(torch.float16, 64)]
+    assert C.select_decode(torch.float16, 64, many=True, arch="sm90") == tables["many_decode"][(torch.float16, 64)]
+    assert C.select_backward(torch.float32, 32, arch="sm100") == tables["backward"][(torch.float32, 32)]  # fallback
+    assert C.select_decode(torch.bfloat16, 128) == tables["decode"][(torch.bfloat16, 128)]  # arch None: the fallback
+    with pytest.raises(ValueError, match="name"):
+        C.table("sideways")
+    good = json.loads(C.table_path("sm90").read_text())
+    no_table = {k: v for k, v in good["tables"].items() if k != "backward"}
+    gap = dict(good["tables"], decode=dict(good["tables"]["decode"], rows=good["tables"]["decode"]["rows"][1:]))
+    twice = dict(good["tables"], prefill=dict(good["tables"]["prefill"],
+                                              rows=good["tables"]["prefill"]["rows"] + good["tables"]["prefill"]["rows"][:1]))
+    cases = {"missing": dict(good, tables=no_table), "expected a row for every": dict(good, tables=gap),
+             "appears twice": dict(good, tables=twice), "extra": dict(good, extra_field=1)}
+    for needle, doc in cases.items():
+        path = tmp_path / "t.json"
+        path.write_text(json.dumps(doc))
+        with pytest.raises(ValueError, match=needle):
+            C.load_tables(path)
+
+
 @interp
 def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
     """Every configuration the launchers can select — prefill and decode on a contiguous or a
@@ -69,7 +105,7 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
     assert uncovered(), "an unlisted selection was not caught"
     monkeypatch.setattr(C, "shipped_forward_configs", lambda dt, d: [
         C.select_prefill(dt, d), *(C.select_decode(dt, d, p, few=f) for p in (None, 1) for f in (False, True))])
-    assert any(c == C.PAGED_PREFILL_CONFIGS[(torch.bfloat16, 128)] for _, _, c in uncovered())
+    assert any(c == C.table("paged_prefill")[(torch.bfloat16, 128)] for _, _, c in uncovered())
     monkeypatch.setattr(C, "shipped_forward_configs", lambda dt, d: [
         C.select_prefill(dt, d), C.select_prefill(dt, d, 1),
         *(C.select_decode(dt, d, p, few=f, many=m) for p in (None, 1) for f in (False, True) for m in (False, True))])
@@ -81,8 +117,8 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
     monkeypatch.setattr(C, "shipped_forward_configs", lambda dt, d: [c for c in shipped(dt, d) if c.unroll != 4])
     assert uncovered() and all(c.unroll == 4 and c.v_slices > 1 for _, _, c in uncovered())
     monkeypatch.setattr(C, "shipped_forward_configs", lambda dt, d: [
-        c for c in shipped(dt, d) if c != C.MANY_DECODE_CONFIGS[(dt, d)]])
-    assert any(c == C.MANY_DECODE_CONFIGS[(dt, 128)] for dt, _, c in uncovered())
+        c for c in shipped(dt, d) if c != C.table("many_decode")[(dt, d)]])
+    assert any(c == C.table("many_decode")[(dt, 128)] for dt, _, c in uncovered())
 
 
 @interp
@@ -251,8 +287,8 @@ def test_interpreter_few_pairs_decode_tile_rule(monkeypatch):
 
     asked = []
     select = C.select_decode
-    monkeypatch.setattr(C, "select_decode", lambda *a, few=False, many=False: asked.append((few, many)) or select(
-        *a, few=few, many=many))
+    monkeypatch.setattr(C, "select_decode", lambda *a, few=False, many=False, arch=None: asked.append((few, many)) or select(
+        *a, few=few, many=many, arch=arch))
     q, k, v, cu = make_qkv([1100], 1, 2, 32, "float32", seed=13)
 
     def step(bound):
