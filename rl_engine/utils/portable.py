@@ -172,15 +172,31 @@ def log(x: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+#: Largest element count :func:`sqrt` computes element by element on the host (Python's
+#: ``math.sqrt``) instead of with tensor operations: one row statistic per token row of a
+#: decode-sized call costs a few microseconds that way against some 25 tensor operations.
+SCALAR_SQRT_MAX = 64
+
+
 def sqrt(x: torch.Tensor) -> torch.Tensor:
     """Element-wise correctly rounded square root of a float32 tensor.
 
     A float64 estimate rounded to the output dtype is corrected to the IEEE result by comparing
     ``x`` with the squares of the two rounding midpoints around it, which are exact in float64.
     The result is IEEE ``sqrt`` (``-0 → -0``, negative → nan), whatever the CPU.
+
+    A small CPU tensor (at most :data:`SCALAR_SQRT_MAX` elements, no gradient, not under
+    ``torch.compile``) takes the host path: Python's ``math.sqrt`` of each element as a float64,
+    rounded once to float32. IEEE 754 requires ``sqrt`` correctly rounded, and rounding a correctly
+    rounded binary64 square root of a binary32 value to binary32 gives the correctly rounded
+    binary32 square root (53 ≥ 2·24 + 2 bits), so both paths return the same bits; NaN results
+    are the default quiet NaN on both.
     """
     if x.dtype != torch.float32:
         raise TypeError(f"x: expected a float32 tensor, got {x.dtype}")
+    if (x.device.type == "cpu" and x.numel() <= SCALAR_SQRT_MAX and not x.requires_grad and type(x) is torch.Tensor
+            and not torch.compiler.is_compiling()):
+        return _sqrt_scalars(x)
     xd = x.to(torch.float64)
     ok = torch.isfinite(xd) & (xd > 0)
     v = torch.where(ok, xd, 1.0)
@@ -197,6 +213,14 @@ def sqrt(x: torch.Tensor) -> torch.Tensor:
         s = torch.where(go_up, up, torch.where(go_dn, dn, s))
     special = torch.where(xd == torch.inf, torch.inf, torch.where(xd == 0, xd, torch.nan)).to(x.dtype)
     return torch.where(ok, s, special)
+
+
+def _sqrt_scalars(x: torch.Tensor) -> torch.Tensor:
+    """:func:`sqrt`'s host path: ``+0 → +0``, ``-0 → -0``, ``+inf → +inf``, a positive finite
+    value → ``math.sqrt``, anything else (negative, ``-inf``, NaN) → the default NaN."""
+    out = [math.sqrt(v) if 0 < v < math.inf else v if v == 0 or v == math.inf else math.nan
+           for v in x.reshape(-1).tolist()]
+    return torch.tensor(out, dtype=torch.float64).to(torch.float32).reshape(x.shape)
 
 
 

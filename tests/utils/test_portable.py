@@ -77,6 +77,44 @@ def test_sqrt_is_ieee():
         portable.sqrt(s.double())
 
 
+def test_sqrt_host_path_equals_the_tensor_path():
+    """Small CPU tensors take the host path (``math.sqrt``); its bits equal the tensor path's on
+    random values across the float32 range, the special values (±0, ±inf, NaN, negatives,
+    subnormals) and every shape up to the threshold; larger, gradient-carrying and batched calls
+    take the tensor path. Negative control: a host path that rounds through float32 arithmetic
+    first (``math.sqrt`` of a value pre-rounded to bfloat16) is caught."""
+    calls = []
+    real = portable._sqrt_scalars
+
+    def spy(t):
+        calls.append(t.numel())
+        return real(t)
+
+    x = _wide(20_000, 6, 1.0).abs() * torch.exp(_wide(20_000, 7, 80.0).double()).float()
+    x = torch.cat([x, torch.tensor(SPECIAL + [-2.0, 4.0, 1e-38, 3e-39]), -x[:100]])
+    n = portable.SCALAR_SQRT_MAX
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(portable, "_sqrt_scalars", spy)
+        for start in range(0, x.numel(), n):
+            chunk = x[start:start + n]
+            host = portable.sqrt(chunk)
+            tensor_path = portable.sqrt(chunk.repeat(2)[: n + 1])[: chunk.numel()]
+            assert torch.equal(host.view(torch.int32), tensor_path.view(torch.int32)), start  # NaN bits too
+        assert calls and max(calls) == n
+        calls.clear()
+        assert same_bits(portable.sqrt(x[:n].view(8, n // 8)), portable.sqrt(x[:n]).view(8, n // 8))
+        assert calls == [n, n]
+        calls.clear()
+        portable.sqrt(x[: n + 1])
+        portable.sqrt(x[:4].clone().requires_grad_())
+        assert calls == []
+    nan = portable.sqrt(torch.tensor([-1.0, math.nan, -math.inf]))
+    assert nan.view(torch.int32).eq(0x7FC00000).all()
+    assert same_bits(portable.sqrt(torch.tensor([-0.0, 0.0])), torch.tensor([-0.0, 0.0]))
+    coarse = torch.tensor([math.sqrt(v) for v in x[:n].bfloat16().float().tolist()], dtype=torch.float64).float()
+    assert not same_bits(coarse, portable.sqrt(x[:n])), "a host path through a coarser rounding was not caught"
+
+
 def test_sqrt_negative_control_torch_sqrt_is_not_ieee_here_or_matches():
     """torch.sqrt on CPU goes through MKL's vector sqrt; where that is not correctly rounded the
     difference shows here (on a build where it is, both agree and the check above still binds)."""
