@@ -21,7 +21,9 @@ from importlib import resources
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from rl_engine.utils.schema import StrictModel
 
 __all__ = [
     "Tolerance",
@@ -54,11 +56,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ContractError(f"dtype: {dtype} has no contract name (expected one of {sorted(_DTYPES)})")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Tolerance(_Strict):
+class Tolerance(StrictModel):
     """``|actual - expected| <= atol + rtol * |expected|`` elementwise, against float64."""
 
     atol: float = Field(ge=0)
@@ -82,23 +80,23 @@ class Tolerance(_Strict):
         return self.max_violation(actual, expected) <= 0.0
 
 
-class InvarianceDefinition(_Strict):
+class InvarianceDefinition(StrictModel):
     name: str
     description: str = Field(min_length=8)
 
 
-class _InvarianceFile(_Strict):
+class _InvarianceFile(StrictModel):
     schema_version: Literal[1]
     version: int
     invariances: list[InvarianceDefinition]
 
 
-class _QuantityTolerances(_Strict):
+class _QuantityTolerances(StrictModel):
     forward: Tolerance
     backward: Tolerance
 
 
-class PrecisionProfile(_Strict):
+class PrecisionProfile(StrictModel):
     schema_version: Literal[1]
     name: str
     version: int
@@ -113,7 +111,7 @@ class PrecisionProfile(_Strict):
         return v
 
 
-class ToleranceOverride(_Strict):
+class ToleranceOverride(StrictModel):
     dtype: str
     quantity: Quantity
     atol: float = Field(ge=0)
@@ -121,12 +119,12 @@ class ToleranceOverride(_Strict):
     reason: str = Field(min_length=8)
 
 
-class InvarianceSet(_Strict):
+class InvarianceSet(StrictModel):
     forward: list[str]
     backward: list[str]
 
 
-class ContractVariant(_Strict):
+class ContractVariant(StrictModel):
     """A named mode of an operator that changes what it computes (not how well): e.g. the
     processed log-probs of a kept-set record, or fp32 logits from bf16 inputs. The variant keeps
     the operator's invariances; ``dtypes`` (a subset of the operator's) are the input dtypes it
@@ -137,7 +135,7 @@ class ContractVariant(_Strict):
     equality: str = Field(min_length=8)
 
 
-class OperatorContract(_Strict):
+class OperatorContract(StrictModel):
     """One operator's declared numerical contract (see module docstring)."""
 
     schema_version: Literal[1]

@@ -20,7 +20,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
+
+from rl_engine.utils.schema import StrictModel
 
 __all__ = ["WorkloadError", "Workload", "LoadedWorkload", "load_workload", "shipped_workloads", "SampleSpec"]
 
@@ -31,37 +33,33 @@ class WorkloadError(ValueError):
     """A workload is missing, not valid JSON, or does not match the schema."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelSpec(_Strict):
+class ModelSpec(StrictModel):
     preset: str = "tiny"  # a rl_engine.models.qwen3 preset, random weights
     seed: int = 0  # weight seed
     path: str | None = None  # a HF Qwen3 checkpoint directory instead of the preset (its identity)
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
-class SampleSpec(_Strict):
+class SampleSpec(StrictModel):
     prompt_len: int = Field(ge=1)
     response_len: int = Field(ge=1)
     arrival_step: int = Field(default=0, ge=0)
 
 
-class ChunkSizes(_Strict):
+class ChunkSizes(StrictModel):
     prefill_chunk: int = Field(default=16, ge=1)  # rollout prompt tokens per step per sequence
     max_step_tokens: int = Field(default=40, ge=1)  # rollout token budget per step
     token_chunk: int = Field(default=13, ge=1)  # fused LM-head log-prob chunks (train)
     vocab_chunk: int = Field(default=1024, ge=1)  # a multiple of the canonical 1024-column block
 
 
-class OperatorSuite(_Strict):
+class OperatorSuite(StrictModel):
     dtypes: tuple[Literal["float32", "bfloat16"], ...] = ("float32", "bfloat16")
     rows: int = Field(default=9, ge=2)  # rows of each operator input
     trials: int = Field(default=6, ge=1)  # re-batched calls per invariance check (layouts)
 
 
-class Workload(_Strict):
+class Workload(StrictModel):
     """Schema of a workload file (see module docstring)."""
 
     schema_version: Literal[1] = 1

@@ -28,6 +28,7 @@ from rl_engine.utils.bits import same_bits
 from rl_engine.validation.common import check_row_invariance
 from tests.backends.triton._rowwise_common import defined_kernel_names, evidence, graph_us, interp, run_py
 from tests.helpers.strategies import row_trials
+from tests.helpers.tables import assert_each_refused
 
 OP = "gemm.linear"
 IMPL = "triton.tile_gemm"
@@ -175,11 +176,7 @@ def test_tile_table_is_data_per_architecture(tmp_path):
         "weight_grad": dict(good, weight_grad=[r for r in good["weight_grad"] if r["dtype"] != "float16"]),
         "extra": dict(good, extra_field=1),
     }
-    for needle, table in cases.items():
-        path = tmp_path / "t.json"
-        path.write_text(json.dumps(table))
-        with pytest.raises(ValueError, match=needle):
-            configs.load_table(path)
+    assert_each_refused(configs.load_table, cases, tmp_path)
 
 
 @interp

@@ -39,6 +39,7 @@ from tests.backends.triton._rowwise_common import (
     interp,
 )
 from tests.helpers.strategies import row_trials
+from tests.helpers.tables import assert_each_refused
 
 OPS = ("moe.route", "moe.expert_gate_up", "moe.expert_down_combine")
 IMPL = "triton.grouped"
@@ -229,11 +230,8 @@ def test_tile_table_selection_by_load_and_its_validation(tmp_path):
     bad_field = dict(good, rows=[row("dx", 1.0, 16, colour=1)])
     bad_role = dict(good, rows=[row("dy", 1.0, 16)])
     bad_tile = dict(good, rows=[row("dx", 1.0, 24)])
-    for bad, needle in ((bad_order, "strictly increasing"), (bad_field, "colour"), (bad_role, "role"),
-                        (bad_tile, "block_m")):
-        path.write_text(json.dumps(bad))
-        with pytest.raises(ValueError, match=needle):
-            tiles.load_table(path)
+    assert_each_refused(tiles.load_table, {"strictly increasing": bad_order, "colour": bad_field, "role": bad_role,
+                                           "block_m": bad_tile}, tmp_path)
 
 
 def test_tile_table_select_walks_the_rows(monkeypatch):

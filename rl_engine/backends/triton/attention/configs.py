@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from rl_engine.backends.triton.attention.tuning import GRID_ORDERS, current_tuning
+from rl_engine.utils.schema import StrictModel
 
 __all__ = [
     "KV_BLOCK",
@@ -183,28 +184,24 @@ _DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 ConfigTable = dict[tuple[torch.dtype, int], AttnConfig]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _Tile(_Strict):
+class _Tile(StrictModel):
     block_m: int = Field(gt=0)
     num_warps: int = Field(gt=0)
     num_stages: int = Field(gt=0)
 
 
-class _Row(_Strict):
+class _Row(StrictModel):
     dtype: Literal["bfloat16", "float16", "float32"]
     head_dim: int
     config: _Tile
 
 
-class _Table(_Strict):
+class _Table(StrictModel):
     note: str
     rows: list[_Row]
 
 
-class AttentionTileTable(_Strict):
+class AttentionTileTable(StrictModel):
     """``config_tables/<arch>.json``: every table of :data:`TABLE_NAMES` by name."""
 
     schema_version: Literal[1]

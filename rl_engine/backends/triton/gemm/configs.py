@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from rl_engine.utils.schema import StrictModel
 
 __all__ = ["TileConfig", "FALLBACK_ARCH", "GemmTable", "load_table", "table_path", "shipped_arches", "forward_table",
            "select_forward", "select_weight_grad", "shipped_configs", "tail_split", "tail_config"]
@@ -77,11 +79,7 @@ _TABLES = Path(__file__).with_name("tile_tables")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _Config(_Strict):
+class _Config(StrictModel):
     block_m: int = Field(gt=0)
     block_n: int = Field(gt=0)
     block_k: int = Field(gt=0)
@@ -94,7 +92,7 @@ class _Config(_Strict):
     epilogue_subtile: bool = False
 
 
-class ForwardRow(_Strict):
+class ForwardRow(StrictModel):
     """Calls with ``M <= max_m`` and ``N <= max_n`` (``None``: unbounded) launch ``config``; the
     first matching row of a dtype wins. ``note``: why the row is what it is."""
 
@@ -105,12 +103,12 @@ class ForwardRow(_Strict):
     note: str | None = None
 
 
-class WeightGradRow(_Strict):
+class WeightGradRow(StrictModel):
     dtype: Literal["bfloat16", "float16", "float32"]
     config: _Config
 
 
-class GemmTable(_Strict):
+class GemmTable(StrictModel):
     """``tile_tables/<arch>.json``: the forward rows (also the ``dx = dy W`` product's, with
     ``N`` = K) and the weight gradient's configuration, per dtype, and where they were measured."""
 

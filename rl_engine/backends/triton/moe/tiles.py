@@ -48,9 +48,10 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from rl_engine.backends.triton import arch_of
+from rl_engine.utils.schema import StrictModel
 
 __all__ = ["ROLES", "DEFAULT", "GemmConfig", "TileRow", "TileTable", "select", "load_table", "shipped_configs",
            "table_path"]
@@ -108,11 +109,7 @@ class GemmConfig:
 DEFAULT = GemmConfig()
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _Config(_Strict):
+class _Config(StrictModel):
     block_m: int
     block_n: int
     block_k: int
@@ -123,7 +120,7 @@ class _Config(_Strict):
     masked_loads: bool = False
 
 
-class TileRow(_Strict):
+class TileRow(StrictModel):
     """One row: loads up to ``max_slots_per_expert`` (``None``: any load) launch ``config``; ``ms`` /
     ``default_ms`` are the measured medians (ms) of that configuration and of :data:`DEFAULT` at
     the load the row was chosen at."""
@@ -136,7 +133,7 @@ class TileRow(_Strict):
     default_ms: float | None = None
 
 
-class TileTable(_Strict):
+class TileTable(StrictModel):
     schema_version: Literal[1]
     arch: str
     source: dict[str, str]

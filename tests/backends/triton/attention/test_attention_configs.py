@@ -17,6 +17,7 @@ import torch
 from rl_engine.backends.triton.attention.tuning import attention_tuning, current_tuning
 from rl_engine.utils.bits import same_bits
 from tests.backends.triton.attention._attention_common import interp, make_qkv
+from tests.helpers.tables import assert_each_refused
 
 
 def test_config_tables_are_data_per_architecture(tmp_path):
@@ -48,11 +49,7 @@ def test_config_tables_are_data_per_architecture(tmp_path):
                                               rows=good["tables"]["prefill"]["rows"] + good["tables"]["prefill"]["rows"][:1]))
     cases = {"missing": dict(good, tables=no_table), "expected a row for every": dict(good, tables=gap),
              "appears twice": dict(good, tables=twice), "extra": dict(good, extra_field=1)}
-    for needle, doc in cases.items():
-        path = tmp_path / "t.json"
-        path.write_text(json.dumps(doc))
-        with pytest.raises(ValueError, match=needle):
-            C.load_tables(path)
+    assert_each_refused(C.load_tables, cases, tmp_path)
 
 
 @interp
