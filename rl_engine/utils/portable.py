@@ -223,7 +223,6 @@ def _sqrt_scalars(x: torch.Tensor) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float64).to(torch.float32).reshape(x.shape)
 
 
-
 def normal(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     """Float32 draws of mean 0 and variance 1 whose bits depend only on the generator's seed.
 

@@ -29,16 +29,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
 from rl_engine.runtime.registry import Implementation, Request, register
 
 __all__ = ["unavailable_reasons", "arch_reasons", "call_reasons", "register_triton", "device_guard", "arch_of",
-           "direct_call_ok", "call_op", "eager_entry"]
+           "ArchFiles", "direct_call_ok", "call_op", "eager_entry"]
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+T = TypeVar("T")
 
 
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -64,6 +66,41 @@ def arch_of(device: torch.device) -> str | None:
     if device.type != "cuda":
         return None
     return _arch_of_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class ArchFiles(Generic[T]):
+    """Data files of one kind, one per device architecture, in a package directory
+    (``<directory>/<arch>.json``: the GEMM and MoE tile tables, the attention tile tables).
+
+    ``load`` reads and validates a file; each architecture's file is loaded once per process. An
+    architecture without a file — or ``None``, off the GPU — gets ``fallback``'s file where
+    ``fallback`` is given (a missing fallback file is a packaging error), else ``None``."""
+
+    def __init__(self, directory: Path, load: Callable[[Path], T], *, fallback: str | None = None) -> None:
+        self.directory, self._load, self.fallback = directory, load, fallback
+        self._loaded: dict[str, T] = {}
+
+    def path(self, arch: str) -> Path:
+        """Where the file of ``arch`` (``"sm90"``) lives in the package."""
+        return self.directory / f"{arch}.json"
+
+    def arches(self) -> list[str]:
+        """The architectures with a file in the package."""
+        return sorted(p.stem for p in self.directory.glob("*.json"))
+
+    def get(self, arch: str | None) -> T | None:
+        for name in (arch, self.fallback):
+            if name is None:
+                continue
+            if name not in self._loaded:
+                path = self.path(name)
+                if not path.is_file():
+                    if name == self.fallback:
+                        raise FileNotFoundError(f"the fallback file {path} is missing from the package")
+                    continue
+                self._loaded[name] = self._load(path)
+            return self._loaded[name]
+        return None
 
 
 def direct_call_ok(args: tuple[Any, ...]) -> bool:

@@ -23,11 +23,12 @@ import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from pydantic import Field
 
+from rl_engine.backends.triton import ArchFiles
 from rl_engine.backends.triton.attention.tuning import GRID_ORDERS, current_tuning
 from rl_engine.utils.schema import StrictModel
 
@@ -178,8 +179,7 @@ TABLE_NAMES = ("prefill", "paged_prefill", "decode", "few_decode", "few_paged_de
 #: The tables every ``(dtype, head_dim)`` must have a row in.
 _COMPLETE = tuple(n for n in TABLE_NAMES if n != "paged_prefill")
 FALLBACK_ARCH = "sm90"
-_TABLES = Path(__file__).with_name("config_tables")
-_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DtypeName = Literal["bfloat16", "float16", "float32"]
 
 ConfigTable = dict[tuple[torch.dtype, int], AttnConfig]
 
@@ -191,7 +191,7 @@ class _Tile(StrictModel):
 
 
 class _Row(StrictModel):
-    dtype: Literal["bfloat16", "float16", "float32"]
+    dtype: DtypeName
     head_dim: int
     config: _Tile
 
@@ -210,11 +210,6 @@ class AttentionTileTable(StrictModel):
     tables: dict[Literal[TABLE_NAMES], _Table]  # type: ignore[valid-type]
 
 
-def table_path(arch: str) -> Path:
-    """Where the tables of ``arch`` (``"sm90"``) live in the package."""
-    return _TABLES / f"{arch}.json"
-
-
 def load_tables(path: str | Path) -> dict[str, ConfigTable]:
     """A table file's tables by name, each ``(dtype, head_dim) -> AttnConfig``.
 
@@ -231,33 +226,23 @@ def load_tables(path: str | Path) -> dict[str, ConfigTable]:
     for name, table in doc.tables.items():
         rows: ConfigTable = {}
         for row in table.rows:
-            key = (_DTYPE_NAMES[row.dtype], row.head_dim)
+            key = (getattr(torch, row.dtype), row.head_dim)
             if row.head_dim not in _HEAD_DIMS:
                 raise ValueError(f"{path}: {name}: head_dim {row.head_dim} is not one of {_HEAD_DIMS}")
             if key in rows:
                 raise ValueError(f"{path}: {name}: ({row.dtype}, {row.head_dim}) appears twice")
             rows[key] = AttnConfig(row.config.block_m, row.config.num_warps, row.config.num_stages)
         if name in _COMPLETE:
-            gaps = [(n, d) for n, dt in _DTYPE_NAMES.items() for d in _HEAD_DIMS if (dt, d) not in rows]
+            gaps = [(n, d) for n in get_args(DtypeName) for d in _HEAD_DIMS if (getattr(torch, n), d) not in rows]
             if gaps:
                 raise ValueError(f"{path}: {name}: expected a row for every dtype and head dim, missing {gaps}")
         out[name] = rows
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _arch_tables(arch: str) -> dict[str, ConfigTable]:
-    path = table_path(arch)
-    if path.is_file():
-        return load_tables(path)
-    if arch == FALLBACK_ARCH:
-        raise FileNotFoundError(f"the fallback attention tile table {path} is missing from the package")
-    return _arch_tables(FALLBACK_ARCH)
-
-
-def shipped_arches() -> list[str]:
-    """The architectures with a table file in the package."""
-    return sorted(p.stem for p in _TABLES.glob("*.json"))
+_FILES = ArchFiles(Path(__file__).with_name("config_tables"), load_tables, fallback=FALLBACK_ARCH)
+table_path = _FILES.path
+shipped_arches = _FILES.arches
 
 
 def table(name: str, arch: str | None = None) -> ConfigTable:
@@ -265,7 +250,7 @@ def table(name: str, arch: str | None = None) -> ConfigTable:
     architecture without a file: the fallback's)."""
     if name not in TABLE_NAMES:
         raise ValueError(f"name: expected one of {TABLE_NAMES}, got {name!r}")
-    return _arch_tables(arch or FALLBACK_ARCH)[name]
+    return _FILES.get(arch)[name]
 
 
 #: Candidate configurations the GPU benchmark times (``--configs all``) and the GPU tests prove

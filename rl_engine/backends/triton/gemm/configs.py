@@ -36,6 +36,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from rl_engine.backends.triton import ArchFiles
 from rl_engine.utils.schema import StrictModel
 
 __all__ = ["TileConfig", "FALLBACK_ARCH", "GemmTable", "load_table", "table_path", "shipped_arches", "forward_table",
@@ -75,8 +76,6 @@ C = TileConfig
 #: The architecture whose table serves devices that have none (the one measured so far: the
 #: H200). Pre-Hopper devices run its tiles with pointer loads (``kernels.tma_supported``).
 FALLBACK_ARCH = "sm90"
-_TABLES = Path(__file__).with_name("tile_tables")
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class _Config(StrictModel):
@@ -122,11 +121,6 @@ class GemmTable(StrictModel):
 ForwardTable = dict[torch.dtype, tuple[tuple[int | None, int | None, TileConfig], ...]]
 
 
-def table_path(arch: str) -> Path:
-    """Where the table of ``arch`` (``"sm90"``) lives in the package."""
-    return _TABLES / f"{arch}.json"
-
-
 def load_table(path: str | Path) -> tuple[ForwardTable, dict[torch.dtype, TileConfig]]:
     """A table file's forward rows by dtype (``(max_m, max_n, config)``, in file order) and its
     weight-gradient configuration by dtype.
@@ -139,10 +133,10 @@ def load_table(path: str | Path) -> tuple[ForwardTable, dict[torch.dtype, TileCo
     table = GemmTable.model_validate(json.loads(Path(path).read_text()))
     forward: dict[torch.dtype, list[tuple[int | None, int | None, TileConfig]]] = {}
     for row in table.forward:
-        forward.setdefault(_DTYPES[row.dtype], []).append((row.max_m, row.max_n, TileConfig(**row.config.model_dump())))
+        forward.setdefault(getattr(torch, row.dtype), []).append((row.max_m, row.max_n, TileConfig(**row.config.model_dump())))
     wgrad: dict[torch.dtype, TileConfig] = {}
     for row in table.weight_grad:
-        dt = _DTYPES[row.dtype]
+        dt = getattr(torch, row.dtype)
         if dt in wgrad:
             raise ValueError(f"{path}: weight_grad: expected one row per dtype, got {row.dtype} twice")
         wgrad[dt] = TileConfig(**row.config.model_dump())
@@ -155,25 +149,19 @@ def load_table(path: str | Path) -> tuple[ForwardTable, dict[torch.dtype, TileCo
     return {dt: tuple(rows) for dt, rows in forward.items()}, wgrad
 
 
-@functools.lru_cache(maxsize=None)
-def _arch_table(arch: str) -> tuple[ForwardTable, dict[torch.dtype, TileConfig]]:
-    path = table_path(arch)
-    return load_table(path) if path.is_file() else _arch_table(FALLBACK_ARCH) if arch != FALLBACK_ARCH else ({}, {})
+_FILES = ArchFiles(Path(__file__).with_name("tile_tables"), load_table, fallback=FALLBACK_ARCH)
+table_path = _FILES.path
+shipped_arches = _FILES.arches
 
 
-def shipped_arches() -> list[str]:
-    """The architectures with a table in the package."""
-    return sorted(p.stem for p in _TABLES.glob("*.json"))
-
-
-def forward_table(dtype: torch.dtype, arch: str = FALLBACK_ARCH) -> tuple[tuple[int | None, int | None, TileConfig], ...]:
-    """The forward rows ``arch`` launches for ``dtype`` (:data:`FALLBACK_ARCH`'s where ``arch`` has
-    no table)."""
-    return _arch_table(arch)[0][dtype]
+def forward_table(dtype: torch.dtype, arch: str | None = None) -> tuple[tuple[int | None, int | None, TileConfig], ...]:
+    """The forward rows ``arch`` launches for ``dtype`` (:data:`FALLBACK_ARCH`'s where ``arch`` is
+    ``None`` or has no table)."""
+    return _FILES.get(arch)[0][dtype]
 
 
 @functools.lru_cache(maxsize=4096)
-def select_forward(dtype: torch.dtype, m: int, n: int, arch: str = FALLBACK_ARCH) -> TileConfig:
+def select_forward(dtype: torch.dtype, m: int, n: int, arch: str | None = None) -> TileConfig:
     """Configuration for ``y = x Wᵀ`` with ``m`` rows and ``n`` output features (also used for
     ``dx = dy W`` with ``n`` = K) on ``arch``: the first row of its table with ``m <= max_m`` and
     ``n <= max_n``. Any choice gives the same bits (module docstring)."""
@@ -212,8 +200,8 @@ def tail_config(cfg: TileConfig) -> TileConfig:
     return dataclasses.replace(cfg, block_n=cfg.block_n // 2)
 
 
-def select_weight_grad(dtype: torch.dtype, arch: str = FALLBACK_ARCH) -> TileConfig:
-    return _arch_table(arch)[1][dtype]
+def select_weight_grad(dtype: torch.dtype, arch: str | None = None) -> TileConfig:
+    return _FILES.get(arch)[1][dtype]
 
 
 def shipped_configs(dtype: torch.dtype) -> list[TileConfig]:

@@ -28,8 +28,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rl_engine.backends.triton import arch_of, device_guard
-from rl_engine.backends.triton.gemm.configs import (FALLBACK_ARCH, TileConfig, select_forward, select_weight_grad,
-                                                    tail_config, tail_split)
+from rl_engine.backends.triton.gemm.configs import (TileConfig, select_forward, select_weight_grad, tail_config,
+                                                    tail_split)
 
 __all__ = ["forward", "grad_input", "grad_weight", "grad_bias", "KERNEL_NAMES", "DEVICE_FUNCTIONS", "tma_supported"]
 
@@ -394,7 +394,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, config:
     out_dtype = out_dtype or x.dtype
     if M == 0 or N == 0 or K == 0:
         return _empty_or_bias(M, N, x, bias, out_dtype)
-    cfg = config or select_forward(x.dtype, M, N, arch_of(x.device) or FALLBACK_ARCH)
+    cfg = config or select_forward(x.dtype, M, N, arch_of(x.device))
     y = x.new_empty((M, N), dtype=out_dtype)
     with device_guard(x):
         if cfg.tma and allow_tma and x.dtype != torch.float32 and out_dtype == x.dtype and tma_supported(x, w):
@@ -421,7 +421,7 @@ def grad_input(g: torch.Tensor, w: torch.Tensor, config: TileConfig | None = Non
     have, and ``-0 + +0`` is ``+0``."""
     M, N = g.shape
     K = w.shape[1]
-    cfg = config or select_forward(g.dtype, M, K, arch_of(g.device) or FALLBACK_ARCH)
+    cfg = config or select_forward(g.dtype, M, K, arch_of(g.device))
     if cfg.tma:  # the dx orientation reads W transposed: pointer loads, same tile shape
         cfg = dataclasses.replace(cfg, tma=False, persistent=False, warp_specialize=False)
     for name, t in (("acc", acc), ("out", out)):
@@ -454,7 +454,7 @@ def grad_weight(g: torch.Tensor, x: torch.Tensor, config: TileConfig | None = No
     K = x.shape[1]
     if M == 0 or N == 0 or K == 0:
         return g.new_zeros((N, K))
-    cfg = config or select_weight_grad(g.dtype, arch_of(g.device) or FALLBACK_ARCH)
+    cfg = config or select_weight_grad(g.dtype, arch_of(g.device))
     dw = g.new_empty((N, K))
     with device_guard(g):
         _launch_abt(rlk_linear_dw, g, x, dw, None, N, K, M, (g.stride(1), g.stride(0)), (x.stride(1), x.stride(0)),

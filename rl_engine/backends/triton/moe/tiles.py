@@ -41,7 +41,6 @@ interpreter) and for a role without rows, :data:`DEFAULT`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import re
 from pathlib import Path
@@ -50,7 +49,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from rl_engine.backends.triton import arch_of
+from rl_engine.backends.triton import ArchFiles, arch_of
 from rl_engine.utils.schema import StrictModel
 
 __all__ = ["ROLES", "DEFAULT", "GemmConfig", "TileRow", "TileTable", "select", "load_table", "shipped_configs",
@@ -59,7 +58,6 @@ __all__ = ["ROLES", "DEFAULT", "GemmConfig", "TileRow", "TileTable", "select", "
 ROLES = ("gate_up", "down", "dx", "dact", "dw_gate_up", "dw_down")
 Role = Literal["gate_up", "down", "dx", "dact", "dw_gate_up", "dw_down"]
 
-_TABLES = Path(__file__).with_name("tile_tables")
 _KEY = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(T?)(S?)(M?)")
 
 
@@ -140,11 +138,6 @@ class TileTable(StrictModel):
     rows: list[TileRow]
 
 
-def table_path(arch: str) -> Path:
-    """Where the table of ``arch`` (``"sm90"``) lives in the package."""
-    return _TABLES / f"{arch}.json"
-
-
 def _config(row: TileRow) -> GemmConfig:
     return GemmConfig(**row.config.model_dump())
 
@@ -169,10 +162,12 @@ def load_table(path: str | Path) -> dict[tuple[str, torch.dtype], tuple[tuple[fl
     return {k: tuple(v) for k, v in out.items()}
 
 
-@functools.lru_cache(maxsize=None)
+_FILES = ArchFiles(Path(__file__).with_name("tile_tables"), load_table)
+table_path = _FILES.path
+
+
 def _arch_table(arch: str) -> dict[tuple[str, torch.dtype], tuple[tuple[float, GemmConfig], ...]]:
-    path = table_path(arch)
-    return load_table(path) if path.is_file() else {}
+    return _FILES.get(arch) or {}
 
 
 def select(role: str, dtype: torch.dtype, slots_per_expert: float, device: torch.device) -> GemmConfig:
