@@ -271,18 +271,26 @@ def _attention_cases(device, dtype, q, kn, vn, heads, kv_heads, D, ctx, rnd) -> 
     }
 
 
+def _timed_round_robin(fns: dict[str, Callable[[], Any]], a: argparse.Namespace) -> dict[str, Any]:
+    """Each callable's host time per call, summarised: ``a.repeats`` rounds of one ``a.calls``-call
+    loop per callable, round-robin, so load drift hits every variant alike. A callable carrying
+    ``entry_op`` runs under :func:`entry_only`."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(a.repeats):
+        for k, f in fns.items():
+            scope = entry_only(f.entry_op, f.answer) if hasattr(f, "entry_op") else contextlib.nullcontext()
+            with scope:
+                samples[k] += host_call_samples(f, calls=a.calls, repeats=1, warmup=5 if samples[k] else 20,
+                                                device=a.device)
+    return {k: summarize(v) for k, v in samples.items()}
+
+
 def _neutral_rows(impl: Callable[[], Any], a: argparse.Namespace, dtype: torch.dtype, dev: dict,
                   ver: dict) -> list[dict]:
     """Rows of :func:`neutral_cases` (op ``rms_norm.neutral``), timed round-robin; the ``impl``
     row's summary holds each kind's time alone and its ``interaction_us``."""
     x = torch.randn(1, 256, device=a.device)
-    fns = neutral_cases(impl, x)
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(a.repeats):
-        for k, f in fns.items():
-            samples[k] += host_call_samples(f, calls=a.calls, repeats=1, warmup=5 if samples[k] else 20,
-                                            device=a.device)
-    st = {k: summarize(v) for k, v in samples.items()}
+    st = _timed_round_robin(neutral_cases(impl, x), a)
     impl_us = st["impl"].median * 1e3
     summary = {"impl_us": impl_us}
     for kind in ("python", "reductions", "allocations"):
@@ -321,16 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     dev, ver = device_info(a.device), versions()
     rows = []
     for name in names:
-        fns = allc[name]
-        # round-robin over repeats: load drift hits every variant alike
-        samples: dict[str, list[float]] = {k: [] for k in fns}
-        for _ in range(a.repeats):
-            for k, f in fns.items():
-                scope = entry_only(f.entry_op, f.answer) if hasattr(f, "entry_op") else contextlib.nullcontext()
-                with scope:
-                    samples[k] += host_call_samples(f, calls=a.calls, repeats=1, warmup=5 if samples[k] else 20,
-                                                    device=a.device)
-        st = {k: summarize(v) for k, v in samples.items()}
+        st = _timed_round_robin(allc[name], a)
         fixed_us = None
         if name == "cached_attention_step":
             # per-layer step cost from the 1- and 8-layer steps; the rest (plan, state restore) is fixed per step
