@@ -7,8 +7,8 @@ every stage of the fused path against the unfused GPU path it must equal bit for
 
     [case] stage ...................... equal | n/total differ (max |Δ| ...)
 
-stages: forward ``lp`` / ``lse`` / ``entropy``; the ``dlogits`` the fused path forms (pass-A
-row chunks and pass-B vocabulary chunks) vs the unfused autograd ``dlogits``; the same fused
+stages: forward ``lp`` / ``lse`` / ``entropy``; the ``dlogits`` the fused path forms (grad-hidden pass
+row chunks and grad-weight pass vocabulary chunks) vs the unfused autograd ``dlogits``; the same fused
 kernel launched with fp fusion **on** (the run-1 launch: expected to differ in fp32 at τ = 1,
 which is the diagnosed cause); ``grad_input`` / ``grad_weight`` on *identical* dlogits with the
 row / column split and tile configurations each path uses; the full ``grad hidden`` /
@@ -18,8 +18,8 @@ Part 2 — time (``--no-profile`` skips it). At ``H = 4096, V = 151936`` bf16, `
 8192}``: the wall time (CUDA events, median) of one forward + backward of the fused op, of the
 unfused Triton path and of the naive cuBLAS path; a ``torch.profiler`` breakdown of one fused
 forward + backward (kernel name → total ms, count); micro-timings (TFLOP/s) of the GEMMs the
-fused backward runs (pass-A ``grad_input`` over ``K = V`` at the pass-A row count with several
-tile configurations — their outputs compared bitwise — pass-B ``grad_weight``, the logits
+fused backward runs (grad-hidden pass ``grad_input`` over ``K = V`` at the grad-hidden pass row count with several
+tile configurations — their outputs compared bitwise — grad-weight pass ``grad_weight``, the logits
 GEMMs) and the extra peak memory of the fused forward + backward.
 
 Usage (on the GPU machine, repository root)::
@@ -95,10 +95,11 @@ def stages(n: int, h: int, v: int, dtype: torch.dtype, temperature: float) -> No
 
     case = f"{n}x{h}x{v} {str(dtype).split('.')[-1]} T={temperature}"
     hidden, weight, targets, g_lp, g_ent = _data(n, h, v, dtype, seed=n + v)
-    fwd_rows, fwd_vc, bwd_rows, bwd_vc = tlp._chunks(n, v, dtype, None, None)
-    print(f"[{case}] default chunks: forward {fwd_rows} rows x {fwd_vc} cols; pass A {bwd_rows} rows; pass B {bwd_vc} cols")
+    chunks = tlp._chunks(n, h, v, dtype, None, None, training=True)
+    fwd_rows, fwd_vc, bwd_rows, bwd_vc = chunks.fwd_rows, chunks.fwd_cols, chunks.dx_rows, chunks.dw_cols
+    print(f"[{case}] default training chunks: {chunks}")
     print(f"[{case}] dx config unfused (M={n}): {select_forward(dtype, n, h).key}; "
-          f"pass A (M={min(bwd_rows, n)}): {select_forward(dtype, min(bwd_rows, n), h).key}; dW: {select_weight_grad(dtype).key}")
+          f"grad-hidden pass (M={min(bwd_rows, n)}): {select_forward(dtype, min(bwd_rows, n), h).key}; dW: {select_weight_grad(dtype).key}")
 
     # 1. forward
     logits = gk.forward(hidden, weight, None)
@@ -124,12 +125,12 @@ def stages(n: int, h: int, v: int, dtype: torch.dtype, temperature: float) -> No
         parts.append(fused._dlogits_(gk.forward(hidden[r0:r1], weight, None), 0, targets[r0:r1], lse_f[r0:r1],
                                      g_lp[r0:r1], ent_f[r0:r1], g_ent[r0:r1], temperature))
     dl_a = torch.cat(parts)
-    _line(case, "dlogits fused pass A (row chunks) vs unfused", dl_a, dl_u)
+    _line(case, "dlogits fused grad-hidden pass (row chunks) vs unfused", dl_a, dl_u)
     cols = []
     for c0 in range(0, v, bwd_vc):
         cols.append(fused._dlogits_(gk.forward(hidden, weight[c0 : c0 + bwd_vc], None), c0, targets, lse_f, g_lp,
                                     ent_f, g_ent, temperature))
-    _line(case, "dlogits fused pass B (vocab chunks) vs unfused", torch.cat(cols, 1), dl_u)
+    _line(case, "dlogits fused grad-weight pass (vocab chunks) vs unfused", torch.cat(cols, 1), dl_u)
     on = _dlogits_launch(gk.forward(hidden, weight, None), 0, targets, lse_f, g_lp, ent_f, g_ent, temperature, True)
     _line(case, "dlogits, same kernel with fp fusion ON (run-1 launch)", on, dl_u)
 
@@ -141,7 +142,7 @@ def stages(n: int, h: int, v: int, dtype: torch.dtype, temperature: float) -> No
     dw_b = torch.cat([gk.grad_weight(dl_u[:, c0 : c0 + bwd_vc].contiguous(), hidden) for c0 in range(0, v, bwd_vc)])
     _line(case, f"grad_weight same dlogits: V={v} vs {bwd_vc}-col chunks", dw_b, dw_u)
     dx_fa = torch.cat([gk.grad_input(dl_a[r0 : r0 + bwd_rows], weight) for r0 in range(0, n, bwd_rows)])
-    _line(case, "grad_input(fused pass-A dlogits) vs unfused dx", dx_fa, dx_u)
+    _line(case, "grad_input(fused grad-hidden pass dlogits) vs unfused dx", dx_fa, dx_u)
 
     # 4. full grads through the public ops
     def grads(fn):
@@ -247,7 +248,8 @@ def timing(T: int, H: int, V: int) -> None:
     RESULTS["profile"][key] = [{"kernel": k, "total_ms": ms, "count": c} for k, (ms, c) in rows]
 
     # micro-timings of the fused backward's GEMMs
-    fwd_rows, fwd_vc, bwd_rows, bwd_vc = tlp._chunks(T, V, torch.bfloat16, None, None)
+    chunks = tlp._chunks(T, H, V, torch.bfloat16, None, None, training=True)
+    fwd_rows, fwd_vc, bwd_rows, bwd_vc = chunks.fwd_rows, chunks.fwd_cols, chunks.dx_rows, chunks.dw_cols
     rows_a = min(bwd_rows, T)
     dl = torch.randn(rows_a, V, device="cuda", generator=g).to(torch.bfloat16) * 1e-3
     flops = 2.0 * rows_a * V * H
@@ -263,7 +265,7 @@ def timing(T: int, H: int, V: int) -> None:
             continue
         same = None if ref is None else bool(torch.equal(out.view(torch.int16), ref.view(torch.int16)))
         ref = out if ref is None else ref
-        row = {"T": T, "gemm": f"pass A grad_input M={rows_a} K={V} N={H}", "config": label, "ms": ms,
+        row = {"T": T, "gemm": f"grad-hidden pass grad_input M={rows_a} K={V} N={H}", "config": label, "ms": ms,
                "tflops": flops / ms / 1e9, "bits_equal_to_shipped": same}
         RESULTS["gemm"].append(row)
         print(f"[{key}] {row['gemm']} {label:<40s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s bits==shipped: {same}")
@@ -273,9 +275,9 @@ def timing(T: int, H: int, V: int) -> None:
     dlb = torch.randn(T, bwd_vc, device="cuda", generator=g).to(torch.bfloat16) * 1e-3
     flops = 2.0 * T * bwd_vc * H
     ms = _time_ms(lambda: gk.grad_weight(dlb, h))
-    print(f"[{key}] pass B grad_weight M={T} N={bwd_vc} K={H} {select_weight_grad(torch.bfloat16).key} "
+    print(f"[{key}] grad-weight pass grad_weight M={T} N={bwd_vc} K={H} {select_weight_grad(torch.bfloat16).key} "
           f"{ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s; cuBLAS {_time_ms(lambda: dlb.t() @ h):8.3f} ms")
-    RESULTS["gemm"].append({"T": T, "gemm": f"pass B grad_weight M={T} N={bwd_vc} K={H}", "ms": ms, "tflops": flops / ms / 1e9})
+    RESULTS["gemm"].append({"T": T, "gemm": f"grad-weight pass grad_weight M={T} N={bwd_vc} K={H}", "ms": ms, "tflops": flops / ms / 1e9})
     dlb = None
     for m, n in ((rows_a, V), (T, bwd_vc), (fwd_rows, fwd_vc)):
         ms = _time_ms(lambda m=m, n=n: gk.forward(h[:m], w[:n], None))

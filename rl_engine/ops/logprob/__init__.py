@@ -243,9 +243,10 @@ def linear_token_logprobs(
 
     Args:
         token_chunk: rows per chunk (any positive int; default: CPU 256, GPU sized from a memory
-            budget, see docs/operators/logprob.md). No value changes a bit.
+            budget — a training call holds at most about the size of ``hidden`` beside its
+            inputs and outputs, see docs/operators/logprob.md). No value changes a bit.
         vocab_chunk: vocabulary columns per chunk, a positive multiple of :data:`VOCAB_BLOCK`
-            (default: CPU 4096, GPU sized from a memory budget). No value changes a bit.
+            (default: CPU 4096, GPU sized from the same budget). No value changes a bit.
         kept: kept-set records ``[...]`` (one per target): the processed log-probs (and
             entropy) renormalised over each row's kept set, each chunk masked with absolute
             column ids — raw-bit equal to ``token_logprobs(gemm.linear(hidden, weight), targets,
@@ -263,8 +264,9 @@ def linear_token_logprobs(
     ``entropy(gemm.linear(...))``), forward and backward (grads to ``hidden`` and ``weight``);
     invariant to ``token_chunk``, ``vocab_chunk``, batch composition and position;
     deterministic. Forward memory: ``O(token_chunk · vocab_chunk)`` beyond the outputs.
-    Backward recomputes the logits twice (once per gradient) and holds
-    ``O(token_chunk · V + N · vocab_chunk)``.
+    Backward recomputes the logits (CPU: once per gradient, holding
+    ``O(token_chunk · V + N · vocab_chunk)``; GPU: once or twice, holding
+    ``O(N · vocab_chunk + token_chunk · (H + vocab_chunk))``).
 
     Raises:
         TypeError / ValueError: bad dtype, shape, device, contiguity or NaN of any tensor;

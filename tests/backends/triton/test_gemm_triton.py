@@ -390,6 +390,24 @@ def test_interpreter_grad_input_chained_over_n_is_one_product():
         kern.grad_input(gy[:, 160:], w[160:], config=cfg, out=torch.empty(M, K), partial=True)
 
 
+
+@interp
+def test_interpreter_grad_weight_into_rows_of_a_larger_gradient():
+    """``grad_weight(..., out=)`` writes ``dW`` into rows of a larger gradient (the fused LM
+    head's ``dweight[c0:c1]``) with the bits of a fresh output, leaving the other rows alone; an
+    ``out`` of the wrong shape, dtype or layout is refused before anything is written."""
+    kern = _kernels()
+    g = torch.Generator().manual_seed(0)
+    gy, x = torch.randn(24, 40, generator=g), torch.randn(24, 16, generator=g)
+    whole = torch.full((100, 16), 7.0)
+    got = kern.grad_weight(gy, x, out=whole[30:70])
+    assert got.data_ptr() == whole[30:70].data_ptr() and same_bits(got, kern.grad_weight(gy, x))
+    assert bool((whole[:30] == 7).all()) and bool((whole[70:] == 7).all())
+    for bad in (torch.empty(40, 15), torch.empty(40, 16, dtype=torch.float64), torch.empty(16, 40).t()):
+        with pytest.raises(ValueError, match="out: expected a contiguous"):
+            kern.grad_weight(gy, x, out=bad)
+    assert bool((whole[:30] == 7).all())
+
 @gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_grad_input_chained_over_n_is_one_product(dtype):

@@ -448,14 +448,23 @@ def grad_input(g: torch.Tensor, w: torch.Tensor, config: TileConfig | None = Non
     return dx
 
 
-def grad_weight(g: torch.Tensor, x: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
-    """``dW = dyᵀ x`` for ``dy [M, N]``, ``x [M, K]``: A[n, m] = dy[m, n], B[k, m] = x[m, k]."""
+def grad_weight(g: torch.Tensor, x: torch.Tensor, config: TileConfig | None = None, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``dW = dyᵀ x`` for ``dy [M, N]``, ``x [M, K]``: A[n, m] = dy[m, n], B[k, m] = x[m, k].
+
+    ``out``: a contiguous ``[N, K]`` tensor of ``dy``'s dtype to write ``dW`` into (the fused LM
+    head's backward passes its rows of the whole ``[V, H]`` gradient, so that no ``[chunk, H]``
+    block is held beside it); the kernel and its bits are the same either way."""
     M, N = g.shape
     K = x.shape[1]
+    if out is not None and (tuple(out.shape) != (N, K) or not out.is_contiguous() or out.device != g.device
+                            or out.dtype != g.dtype):
+        raise ValueError(f"out: expected a contiguous [{N}, {K}] {g.dtype} tensor on {g.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} (contiguous={out.is_contiguous()}) on {out.device}")
     if M == 0 or N == 0 or K == 0:
-        return g.new_zeros((N, K))
+        return out.zero_() if out is not None else g.new_zeros((N, K))
     cfg = config or select_weight_grad(g.dtype, arch_of(g.device))
-    dw = g.new_empty((N, K))
+    dw = out if out is not None else g.new_empty((N, K))
     with device_guard(g):
         _launch_abt(rlk_linear_dw, g, x, dw, None, N, K, M, (g.stride(1), g.stride(0)), (x.stride(1), x.stride(0)),
                     dw.stride(), cfg)

@@ -30,21 +30,23 @@ ever holding the ``[N, V]`` logits. Where the bits come from:
   what autograd's accumulation of the two unfused gradients does). Elementwise: no layout
   question; compiled with ``enable_fp_fusion=False`` so that no product is contracted into the
   following sum (fp32, τ = 1: ``(−p)·g + de`` would become one fma — the H200 run-1 mismatch;
-  :func:`_dlogits_`). Then one pass over the vocabulary chunks, each holding the logits of
-  **all** ``N`` tokens ``[N, cols]`` and their gradient in place:
+  :func:`_dlogits_`). Then, each logits chunk recomputed and turned into its gradient in place:
 
   - ``dweight[cols]`` by ``gemm.grad_weight`` over ``K = N`` — the unfused dW kernel on the same
-    output rows (fixed configuration, K from row 0 upwards);
-  - ``dhidden += dlogits[:, cols] @ W[cols]`` by ``gemm.grad_input`` **chained** over the chunks:
-    the unrounded fp32 accumulator ``[N, H]`` is stored after each chunk and reloaded by the
-    next, and the last chunk rounds once. The tiles consume K in ``BLOCK_K`` steps from each
-    chunk's first column and every chunk but the last is a multiple of 1024 columns, so this is
-    the unfused dx product over ``K = V`` operation for operation (``gemm.grad_input``).
-    Four ``2·N·H·V`` products in all with the forward (the unfused path has three, and holds the
-    ``[N, V]`` logits); when the fp32 accumulator exceeds ``DX_ACCUMULATOR_BUDGET_BYTES``,
-    ``dhidden`` comes from a separate pass A instead: per token chunk the logits of all ``V``
-    columns ``[rows, V]``, their gradient, and one ``grad_input`` over ``K = V`` (the same bits,
-    one product more).
+    output rows (fixed configuration, K from row 0 upwards), from chunks of **all** ``N``
+    tokens ``[N, cols]``, written straight into ``dweight``;
+  - ``dhidden[rows] += dlogits[rows, cols] @ W[cols]`` by ``gemm.grad_input`` **chained** over
+    the vocabulary chunks: the unrounded fp32 accumulator ``[rows, H]`` is stored after each
+    chunk and reloaded by the next, and the last chunk rounds once. The tiles consume K in
+    ``BLOCK_K`` steps from each chunk's first column and every chunk but the last is a multiple
+    of 1024 columns, so this is the unfused dx product over ``K = V`` operation for operation
+    (``gemm.grad_input``), and the GEMM's row invariance makes any token chunking give the same
+    rows.
+
+  When the ``grad hidden`` pass takes all ``N`` tokens at once, each gradient chunk feeds both
+  products (four ``2·N·H·V`` products in all with the forward; the unfused path has three and
+  holds the ``[N, V]`` logits); otherwise ``grad weight`` has a pass of its own (five), which
+  is what the default chunks of a training call choose to bound its memory (``_chunks``).
 
 **Kept sets** (``KEPT``, top-k / top-p replay): the fold and the gradient kernels test each
 loaded entry with :func:`rlk_keep` at its absolute token id (``c0 + column``) against the row's
@@ -63,10 +65,11 @@ consume — the unfused fp32-output ``gemm.linear`` backward rounds its fp32 gra
 same way before the same products.
 
 Memory beyond inputs and outputs: forward ``rows · vocab_chunk`` logits in the dtype plus four
-fp32 values per row of a chunk; backward ``N · vocab_chunk`` in the dtype, a ``[vocab_chunk, H]``
-gradient block and the fp32 ``[N, H]`` accumulator (pass A instead: ``rows · V`` in the dtype and
-a ``[rows, H]`` block). The forward and the backward may use different chunk sizes (none changes
-a bit); the defaults come from byte budgets (``rl_engine/backends/triton/logprob/__init__.py``:
+fp32 values per row of a chunk; backward, one ``[N, dw_cols]`` gradient block in the ``grad
+weight`` pass and one ``[dx_rows, dx_cols]`` block plus the fp32 ``[dx_rows, H]`` accumulator in
+the ``grad hidden`` pass (an fp32-logits call also holds the fp32 logits of the block). The
+forward and the backward may use different chunk sizes (none changes a bit); the defaults keep a
+training call within the size of ``hidden`` (``rl_engine/backends/triton/logprob/__init__.py``:
 ``_chunks``).
 """
 
@@ -289,62 +292,82 @@ def _dlogits_(logits: torch.Tensor, c0: int, targets, lse, g_lp, ent, g_ent, tem
     return out
 
 
-#: The backward computes ``dhidden`` by chaining ``gemm.grad_input`` over the vocabulary chunks of
-#: its one pass (4 products of ``2·N·H·V`` flops in all, with the forward) when the fp32
-#: accumulator ``[N, H]`` fits this many bytes; else it runs pass A (one more product: the logits
-#: recomputed per token chunk). Same bits either way (``test_backward_strategies_give_the_same_bits``).
-DX_ACCUMULATOR_BUDGET_BYTES = 2**30
+def _chain_dx(dl: torch.Tensor, w: torch.Tensor, acc: torch.Tensor | None, out: torch.Tensor, first: bool,
+              last: bool) -> None:
+    """One vocabulary chunk of ``grad hidden = dlogits · W`` chained over the chunks
+    (``gemm.grad_input``): the chunk's products start from the unrounded fp32 sums in ``acc``
+    (``+0`` for the first chunk) and are stored back unrounded, or, for the last chunk, rounded
+    once into ``out``. Every chunk but the last has a multiple of 1024 columns, so the chained
+    calls are the unfused ``dx`` product over ``K = V`` operation for operation."""
+    gemm_kernels.grad_input(dl, w, acc=None if first else acc, out=out if last else acc, partial=not last)
 
 
 def backward(g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor,
-             targets: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, temperature: float, token_chunk: int,
-             vocab_chunk: int, need_hidden: bool, need_weight: bool, kept_threshold: torch.Tensor | None = None,
-             kept_boundary: torch.Tensor | None = None, fp32_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             targets: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, temperature: float, dx_rows: int,
+             dx_cols: int, dw_cols: int, need_hidden: bool, need_weight: bool,
+             kept_threshold: torch.Tensor | None = None, kept_boundary: torch.Tensor | None = None,
+             fp32_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dhidden [N, H] | [0], dweight [V, H] | [0])`` in the inputs' dtype.
 
-    One pass over the vocabulary chunks (``vocab_chunk`` columns, all ``N`` tokens): the logits
-    chunk, its gradient in place, then ``dW[cols] = dlogitsᵀ h`` (``gemm.grad_weight``, K = N: the
-    unfused dW kernel on the same output rows) and ``dh += dlogits W[cols]`` (``gemm.grad_input``
-    chained over the chunks in an fp32 ``[N, H]`` accumulator, rounded once after the last: the
-    unfused dx product over K = V, bit for bit, since chunks are multiples of 1024 columns). When
-    that accumulator exceeds :data:`DX_ACCUMULATOR_BUDGET_BYTES`, ``dhidden`` comes from pass A
-    instead: per ``token_chunk`` rows, the logits of all ``V`` columns, their gradient, and one
-    ``grad_input`` over K = V."""
+    Each logits chunk is recomputed (``gemm.linear``) and turned into its gradient in place
+    (:func:`_dlogits_`); then
+
+    * ``grad weight``: per ``dw_cols`` vocabulary rows, the gradient of all ``N`` tokens and
+      ``dW[cols] = dlogitsᵀ h`` (``gemm.grad_weight`` over ``K = N``, the unfused ``dW`` kernel on
+      the same output rows), written straight into ``dweight``;
+    * ``grad hidden``: per ``dx_rows`` tokens, the vocabulary in chunks of ``dx_cols`` columns,
+      ``dh[rows] += dlogits W[cols]`` chained through an fp32 ``[dx_rows, H]`` accumulator
+      (:func:`_chain_dx`), rounded once into ``dhidden[rows]`` after the last chunk — the unfused
+      ``dx`` product over ``K = V``, row by row (the GEMM is row invariant).
+
+    When ``dx_rows`` covers all ``N`` tokens and ``dw_cols == dx_cols`` the two share one pass
+    (each gradient chunk feeds both products: 4 products of ``2·N·H·V`` flops with the
+    forward); otherwise each has its own (5). Same bits either way
+    (``test_backward_strategies_give_the_same_bits``)."""
     N, H = hidden.shape
     V = weight.shape[0]
-    dhidden = hidden.new_zeros((N, H) if need_hidden else (0,))
-    dweight = weight.new_zeros((V, H) if need_weight else (0,))
     if N == 0 or (g_lp is None and g_ent is None):
-        return dhidden, dweight
-
+        return hidden.new_zeros((N, H) if need_hidden else (0,)), weight.new_zeros((V, H) if need_weight else (0,))
+    if dx_rows < 1:
+        raise ValueError(f"dx_rows: expected a positive int, got {dx_rows}")
+    for name, cols in (("dx_cols", dx_cols), ("dw_cols", dw_cols)):
+        if cols < 1 or cols % VOCAB_BLOCK:
+            raise ValueError(f"{name}: expected a positive multiple of {VOCAB_BLOCK}, got {cols}")
+    # every element of both is written below
+    dhidden = hidden.new_empty((N, H) if need_hidden else (0,))
+    dweight = weight.new_empty((V, H) if need_weight else (0,))
     kept = kept_threshold is not None
     out_dtype = torch.float32 if fp32_logits else None
 
-    def rows(r0: int, r1: int):
-        return (targets[r0:r1], lse[r0:r1], g_lp[r0:r1] if g_lp is not None else None,
-                ent[r0:r1] if g_ent is not None else None, g_ent[r0:r1] if g_ent is not None else None, temperature,
-                kept_threshold[r0:r1] if kept else None, kept_boundary[r0:r1] if kept else None, hidden.dtype)
+    def dlogits(r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        logits = gemm_kernels.forward(hidden[r0:r1], weight[c0:c1], None, out_dtype=out_dtype)
+        return _dlogits_(logits, c0, targets[r0:r1], lse[r0:r1], g_lp[r0:r1] if g_lp is not None else None,
+                         ent[r0:r1] if g_ent is not None else None, g_ent[r0:r1] if g_ent is not None else None,
+                         temperature, kept_threshold[r0:r1] if kept else None,
+                         kept_boundary[r0:r1] if kept else None, hidden.dtype)
 
-    chained = need_hidden and N * H * 4 <= DX_ACCUMULATOR_BUDGET_BYTES
+    def accumulator(rows: int, cols: int) -> torch.Tensor | None:  # the chained dx's fp32 partial sums
+        return torch.empty((rows, H), dtype=torch.float32, device=hidden.device) if V > cols else None
+
+    shared = need_weight and need_hidden and dx_rows >= N and dw_cols == dx_cols
     with device_guard(hidden):
-        if need_weight or chained:
-            acc = None
-            if chained and V > vocab_chunk:  # the fp32 partial sums of dhidden between chunks
-                acc = torch.empty((N, H), dtype=torch.float32, device=hidden.device)
-            for c0 in range(0, V, vocab_chunk):
-                w = weight[c0 : c0 + vocab_chunk]
-                dl = _dlogits_(gemm_kernels.forward(hidden, w, None, out_dtype=out_dtype), c0, *rows(0, N))
-                if need_weight:
-                    dweight[c0 : c0 + dl.shape[1]] = gemm_kernels.grad_weight(dl, hidden)
-                if chained:
-                    last = c0 + vocab_chunk >= V
-                    gemm_kernels.grad_input(dl, w, acc=acc if c0 > 0 else None, out=dhidden if last else acc,
-                                            partial=not last)
+        if need_weight:
+            acc = accumulator(N, dw_cols) if shared else None
+            for c0 in range(0, V, dw_cols):
+                c1 = min(V, c0 + dw_cols)
+                dl = dlogits(0, N, c0, c1)
+                gemm_kernels.grad_weight(dl, hidden, out=dweight[c0:c1])
+                if shared:
+                    _chain_dx(dl, weight[c0:c1], acc, dhidden, c0 == 0, c1 >= V)
                 del dl
-        if need_hidden and not chained:  # pass A: dh[rows] = dlogits[rows, :V] @ W, one K = V product per token chunk
-            for r0 in range(0, N, token_chunk):
-                r1 = min(N, r0 + token_chunk)
-                dl = _dlogits_(gemm_kernels.forward(hidden[r0:r1], weight, None, out_dtype=out_dtype), 0, *rows(r0, r1))
-                dhidden[r0:r1] = gemm_kernels.grad_input(dl, weight)
-                del dl
+        if need_hidden and not shared:
+            acc = accumulator(min(dx_rows, N), dx_cols)
+            for r0 in range(0, N, dx_rows):
+                r1 = min(N, r0 + dx_rows)
+                part = acc[: r1 - r0] if acc is not None else None
+                for c0 in range(0, V, dx_cols):
+                    c1 = min(V, c0 + dx_cols)
+                    dl = dlogits(r0, r1, c0, c1)
+                    _chain_dx(dl, weight[c0:c1], part, dhidden[r0:r1], c0 == 0, c1 >= V)
+                    del dl
     return dhidden, dweight
