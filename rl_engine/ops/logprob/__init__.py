@@ -244,7 +244,9 @@ def linear_token_logprobs(
     Args:
         token_chunk: rows per chunk (any positive int; default: CPU 256, GPU sized from a memory
             budget — a training call holds at most about the size of ``hidden`` beside its
-            inputs and outputs, see docs/operators/logprob.md). No value changes a bit.
+            inputs and outputs, see docs/operators/logprob.md; on the GPU a value at or above
+            the token count makes the backward one shared pass, one GEMM fewer for an fp32
+            ``[N, H]`` accumulator more). No value changes a bit.
         vocab_chunk: vocabulary columns per chunk, a positive multiple of :data:`VOCAB_BLOCK`
             (default: CPU 4096, GPU sized from the same budget). No value changes a bit.
         kept: kept-set records ``[...]`` (one per target): the processed log-probs (and

@@ -166,6 +166,10 @@ def test_forward_only_chunks_follow_the_forward_budget():
     # explicit chunks win, in both passes
     assert tlp._chunks(8192, 4096, 151936, torch.bfloat16, 96, 2048, training=True) == (96, 2048, 96, 2048, 2048)
     assert tlp._chunks(8192, 4096, 151936, torch.bfloat16, 96, None, training=True)[0:3:2] == (96, 96)
+    # a token chunk covering every token asks for the shared backward pass: one grad-weight chunk size
+    shared = tlp._chunks(4096, 4096, 151936, torch.bfloat16, 4096, None, training=True)
+    assert shared.dx_rows == 4096 and shared.dw_cols == shared.dx_cols == 8192
+    assert tlp.workspace_bytes(shared, 4096, 4096, 151936, torch.bfloat16) == 4096 * (8192 * 2 + 4 * 4096)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

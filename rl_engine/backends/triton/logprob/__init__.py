@@ -297,10 +297,11 @@ def _chunks(n: int, h: int, v: int, dtype: torch.dtype, token_chunk: int | None,
     """The chunk sizes of a fused LM-head call over ``hidden [n, h]`` of ``dtype``, ``weight [v, h]``.
 
     Pure arithmetic (no triton import). An explicit ``token_chunk`` sets ``fwd_rows`` and
-    ``dx_rows``, an explicit ``vocab_chunk`` every vocabulary chunk. Defaults, with ``e`` the
-    bytes of a logits element held (the dtype's; ``fp32_logits``: 4 in the forward, 4 + the
-    dtype's in the backward, whose gradient block is separate) and ``B = n·h·`` the dtype's
-    bytes (the size of ``hidden``):
+    ``dx_rows`` (one at or above ``n``: the shared backward pass, four GEMMs instead of five, for
+    ``n·(4·h + dx_cols·e)`` bytes), an explicit ``vocab_chunk`` every vocabulary chunk.
+    Defaults, with ``e`` the bytes of a logits element held (the dtype's; ``fp32_logits``: 4 in
+    the forward, 4 + the dtype's in the backward, whose gradient block is separate) and
+    ``B = n·h·`` the dtype's bytes (the size of ``hidden``):
 
     * forward: the most rows up to :data:`FORWARD_MAX_ROWS` and the widest chunk with
       ``rows·cols·e`` within :data:`FORWARD_BUDGET_BYTES`, and within ``B`` when ``training``;
@@ -339,7 +340,8 @@ def _chunks(n: int, h: int, v: int, dtype: torch.dtype, token_chunk: int | None,
     dx_cols = vocab_chunk or min(v_cols, DX_MAX_COLUMNS, max(VOCAB_BLOCK, 4 * h // bwd_e // VOCAB_BLOCK * VOCAB_BLOCK))
     per_row = (4 * h if v > dx_cols else 0) + dx_cols * bwd_e
     dx_rows = token_chunk or min(n1, rows_within(budget, per_row))
-    dw_cols = vocab_chunk or (dx_cols if n1 * per_row <= budget else widest(n1, budget, bwd_e))
+    shared = dx_rows >= n1 and (token_chunk is not None or n1 * per_row <= budget)
+    dw_cols = vocab_chunk or (dx_cols if shared else widest(n1, budget, bwd_e))
     return Chunks(fwd_rows, fwd_cols, dx_rows, dx_cols, dw_cols)
 
 
