@@ -1,7 +1,7 @@
 """Stage-by-stage debugger of the Triton fused LM head (``logprob.linear_token_logprobs``) on a GPU.
 
-Part 1 — bits. For each case (default: the H200 run-1 failure ``N=130, H=64, V=5000, fp32,
-τ=1``, the LM-head vocabulary ``N=300, H=256, V=151936`` fp32, and a bf16 control) it isolates
+Part 1 — bits. For each case (default: ``N=130, H=64, V=5000, fp32, τ=1``, where fp fusion
+changes the bits, the LM-head vocabulary ``N=300, H=256, V=151936`` fp32, and a bf16 control) it isolates
 every stage of the fused path against the unfused GPU path it must equal bit for bit
 (``gemm.linear`` → ``token_logprobs`` / ``entropy``) and prints one line per stage::
 
@@ -9,8 +9,8 @@ every stage of the fused path against the unfused GPU path it must equal bit for
 
 stages: forward ``lp`` / ``lse`` / ``entropy``; the ``dlogits`` the fused path forms (grad-hidden pass
 row chunks and grad-weight pass vocabulary chunks) vs the unfused autograd ``dlogits``; the same fused
-kernel launched with fp fusion **on** (the run-1 launch: expected to differ in fp32 at τ = 1,
-which is the diagnosed cause); ``grad_input`` / ``grad_weight`` on *identical* dlogits with the
+kernel launched with fp fusion **on** (expected to differ in fp32 at τ = 1: the contraction
+``enable_fp_fusion=False`` prevents); ``grad_input`` / ``grad_weight`` on *identical* dlogits with the
 row / column split and tile configurations each path uses; the full ``grad hidden`` /
 ``grad weight`` through the public op and autograd.
 
@@ -132,7 +132,7 @@ def stages(n: int, h: int, v: int, dtype: torch.dtype, temperature: float) -> No
                                     ent_f, g_ent, temperature))
     _line(case, "dlogits fused grad-weight pass (vocab chunks) vs unfused", torch.cat(cols, 1), dl_u)
     on = _dlogits_launch(gk.forward(hidden, weight, None), 0, targets, lse_f, g_lp, ent_f, g_ent, temperature, True)
-    _line(case, "dlogits, same kernel with fp fusion ON (run-1 launch)", on, dl_u)
+    _line(case, "dlogits, same kernel with fp fusion ON", on, dl_u)
 
     # 3. the GEMMs on identical dlogits, split and configured as each path does
     dx_u = gk.grad_input(dl_u, weight)

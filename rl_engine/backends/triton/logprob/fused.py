@@ -29,7 +29,7 @@ ever holding the ``[N, V]`` logits. Where the bits come from:
   outputs enter the loss the two rounded values are added in fp32 and rounded again — exactly
   what autograd's accumulation of the two unfused gradients does). Elementwise: no layout
   question; compiled with ``enable_fp_fusion=False`` so that no product is contracted into the
-  following sum (fp32, τ = 1: ``(−p)·g + de`` would become one fma — the H200 run-1 mismatch;
+  following sum (fp32, τ = 1: ``(−p)·g + de`` would become one fma, a few ulp off the unfused bits;
   :func:`_dlogits_`). Then, each logits chunk recomputed and turned into its gradient in place:
 
   - ``dweight[cols]`` by ``gemm.grad_weight`` over ``K = N`` — the unfused dW kernel on the same
@@ -272,9 +272,9 @@ def _dlogits_(logits: torch.Tensor, c0: int, targets, lse, g_lp, ent, g_ent, tem
     ``enable_fp_fusion=False``: with both outputs in the loss and τ = 1, fp32's ``.to(float32)``
     is the identity, so ``dz + de`` is ``(−p)·g + de`` and the compiler would contract it into one
     fma (one rounding) — while the unfused path rounds ``dz`` and ``de`` in two kernels and adds
-    them in autograd's accumulation (two roundings). That contraction was the H200's fp32 ``grad
-    hidden`` / ``grad weight`` mismatch (a few ulp; bf16 rounds ``dz`` first, τ ≠ 1 divides
-    first, so neither could contract). The unfused kernels ``rlk_token_logprobs_bwd`` /
+    them in autograd's accumulation (two roundings). On the H200 that contraction moves fp32
+    ``grad hidden`` / ``grad weight`` a few ulp off the unfused bits (bf16 rounds ``dz`` first,
+    τ ≠ 1 divides first, so neither can contract). The unfused kernels ``rlk_token_logprobs_bwd`` /
     ``rlk_entropy_bwd`` have no multiply feeding an add, so fusion changes nothing there; here,
     off, every product and sum is rounded on its own, as there."""
     R, C = logits.shape
