@@ -11,10 +11,13 @@ row) three ways, interleaved in one process:
 * ``entry``   the public call while the registry's selection answers with the implementation's
   output for these arguments, computed once (:func:`entry_only`): the entry point's checks,
   request and dispatch alone, without the implementation's work;
-* ``composed`` the ``entry`` call, then the ``impl`` call: the public call's work in two pieces.
+* ``composed`` the ``entry`` call, then the ``impl`` call: the public call's work in two pieces;
+* ``unscanned`` the public call under ``nan_policy("propagate")``: without the host NaN scan of
+  its activations, the one piece of the entry point's work that runs torch operations.
 
 Each row's ``extra`` carries ``overhead_us`` (public − impl: what the entry point adds to a
-call), ``entry_us`` (the ``entry`` call: the entry point's own work, timed alone), ``composed_us``
+call), ``unscanned_overhead_us`` (unscanned − impl: the same without the NaN scan),
+``entry_us`` (the ``entry`` call: the entry point's own work, timed alone), ``composed_us``
 and ``interaction_us`` (composed − entry − impl: what the two pieces cost together beyond their
 separate times; where ``composed_us`` ≈ ``public_us``, the public call does no work beyond the
 two pieces, and an ``overhead_us`` above ``entry_us`` is that interaction) and ``excess_us``
@@ -60,6 +63,7 @@ from benchmarks.common.harness import (  # noqa: E402
 from rl_engine import ops  # noqa: E402
 from rl_engine.runtime import registry  # noqa: E402
 from rl_engine.runtime.registry import make_request, select  # noqa: E402
+from rl_engine.utils.checks import nan_policy  # noqa: E402
 
 #: Target (µs) per case: on ``public − impl`` where the case has an implementation row, else on
 #: ``public − native``.
@@ -100,13 +104,15 @@ def entry_only(op: str, answer: Any) -> Iterator[None]:
 
 
 def _entry(op: str, public: Callable[[], Any]) -> Callable[[], Any]:
-    """The ``entry`` variant of a case: ``public``, timed under :func:`entry_only` (``main``
-    enters it around each timed loop, not per call), its answer computed by one real call."""
+    """The ``entry`` variant of a case: ``public``, timed under :func:`entry_only` (its ``scope``:
+    ``main`` enters it around each timed loop, not per call), its answer computed by one real
+    call."""
 
     def run():
         return public()
 
     run.entry_op, run.answer = op, public()  # type: ignore[attr-defined]
+    run.scope = lambda: entry_only(run.entry_op, run.answer)  # type: ignore[attr-defined]
     return run
 
 
@@ -119,6 +125,18 @@ def _composed(entry: Callable[[], Any], impl: Callable[[], Any]) -> Callable[[],
         return impl()
 
     run.entry_op, run.answer = entry.entry_op, entry.answer  # type: ignore[attr-defined]
+    run.scope = lambda: entry_only(run.entry_op, run.answer)  # type: ignore[attr-defined]
+    return run
+
+
+def _unscanned(public: Callable[[], Any]) -> Callable[[], Any]:
+    """The ``unscanned`` variant: ``public`` timed under ``nan_policy("propagate")`` (its
+    ``scope``, entered around each timed loop)."""
+
+    def run():
+        return public()
+
+    run.scope = lambda: nan_policy("propagate")  # type: ignore[attr-defined]
     return run
 
 
@@ -192,6 +210,7 @@ def cases(device: str, dtype: torch.dtype, H: int = 1024, heads: int = 8, kv_hea
     }
     for fns in out.values():
         fns["composed"] = _composed(fns["entry"], fns["impl"])
+        fns["unscanned"] = _unscanned(fns["public"])
     out.update(_attention_cases(device, dtype, q, kn, vn, heads, kv_heads, D, ctx, rnd))
     return out
 
@@ -273,12 +292,12 @@ def _attention_cases(device, dtype, q, kn, vn, heads, kv_heads, D, ctx, rnd) -> 
 
 def _timed_round_robin(fns: dict[str, Callable[[], Any]], a: argparse.Namespace) -> dict[str, Any]:
     """Each callable's host time per call, summarised: ``a.repeats`` rounds of one ``a.calls``-call
-    loop per callable, round-robin, so load drift hits every variant alike. A callable carrying
-    ``entry_op`` runs under :func:`entry_only`."""
+    loop per callable, round-robin, so load drift hits every variant alike. A callable carrying a
+    ``scope`` (``entry``, ``composed``, ``unscanned``) runs its loops inside it."""
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(a.repeats):
         for k, f in fns.items():
-            scope = entry_only(f.entry_op, f.answer) if hasattr(f, "entry_op") else contextlib.nullcontext()
+            scope = f.scope() if hasattr(f, "scope") else contextlib.nullcontext()
             with scope:
                 samples[k] += host_call_samples(f, calls=a.calls, repeats=1, warmup=5 if samples[k] else 20,
                                                 device=a.device)
@@ -342,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         native_ms = st["native"].median
         target = TARGET_US["attention"] if "attention" in name else DEFAULT_TARGET_US
         overhead_us = None if impl_ms is None else (public_ms - impl_ms) * 1e3
+        unscanned_us = None if impl_ms is None else (st["unscanned"].median - impl_ms) * 1e3
         entry_us = st["entry"].median * 1e3 if "entry" in st else None
         composed_us = st["composed"].median * 1e3 if "composed" in st else None
         interaction_us = (None if composed_us is None or entry_us is None or impl_ms is None
@@ -355,13 +375,15 @@ def main(argv: list[str] | None = None) -> int:
                 device=dev, versions=ver,
                 extra={"summary": {"public_us": public_ms * 1e3, "native_us": native_ms * 1e3,
                                    "impl_us": None if impl_ms is None else impl_ms * 1e3,
-                                   "overhead_us": overhead_us, "entry_us": entry_us, "composed_us": composed_us,
+                                   "overhead_us": overhead_us, "unscanned_overhead_us": unscanned_us,
+                                   "entry_us": entry_us, "composed_us": composed_us,
                                    "interaction_us": interaction_us, "excess_us": excess_us,
                                    "target_us": target, "target_on": "overhead_us" if overhead_us is not None else "excess_us",
                                    "meets_target": measured <= target, "step_fixed_us": fixed_us}} if k == "native" else None,
             ))
         print(f"{name:24s} native {native_ms * 1e3:8.1f} µs  public {public_ms * 1e3:8.1f} µs  "
-              + (f"impl {impl_ms * 1e3:8.1f} µs  overhead {overhead_us:6.1f} µs  entry {entry_us:6.1f} µs  "
+              + (f"impl {impl_ms * 1e3:8.1f} µs  overhead {overhead_us:6.1f} µs  unscanned {unscanned_us:6.1f} µs  "
+                 f"entry {entry_us:6.1f} µs  "
                  f"composed {composed_us:8.1f} µs  " if impl_ms is not None else "")
               + f"excess {excess_us:8.1f} µs  target {target:.0f} µs: {'met' if measured <= target else 'MISSED'}")
     if a.neutral:

@@ -46,7 +46,19 @@ def test_tiny_cpu_run_reports_the_entry_time_beside_the_overhead(tmp_path):
         assert s["target_on"] == "overhead_us" and s["entry_us"] > 0
         assert s["meets_target"] == (s["overhead_us"] <= 15.0)
         assert s["interaction_us"] == pytest.approx(s["composed_us"] - s["entry_us"] - s["impl_us"])
-    assert {r["implementation"] for r in rows} == {"native", "public", "entry", "impl", "composed"}
+        assert s["unscanned_overhead_us"] is not None
+    assert {r["implementation"] for r in rows} == {"native", "public", "entry", "impl", "composed", "unscanned"}
+
+
+def test_unscanned_runs_the_public_call_without_the_nan_scan():
+    """``unscanned`` is the public call inside ``nan_policy("propagate")``: a NaN activation
+    passes there (its scope) and is refused outside it (negative control)."""
+    x, w = torch.tensor([[float("nan"), 1.0]]), torch.ones(2)
+    run = bench._unscanned(lambda: ops.norm.rms_norm(x, w, 1e-6))
+    with run.scope():
+        assert torch.isnan(run()).all()
+    with pytest.raises(ValueError, match="^x: contains NaN"):
+        run()
 
 
 def test_composed_runs_the_entry_then_the_implementation():
@@ -64,7 +76,7 @@ def test_composed_runs_the_entry_then_the_implementation():
     entry.answer = stand_in
     impl = bench._impl("norm.rms_norm", x, {"H": 8})
     composed = bench._composed(entry, lambda: calls.append(1) or impl(x, w, 1e-6))
-    with bench.entry_only(composed.entry_op, composed.answer):
+    with composed.scope():
         assert entry() is stand_in
         out = composed()
     assert calls == [1] and torch.equal(out, public())
