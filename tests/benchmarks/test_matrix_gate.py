@@ -196,6 +196,8 @@ def test_a_failing_run_fails_the_gate(tmp_path):
         (["--base-runs", "a.json", "--out-dir", "x"], "--base-runs and --new-runs: expected both"),
         (["--base-runs", "a.json", "--new-runs", "b.json", "--base", "b=.", "--out-dir", "x"], "judges existing reports"),
         (["--tolerance", "1.5", "--base-runs", "a", "--new-runs", "b", "--out-dir", "x"], "--tolerance: expected a fraction"),
+        (["--accept", "lmhead", "--base-runs", "a", "--new-runs", "b", "--out-dir", "x"], "--accept: expected PATTERN=REASON"),
+        (["--accept", "=why", "--base-runs", "a", "--new-runs", "b", "--out-dir", "x"], "--accept: expected PATTERN=REASON"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(tmp_path, args, message):
@@ -211,3 +213,26 @@ def test_the_table_lists_failing_points_first():
     lines = text.splitlines()
     assert lines[1].startswith("slower") and " b" in lines[1] and lines[2].startswith("ok")
     assert lines[-1].startswith("verdict: FAIL (ok 1, slower 1; tolerance 5 % on time")
+
+
+def test_an_accepted_trade_passes_with_its_reason_and_nothing_else_is_accepted(tmp_path):
+    """``--accept PATTERN=REASON``: a slower point whose case contains the pattern passes as
+    ``accepted``, the reason and its peak-memory change in the summary; a slower point the pattern
+    does not name still fails, and a named point whose bits changed is not accepted (negative
+    controls)."""
+    lm_base = {**row("lmhead: T=4096 forward_backward", 30.0, family="lmhead"), "peak_memory_bytes": 1500}
+    lm_new = {**row("lmhead: T=4096 forward_backward", 36.0, family="lmhead"), "peak_memory_bytes": 1200}
+    base = report(lm_base, row("gemm m64", 1.0), row("lmhead: T=1024 forward_backward", 8.0, "aaaa"))
+    new = report(lm_new, row("gemm m64", 1.2), row("lmhead: T=1024 forward_backward", 9.0, "bbbb"))
+    code, summary, out = judge_cli(tmp_path, [base], [new], "--accept", "forward_backward=time for peak memory")
+    assert code == 1, out
+    pts = {p["case"]: p for p in summary["points"]}
+    assert pts["lmhead: T=4096 forward_backward"]["status"] == "accepted"
+    assert pts["lmhead: T=4096 forward_backward"]["reasons"][-1] == "accepted: time for peak memory"
+    assert pts["lmhead: T=4096 forward_backward"]["peak_change"] == pytest.approx(-0.2)
+    assert pts["gemm m64"]["status"] == "slower" and pts["lmhead: T=1024 forward_backward"]["status"] == "bits"
+    assert summary["accepted"] == {"forward_backward": "time for peak memory"}
+    assert "peak memory -20.0%" in out
+    code, summary, _ = judge_cli(tmp_path, [report(lm_base)], [report(lm_new)], "--accept",
+                                 "forward_backward=time for peak memory")
+    assert code == 0 and summary["verdict"] == "pass" and summary["counts"] == {"accepted": 1}

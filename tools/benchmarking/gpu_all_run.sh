@@ -16,7 +16,8 @@
 # host_overhead (tools/benchmarking/host_overhead_gpu.py; HOST_PROFILE: ';'-separated cases to cProfile), overhead (benchmarks/operators/bench_call_overhead.py),
 # matrix (benchmarks/operators/bench_matrix_gpu.py, MATRIX_ARGS, default --quick), gate (the parity gate:
 # tools/benchmarking/matrix_gate_gpu.py, the matrix of this tree against GATE_BASE, default .whl/base.tgz
-# made by `git archive --format=tar.gz -o .whl/base.tgz BASE rl_engine`; GATE_ARGS, default --quick --modes graph),
+# made by `git archive --format=tar.gz -o .whl/base.tgz BASE rl_engine`; GATE_ARGS, default --quick --modes graph;
+#   GATE_ACCEPT='PATTERN=REASON': one reviewed trade the gate passes as 'accepted'),
 # matrix_ncu (tools/benchmarking/matrix_ncu.py: ncu counters of the matrix record's graph misses; MATRIX_NCU_FAMILIES,
 # MATRIX_NCU_ARGS), breakdown
 # (tools/benchmarking/attention_breakdown_gpu.py), e2e (benchmarks/e2e/bench_hf_qwen3.py: transformers'
@@ -163,7 +164,8 @@ for step in $STEPS; do
       gl=$(lim ${GATE_TIMEOUT:-540})
       timeout $gl python3 tools/benchmarking/matrix_gate_gpu.py --base base=${GATE_BASE:-.whl/base.tgz} --new new=. \
         --rounds ${GATE_ROUNDS:-2} --out-dir "$OUT/gate" --work /tmp/rlk_gate_trees --deadline $(( gl > 20 ? gl - 10 : gl )) \
-        -- ${GATE_ARGS:---quick --modes graph} > "$OUT/matrix_gate.log" 2>&1; echo "gate rc=$?"
+        ${GATE_ACCEPT:+--accept "$GATE_ACCEPT"} -- ${GATE_ARGS:---quick --modes graph} > "$OUT/matrix_gate.log" 2>&1
+      echo "gate rc=$?"
       cp "$OUT/gate/matrix_gate.json" "$OUT/bench_matrix_gate.json" 2>/dev/null; tail -80 "$OUT/matrix_gate.log" | cut -c1-240 ;;
     e2e)  # end to end through transformers; the report is rewritten after each section: a time limit keeps what finished
       timeout $(lim ${E2E_TIMEOUT:-540}) python3 benchmarks/e2e/bench_hf_qwen3.py --out "$OUT/bench_hf_qwen3.json" \

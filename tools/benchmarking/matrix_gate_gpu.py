@@ -16,8 +16,13 @@ sides alike. Then every point of ours (rows ``role == "ours"``) is compared:
   **missing**: a point not measured by every run (a run cut short, or a point the new tree no
   longer has).
 
-Any of these makes the exit status 1. A summary table is printed and written, with every run's
-report, to ``--out-dir`` (``matrix_gate.json``; runs ``matrix_<tree><round>.json`` and ``.log``).
+Any of these makes the exit status 1, except a **slower** point that ``--accept PATTERN=REASON``
+names (its case contains ``PATTERN``): a reviewed trade — time given for something the point's
+target also counts, such as peak memory — reported as ``accepted`` with the reason in the
+summary; bits, errors and missing runs are never accepted. Points whose rows carry a peak memory
+also report its change (``peak_change``). A summary table is printed and written, with every
+run's report, to ``--out-dir`` (``matrix_gate.json``; runs ``matrix_<tree><round>.json`` and
+``.log``).
 
 Trees are ``NAME=PATH``: a directory (``.`` for the working tree) or a ``.tgz`` of one, such as
 ``git archive --format=tar.gz -o .whl/base.tgz BASE rl_engine`` (only ``rl_engine`` is read from
@@ -75,7 +80,8 @@ def judge_point(base: Sequence[Mapping[str, Any] | None], new: Sequence[Mapping[
     lacks it): ``status`` (the first failing reason, or ``ok`` / ``unsupported`` / ``new`` /
     ``base-error``, which pass),
     every reason, the medians over rounds and the change."""
-    out: dict[str, Any] = {"base": None, "new": None, "change": None, "base_bits": None, "new_bits": None, "reasons": []}
+    out: dict[str, Any] = {"base": None, "new": None, "change": None, "base_bits": None, "new_bits": None,
+                           "peak_change": None, "reasons": []}
     reasons: list[tuple[str, str]] = []
     if all(r is None for r in base) and all(r is not None for r in new):
         out["status"] = "new"  # a point the baseline does not have: not gated
@@ -120,18 +126,29 @@ def judge_point(base: Sequence[Mapping[str, Any] | None], new: Sequence[Mapping[
             reasons.append(("slower", f"{100 * out['change']:+.1f} % ({metric}), more than {100 * tolerance:g} %"))
     elif b_ok and n_ok:
         reasons.append(("missing", f"no {metric} value to compare"))
+    bp = [float(r["peak_memory_bytes"]) for r in b_ok if isinstance(r.get("peak_memory_bytes"), (int, float))]
+    np_ = [float(r["peak_memory_bytes"]) for r in n_ok if isinstance(r.get("peak_memory_bytes"), (int, float))]
+    if bp and np_ and statistics.median(bp) > 0:
+        out["peak_change"] = statistics.median(np_) / statistics.median(bp) - 1.0
     out["status"] = reasons[0][0] if reasons else "ok"
     out["reasons"] = [text for _, text in reasons]
+    out["kinds"] = [kind for kind, _ in reasons]
     return out
 
 
 def compare(base_runs: Sequence[Mapping[str, Any]], new_runs: Sequence[Mapping[str, Any]], *,
-            tolerance: float = TOLERANCE, metric: str = "time") -> dict[str, Any]:
+            tolerance: float = TOLERANCE, metric: str = "time",
+            accept: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The gate's verdict on matrix reports: every point of ours in any run, judged by
     :func:`judge_point`; ``verdict`` is ``fail`` when any point's status is failing or a side
-    has no run."""
+    has no run. ``accept``: ``{pattern: reason}``; a point failing only as ``slower`` whose case
+    contains a pattern is ``accepted`` instead, the reason added to its reasons."""
     if metric not in ("time", "ratio"):
         raise ValueError(f"metric: expected 'time' or 'ratio', got {metric!r}")
+    accept = dict(accept or {})
+    for pattern, reason in accept.items():
+        if not pattern or not reason:
+            raise ValueError(f"accept: expected a non-empty pattern and reason, got {pattern!r}={reason!r}")
     base = [ours_rows(r) for r in base_runs]
     new = [ours_rows(r) for r in new_runs]
     keys: dict[Key, None] = {}
@@ -140,6 +157,11 @@ def compare(base_runs: Sequence[Mapping[str, Any]], new_runs: Sequence[Mapping[s
     points = []
     for k in keys:
         v = judge_point([r.get(k) for r in base], [r.get(k) for r in new], tolerance=tolerance, metric=metric)
+        kinds = v.pop("kinds", [])
+        why = [reason for pattern, reason in accept.items() if pattern in k[1]]
+        if why and kinds and set(kinds) == {"slower"}:
+            v["status"] = "accepted"
+            v["reasons"] = [*v["reasons"], f"accepted: {why[0]}"]
         points.append({"family": k[0], "case": k[1], "mode": k[2], "implementation": k[3], **v})
     counts: dict[str, int] = {}
     for p in points:
@@ -148,7 +170,7 @@ def compare(base_runs: Sequence[Mapping[str, Any]], new_runs: Sequence[Mapping[s
     verdict = "fail" if failed or not base_runs or not new_runs or not points else "pass"
     order = {s: i for i, s in enumerate(FAILING)}
     points.sort(key=lambda p: (order.get(p["status"], len(FAILING)), -(p["change"] or 0.0)))
-    return {"verdict": verdict, "tolerance": tolerance, "metric": metric, "counts": counts,
+    return {"verdict": verdict, "tolerance": tolerance, "metric": metric, "accepted": accept, "counts": counts,
             "runs": {"base": len(base_runs), "new": len(new_runs)}, "points": points}
 
 
@@ -160,8 +182,9 @@ def table(result: Mapping[str, Any], limit: int | None = None) -> str:
     for p in pts:
         num = lambda v: f"{v:10.4g}" if isinstance(v, float) else f"{'-':>10s}"  # noqa: E731
         change = f"{100 * p['change']:+7.1f}%" if p["change"] is not None else f"{'-':>8s}"
+        peak = f"  peak memory {100 * p['peak_change']:+.1f}%" if p.get("peak_change") is not None else ""
         lines.append(f"{p['status']:16s} {p['family']:9s} {p['mode']:5s} {num(p['base'])} {num(p['new'])} {change}  "
-                     f"{p['case']}" + (f"  [{'; '.join(p['reasons'])}]" if p["reasons"] else ""))
+                     f"{p['case']}{peak}" + (f"  [{'; '.join(p['reasons'])}]" if p["reasons"] else ""))
     if limit is not None and len(result["points"]) > limit:
         lines.append(f"... {len(result['points']) - limit} more in the summary JSON")
     counts = ", ".join(f"{k} {v}" for k, v in sorted(result["counts"].items()))
@@ -220,8 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--script", default=None, help=f"the matrix script (default: the new tree's {SCRIPT})")
     ap.add_argument("--base-runs", nargs="+", type=Path, default=None, help="judge these baseline reports (no runs)")
     ap.add_argument("--new-runs", nargs="+", type=Path, default=None, help="... against these reports of the change")
+    ap.add_argument("--accept", action="append", default=[], metavar="PATTERN=REASON",
+                    help="a slower point whose case contains PATTERN passes as 'accepted', REASON in the summary "
+                         "(a reviewed trade, e.g. time for peak memory); repeatable")
     args = ap.parse_args(argv[:cut])
     matrix_args = argv[cut + 1:]
+    accept: dict[str, str] = {}
+    for item in args.accept:
+        pattern, sep, reason = item.partition("=")
+        if not sep or not pattern.strip() or not reason.strip():
+            ap.error(f"--accept: expected PATTERN=REASON, both non-empty, got {item!r}")
+        accept[pattern.strip()] = reason.strip()
     if not 0 <= args.tolerance < 1:
         ap.error(f"--tolerance: expected a fraction in [0, 1), got {args.tolerance}")
     if (args.base_runs is None) != (args.new_runs is None):
@@ -233,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         new, bad_n = _load(args.new_runs)
         for b in bad_b + bad_n:
             print(f"unreadable report: {b}", file=sys.stderr)
-        result = compare(base, new, tolerance=args.tolerance, metric=args.metric)
+        result = compare(base, new, tolerance=args.tolerance, metric=args.metric, accept=accept)
         if bad_b or bad_n:
             result["verdict"] = "fail"
         return _finish(result, args.out_dir, {"base_runs": [str(p) for p in args.base_runs],
@@ -298,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(run)
     base, bad_b = _load(outs[base_name])
     new, bad_n = _load(outs[new_name])
-    result = compare(base, new, tolerance=args.tolerance, metric=args.metric)
+    result = compare(base, new, tolerance=args.tolerance, metric=args.metric, accept=accept)
     if failed or bad_b or bad_n:
         result["verdict"] = "fail"
     extra = {"script": [str(script), *matrix_args], "trees": {n: {"path": p, "commit": commits[n]} for n, p in trees.items()},
