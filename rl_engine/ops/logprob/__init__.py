@@ -75,7 +75,7 @@ def _targets(targets: object, lead: torch.Size, vocab: int, lead_name: str, *, d
         if not device_checked:  # a GPU tensor under the default NaN policy: a device-side assertion, no host read
             check_index_range("targets", targets, vocab, what="token ids")
     elif targets.numel() and targets.device.type != "meta":
-        lo, hi = int(targets.min()), int(targets.max())
+        lo, hi = (int(v) for v in torch.aminmax(targets))
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
             raise ValueError(
