@@ -1,5 +1,6 @@
-"""No host synchronisation on the default GPU path: every public op, forward and backward, and
-whole model steps run under ``torch.cuda.set_sync_debug_mode("error")``.
+"""No host synchronisation on the default GPU path: every public op, forward and backward (the
+loss family with ``denominator=`` given), and whole model steps run under
+``torch.cuda.set_sync_debug_mode("error")``.
 
 Inputs are built (and each case warmed up: Triton compiles, tables are cached) before the mode is
 switched on; step metadata is given on the host, as engines build it. The negative control shows
@@ -18,6 +19,7 @@ from rl_engine.models.qwen3 import Qwen3ForCausalLM, preset
 from rl_engine.runtime.plan import Plan
 from rl_engine.utils.checks import nan_policy
 from tests.helpers.paged_steps import PagedEngine
+from tests.ops.loss.helpers import loss_call_cases
 
 pytestmark = pytest.mark.gpu
 
@@ -114,9 +116,13 @@ def _cases() -> dict[str, Callable[[], Callable[[], None]]]:
             _bwd(lp)
         return run
 
-    return {f.__name__: f for f in (linear, rms_norm, fused_add_rms_norm, silu_and_mul, apply_rope, embedding,
-                                     token_logprobs, log_softmax_entropy, linear_token_logprobs, varlen_attention,
-                                     moe_layer, paged_step, train_step)}
+    cases = {f.__name__: f for f in (linear, rms_norm, fused_add_rms_norm, silu_and_mul, apply_rope, embedding,
+                                      token_logprobs, log_softmax_entropy, linear_token_logprobs, varlen_attention,
+                                      moe_layer, paged_step, train_step)}
+    # the loss family with denominator= given (the micro-batch form), forward and backward
+    for name in loss_call_cases():
+        cases[f"loss_{name}"] = lambda name=name: loss_call_cases("cuda")[name]
+    return cases
 
 
 CASES = _cases()

@@ -252,7 +252,8 @@ _METRICS: dict[str, Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tenso
 
 def _assemble(seq_terms: torch.Tensor, den: float, reduction: str, given: bool, kind: str, stats: Mapping[str, torch.Tensor]) -> LossOutput:
     total = canonical_sum(seq_terms)
-    loss = total / torch.tensor(den, dtype=torch.float32, device=seq_terms.device)
+    # a fill, not torch.tensor(den): on a GPU that would copy from pageable host memory and wait
+    loss = total / torch.full((), den, dtype=torch.float32, device=seq_terms.device)
     stats = {k: v.detach() for k, v in stats.items()}
     with torch.no_grad():
         metrics = _METRICS[kind](stats)

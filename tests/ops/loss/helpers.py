@@ -4,6 +4,7 @@ independently of rl_engine (plain masked sums, autograd for gradients)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from hypothesis import strategies as st
@@ -118,3 +119,63 @@ def f64_group_adv(scores, gids, estimator, eps):
         dev = s[i] - grp.mean()
         out[i] = dev / (grp.std() + eps) if estimator == "grpo" else dev
     return out
+
+
+def loss_call_inputs(device: str = "cpu", B: int = 4, length: int = 9):
+    """``(log_probs, old_log_probs, advantages, mask)`` ``[B, length]`` on ``device``, the first
+    sequence without active tokens."""
+    g = torch.Generator().manual_seed(0)
+    lp = (-torch.rand(B, length, generator=g) * 3).to(device)
+    old = (-torch.rand(B, length, generator=g) * 3).to(device)
+    adv = torch.randn(B, length, generator=g).to(device)
+    mask = (torch.rand(B, length, generator=g) > 0.3).to(device)
+    mask[0] = False  # a sequence without active tokens
+    return lp, old, adv, mask
+
+
+def loss_call_cases(device: str = "cpu") -> dict[str, Callable[[], None]]:
+    """``name -> run()``: each loss-family call with ``denominator=`` given (the micro-batch
+    form), and its backward where it has one, on ``device`` (the host-read and GPU sync tests)."""
+    lp, old, adv, mask = loss_call_inputs(device)
+    den = 11.0
+
+    def policy(fn, **kw):
+        def run():
+            x = lp.clone().requires_grad_()
+            out = fn(x, old, adv, mask, denominator=den, **kw)
+            out.loss.backward()
+            return out
+        return run
+
+    def kl(estimator):
+        def run():
+            x = lp.clone().requires_grad_()
+            L.kl_penalty(x, old, mask, estimator=estimator, denominator=den).loss.backward()
+        return run
+
+    def aggregate(fn, reduction):
+        def run():
+            v = adv.clone().requires_grad_()
+            fn(v, mask, reduction=reduction, denominator=den).loss.backward()
+        return run
+
+    def combine():
+        parts = [L.ppo_clip_loss(lp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], denominator=den)
+                 for i in (0, 2)]
+        L.combine_microbatch_losses(parts)
+
+    return {
+        "ppo_clip": policy(L.ppo_clip_loss, dual_clip=3.0),
+        "grpo": policy(L.grpo_loss),
+        "dr_grpo": policy(L.dr_grpo_loss),
+        "dapo": policy(L.dapo_loss),
+        "gspo": policy(L.gspo_loss),
+        "cispo": policy(L.cispo_loss, eps_high=0.3),
+        "kl_k1": kl("k1"), "kl_k2": kl("k2"), "kl_k3": kl("k3"),
+        "masked_aggregate": aggregate(L.masked_aggregate, "seq-mean-token-mean"),
+        "entropy_bonus": aggregate(L.entropy_bonus, "token-mean"),
+        "combine": combine,
+        "rollout_correction": lambda: L.rollout_correction(lp, old, mask, is_level="sequence", rs_level="token",
+                                                              rs_threshold=2.0, veto_threshold=1e-4),
+        "rollout_mismatch_metrics": lambda: L.rollout_mismatch_metrics(lp, old, mask),
+    }

@@ -45,7 +45,7 @@ def rollout_correction_portable(
     """``(is_weights [B, L] fp32 or None, corrected mask [B, L] bool, metrics)``; see the operator."""
     dev = log_probs.device
     f32 = torch.float32
-    nan = torch.tensor(float("nan"), dtype=f32, device=dev)
+    nan = torch.full((), float("nan"), dtype=f32, device=dev)
     zero = torch.zeros((), dtype=f32, device=dev)
     lp, rl = log_probs.float(), rollout_log_probs.float()
     lr = lp - rl  # log(π_train / π_rollout)
