@@ -56,6 +56,18 @@ def _exp_table_values() -> tuple[float, ...]:
 
 
 def _exp_table(device: torch.device) -> torch.Tensor:
+    """The table on ``device``, made once per device (:func:`_device_exp_table`), except while
+    tracing (``torch.compile``, fake tensors), where a fresh one stays in the trace."""
+    if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return torch.tensor(_exp_table_values(), dtype=torch.float64, device=device)
+    return _device_exp_table(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_exp_table(device: torch.device) -> torch.Tensor:
+    """The table on ``device``, kept: on a GPU, making it from the host values is a copy from
+    pageable memory that waits for the device, which no call after the first pays (nor a
+    CUDA-graph capture meets). Read only (``_exp64`` indexes it)."""
     return torch.tensor(_exp_table_values(), dtype=torch.float64, device=device)
 
 

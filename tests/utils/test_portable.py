@@ -135,3 +135,21 @@ def test_normal_is_seeded_unit_variance_and_bounded():
 def test_pow2_is_exact():
     n = torch.arange(-1022, 1024)
     assert torch.equal(portable.pow2(n), torch.tensor([math.ldexp(1.0, k) for k in n.tolist()], dtype=torch.float64))
+
+
+def test_exp_table_is_made_once_per_device_but_fresh_while_tracing():
+    """The float64 exp table is kept per device (on a GPU, making it is a host copy that waits for
+    the device), so every call after the first uses the same tensor; under fake tensors (as
+    ``torch.compile`` traces) a fresh fake table is made and the kept one is untouched (negative
+    control: a kept fake tensor would poison later real calls)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    cpu = torch.device("cpu")
+    first = portable._exp_table(cpu)
+    assert portable._exp_table(cpu) is first and type(first) is torch.Tensor
+    with FakeTensorMode():
+        traced = portable._exp_table(cpu)
+    assert isinstance(traced, FakeTensor) and traced is not first
+    assert portable._exp_table(cpu) is first and type(portable._exp_table(cpu)) is torch.Tensor
+    x = torch.linspace(-700.0, 700.0, 101, dtype=torch.float64)
+    assert same_bits(portable.exp(x), portable._exp64(x.clamp(-746.0, 710.0), first.clone()))
