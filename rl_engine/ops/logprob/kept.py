@@ -131,7 +131,9 @@ def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
     On the CPU, ``tensor / float`` divides by the float rounded to fp32, correctly rounded. On a
     GPU, torch divides by a host scalar through its reciprocal (``x · fl(1/τ)``, not correctly
-    rounded), so the divisor is a device tensor there: an IEEE division per element.
+    rounded), so the divisor is a device tensor there: an IEEE division per element. It is made by
+    a fill on the device (``torch.tensor(τ, device=...)`` would copy from pageable host memory and
+    wait for the device).
     """
     z = logits.float()
     t = float(temperature)
@@ -139,7 +141,7 @@ def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
         return z
     if z.device.type == "cpu":
         return z / t
-    return z / torch.tensor(t, dtype=torch.float32, device=z.device)
+    return z / torch.full((), t, dtype=torch.float32, device=z.device)
 
 
 def _per_row(name: str, value, rows: int, dtype: torch.dtype) -> torch.Tensor:
