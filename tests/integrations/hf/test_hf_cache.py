@@ -372,3 +372,31 @@ def test_generate_hook_conflict_is_detected(models):
     finally:
         del model.__dict__["_prepare_cache_for_generation"]
     assert not is_installed(model)
+
+
+def test_decode_step_reads_nothing_back_in_rl_engine(models, monkeypatch):
+    """A decode step of the installed model over rl_engine's cache, with host tensors taking the
+    default GPU path's branches, runs no operation of rl_engine's that would make a GPU wait
+    (``tests/helpers/host_reads.py``; transformers' own reads, such as its causal-mask shortcut's
+    look at the padding mask, are plain transformers' too). Negative control: under
+    ``nan_policy("raise")`` the scans of rl_engine's entry points are seen."""
+    from rl_engine.integrations.hf.cache import RlkCache
+    from rl_engine.utils import checks
+    from rl_engine.utils.checks import nan_policy
+    from tests.helpers.host_reads import HostReads
+
+    host = ("rl_engine.backends.cpu.", "rl_engine.utils.portable:exp", "rl_engine.utils.portable:_sqrt_scalars")
+    model = models["bfloat16"]
+    ids, mask = _prompts(model.config.vocab_size, [5, 3])
+    monkeypatch.setattr(checks, "_HOST_DEVICES", frozenset())
+    with install(model), torch.no_grad():
+        cache = RlkCache(model.config, max_cache_len=16)
+        nxt = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        recs = []
+        for policy in ("auto", "raise"):
+            mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+            with nan_policy(policy), HostReads(host) as rec:
+                nxt = model(input_ids=nxt, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            recs.append(rec)
+    assert [w for w in recs[0].where if w.startswith("rl_engine")] == []
+    assert any(w == "rl_engine.utils.checks:_has_nan" for w in recs[1].where)
