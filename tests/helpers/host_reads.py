@@ -38,8 +38,9 @@ def _caller() -> str:
 class HostReads(TorchDispatchMode):
     """Records ``found``: the :data:`HOST_READS` operations run inside it, in order, except those
     called from ``host_branches``: code that only host tensors reach, each a ``module:function``
-    name (such as the CPU fast path ``rl_engine.utils.portable:exp``) or a module prefix ending in
-    ``.`` (``rl_engine.backends.cpu.``: the CPU backends). ``where`` holds the
+    name (such as the CPU fast path ``rl_engine.utils.portable:exp``), a module ending in ``:``
+    (all its functions) or a package prefix ending in ``.`` (``rl_engine.backends.cpu.``: the CPU
+    backends). ``where`` holds the
     ``module:function`` each recorded one was called from.
 
     A custom operator (``torch.library.custom_op``: rl_engine's ``rlk::`` kernels, forward and
@@ -56,7 +57,7 @@ class HostReads(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in HOST_READS:
             where = _caller()
-            if not any(where == b or (b.endswith(".") and where.startswith(b)) for b in self.host_branches):
+            if not any(where == b or (b.endswith((".", ":")) and where.startswith(b)) for b in self.host_branches):
                 self.found.append(name)
                 self.where.append(where)
         opdef = OPDEFS.get(f"{func.namespace}::{func._opname}")

@@ -22,10 +22,49 @@ their output rows are zero.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
+
 import torch
 
 __all__ = ["packed_attention", "cache_attention", "decode_plan", "rebuilt_cache_attention", "new_token_validity",
-           "sequence_ids", "segment_positions"]
+           "sequence_ids", "segment_positions", "PerForward"]
+
+
+class PerForward:
+    """The last value made from some tensors, kept while those same tensor objects are alive and
+    unchanged (their version counters).
+
+    Every layer of one forward receives the same attention mask and position ids, so what is
+    derived from them — the token validity, and the packing of the valid tokens, which sizes its
+    output by the data and so reads the mask back to the host — is made by the first layer and
+    reused by the others: one read per forward instead of one per layer. A new forward passes new
+    mask tensors (or changes one in place), which makes it anew. Not kept while ``torch.compile``
+    traces, nor for inference tensors (they keep no version counter)."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._value: Any = None
+
+    def get(self, tensors: tuple[torch.Tensor | None, ...], extra: Hashable, make: Callable[[], Any]) -> Any:
+        if torch.compiler.is_compiling() or any(t is not None and t.is_inference() for t in tensors):
+            return make()
+        key = self._key
+        if key is not None and key[1] == extra and len(key[0]) == len(tensors) and all(
+                (t is None and k is None) or (t is not None and k is not None and k[0]() is t and k[1] == t._version)
+                for t, k in zip(tensors, key[0])):
+            return self._value
+        value = make()
+        self._key = (tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors), extra)
+        self._value = value
+        return value
+
+
+#: the validity and sequence ids of a training forward's tokens (``install.rlk_attention``), per forward
+PACKING_INPUTS = PerForward()
+#: the packing of those tokens (:func:`packed_attention`), per forward
+_PACKING = PerForward()
 
 
 def new_token_validity(attention_mask: torch.Tensor | None, batch: int, q_len: int, past: int | torch.Tensor,
@@ -103,15 +142,24 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: t
     from rl_engine.ops.attention import varlen_attention
 
     B, L, Hq, D = q.shape
+    bq, lq, cu = _PACKING.get((valid, segments), (B, L), lambda: _pack(valid, segments, L))
+    out = varlen_attention(q[bq, lq].contiguous(), k[bq, lq].contiguous(), v[bq, lq].contiguous(), cu, scale=scale)
+    return q.new_zeros(B, L, Hq, D).index_put((bq, lq), out)
+
+
+def _pack(valid: torch.Tensor, segments: torch.Tensor | None, L: int):
+    """``(rows, slots, cu_seqlens)`` of the valid tokens of ``[B, L]`` ``valid``: their row and
+    slot indices in row-major order and the offsets of their sequences, on the host (the count of
+    valid tokens sizes the packing, so it is read back here once; host offsets spare
+    ``varlen_attention`` its own read of them)."""
     bq, lq = valid.nonzero(as_tuple=True)
     if segments is None:
         counts = valid.sum(-1)
     else:
         counts = torch.unique_consecutive(bq * L + segments[bq, lq], return_counts=True)[1]
-    cu = torch.zeros(counts.shape[0] + 1, dtype=torch.int64, device=q.device)
-    cu[1:] = counts.cumsum(0)
-    out = varlen_attention(q[bq, lq].contiguous(), k[bq, lq].contiguous(), v[bq, lq].contiguous(), cu, scale=scale)
-    return q.new_zeros(B, L, Hq, D).index_put((bq, lq), out)
+    cu = torch.zeros(counts.shape[0] + 1, dtype=torch.int64)
+    cu[1:] = counts.cumsum(0).cpu()
+    return bq, lq, cu
 
 
 def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,

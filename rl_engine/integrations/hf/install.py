@@ -124,7 +124,12 @@ def rlk_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     ``Lq < Lk`` (a transformers ``DynamicCache`` the caller passed) → the rebuilding fallback
     :func:`~rl_engine.integrations.hf.attention.rebuilt_cache_attention` (eager only)."""
     from rl_engine.integrations.hf import graph_ops
-    from rl_engine.integrations.hf.attention import new_token_validity, rebuilt_cache_attention, sequence_ids
+    from rl_engine.integrations.hf.attention import (
+        PACKING_INPUTS,
+        new_token_validity,
+        rebuilt_cache_attention,
+        sequence_ids,
+    )
 
     if dropout:
         raise ValueError(f"dropout: rl_engine attention has no dropout (bit-exact parity), got {dropout}")
@@ -134,8 +139,10 @@ def rlk_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     Lk = key.shape[2]
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, L, H, D]
     if Lq == Lk:  # training forward or generate prefill: the train path, with autograd
-        valid = new_token_validity(attention_mask, B, Lq, 0, query.device)
-        segments = sequence_ids(kwargs.get("position_ids"), B, Lq)
+        pid = kwargs.get("position_ids")
+        # made by the forward's first layer, reused by the others (the packing keys on these objects)
+        valid, segments = PACKING_INPUTS.get((attention_mask, pid), (B, Lq, query.device), lambda: (
+            new_token_validity(attention_mask, B, Lq, 0, query.device), sequence_ids(pid, B, Lq)))
         return graph_ops.packed_attention(q, k, v, valid, segments, scaling), None
     valid_k = key_validity(attention_mask, B, Lk, query.device)
     # decode / chunked prefill over a transformers cache: the fallback that rebuilds rl_engine's cache

@@ -400,3 +400,56 @@ def test_decode_step_reads_nothing_back_in_rl_engine(models, monkeypatch):
             recs.append(rec)
     assert [w for w in recs[0].where if w.startswith("rl_engine")] == []
     assert any(w == "rl_engine.utils.checks:_has_nan" for w in recs[1].where)
+
+
+def test_per_forward_keeps_a_value_for_the_same_unchanged_tensors():
+    """``PerForward`` hands back its value for the same tensor objects at the same versions, and
+    makes it anew for another object, an in-place change, other extra keys, inference tensors and
+    while tracing for torch.compile (each a negative control of the reuse)."""
+    from rl_engine.integrations.hf.attention import PerForward
+
+    memo, made = PerForward(), []
+
+    def make():
+        made.append(1)
+        return len(made)
+
+    m, p = torch.ones(2, 3), None
+    assert memo.get((m, p), 1, make) == 1 and memo.get((m, p), 1, make) == 1
+    assert memo.get((m, p), 2, make) == 2                    # other extra keys
+    assert memo.get((m.clone(), p), 2, make) == 3            # another object
+    m2 = m.clone()
+    assert memo.get((m2, p), 2, make) == 4 and memo.get((m2, p), 2, make) == 4
+    m2.add_(1)
+    assert memo.get((m2, p), 2, make) == 5                   # changed in place
+    with torch.inference_mode():
+        inf = torch.ones(2)
+    assert memo.get((inf,), 2, make) == 6 and memo.get((inf,), 2, make) == 7
+
+    @torch.compile(backend="eager", fullgraph=False)
+    def traced(x):
+        return x + memo.get((m2, p), 2, make)
+
+    traced(torch.zeros(1))
+    assert len(made) == 8
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_training_forward_packs_once_per_forward(layers, monkeypatch):
+    """A training forward of the installed model packs its valid tokens once (one data-sized
+    ``nonzero``, the one read of the mask), not once per layer, whatever the depth; the next
+    forward with a new mask packs again (negative control)."""
+    from rl_engine.utils import checks
+    from tests.helpers.host_reads import HostReads
+
+    cfg = dict(TINY_CONFIGS[CONFIG], num_hidden_layers=layers)
+    model = build_hf_model(cfg).to(torch.float32)
+    ids, mask = _prompts(model.config.vocab_size, [5, 3, 6])
+    monkeypatch.setattr(checks, "_HOST_DEVICES", frozenset())
+    with install(model):
+        counts = []
+        for _ in range(2):
+            with HostReads(("rl_engine.backends.cpu.", "rl_engine.utils.portable:")) as rec:
+                model(input_ids=ids, attention_mask=mask.clone(), use_cache=False).logits.float().sum().backward()
+            counts.append(rec.found.count("nonzero"))
+    assert counts == [1, 1]
