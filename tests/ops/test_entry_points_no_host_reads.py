@@ -48,6 +48,7 @@ CASES: dict[str, Callable[[], None]] = {
     "log_softmax": lambda: _bwd(ops.logprob.log_softmax(_r(T, V))),
     "entropy": lambda: _bwd(ops.logprob.entropy(_r(T, V))),
     "linear_token_logprobs": lambda: _bwd(ops.logprob.linear_token_logprobs(_r(T, H), _r(V, H), _ids(T))),
+    "moe_route_experts": lambda: _bwd(ops.moe.experts(_r(T, H), _r(8, 32, H), _r(8, H, 16), *ops.moe.route(_r(T, 8), 2, True))),
 }
 
 
