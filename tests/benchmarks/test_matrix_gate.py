@@ -198,6 +198,7 @@ def test_a_failing_run_fails_the_gate(tmp_path):
         (["--tolerance", "1.5", "--base-runs", "a", "--new-runs", "b", "--out-dir", "x"], "--tolerance: expected a fraction"),
         (["--accept", "lmhead", "--base-runs", "a", "--new-runs", "b", "--out-dir", "x"], "--accept: expected PATTERN=REASON"),
         (["--accept", "=why", "--base-runs", "a", "--new-runs", "b", "--out-dir", "x"], "--accept: expected PATTERN=REASON"),
+        (["--accept", "lm(=why", "--base-runs", "a", "--new-runs", "b", "--out-dir", "x"], "is not a regular expression"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(tmp_path, args, message):
@@ -224,15 +225,20 @@ def test_an_accepted_trade_passes_with_its_reason_and_nothing_else_is_accepted(t
     lm_new = {**row("lmhead: T=4096 forward_backward", 36.0, family="lmhead"), "peak_memory_bytes": 1200}
     base = report(lm_base, row("gemm m64", 1.0), row("lmhead: T=1024 forward_backward", 8.0, "aaaa"))
     new = report(lm_new, row("gemm m64", 1.2), row("lmhead: T=1024 forward_backward", 9.0, "bbbb"))
-    code, summary, out = judge_cli(tmp_path, [base], [new], "--accept", "forward_backward=time for peak memory")
+    code, summary, out = judge_cli(tmp_path, [base], [new], "--accept", "^lmhead: .*forward_backward=time for peak memory")
     assert code == 1, out
     pts = {p["case"]: p for p in summary["points"]}
     assert pts["lmhead: T=4096 forward_backward"]["status"] == "accepted"
     assert pts["lmhead: T=4096 forward_backward"]["reasons"][-1] == "accepted: time for peak memory"
     assert pts["lmhead: T=4096 forward_backward"]["peak_change"] == pytest.approx(-0.2)
     assert pts["gemm m64"]["status"] == "slower" and pts["lmhead: T=1024 forward_backward"]["status"] == "bits"
-    assert summary["accepted"] == {"forward_backward": "time for peak memory"}
+    assert summary["accepted"] == {"^lmhead: .*forward_backward": "time for peak memory"}
     assert "peak memory -20.0%" in out
     code, summary, _ = judge_cli(tmp_path, [report(lm_base)], [report(lm_new)], "--accept",
-                                 "forward_backward=time for peak memory")
+                                 "^lmhead: .*forward_backward=time for peak memory")
     assert code == 0 and summary["verdict"] == "pass" and summary["counts"] == {"accepted": 1}
+    # the pattern is matched against "family: case [mode]": a gemm point of the same case is not named
+    gemm_base, gemm_new = row("T=4096 forward_backward", 1.0), row("T=4096 forward_backward", 1.3)
+    code, summary, _ = judge_cli(tmp_path, [report(gemm_base)], [report(gemm_new)], "--accept",
+                                 "^lmhead: .*forward_backward=time for peak memory")
+    assert code == 1 and summary["counts"] == {"slower": 1}

@@ -17,7 +17,8 @@ sides alike. Then every point of ours (rows ``role == "ours"``) is compared:
   longer has).
 
 Any of these makes the exit status 1, except a **slower** point that ``--accept PATTERN=REASON``
-names (its case contains ``PATTERN``): a reviewed trade — time given for something the point's
+names (``PATTERN``, a regular expression, is found in its label ``family: case [mode]``): a
+reviewed trade — time given for something the point's
 target also counts, such as peak memory — reported as ``accepted`` with the reason in the
 summary; bits, errors and missing runs are never accepted. Points whose rows carry a peak memory
 also report its change (``peak_change``). A summary table is printed and written, with every
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -141,14 +143,20 @@ def compare(base_runs: Sequence[Mapping[str, Any]], new_runs: Sequence[Mapping[s
             accept: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The gate's verdict on matrix reports: every point of ours in any run, judged by
     :func:`judge_point`; ``verdict`` is ``fail`` when any point's status is failing or a side
-    has no run. ``accept``: ``{pattern: reason}``; a point failing only as ``slower`` whose case
-    contains a pattern is ``accepted`` instead, the reason added to its reasons."""
+    has no run. ``accept``: ``{pattern: reason}``; a point failing only as ``slower`` whose label
+    ``family: case [mode]`` a pattern (a regular expression) is found in is ``accepted`` instead,
+    the reason added to its reasons."""
     if metric not in ("time", "ratio"):
         raise ValueError(f"metric: expected 'time' or 'ratio', got {metric!r}")
     accept = dict(accept or {})
+    compiled = {}
     for pattern, reason in accept.items():
         if not pattern or not reason:
             raise ValueError(f"accept: expected a non-empty pattern and reason, got {pattern!r}={reason!r}")
+        try:
+            compiled[re.compile(pattern)] = reason
+        except re.error as exc:
+            raise ValueError(f"accept: {pattern!r} is not a regular expression: {exc}") from None
     base = [ours_rows(r) for r in base_runs]
     new = [ours_rows(r) for r in new_runs]
     keys: dict[Key, None] = {}
@@ -158,7 +166,7 @@ def compare(base_runs: Sequence[Mapping[str, Any]], new_runs: Sequence[Mapping[s
     for k in keys:
         v = judge_point([r.get(k) for r in base], [r.get(k) for r in new], tolerance=tolerance, metric=metric)
         kinds = v.pop("kinds", [])
-        why = [reason for pattern, reason in accept.items() if pattern in k[1]]
+        why = [reason for pattern, reason in compiled.items() if pattern.search(f"{k[0]}: {k[1]} [{k[2]}]")]
         if why and kinds and set(kinds) == {"slower"}:
             v["status"] = "accepted"
             v["reasons"] = [*v["reasons"], f"accepted: {why[0]}"]
@@ -244,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base-runs", nargs="+", type=Path, default=None, help="judge these baseline reports (no runs)")
     ap.add_argument("--new-runs", nargs="+", type=Path, default=None, help="... against these reports of the change")
     ap.add_argument("--accept", action="append", default=[], metavar="PATTERN=REASON",
-                    help="a slower point whose case contains PATTERN passes as 'accepted', REASON in the summary "
-                         "(a reviewed trade, e.g. time for peak memory); repeatable")
+                    help="a slower point whose label 'family: case [mode]' matches the regular expression PATTERN "
+                         "passes as 'accepted', REASON in the summary (a reviewed trade, e.g. time for peak memory); "
+                         "repeatable")
     args = ap.parse_args(argv[:cut])
     matrix_args = argv[cut + 1:]
     accept: dict[str, str] = {}
@@ -253,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         pattern, sep, reason = item.partition("=")
         if not sep or not pattern.strip() or not reason.strip():
             ap.error(f"--accept: expected PATTERN=REASON, both non-empty, got {item!r}")
+        try:
+            re.compile(pattern.strip())
+        except re.error as exc:
+            ap.error(f"--accept: {pattern.strip()!r} is not a regular expression: {exc}")
         accept[pattern.strip()] = reason.strip()
     if not 0 <= args.tolerance < 1:
         ap.error(f"--tolerance: expected a fraction in [0, 1), got {args.tolerance}")
