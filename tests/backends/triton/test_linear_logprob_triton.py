@@ -205,10 +205,13 @@ def test_training_chunks_below_the_budget_hold_their_minimums():
     assert tlp.workspace_bytes(c, 64, 4096, 151936, torch.bfloat16) == 64 * (8192 * 2 + 4 * 4096)
     c = tlp._chunks(40, 32, 3000, torch.float32, None, None, training=True)
     assert c == (40, 1024, 40, 1024, 1024)
-    # a vocabulary that one chunk covers needs no accumulator, and the shared pass fits
+    # a vocabulary that one chunk covers needs no accumulator, and the shared pass fits (also for
+    # a token count that is no multiple of the row quantum)
     c = tlp._chunks(512, 4096, 3000, torch.bfloat16, None, None, training=True)
     assert c.dx_rows == 512 and c.dx_cols == c.dw_cols == 3072
     assert tlp.workspace_bytes(c, 512, 4096, 3000, torch.bfloat16) == 512 * 3000 * 2 + 16 * 512  # the forward's, with its fold state
+    c = tlp._chunks(100, 4096, 3000, torch.bfloat16, None, None, training=True)
+    assert c.dx_rows == 100 and c.dx_cols == c.dw_cols == 3072
 
 
 # ---------------------------------------------------------------------------------------------

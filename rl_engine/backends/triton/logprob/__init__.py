@@ -339,8 +339,9 @@ def _chunks(n: int, h: int, v: int, dtype: torch.dtype, token_chunk: int | None,
     fwd_cols = vocab_chunk or widest(min(fwd_rows, n1), fwd_budget, fwd_e)
     dx_cols = vocab_chunk or min(v_cols, DX_MAX_COLUMNS, max(VOCAB_BLOCK, 4 * h // bwd_e // VOCAB_BLOCK * VOCAB_BLOCK))
     per_row = (4 * h if v > dx_cols else 0) + dx_cols * bwd_e
-    dx_rows = token_chunk or min(n1, rows_within(budget, per_row))
-    shared = dx_rows >= n1 and (token_chunk is not None or n1 * per_row <= budget)
+    fits = n1 * per_row <= budget  # the grad-hidden pass over every token at once
+    dx_rows = token_chunk or (n1 if fits else min(n1, rows_within(budget, per_row)))
+    shared = dx_rows >= n1 and (token_chunk is not None or fits)
     dw_cols = vocab_chunk or (dx_cols if shared else widest(n1, budget, bwd_e))
     return Chunks(fwd_rows, fwd_cols, dx_rows, dx_cols, dw_cols)
 
