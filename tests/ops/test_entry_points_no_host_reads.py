@@ -15,12 +15,9 @@ import pytest
 import torch
 
 from rl_engine import ops
-from rl_engine.utils import checks
 from rl_engine.utils.checks import nan_policy
-from tests.helpers.host_reads import HostReads
+from tests.helpers.host_reads import CPU_ONLY, HostReads, take_gpu_branches
 
-#: the CPU backends, and the CPU-only branches of the portable elementwise functions
-HOST_BRANCHES = ("rl_engine.backends.cpu.", "rl_engine.utils.portable:exp", "rl_engine.utils.portable:_sqrt_scalars")
 H, V, T = 32, 100, 6
 
 
@@ -54,20 +51,19 @@ CASES: dict[str, Callable[[], None]] = {
 
 @pytest.fixture
 def gpu_like(monkeypatch):
-    """Host tensors take the default GPU path's branches (no NaN scan, no read-back)."""
-    monkeypatch.setattr(checks, "_HOST_DEVICES", frozenset())
+    take_gpu_branches(monkeypatch)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_entry_point_reads_nothing_back(name, gpu_like):
     CASES[name]()  # warm-up: cached tables and selections, as on the GPU
-    with HostReads(HOST_BRANCHES) as rec:
+    with HostReads(CPU_ONLY) as rec:
         CASES[name]()
     assert rec.found == [], f"{name}: {list(zip(rec.found, rec.where))}"
 
 
 def test_the_raise_policys_scan_is_seen(gpu_like):
     CASES["rms_norm"]()
-    with nan_policy("raise"), HostReads(HOST_BRANCHES) as rec:
+    with nan_policy("raise"), HostReads(CPU_ONLY) as rec:
         CASES["rms_norm"]()
     assert "rl_engine.utils.checks:_has_nan" in rec.where

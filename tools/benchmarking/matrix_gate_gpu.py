@@ -138,6 +138,20 @@ def judge_point(base: Sequence[Mapping[str, Any] | None], new: Sequence[Mapping[
     return out
 
 
+def compile_accept(accept: Mapping[str, str]) -> dict[re.Pattern, str]:
+    """``{pattern: reason}`` → ``{compiled pattern: reason}``; ``ValueError`` for an empty pattern
+    or reason, or a pattern that is not a regular expression."""
+    compiled = {}
+    for pattern, reason in accept.items():
+        if not pattern or not reason:
+            raise ValueError(f"accept: expected a non-empty pattern and reason, got {pattern!r}={reason!r}")
+        try:
+            compiled[re.compile(pattern)] = reason
+        except re.error as exc:
+            raise ValueError(f"accept: {pattern!r} is not a regular expression: {exc}") from None
+    return compiled
+
+
 def compare(base_runs: Sequence[Mapping[str, Any]], new_runs: Sequence[Mapping[str, Any]], *,
             tolerance: float = TOLERANCE, metric: str = "time",
             accept: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -149,14 +163,7 @@ def compare(base_runs: Sequence[Mapping[str, Any]], new_runs: Sequence[Mapping[s
     if metric not in ("time", "ratio"):
         raise ValueError(f"metric: expected 'time' or 'ratio', got {metric!r}")
     accept = dict(accept or {})
-    compiled = {}
-    for pattern, reason in accept.items():
-        if not pattern or not reason:
-            raise ValueError(f"accept: expected a non-empty pattern and reason, got {pattern!r}={reason!r}")
-        try:
-            compiled[re.compile(pattern)] = reason
-        except re.error as exc:
-            raise ValueError(f"accept: {pattern!r} is not a regular expression: {exc}") from None
+    compiled = compile_accept(accept)
     base = [ours_rows(r) for r in base_runs]
     new = [ours_rows(r) for r in new_runs]
     keys: dict[Key, None] = {}
@@ -262,11 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         pattern, sep, reason = item.partition("=")
         if not sep or not pattern.strip() or not reason.strip():
             ap.error(f"--accept: expected PATTERN=REASON, both non-empty, got {item!r}")
-        try:
-            re.compile(pattern.strip())
-        except re.error as exc:
-            ap.error(f"--accept: {pattern.strip()!r} is not a regular expression: {exc}")
         accept[pattern.strip()] = reason.strip()
+    try:
+        compile_accept(accept)  # before any run: a bad pattern must not waste the GPU job
+    except ValueError as exc:
+        ap.error(str(exc))
     if not 0 <= args.tolerance < 1:
         ap.error(f"--tolerance: expected a fraction in [0, 1), got {args.tolerance}")
     if (args.base_runs is None) != (args.new_runs is None):

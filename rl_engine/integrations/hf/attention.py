@@ -39,9 +39,9 @@ class PerForward:
     Every layer of one forward receives the same attention mask and position ids, so what is
     derived from them — the token validity, and the packing of the valid tokens, which sizes its
     output by the data and so reads the mask back to the host — is made by the first layer and
-    reused by the others: one read per forward instead of one per layer. A new forward passes new
-    mask tensors (or changes one in place), which makes it anew. Not kept while ``torch.compile``
-    traces, nor for inference tensors (they keep no version counter)."""
+    reused by the others: one read per forward instead of one per layer. Other tensor objects, or
+    the same ones changed in place, get a value made for them. Nothing is kept while
+    ``torch.compile`` traces, nor for inference tensors (they keep no version counter)."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None

@@ -381,21 +381,19 @@ def test_decode_step_reads_nothing_back_in_rl_engine(models, monkeypatch):
     look at the padding mask, are plain transformers' too). Negative control: under
     ``nan_policy("raise")`` the scans of rl_engine's entry points are seen."""
     from rl_engine.integrations.hf.cache import RlkCache
-    from rl_engine.utils import checks
     from rl_engine.utils.checks import nan_policy
-    from tests.helpers.host_reads import HostReads
+    from tests.helpers.host_reads import CPU_ONLY, HostReads, take_gpu_branches
 
-    host = ("rl_engine.backends.cpu.", "rl_engine.utils.portable:exp", "rl_engine.utils.portable:_sqrt_scalars")
     model = models["bfloat16"]
     ids, mask = _prompts(model.config.vocab_size, [5, 3])
-    monkeypatch.setattr(checks, "_HOST_DEVICES", frozenset())
+    take_gpu_branches(monkeypatch)
     with install(model), torch.no_grad():
         cache = RlkCache(model.config, max_cache_len=16)
         nxt = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         recs = []
         for policy in ("auto", "raise"):
             mask = torch.cat([mask, torch.ones_like(nxt)], 1)
-            with nan_policy(policy), HostReads(host) as rec:
+            with nan_policy(policy), HostReads(CPU_ONLY) as rec:
                 nxt = model(input_ids=nxt, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             recs.append(rec)
     assert [w for w in recs[0].where if w.startswith("rl_engine")] == []
@@ -439,17 +437,16 @@ def test_training_forward_packs_once_per_forward(layers, monkeypatch):
     """A training forward of the installed model packs its valid tokens once (one data-sized
     ``nonzero``, the one read of the mask), not once per layer, whatever the depth; the next
     forward with a new mask packs again (negative control)."""
-    from rl_engine.utils import checks
-    from tests.helpers.host_reads import HostReads
+    from tests.helpers.host_reads import CPU_ONLY, HostReads, take_gpu_branches
 
     cfg = dict(TINY_CONFIGS[CONFIG], num_hidden_layers=layers)
     model = build_hf_model(cfg).to(torch.float32)
     ids, mask = _prompts(model.config.vocab_size, [5, 3, 6])
-    monkeypatch.setattr(checks, "_HOST_DEVICES", frozenset())
+    take_gpu_branches(monkeypatch)
     with install(model):
         counts = []
         for _ in range(2):
-            with HostReads(("rl_engine.backends.cpu.", "rl_engine.utils.portable:")) as rec:
+            with HostReads(CPU_ONLY) as rec:
                 model(input_ids=ids, attention_mask=mask.clone(), use_cache=False).logits.float().sum().backward()
             counts.append(rec.found.count("nonzero"))
     assert counts == [1, 1]

@@ -12,28 +12,20 @@ import pytest
 import torch
 
 from rl_engine.ops import loss
-from rl_engine.utils import checks
-from tests.helpers.host_reads import HostReads
+from tests.helpers.host_reads import PORTABLE_HOST_PATHS, HostReads, take_gpu_branches
 from tests.ops.loss.helpers import loss_call_cases, loss_call_inputs
-
-
-#: Code only host tensors reach: ``portable.exp``'s CPU fast path (it tests on the host which
-#: elements lie near a rounding boundary; off the CPU every element takes the float64 definition)
-#: and ``portable.sqrt``'s host path for a few CPU elements (``math.sqrt``).
-HOST_BRANCHES = ("rl_engine.utils.portable:exp", "rl_engine.utils.portable:_sqrt_scalars")
 
 
 @pytest.fixture
 def gpu_like(monkeypatch):
-    """Host tensors take the default GPU path's branches (no NaN scan, no read-back)."""
-    monkeypatch.setattr(checks, "_HOST_DEVICES", frozenset())
+    take_gpu_branches(monkeypatch)
 
 
 @pytest.mark.parametrize("name", list(loss_call_cases()))
 def test_no_host_read_with_a_given_denominator(name, gpu_like):
     run = loss_call_cases()[name]
     run()  # warm-up, as on the GPU: tables made once per device (portable.exp's) are made here
-    with HostReads(HOST_BRANCHES) as rec:
+    with HostReads(PORTABLE_HOST_PATHS) as rec:
         run()
     assert rec.found == [], f"{name}: {list(zip(rec.found, rec.where))}"
 
@@ -42,7 +34,7 @@ def test_a_computed_denominator_reads_the_mask_back(gpu_like):
     """The negative control of the cases above: without ``denominator=`` the loss reads the
     active-token count back (its ``denominator`` is a Python float)."""
     lp, old, adv, mask = loss_call_inputs()
-    with HostReads(HOST_BRANCHES) as rec:
+    with HostReads(PORTABLE_HOST_PATHS) as rec:
         out = loss.ppo_clip_loss(lp, old, adv, mask)
     assert "rl_engine.ops.loss._common:loss_denominator" in rec.where and isinstance(out.denominator, float)
 
@@ -63,6 +55,6 @@ def test_the_recorder_sees_host_reads_inside_custom_ops_and_skips_only_host_bran
     with HostReads() as inside:
         loss.ppo_clip_loss(lp, old, adv, mask, denominator=5.0)
     assert "rl_engine.utils.portable:exp" in inside.where
-    with HostReads(HOST_BRANCHES) as skipped:
+    with HostReads(PORTABLE_HOST_PATHS) as skipped:
         loss.ppo_clip_loss(lp, old, adv, mask, denominator=5.0)
     assert "rl_engine.utils.portable:exp" not in skipped.where
