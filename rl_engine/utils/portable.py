@@ -85,7 +85,9 @@ def _exp64(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     for c in _EXP_COEFFS[1:]:
         p.mul_(r).add_(c)
     ni = n.to(torch.int64)
-    p.mul_(table[ni & (_EXP_N - 1)])
+    # index_select, not ``table[idx]``: a 0-dim index tensor would be read on the host (a GPU sync)
+    idx = (ni & (_EXP_N - 1)).reshape(-1)
+    p.mul_(table.index_select(0, idx).reshape(ni.shape))
     # 2^k split in two factors so neither leaves float64's normal range (k down to -1084).
     k = ni >> 8
     half = k >> 1
