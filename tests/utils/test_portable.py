@@ -153,3 +153,24 @@ def test_exp_table_is_made_once_per_device_but_fresh_while_tracing():
     assert portable._exp_table(cpu) is first and type(portable._exp_table(cpu)) is torch.Tensor
     x = torch.linspace(-700.0, 700.0, 101, dtype=torch.float64)
     assert same_bits(portable.exp(x), portable._exp64(x.clamp(-746.0, 710.0), first.clone()))
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (3, 5)])
+def test_exp_off_cpu_path_reads_nothing_from_the_host(shape):
+    """The path every non-CPU element takes (the float64 definition; float64 inputs take it on the
+    CPU too) reads no value back to the host at any shape, a 0-dim input included: indexing the
+    table with a 0-dim index tensor (``table[i]``) would read ``i`` on the host, a GPU sync
+    (negative control: :class:`HostReads` records that indexing)."""
+    from tests.helpers.host_reads import HostReads
+
+    x = torch.full(shape, 5.4292, dtype=torch.float64)
+    expected = torch.exp(x)
+    table = portable._exp_table(torch.device("cpu"))  # made once per device, before the step
+    with HostReads() as rec:
+        y = portable.exp(x)
+    assert rec.found == [], rec.where
+    assert torch.allclose(y, expected, rtol=2.0**-50, atol=0.0)
+    index = torch.tensor(3)
+    with HostReads() as control:
+        table[index]
+    assert control.found == ["_local_scalar_dense"]
