@@ -216,14 +216,6 @@ def test_default_passes_bitwise_on_gpu(capsys, dtype):
 
 
 @pytest.mark.gpu
-def test_pp_negative_control_fails_on_gpu(capsys):
-    """Control: native torch on both sides (cuBLAS/SDPA in different batch shapes) mismatches."""
-    code, out, _ = _run(capsys, "--device", "cuda", "--dtype", "bfloat16", "--plan", "P/P", "--json")
-    res = json.loads(out)
-    assert code == 1 and res["passed"] is False and res["mismatched_tokens"] > 0
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
 def test_long_context_qwen3_shape_passes_bitwise_on_gpu(capsys, kv_cache):
     """The main job past the first KV split on the GPU, at Qwen3-0.6B's dimensions (random
@@ -280,7 +272,10 @@ def test_long_context_qwen3_shape_passes_bitwise_on_gpu(capsys, kv_cache):
 
 @pytest.mark.gpu
 def test_long_context_negative_control_fails_on_gpu(capsys):
-    """Control for the test above: native torch on both sides at the same shape mismatches."""
+    """Control for the test above, and the GPU's control of ``rlk check``: native torch on both
+    sides at the same shape mismatches. (At the embedded tiny model's widths cuBLAS and SDPA can
+    give the rollout's and the trainer's batch shapes the same bits on an H200, so the control
+    runs at Qwen3-0.6B's.)"""
     code, out, _ = _run(capsys, "--device", "cuda", "--dtype", "bfloat16", "--preset", "qwen3-0.6b",
                         "--extra-prompt-tokens", "1000", "--num-prompts", "4", "--max-new-tokens", "12",
                         "--plan", "P/P", "--json")
