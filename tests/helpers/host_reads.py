@@ -6,8 +6,8 @@ output by the data (``nonzero``, ``unique``, ``masked_select``), compares whole 
 host (``equal``), or makes a tensor from host data (``torch.tensor(...)``: on a GPU, a copy
 from pageable memory that waits for the device). On a CUDA device each of them is a
 synchronisation that ``torch.cuda.set_sync_debug_mode("error")`` refuses; recording them lets a
-CPU run check the GPU path's code for them (after :func:`take_gpu_branches`, the CPU call takes the
-GPU call's branches of the NaN policy).
+CPU run check the GPU path's code for them (with the ``gpu_branches`` fixture of
+``tests/conftest.py``, the CPU call takes the GPU call's branches of the NaN policy).
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from collections.abc import Collection
 from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rl_engine.utils import checks
-
 #: Code only host tensors reach: ``portable.exp``'s CPU fast path (it tests on the host which
 #: elements lie near a rounding boundary; off the CPU every element takes the float64 definition)
 #: and ``portable.sqrt``'s host path for a few CPU elements (``math.sqrt``).
@@ -27,13 +25,6 @@ PORTABLE_HOST_PATHS = ("rl_engine.utils.portable:exp", "rl_engine.utils.portable
 #: ... and the CPU backends, whose code is not the GPU's (the Triton kernels are); the loss family's
 #: portable implementations, which serve the GPU too, live there and are checked without this.
 CPU_ONLY = ("rl_engine.backends.cpu.", *PORTABLE_HOST_PATHS)
-
-
-def take_gpu_branches(monkeypatch) -> None:
-    """Make the NaN policy treat host tensors as it treats GPU tensors for the rest of the test
-    (no scan, no read-back under ``"auto"``): ``checks._HOST_DEVICES`` empty, through pytest's
-    ``monkeypatch``, which restores it."""
-    monkeypatch.setattr(checks, "_HOST_DEVICES", frozenset())
 
 #: aten overload packets that wait for the device on a GPU (see the module docstring)
 HOST_READS = frozenset({

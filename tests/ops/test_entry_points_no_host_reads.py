@@ -16,7 +16,7 @@ import torch
 
 from rl_engine import ops
 from rl_engine.utils.checks import nan_policy
-from tests.helpers.host_reads import CPU_ONLY, HostReads, take_gpu_branches
+from tests.helpers.host_reads import CPU_ONLY, HostReads
 
 H, V, T = 32, 100, 6
 
@@ -49,20 +49,15 @@ CASES: dict[str, Callable[[], None]] = {
 }
 
 
-@pytest.fixture
-def gpu_like(monkeypatch):
-    take_gpu_branches(monkeypatch)
-
-
 @pytest.mark.parametrize("name", list(CASES))
-def test_entry_point_reads_nothing_back(name, gpu_like):
+def test_entry_point_reads_nothing_back(name, gpu_branches):
     CASES[name]()  # warm-up: cached tables and selections, as on the GPU
     with HostReads(CPU_ONLY) as rec:
         CASES[name]()
     assert rec.found == [], f"{name}: {list(zip(rec.found, rec.where))}"
 
 
-def test_the_raise_policys_scan_is_seen(gpu_like):
+def test_the_raise_policys_scan_is_seen(gpu_branches):
     CASES["rms_norm"]()
     with nan_policy("raise"), HostReads(CPU_ONLY) as rec:
         CASES["rms_norm"]()

@@ -374,7 +374,7 @@ def test_generate_hook_conflict_is_detected(models):
     assert not is_installed(model)
 
 
-def test_decode_step_reads_nothing_back_in_rl_engine(models, monkeypatch):
+def test_decode_step_reads_nothing_back_in_rl_engine(models, gpu_branches):
     """A decode step of the installed model over rl_engine's cache, with host tensors taking the
     default GPU path's branches, runs no operation of rl_engine's that would make a GPU wait
     (``tests/helpers/host_reads.py``; transformers' own reads, such as its causal-mask shortcut's
@@ -382,11 +382,10 @@ def test_decode_step_reads_nothing_back_in_rl_engine(models, monkeypatch):
     ``nan_policy("raise")`` the scans of rl_engine's entry points are seen."""
     from rl_engine.integrations.hf.cache import RlkCache
     from rl_engine.utils.checks import nan_policy
-    from tests.helpers.host_reads import CPU_ONLY, HostReads, take_gpu_branches
+    from tests.helpers.host_reads import CPU_ONLY, HostReads
 
     model = models["bfloat16"]
     ids, mask = _prompts(model.config.vocab_size, [5, 3])
-    take_gpu_branches(monkeypatch)
     with install(model), torch.no_grad():
         cache = RlkCache(model.config, max_cache_len=16)
         nxt = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
@@ -433,16 +432,15 @@ def test_per_forward_keeps_a_value_for_the_same_unchanged_tensors():
 
 
 @pytest.mark.parametrize("layers", [2, 4])
-def test_training_forward_packs_once_per_forward(layers, monkeypatch):
+def test_training_forward_packs_once_per_forward(layers, gpu_branches):
     """A training forward of the installed model packs its valid tokens once (one data-sized
     ``nonzero``, the one read of the mask), not once per layer, whatever the depth; the next
     forward with a new mask packs again (negative control)."""
-    from tests.helpers.host_reads import CPU_ONLY, HostReads, take_gpu_branches
+    from tests.helpers.host_reads import CPU_ONLY, HostReads
 
     cfg = dict(TINY_CONFIGS[CONFIG], num_hidden_layers=layers)
     model = build_hf_model(cfg).to(torch.float32)
     ids, mask = _prompts(model.config.vocab_size, [5, 3, 6])
-    take_gpu_branches(monkeypatch)
     with install(model):
         counts = []
         for _ in range(2):

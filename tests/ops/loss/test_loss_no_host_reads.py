@@ -12,17 +12,12 @@ import pytest
 import torch
 
 from rl_engine.ops import loss
-from tests.helpers.host_reads import PORTABLE_HOST_PATHS, HostReads, take_gpu_branches
+from tests.helpers.host_reads import PORTABLE_HOST_PATHS, HostReads
 from tests.ops.loss.helpers import loss_call_cases, loss_call_inputs
 
 
-@pytest.fixture
-def gpu_like(monkeypatch):
-    take_gpu_branches(monkeypatch)
-
-
 @pytest.mark.parametrize("name", list(loss_call_cases()))
-def test_no_host_read_with_a_given_denominator(name, gpu_like):
+def test_no_host_read_with_a_given_denominator(name, gpu_branches):
     run = loss_call_cases()[name]
     run()  # warm-up, as on the GPU: tables made once per device (portable.exp's) are made here
     with HostReads(PORTABLE_HOST_PATHS) as rec:
@@ -30,7 +25,7 @@ def test_no_host_read_with_a_given_denominator(name, gpu_like):
     assert rec.found == [], f"{name}: {list(zip(rec.found, rec.where))}"
 
 
-def test_a_computed_denominator_reads_the_mask_back(gpu_like):
+def test_a_computed_denominator_reads_the_mask_back(gpu_branches):
     """The negative control of the cases above: without ``denominator=`` the loss reads the
     active-token count back (its ``denominator`` is a Python float)."""
     lp, old, adv, mask = loss_call_inputs()
