@@ -83,3 +83,45 @@ def test_out_must_be_the_matrix_record(tmp_path):
     r = subprocess.run([sys.executable, str(TOOL), str(raw), "--out", str(tmp_path / "m.json")], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "expected a file named matrix.json" in r.stderr
+
+
+def _part(cases, command, *, commit="abc1234", points_done=None, timestamp="2026-01-01T00:00:00+00:00"):
+    return {"family": "matrix", "platform": "h200", "commit": commit, "device": {"name": "NVIDIA H200"},
+            "versions": {"torch": "2.11", "triton": "3.6"}, "command": command, "timestamp": timestamp,
+            "summary": [_s(c, False) for c in cases], "rows": [{"case": c} for c in cases],
+            "meta": {"partial": False, "stopped": None, "points": len(cases), "points_done": points_done or len(cases),
+                     "elapsed_s": 10.0}}
+
+
+def test_disjoint_parts_merge_into_one_record(tmp_path):
+    a = _part(["decode: x [graph]", "decode: x [eager]"], "bench --families decode")
+    b = _part(["gemm: y M=1 [graph]"], "bench --families gemm", timestamp="2026-01-02T00:00:00+00:00")
+    paths = []
+    for i, part in enumerate((a, b)):
+        paths.append(tmp_path / f"raw{i}.json")
+        paths[-1].write_text(json.dumps(part))
+    out = tmp_path / "matrix.json"
+    r = subprocess.run([sys.executable, str(TOOL), *map(str, paths), "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    assert [s["case"] for s in rec["summary"]] == ["decode: x [graph]", "decode: x [eager]", "gemm: y M=1 [graph]"]
+    assert [row["case"] for row in rec["rows"]] == [s["case"] for s in rec["summary"]]
+    assert rec["command"] == "bench --families decode ; bench --families gemm"
+    assert rec["timestamp"] == "2026-01-02T00:00:00+00:00"
+    assert rec["meta"]["points"] == 3 and rec["meta"]["points_done"] == 3 and len(rec["meta"]["parts"]) == 2
+    # the eager miss of the merged record finds its graph twin in the other part's summary order too
+    assert {m["case"] for m in rec["miss_reasons"]} == {"decode: x [eager]"}
+
+
+@pytest.mark.parametrize("second,message", [
+    (_part(["gemm: y [graph]"], "c", commit="def5678"), "commit 'def5678' differs"),
+    (_part(["decode: x [graph]"], "c"), "case 'decode: x [graph]' is in raw reports 0 and 1"),
+])
+def test_parts_of_other_commits_or_overlapping_cases_are_refused(tmp_path, second, message):
+    first = _part(["decode: x [graph]"], "c")
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    paths[0].write_text(json.dumps(first))
+    paths[1].write_text(json.dumps(second))
+    out = tmp_path / "matrix.json"
+    r = subprocess.run([sys.executable, str(TOOL), *map(str, paths), "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 2 and message in r.stderr and not out.exists(), r.stderr

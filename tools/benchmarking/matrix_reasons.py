@@ -18,8 +18,15 @@ summary, rows); the record ``reports/gpu/<platform>/matrix.json`` adds ``miss_re
 
 A miss with none of these is left without a reason (the page says "not yet profiled").
 
+The full matrix takes more than one device call, so it runs family by family
+(``MATRIX_ARGS="--families decode,lmhead"``, then the others); several raw reports given together
+are merged into one record: they must share the platform, the measured commit, the device and
+the versions, and no case may appear in two of them. The record's command lists each part's, and
+``meta.parts`` keeps each part's own meta.
+
     python tools/benchmarking/matrix_reasons.py OUT/bench_matrix_gpu.json --out reports/gpu/h200/matrix.json \\
         --reasons reasons.json --keep-from reports/gpu/h200/matrix.json --note "..."
+    python tools/benchmarking/matrix_reasons.py decode_lmhead.json attention.json gemm.json --out ... --keep-from ...
 """
 
 from __future__ import annotations
@@ -78,9 +85,55 @@ def miss_reasons(report: dict[str, Any], rules: list[dict[str, str]], kept: dict
     return out
 
 
+#: what every part of a merged record must share
+SHARED = ("family", "platform", "commit", "device", "versions")
+
+
+def merge_reports(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from the raw reports of disjoint parts of the matrix, measured at one commit on
+    one device with one set of versions (``ValueError`` naming the field or the case otherwise).
+
+    Summary entries and rows keep their parts' order; ``command`` joins the parts' commands with
+    ``" ; "``, ``timestamp`` is the latest, and ``meta`` adds up the points and keeps each part's
+    meta under ``parts``."""
+    if not parts:
+        raise ValueError("expected at least one raw report")
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    for i, part in enumerate(parts[1:], start=1):
+        for key in SHARED:
+            if part.get(key) != first.get(key):
+                raise ValueError(f"raw report {i}: {key} {part.get(key)!r} differs from the first report's "
+                                 f"{first.get(key)!r}; a merged record is one commit on one device")
+    seen: dict[str, int] = {}
+    for i, part in enumerate(parts):
+        for s in part["summary"]:
+            if s["case"] in seen:
+                raise ValueError(f"case {s['case']!r} is in raw reports {seen[s['case']]} and {i}: the parts must "
+                                 "be disjoint")
+            seen[s["case"]] = i
+    merged = dict(first)
+    merged["summary"] = [s for part in parts for s in part["summary"]]
+    merged["rows"] = [r for part in parts for r in part["rows"]]
+    merged["command"] = " ; ".join(part["command"] for part in parts)
+    merged["timestamp"] = max(part["timestamp"] for part in parts)
+    metas = [part.get("meta", {}) for part in parts]
+    merged["meta"] = {
+        "partial": any(m.get("partial") for m in metas),
+        "stopped": next((m["stopped"] for m in metas if m.get("stopped")), None),
+        "points": sum(m.get("points", 0) for m in metas),
+        "points_done": sum(m.get("points_done", 0) for m in metas),
+        "elapsed_s": sum(m.get("elapsed_s", 0.0) for m in metas),
+        "parts": metas,
+    }
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("raw", type=Path, help="bench_matrix_gpu.py's report as the device run wrote it")
+    ap.add_argument("raw", type=Path, nargs="+",
+                    help="bench_matrix_gpu.py's report as the device run wrote it; several: disjoint parts, merged")
     ap.add_argument("--out", type=Path, required=True, help="reports/gpu/<platform>/matrix.json")
     ap.add_argument("--reasons", type=Path, default=None, help="JSON list of {cases, reason, evidence}")
     ap.add_argument("--keep-from", type=Path, default=None, help="an earlier record whose profiled reasons carry over")
@@ -90,9 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.out.name != "matrix.json":
         ap.error(f"--out: expected a file named matrix.json, got {a.out.name}")
-    report = json.loads(a.raw.read_text(encoding="utf-8"))
-    if report.get("family") != "matrix" or "summary" not in report:
-        ap.error(f"raw: {a.raw} is not a benchmark-matrix report (family {report.get('family')!r})")
+    parts = []
+    for raw in a.raw:
+        part = json.loads(raw.read_text(encoding="utf-8"))
+        if part.get("family") != "matrix" or "summary" not in part:
+            ap.error(f"raw: {raw} is not a benchmark-matrix report (family {part.get('family')!r})")
+        parts.append(part)
+    try:
+        report = merge_reports(parts)
+    except ValueError as exc:
+        ap.error(f"raw: {exc}")
     try:
         rules = load_rules(a.reasons) if a.reasons else []
     except (ValueError, json.JSONDecodeError) as exc:
