@@ -4,9 +4,11 @@ For every operator below whose contract is shipped (``rl_engine.contracts.all_co
 times the public entry point (``rl_engine.ops.<family>.<op>``: argument checks, dispatch and the
 invariant CPU implementation) against the native, non-invariant torch call computing the same
 math, interleaved round-robin in one process. The entry point is timed twice: as users call it
-(``nan_policy="raise"``: it scans its floating inputs for NaN) and under
-``nan_policy("propagate")`` (no scan), which separates the cost of validation from the cost of
-the invariant arithmetic. Each (config, variant) is one JSON row; rl-kernel rows carry
+(the default ``nan_policy("auto")``, which on the CPU scans its floating activation inputs for
+NaN and inf) and under ``nan_policy("propagate")`` (no scan), which separates the cost of
+validation from the cost of the invariant arithmetic. Rows name the policy in
+``config["nan_policy"]`` (``"auto"``; reports made while the default was ``"raise"``, which
+scans host tensors alike, name that). Each (config, variant) is one JSON row; rl-kernel rows carry
 ``ratio_vs_baseline`` = their median / the native median of the same interleaved run.
 
 The foundation's bar for ``gemm.linear`` is ≤ 2× ``F.linear`` at M ≥ 64; this script reports
@@ -263,7 +265,7 @@ def run(quick: bool, ops_filter: list[str] | None, dtypes: list[torch.dtype]) ->
             notes.append(f"{op}: ERROR building cases: {type(exc).__name__}: {exc}")
             continue
         for case in cases:
-            variants = {"raise": case.ours, "propagate": _without_nan_scan(case.ours), "native": case.native, **case.others}
+            variants = {"auto": case.ours, "propagate": _without_nan_scan(case.ours), "native": case.native, **case.others}
             try:
                 repeats = 3 if quick else _repeats_for(case, budget_s=4.0, lo=7, hi=41)
                 stats = measure_interleaved(variants, warmup=warmup, repeats=repeats)
@@ -274,7 +276,7 @@ def run(quick: bool, ops_filter: list[str] | None, dtypes: list[torch.dtype]) ->
                 continue
             common = dict(benchmark=BENCHMARK, op=op, warmup=warmup, device=dev, versions=vers)
             ratios = {}
-            for policy in ("raise", "propagate"):
+            for policy in ("auto", "propagate"):
                 ratios[policy] = stats[policy].median / stats["native"].median
                 rows.append(
                     make_row(
@@ -300,7 +302,7 @@ def run(quick: bool, ops_filter: list[str] | None, dtypes: list[torch.dtype]) ->
             cfg = " ".join(f"{k}={v}" for k, v in case.config.items())
             print(
                 f"{op:<22} {cfg:<44} native {stats['native'].median:9.3f} ms | rl_engine "
-                f"{stats['raise'].median:9.3f} ms ({ratios['raise']:4.2f}x), without NaN scan "
+                f"{stats['auto'].median:9.3f} ms ({ratios['auto']:4.2f}x), without NaN scan "
                 f"{stats['propagate'].median:9.3f} ms ({ratios['propagate']:4.2f}x)",
                 flush=True,
             )

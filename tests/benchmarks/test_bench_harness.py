@@ -120,18 +120,21 @@ def test_bench_cpu_ops_quick_writes_schema_rows(tmp_path):
     tiles = [r for r in rows if r["implementation"].startswith("fixed BLAS tiles")]
     assert len(tiles) == 1 and tiles[0]["ratio_vs_baseline"] > 0
     ours = [r for r in rows if r["baseline"] is not None and r not in tiles]
-    assert {r["config"]["nan_policy"] for r in ours} == {"raise", "propagate"}
+    assert {r["config"]["nan_policy"] for r in ours} == {"auto", "propagate"}
     assert all(r["implementation"] == "cpu.exact_sum" and r["ratio_vs_baseline"] > 0 for r in ours)
 
 
-def test_markdown_tables_pair_rows_by_config():
+@pytest.mark.parametrize("scanned", ["auto", "raise"])
+def test_markdown_tables_pair_rows_by_config(scanned):
+    """The scanned row pairs under either label: ``"auto"`` (the default policy) or ``"raise"``
+    (reports made while that was the default); an unknown label is not paired."""
     from benchmarks.common.tables import comparison_rows, markdown_tables
 
     stats = Stats(n=5, median=2.0, p20=1.9, p80=2.1, min=1.8, max=2.2)
     native = Stats(n=5, median=1.0, p20=0.9, p80=1.1, min=0.8, max=1.2)
     common = dict(benchmark="b", op="gemm.linear", warmup=1, device={}, versions={})
     rows = [
-        make_row(implementation="cpu.exact_sum", config={"M": 64, "dtype": "float32", "nan_policy": "raise"}, stats=stats,
+        make_row(implementation="cpu.exact_sum", config={"M": 64, "dtype": "float32", "nan_policy": scanned}, stats=stats,
                  baseline="F.linear", extra={"ratio_vs_baseline": 2.0}, **common),
         make_row(implementation="cpu.exact_sum", config={"M": 64, "dtype": "float32", "nan_policy": "propagate"},
                  stats=stats.scaled(0.6), baseline="F.linear", extra={"ratio_vs_baseline": 1.2}, **common),
@@ -142,6 +145,8 @@ def test_markdown_tables_pair_rows_by_config():
     text = markdown_tables(rows)
     assert "| M | dtype | native ms | rl-kernel ms | ratio | ratio without NaN scan |" in text
     assert "| 64 | float32 | 1.000 | 2.000 | 2.00× | 1.20× | 1.900–2.100 | – / – | `cpu.exact_sum` |" in text
+    rows[0]["config"]["nan_policy"] = "strict"  # the control: a label that is not the scanned call's
+    assert comparison_rows(rows)["gemm.linear"][0]["scanned"] is None
 
 
 def test_cuda_graph_ms_rejects_bad_counts():
