@@ -2,9 +2,10 @@
 
 Design rules every module here follows (see docs/design/cpu-backend.md):
 
-* BLAS calls only on fixed-shape tiles (:data:`~rl_engine.backends.cpu.common.TILE_M` ×
-  :data:`~rl_engine.backends.cpu.common.TILE_N`), padding the last tile, because CPU BLAS picks
-  shape-dependent algorithms;
+* products only through the exact-sum GEMMs of :mod:`~rl_engine.backends.cpu.common`
+  (:func:`~rl_engine.backends.cpu.common.exact_matmul`, :func:`~rl_engine.backends.cpu.common.exact_bmm`:
+  integer slices in float64 BLAS, whose sums are exact, rounded once), because CPU BLAS picks
+  shape-, thread- and instruction-set-dependent algorithms;
 * reductions through :func:`~rl_engine.utils.reductions.fixed_order_sum` (fixed lanes at
   absolute positions, then a fixed pairwise tree), never ``torch.sum`` along a row;
 * elementwise math only from IEEE correctly-rounded operations (``+ - * / sqrt``) and ``exp`` /

@@ -699,9 +699,10 @@ def paged_attention_step(
     Only what the plan cannot know is checked here, on the host (shapes, dtypes, devices; the
     caches against ``plan.block_size`` / ``plan.num_blocks``; ``q`` has ``plan.num_tokens``
     rows). The finite-value check of ``q``/``k_new``/``v_new`` follows the NaN policy
-    (:func:`rl_engine.utils.checks.nan_policy`); it is the only host synchronisation, so a
-    CUDA-graph capture of the step runs under ``nan_policy("propagate")`` (capturing under a
-    checking policy raises a clear error instead of a failed capture).
+    (:func:`rl_engine.utils.checks.nan_policy`) and is the only possible host synchronisation:
+    the default policy scans no GPU tensor, so a step makes none and can be captured in a CUDA
+    graph (as under ``"propagate"``); capturing under ``nan_policy("raise")`` raises a clear
+    error instead of a failed capture.
 
     Shapes:
         q: ``[T, Hq, D]``; k_new, v_new: ``[T, Hkv, D]``; k_cache, v_cache:

@@ -33,7 +33,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         TypeError / ValueError: ``ids`` is not a contiguous int32/int64 tensor or holds an id
             outside ``[0, V)``; ``weight`` is not a contiguous 2-D fp32/bf16 tensor with
             ``V, H > 0``; ``weight`` contains NaN **under** ``nan_policy("raise_all")`` only (a
-            parameter: under the default ``"raise"`` policy the table is not scanned and a NaN
+            parameter: under the default ``"auto"`` policy the table is not scanned and a NaN
             row is copied like any other, see :mod:`rl_engine.utils.checks`); the two are on
             different devices (the message names the argument).
         NoEligibleImplementation: strict policy and no implementation covers the request.

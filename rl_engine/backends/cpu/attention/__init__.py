@@ -23,12 +23,13 @@ with ``merge((M, L, A), (m, l, a)) = (M', L·e^{M-M'} + l·e^{m-M'}, A·e^{M-M'}
 
 Why the bits cannot depend on the path:
 
-* ``q · K_bᵀ`` and ``P · V_b`` are fp32 BLAS calls of **one fixed shape** per matrix
-  (``[Q_TILE, D] @ [D, KV_BLOCK]`` and ``[Q_TILE, KV_BLOCK] @ [KV_BLOCK, D]``), batched with
-  ``torch.bmm``. Query rows are packed into tiles of ``Q_TILE`` rows (zero rows pad the last
-  tile of a sequence), keys sit at column ``j mod 64`` of their absolute block. The BLAS then
-  runs one algorithm whatever the call, and a row's result depends only on that row and the
-  block (guarded by :func:`blas_tile_check` and the invariance tests).
+* ``q · K_bᵀ`` and ``P · V_b`` are exact-sum products (:func:`~rl_engine.backends.cpu.common.exact_bmm`:
+  integer slices in float64 BLAS, one rounding) of **one fixed shape** per matrix
+  (``[Q_TILE, D] @ [D, KV_BLOCK]`` and ``[Q_TILE, KV_BLOCK] @ [KV_BLOCK, D]``). Query rows are
+  packed into tiles of ``Q_TILE`` rows (zero rows pad the last tile of a sequence), keys sit at
+  column ``j mod 64`` of their absolute block. Every sum is exact, so a row's result depends only
+  on that row and the block, whatever the batch, thread count or instruction set (guarded by
+  :func:`blas_tile_check` and the invariance tests).
 * Keys the row must not see are replaced by ``-inf`` scores (``exp`` → exactly ``+0``), so
   whatever sits in their slots (a future token in training, stale data in a reused cache slot,
   a padded block) contributes ``±0`` to ``P · V``: every partial sum has the magnitude it would
@@ -115,7 +116,7 @@ def fold_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def blas_tile_check(head_dims: tuple[int, ...] = (32, 64, 128), seed: int = 0) -> list[str]:
-    """Problems with the BLAS assumption the backend rests on (empty: none found).
+    """Problems with the fixed-tile assumption the backend rests on (empty: none found).
 
     For each head dim, fp32 :func:`~rl_engine.backends.cpu.common.exact_bmm` with the two fixed tile shapes must give the same
     bits for a tile (a) alone, (b) inside batches of other tiles of any count, and (c) with its

@@ -66,8 +66,9 @@ def tma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnCon
     device, ``k`` / ``v`` rows whose heads are contiguous (``[T, Hkv, D]`` with head stride ``D``) at 16-byte aligned
     addresses and row strides (the copy's rules), and a NaN policy other than ``"propagate"``:
     the copies read a block's rows past its queries (later tokens, the next sequence) unclamped,
-    which is exact only for finite inputs (masked ``P = +0`` times a finite value), and only the
-    scanning policies guarantee those (under ``"propagate"`` a NaN must stay in its own rows).
+    which is exact only for finite inputs (masked ``P = +0`` times a finite value): every policy
+    but ``"propagate"`` assumes those (``"raise"`` checks them; under the default a NaN input
+    may reach other rows), while under ``"propagate"`` a NaN must stay in its own rows.
     Otherwise the pointer loads, with the same bits. Not in the Triton interpreter (CPU tensors):
     its ``tl.dot`` is numpy's matmul, whose bits change with the operand layout (the copies give
     a transposed key view) differently for different tile rows, an artifact of the interpreter;
