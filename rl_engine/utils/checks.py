@@ -147,7 +147,8 @@ def check_finite(name: str, t: torch.Tensor, *, why: str = "expected finite valu
         return
     if t.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{name}: the finite-value check reads the tensor on the host, which a CUDA-graph capture "
-                           "forbids; capture under rl_engine.utils.checks.nan_policy('propagate')")
+                           "forbids; capture under the default NaN policy 'auto' (no GPU tensor is scanned) or "
+                           f"'propagate', not {_NAN.get()!r}")
     if not _all_finite(t):
         check_no_nan(name, t)
         raise ValueError(f"{name}: contains inf ({why})")

@@ -2,7 +2,7 @@
 
 The workload's prompts are rolled out once (baseline plan ``R/R``); those sequences are then
 frozen and scored on the train side under the baseline configuration and under each
-:data:`KNOBS` variant — batch size (micro-batches), chunk size (LM-head token/vocab chunks),
+:func:`knobs_for` variant — batch size (micro-batches), chunk size (LM-head token/vocab chunks),
 padding side, permutation, dtype, plan — one knob changed at a time. Each active token is
 paired by ``(sample_id, position)`` and compared on raw bits.
 

@@ -212,9 +212,9 @@ def run_parity(cfg: ParityConfig, progress: Callable[[str, int, int], None] | No
     max_len = check_context(reqs, model.spec.max_position_embeddings)
     tick("rollout", 1, total)
     records: list = []
-    # The rollout runs as engines run it, without per-call NaN scans ("propagate": what a CUDA
-    # graph capture needs; the weights are checked finite above, and a NaN would reach a log-prob
-    # and fail the comparison anyway). The train layouts are scored under the caller's policy
+    # The rollout runs as engines run it, without per-call NaN scans ("propagate": none on the host
+    # either; the weights are checked finite above, and a NaN would reach a log-prob and fail the
+    # comparison anyway). The train layouts are scored under the caller's policy
     # (default "auto": the scans a trainer's calls run on host tensors, and the kernels they
     # select: on Hopper the train path's TMA and warpgroup forward assume finite inputs and run
     # under every policy but "propagate").

@@ -8,7 +8,7 @@ per-token loss, over ``G`` micro-batches (one sequence each) reduced by
 * the **reference**: one process, no ``torch.distributed``, the train side's operators;
 * every layout ``(tp, dp)`` of ``--tp`` × ``--dp``: the model sharded by
   :func:`~rl_engine.distributed.qwen3.shard_qwen3` (row-parallel scheme ``full_k``; the largest
-  TP also with ``auto``, the cheaper scheme per layer: ``exact_k`` on the CPU for float32 and
+  TP also with ``auto``, the cheaper scheme per layer: ``exact_k`` on the CPU for float32 or
   ``K > 2N``), DP rank ``d`` running its block of micro-batches.
 
 Per layout: every active token's log-prob (against the reference and against the rollout's

@@ -66,7 +66,7 @@ def vllm_provenance(llm) -> list[dict[str, Any]]:
     :func:`reset_provenance`, one dict per TP rank::
 
         {"rank": 0, "pid": ..., "mode": "strict", "installed": "strict",
-         "operators": [{"op": "gemm.linear", "impl_id": "cpu.exact_sum", "impl_version": "1",
+         "operators": [{"op": "gemm.linear", "impl_id": "cpu.exact_sum", "impl_version": "3",
                         "platform": ..., "source_fingerprint": "sha256:...", "policy": "strict",
                         "fallback": False, "calls": 96}, ...],
          "modules": {"RMSNorm": 80, "Attention": 16, ...},   # replaced-module forwards

@@ -31,7 +31,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
     Raises:
         TypeError / ValueError: ``x`` has the wrong type or dtype, is 0-dimensional,
-            non-contiguous, contains NaN, or its last dim is odd or 0 (the message names it).
+            non-contiguous, contains NaN where the NaN policy scans it (:mod:`rl_engine.utils.checks`),
+            or its last dim is odd or 0 (the message names it).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     require_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1, finite=True)

@@ -191,8 +191,9 @@ def varlen_attention(
 
     Raises:
         TypeError / ValueError: wrong type, dtype, rank, mismatched heads or head_dim, device,
-            non-contiguous, NaN or inf, ``cu_seqlens`` not starting at 0 / not monotone / not ending
-            at ``T``, bad ``scale`` or ``window`` (the message names the argument).
+            non-contiguous, NaN or inf (where the NaN policy scans them: :mod:`rl_engine.utils.checks`),
+            ``cu_seqlens`` not starting at 0 / not monotone / not ending at ``T``, bad ``scale`` or
+            ``window`` (the message names the argument).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     T = _qkv(q, k, v, "k", "v")
@@ -264,7 +265,8 @@ def cached_attention(
 
     Raises:
         TypeError / ValueError: wrong type, dtype, rank, heads/head_dim not matching each other
-            or the cache, device, non-contiguous, NaN or inf, ``seq_ids`` not distinct or out of
+            or the cache, device, non-contiguous, NaN or inf (where the NaN policy scans them:
+            :mod:`rl_engine.utils.checks`), ``seq_ids`` not distinct or out of
             range, ``cu_seqlens_q`` malformed, cache overflow (``cache:``: ``max_len``, block
             table or block pool exhausted; the cache is left unchanged).
         NoEligibleImplementation: strict policy and no implementation covers the request.
@@ -778,7 +780,8 @@ def paged_attention(
 
     Raises:
         TypeError / ValueError: a tensor of the wrong type, dtype, rank, shape or device, NaN or
-            inf in ``q``/``k_new``/``v_new``; caches whose shapes disagree or that are not
+            inf in ``q``/``k_new``/``v_new`` (where the NaN policy scans them:
+            :mod:`rl_engine.utils.checks`); caches whose shapes disagree or that are not
             contiguous; ``cu_seqlens_q`` malformed; ``seq_lens[i] < n_i``; a block table too
             narrow for ``seq_lens`` or holding a block id out of range; ``slot_mapping`` out of
             range or not the rows of the new positions (the message names the argument).

@@ -108,7 +108,7 @@ class KVCache(abc.ABC):
 
     def restore(self, snap: object) -> None:
         """Return to a :meth:`snapshot` of this cache (e.g. after a multi-layer step that failed
-        part-way; see :func:`rl_engine.ops.attention.kv_step`)."""
+        part-way; see :meth:`rl_engine.models.qwen3.Qwen3ForCausalLM.hidden_cached`)."""
         lens, state = snap  # type: ignore[misc]
         with self._lock:
             self._lens = list(lens)

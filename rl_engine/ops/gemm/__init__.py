@@ -34,8 +34,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Raises:
         TypeError / ValueError: an argument has the wrong type, dtype, shape, device, is
-            non-contiguous or contains NaN; ``K == 0`` (an empty reduction); ``out_dtype`` other
-            than ``None``, ``x.dtype`` or ``torch.float32`` (message names the argument).
+            non-contiguous or contains NaN where the NaN policy scans it (``x``; ``weight`` and
+            ``bias`` only under ``"raise_all"``: :mod:`rl_engine.utils.checks`); ``K == 0`` (an
+            empty reduction); ``out_dtype`` other than ``None``, ``x.dtype`` or ``torch.float32``
+            (message names the argument).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     # float16 only where an implementation has it (the Triton GPU backend); CPU: fp32/bf16.

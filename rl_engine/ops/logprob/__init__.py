@@ -33,7 +33,7 @@ from rl_engine.utils.checks import (FLOAT_DTYPES, check_finite, check_index_rang
 __all__ = ["VOCAB_BLOCK", "log_softmax", "token_logprobs", "entropy", "linear_token_logprobs", "KeptSet",
            "KEEP_ALL_BOUNDARY", "kept_set", "canonical_prefix", "scale_logits"]
 
-#: Vocabulary block of the canonical log-sum-exp (= the GEMM's column tile ``TILE_N``).
+#: Vocabulary block of the canonical log-sum-exp (= the CPU backend's ``TILE_N``).
 VOCAB_BLOCK = 1024
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -139,9 +139,10 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, kept: KeptSet
     ``-inf`` logits are allowed (their log-prob is ``-inf``).
 
     Raises:
-        TypeError / ValueError: wrong type, dtype, empty vocabulary, non-contiguous, NaN, a row
-            that is entirely ``-inf``, overflow of ``logits / temperature``, or a temperature
-            that is not a finite positive number (the message names the argument).
+        TypeError / ValueError: wrong type, dtype, empty vocabulary, non-contiguous, NaN or
+            overflow of ``logits / temperature`` (where the NaN policy scans ``logits``), a row
+            that is entirely ``-inf`` (where it may be read back: :mod:`rl_engine.utils.checks`),
+            or a temperature that is not a finite positive number (the message names the argument).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     _logits(logits)
@@ -233,7 +234,7 @@ def linear_token_logprobs(
               H_i = \mathrm{entropy}(\ell, \tau)_i
 
     The tokens are processed ``token_chunk`` rows at a time and the vocabulary ``vocab_chunk``
-    columns at a time; each logits chunk is computed by the same tiled GEMM as
+    columns at a time; each logits chunk is computed by the same GEMM as
     ``gemm.linear`` and folded into the canonical log-sum-exp.
 
     Shapes:
@@ -271,7 +272,8 @@ def linear_token_logprobs(
     ``O(N · vocab_chunk + token_chunk · (H + vocab_chunk))``).
 
     Raises:
-        TypeError / ValueError: bad dtype, shape, device, contiguity or NaN of any tensor;
+        TypeError / ValueError: bad dtype, shape, device or contiguity of any tensor, NaN in
+            ``hidden`` where the NaN policy scans it (:mod:`rl_engine.utils.checks`);
             targets out of range; a chunk size that is not a positive int or a ``vocab_chunk``
             that is not a multiple of ``VOCAB_BLOCK``; bad temperature; a bad ``kept`` record or
             ``logits_dtype`` other than ``None``, ``hidden``'s

@@ -103,7 +103,9 @@ def check_log_probs(mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
     """Each given tensor holds log-probabilities at the active tokens of ``mask``: finite and
     ``<= 0`` (``+5`` or ``±inf`` is no log-prob of a sampled token; the ratio ``exp(Δ)`` and the
     KL estimators would turn it into a silently clamped or NaN loss). Padding is not read.
-    Like the NaN scan, it is skipped under ``nan_policy("propagate")``. Call after
+    Like the NaN scan, it runs only where the NaN policy scans the tensor
+    (:func:`~rl_engine.utils.checks.scans`: under the default, host tensors and not GPU ones;
+    nothing under ``"propagate"``). Call after
     :func:`check_tokens` (shapes and devices already agree)."""
     for name, t in tensors.items():
         if t is None or not scans(t):

@@ -68,7 +68,8 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.T
 
     Raises:
         TypeError / ValueError: wrong type, dtype, shape (``B`` must match ``mask``), device,
-            non-contiguous tensor, NaN score, ``mask`` not 0/1, ``eps < 0`` (names the argument).
+            non-contiguous tensor, NaN score (where the NaN policy scans ``scores``), ``mask`` not
+            0/1, ``eps < 0`` (names the argument).
     """
     if not isinstance(norm_by_std, bool):
         raise ValueError(f"norm_by_std: expected a bool, got {norm_by_std!r}")

@@ -101,8 +101,9 @@ def rollout_correction(
 
     Raises:
         TypeError / ValueError: bad tensor (type, dtype, shape, device, non-contiguous, NaN),
-            a log-prob that is ``±inf`` or ``> 0`` at an active token, the two log-prob tensors
-            differ in dtype, ``mask`` not 0/1, unknown level, a
+            a log-prob that is ``±inf`` or ``> 0`` at an active token (NaN and log-prob values
+            where the NaN policy scans the tensor: :mod:`rl_engine.utils.checks`), the two
+            log-prob tensors differ in dtype, ``mask`` not 0/1, unknown level, a
             threshold not a positive finite number, ``rs_threshold`` missing with ``rs_level``,
             ``rs_threshold_lower > rs_threshold`` (message names the argument).
     """

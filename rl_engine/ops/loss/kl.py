@@ -61,7 +61,9 @@ def kl_penalty(
 
     Raises:
         TypeError / ValueError: bad tensor (type, dtype, shape, device, non-contiguous, NaN),
-            a log-prob that is ``±inf`` or ``> 0`` at an active token, ``mask`` not 0/1, unknown ``estimator`` or ``reduction``, bad ``denominator`` /
+            a log-prob that is ``±inf`` or ``> 0`` at an active token (NaN and log-prob values where
+            the NaN policy scans the tensor: :mod:`rl_engine.utils.checks`), ``mask`` not 0/1,
+            unknown ``estimator`` or ``reduction``, bad ``denominator`` /
             ``loss_scale_factor`` (message names the argument).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """

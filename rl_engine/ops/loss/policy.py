@@ -96,7 +96,8 @@ def ppo_clip_loss(
         TypeError / ValueError: a tensor has the wrong type, dtype, shape (≠ ``mask.shape``),
             device, is non-contiguous or contains NaN; ``log_probs`` / ``old_log_probs`` hold
             a value that is not a log-probability (``+inf``, ``-inf`` or ``> 0``) at an active
-            token; ``mask`` is not 0/1; ``eps_low`` not in
+            token (both where the NaN policy scans the tensor: :mod:`rl_engine.utils.checks`);
+            ``mask`` is not 0/1; ``eps_low`` not in
             ``[0, 1]``; ``eps_high < 0``; ``dual_clip <= 1``; unknown ``reduction``;
             ``denominator <= 0``; ``loss_scale_factor`` missing or misplaced (message names the
             argument).

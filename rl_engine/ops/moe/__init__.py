@@ -65,7 +65,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> 
 
     Raises:
         TypeError / ValueError: ``router_logits`` is not a 2-D contiguous float32/bfloat16
-            tensor or holds NaN/inf; ``top_k`` is not an int in ``[1, E]``; ``renormalize`` is
+            tensor or holds NaN/inf where the NaN policy scans it (:mod:`rl_engine.utils.checks`);
+            ``top_k`` is not an int in ``[1, E]``; ``renormalize`` is
             not a bool.
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
@@ -100,8 +101,8 @@ def expert_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor) 
     canonical order).
 
     Raises:
-        TypeError / ValueError: wrong type, dtype, shape, device, non-contiguous, NaN in ``x``,
-            or an id outside ``[0, E)``.
+        TypeError / ValueError: wrong type, dtype, shape, device, non-contiguous, NaN in ``x``
+            where the NaN policy scans it, or an id outside ``[0, E)``.
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     require_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2, finite=True)
@@ -137,7 +138,7 @@ def expert_down_combine(act: torch.Tensor, w_down: torch.Tensor, weights: torch.
 
     Raises:
         TypeError / ValueError: wrong type, dtype, shape, device, non-contiguous, NaN in
-            ``act``/``weights``, or an id outside ``[0, E)``.
+            ``act``/``weights`` where the NaN policy scans them, or an id outside ``[0, E)``.
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     require_tensor("act", act, dtypes=FLOAT_DTYPES, ndim=3, finite=True)

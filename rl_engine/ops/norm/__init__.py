@@ -50,8 +50,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 
     Raises:
         TypeError / ValueError: ``x`` or ``weight`` has the wrong type, dtype, shape or device,
-            is non-contiguous or contains NaN, ``x``'s last dim is 0, or ``eps`` is not a
-            finite float > 0 (the message names the argument).
+            is non-contiguous or contains NaN where the NaN policy scans it (``weight`` only under
+            ``"raise_all"``: :mod:`rl_engine.utils.checks`), ``x``'s last dim is 0, or ``eps`` is
+            not a finite float > 0 (the message names the argument).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     H = _check_x_weight(x, weight)

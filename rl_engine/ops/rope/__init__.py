@@ -42,7 +42,8 @@ def apply_rope(
 
     Raises:
         TypeError / ValueError: ``x`` or ``positions`` has the wrong type, dtype, shape or
-            device, is non-contiguous, contains NaN, a position is out of range, ``theta`` is
+            device, is non-contiguous, contains NaN where the NaN policy scans it
+            (:mod:`rl_engine.utils.checks`), a position is out of range, ``theta`` is
             not a finite float > 0, or ``rotary_dim`` is not an even int in ``[2, D]`` (the
             message names the argument).
         NoEligibleImplementation: strict policy and no implementation covers the request.

@@ -14,7 +14,7 @@ Instead of the reference executors, HF is both engines:
    whole vocabulary (``"full"``);
 3. align by ``(sample_id, position)`` and compare raw bits (``validation.alignment``).
 
-Plan ``R/R`` installs rl_engine into the model (:func:`~.hf_install.install`); ``P/P`` runs
+Plan ``R/R`` installs rl_engine into the model (:func:`~rl_engine.integrations.hf.install.install`); ``P/P`` runs
 unpatched transformers (sdpa): the negative control. Mixed plans have no meaning here (one
 model serves both sides) and are rejected.
 """

@@ -30,8 +30,8 @@
 (``VLLM_CPU_OMP_THREADS_BIND``, unless set); under the plugin every rank's provenance is checked.
 
 The result has the fields of ``run_parity`` / ``run_hf_parity`` plus ``engine: "vllm"`` and
-``provenance.vllm`` (each vLLM worker's operator counts, :func:`~rl_engine.integrations.
-engines.rollout.vllm.vllm_provenance`). Needs the vLLM environment (``.venv-vllm``).
+``provenance.vllm`` (each vLLM worker's operator counts,
+:func:`~rl_engine.integrations.vllm.vllm_provenance`). Needs the vLLM environment (``.venv-vllm``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from rl_engine.engine import ops_for
 
 __all__ = ["VLLM_LAYOUTS", "VLLM_ENV_HINT", "VLLM_ENV_DEFAULTS", "VllmUnavailable", "cpu_binding", "require_vllm", "run_vllm_parity"]
 
-#: The train layouts: ``packed`` (rl_engine Qwen3) + the transformers layouts of ``hf_check``.
+#: The train layouts: ``packed`` (rl_engine Qwen3) + the transformers layouts of ``hf.HF_LAYOUTS``.
 VLLM_LAYOUTS: tuple[str, ...] = ("packed", "padded-left", "padded-right", "permuted", "micro-batched", "single")
 
 #: What to run when vLLM is missing.

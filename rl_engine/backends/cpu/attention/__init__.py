@@ -35,7 +35,7 @@ Why the bits cannot depend on the path:
   a padded block) contributes ``±0`` to ``P · V``: every partial sum has the magnitude it would
   have with the visible keys alone, only the sign of a zero can differ — and a zero is then
   added to the ``+0``-initialised accumulator, which makes it ``+0``. Inputs must be finite
-  (checked), so ``0 · v`` is never NaN.
+  (checked under every NaN policy but ``"propagate"``), so ``0 · v`` is never NaN.
 * Everything else is elementwise IEEE arithmetic (``+ - * /``, ``max``, ``where``) or
   ``exp``/``log`` (measured to give the same bits in the vector body and the scalar tail), and
   a row's state is updated only in the blocks of its own range (rows are selected by index;

@@ -69,7 +69,7 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float32, torch.bfloat16)
-#: Default rows per chunk of the fused LM head (a multiple of the GEMM's row tile).
+#: Default rows per chunk of the fused LM head (memory only: the exact GEMM's rows are independent).
 DEFAULT_TOKEN_CHUNK = 256
 #: Default vocabulary columns per chunk of the fused LM head (a multiple of VOCAB_BLOCK).
 DEFAULT_VOCAB_CHUNK = 4 * VOCAB_BLOCK

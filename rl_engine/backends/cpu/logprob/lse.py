@@ -68,8 +68,8 @@ __all__ = [
     "finish_grad",
 ]
 
-#: Vocabulary block of the canonical log-sum-exp; equal to the GEMM's column tile, so a fused
-#: LM head's vocabulary chunks (multiples of it) align with both.
+#: Vocabulary block of the canonical log-sum-exp (:data:`~rl_engine.backends.cpu.common.TILE_N`): a fused
+#: LM head splits the vocabulary at multiples of it.
 VOCAB_BLOCK = TILE_N
 _NEG_MAX = -torch.finfo(torch.float32).max
 _NEG_INF = float("-inf")

@@ -3,9 +3,9 @@ untested there by CI — CUDA and ROCm.
 
 The loss family is small-tensor math: elementwise terms, per-sequence reductions, a sort over
 sequences. It needs no BLAS and no vendor kernel, so one implementation serves every device; its
-invariances come from the reduction order (:mod:`.reduce`), not from the hardware. It lives in
-the CPU package because CPU is where it is validated; the registry lists this package last for
-GPU families, so a dedicated GPU implementation would take precedence.
+invariances come from the reduction order (:mod:`rl_engine.utils.reductions`), not from the
+hardware. It lives in the CPU package because CPU is where it is validated; the registry lists
+this package last for GPU families, so a dedicated GPU implementation would take precedence.
 
 * ``loss.policy``, ``loss.kl``, ``loss.aggregate`` — custom ops with autograd (:mod:`.token`);
 * ``loss.advantages`` — :mod:`.advantages`; ``loss.rollout_correction`` — :mod:`.correction`

@@ -162,9 +162,9 @@ def rlk_attn_rows(tab_ptr, t, G: tl.constexpr, W, HAS_WINDOW: tl.constexpr, BLOC
     instead of read: no table kernel runs before the step.
 
     ``G`` is a compile-time constant and the per-row arithmetic is int32 relative to ``unit0``
-    (one scalar int64 division per program): a runtime int64 ``unit // G`` per row compiled to
-    the 64-bit division subroutine, ~1/3 of the extra instructions per program of the shipped
-    kernel against the ablation probe (H200). Same integers."""
+    (one scalar int64 division per program): a runtime int64 ``unit // G`` per row compiles to
+    the 64-bit division subroutine, ~1/3 of a kernel's extra instructions per program against
+    the ablation probe (H200). Same integers."""
     seq, u0, u1, pbase = rlk_attn_table_row(tab_ptr, t.to(tl.int64), G, ONE)
     tok0 = u0 // G
     rel = (u0 - tok0 * G).to(tl.int32) + tl.arange(0, BLOCK_M)  # unit - G·tok0, in [0, G + BLOCK_M)
@@ -317,7 +317,7 @@ def rlk_attn_block(q, k_ptr, v_ptr, k_desc, v_desc, pr_ptr, seq, kbase, pr_strid
     ``TMA``: the block's 64 key and value rows arrive by one tensor-memory-accelerator copy each
     from row ``kbase + 64·b`` of the ``[rows, Hkv·D]`` view, without the clamp to ``cap``. Used
     for every block of the train path's packed rows (``Variant.PACKED_TMA``: the rows past the tile's last
-    query are the next tokens of the pack, finite inputs checked by the entry points, or the
+    query are the next tokens of the pack, assumed finite inputs (``"raise"`` checks them), or the
     copy's zero fill past the end, and their scores are masked to ``-inf``, ``P = +0``), and for
     the unmasked blocks of a decode step over a contiguous cache (``Variant.CACHE_TMA``: rows
     at or before every query position; ``rlk_attn_split``'s masked blocks keep the clamp). The
@@ -644,7 +644,7 @@ def rlk_attn_finish(M, L, A, out_ptr, out32_ptr, lse_ptr, q_off, lse_off, valid,
 
     The reciprocal is one IEEE division per row (``div_rn``), then one fp32 product per element:
     every forward kernel finishes here, so the train path, prefill and decode keep the same bits.
-    (A ``div_rn`` per element was ~1/3 of the shipped kernel's extra instructions against the
+    (A ``div_rn`` per element is ~1/3 of a kernel's extra instructions against the
     ablation probe: the IEEE division expands to a reciprocal, its refinement and a slow-path
     branch, 64 times per thread at 128 × 128.)
 

@@ -463,7 +463,7 @@ def rlk_attn_split_wgt(q_ptr, k_desc, v_desc, k_ptr, v_ptr, out_ptr, ws_m_ptr, w
     pages the page copies are issued by a one-warp loader partition, ``rlk_attn_wgt_loader``, under
     ``gl.warp_specialize``, while the four compute warps run ``rlk_attn_wgt_quads_ws``; the
     blocks left over join the masked run, whose step on blocks every row sees entirely gives the same
-    bits). ``X_LAYOUT``, ``F_LAYOUT``: the exchange read-back layouts of ``_wgt_exchange_layouts(NQ)``."""
+    bits). ``X_LAYOUT``, ``F_LAYOUT``: the exchange read-back layouts of ``exchange_layouts(NQ)``."""
     rlk_attn_wg_gdc_wait(PDL)
     rlk_attn_wgd_gdc_launch(PDL)
     BN: gl.constexpr = 64

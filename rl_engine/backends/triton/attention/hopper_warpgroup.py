@@ -170,9 +170,9 @@ def rlk_attn_wg_walk(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, kba
     block ``j + 1``'s softmax runs while the ``P·V`` runs; the ``P·V`` retires. No register an
     in-flight ``wgmma`` reads or writes is touched before it retires (``P`` goes to its operand
     registers only once the previous product has retired, as in FlashAttention-3; a ``P·V`` left
-    in flight across the back edge made ``ptxas`` serialise every ``wgmma``, warning C7514). The
+    in flight across the back edge makes ``ptxas`` serialise every ``wgmma``, warning C7514). The
     split's merge runs between walks, with nothing in flight: inside the pipelined order the
-    accumulator, the scratch tile and the next block's scores were live at once (254 registers)."""
+    accumulator, the scratch tile and the next block's scores would be live at once (254 registers)."""
     zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
     mbarrier.wait(k_bars.index(j0 % K_ST), phase=(j0 // K_ST) & 1)
     s_tok = warpgroup_mma(q_smem, k_smem.index(j0 % K_ST).permute((1, 0)), zero_s, use_acc=False, is_async=True)

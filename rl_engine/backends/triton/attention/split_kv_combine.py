@@ -45,7 +45,7 @@ def rlk_attn_combine(out_ptr, out32_ptr, lse_ptr, ws_m_ptr, ws_l_ptr, ws_a_ptr, 
     Grid (tiles, kv heads, ``HEAD_D / DC``): each program takes ``DC`` columns of the
     accumulator (a column's merge reads only that column and the row's ``m``, ``l``, which every
     chunk merges alike). The loads of a group of splits are issued before their merges: the
-    fold is a chain, but its loads are not, and one load round-trip per split was most of a
+    fold is a chain, but its loads are not, and one load round-trip per split is most of a
     long decode step's combine (20.5 µs for 32 splits at batch 1 on the H200; 6.5 µs with
     groups of eight). ``GROUP`` (1, 2, 4, 8 or 16: ``combine_group``, the launch's
     split count rounded up to a power of two, at most 16) splits are loaded, then merged, per

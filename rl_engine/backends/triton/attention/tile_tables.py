@@ -38,9 +38,9 @@ def rlk_attn_tiles(q_seq_ptr, q_pos_ptr, tab_ptr, T, B, NT, ROUNDS, STEP0, G, RO
     the rows known to hold a smaller sequence id, and the next round probes ``c + step·(r+1) - 1``.
     With the tile counts' running sum, every sequence then writes its own tile rows
     (``JB`` at a time), and the rows past the last tile are written as ``tile_table`` writes them
-    (the last sequence, ``unit0 == unit1``). No search per tile row (the binary search per tile
-    row this replaces took 5.0 / 21.7 µs for a decode step of 64 sequences / 32 × 512 prefill
-    rows on the H200, this 3.8 / 11.3 µs)."""
+    (the last sequence, ``unit0 == unit1``). No search per tile row (a binary search per tile
+    row takes 5.0 / 21.7 µs for a decode step of 64 sequences / 32 × 512 prefill rows on the
+    H200, this 3.8 / 11.3 µs)."""
     rlk_attn_gdc_launch(PDL)  # the attention kernel may launch (it waits for this kernel's end)
     offs = tl.arange(0, CHUNK)
     rad = tl.arange(0, RADIX).to(tl.int64)

@@ -9,8 +9,8 @@ program computes an element and how loads are scheduled, never the arithmetic of
 So the configuration may follow M (and N) without breaking row or column invariance; the GPU
 test module proves it for every configuration listed here (raw bits, config against config).
 
-``BLOCK_K`` could plausibly enter the K order (a tile's dot consumes BLOCK_K products), so it
-was measured before letting it vary: on the H200 (``tools/benchmarking/gemm_sweep.py``, its bits
+``BLOCK_K`` could plausibly enter the K order (a tile's dot consumes BLOCK_K products), so its
+effect on the bits is measured: on the H200 (``tools/benchmarking/gemm_sweep.py``, its bits
 part) forward and dx outputs are raw-bit equal across BLOCK_K 32..512 (fp32 16..64), BLOCK_M 16..256, BLOCK_N
 16..256, 2..8 warps, 2..6 stages, TMA vs pointer loads, persistent vs one program per tile and
 warp-specialised vs not, for bf16, fp16 and fp32, at K = 4096 and at K = 1000 (a K tail) —

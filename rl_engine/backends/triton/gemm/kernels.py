@@ -82,8 +82,8 @@ def rlk_abt_tile(a_ptr, b_ptr, c_ptr, bias_ptr, acc_ptr, M, N, K,
     # stored: an output element reads only its own row of A and its own row of B. When the tile
     # divides M (N) there is no such row (column): the offsets stay a plain arange, whose
     # contiguity the compiler can see. (A ``tl.where`` hides it: in dx and dW the operand whose
-    # contiguous dimension is M or N then fell back to scalar 2-byte loads without cp.async —
-    # the fused LM head's dx/dW products ran ~20x slow on the H200.) Loads only: the arithmetic
+    # contiguous dimension is M or N then falls back to scalar 2-byte loads without cp.async —
+    # the fused LM head's dx/dW products run ~20x slower on the H200.) Loads only: the arithmetic
     # of every stored element is unchanged.
     if EVEN_M:
         ld_m = offs_m

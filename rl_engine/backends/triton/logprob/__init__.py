@@ -5,10 +5,11 @@ Same public semantics as the CPU implementation (``rl_engine/backends/cpu/logpro
 outputs for fp32 and bf16 logits, ``z = fl32(logits) / fl32(τ)``, the canonical blocked
 log-sum-exp (1024-column blocks at absolute offsets merged in block order, the same merge
 formulas), gradients to the logits in the logits dtype (rounded once), the same errors for
-rows without a finite logit or that overflow. One row per program, fixed reduction order:
-**row** and **chunk invariant** over rows, deterministic, forward and backward. The GPU's
-``exp``/``log`` and in-block summation tree differ from the CPU's, so the two platforms' bits
-need not agree; each meets the contract's tolerances (see ``kernels.py``).
+rows without a finite logit or that overflow where the NaN policy lets them be read back
+(:mod:`rl_engine.backends._lse_checks`: not under the default). One row per program, fixed
+reduction order: **row** and **chunk invariant** over rows, deterministic, forward and
+backward. The GPU's ``exp``/``log`` and in-block summation tree differ from the CPU's, so the
+two platforms' bits need not agree; each meets the contract's tolerances (see ``kernels.py``).
 
 ``logprob.linear_token_logprobs`` (the fused LM head, ``rlk::linear_token_logprobs_triton``,
 kernels in ``fused.py``): the Triton ``gemm.linear`` logits computed a chunk at a time and

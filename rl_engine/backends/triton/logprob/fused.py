@@ -45,8 +45,9 @@ ever holding the ``[N, V]`` logits. Where the bits come from:
 
   When the ``grad hidden`` pass takes all ``N`` tokens at once, each gradient chunk feeds both
   products (four ``2·N·H·V`` products in all with the forward; the unfused path has three and
-  holds the ``[N, V]`` logits); otherwise ``grad weight`` has a pass of its own (five), which
-  is what the default chunks of a training call choose to bound its memory (``_chunks``).
+  holds the ``[N, V]`` logits); otherwise ``grad weight`` has a pass of its own (five). The
+  default chunks of a training call share the pass wherever it fits their memory bound, and
+  split it where it does not (``_chunks``).
 
 **Kept sets** (``KEPT``, top-k / top-p replay): the fold and the gradient kernels test each
 loaded entry with :func:`rlk_keep` at its absolute token id (``c0 + column``) against the row's
