@@ -35,7 +35,9 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             ``V, H > 0``; ``weight`` contains NaN **under** ``nan_policy("raise_all")`` only (a
             parameter: under the default ``"auto"`` policy the table is not scanned and a NaN
             row is copied like any other, see :mod:`rl_engine.utils.checks`); the two are on
-            different devices (the message names the argument).
+            different devices (the message names the argument). An out-of-range id on a GPU
+            under the default policy, which reads nothing back, stops the process at a
+            device-side assertion instead (``docs/design/host-path.md``).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     require_tensor("ids", ids, dtypes=(torch.int64, torch.int32))

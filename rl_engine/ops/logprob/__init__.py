@@ -177,7 +177,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
         TypeError / ValueError: bad ``logits`` (as :func:`log_softmax`), ``targets`` of the wrong
             dtype or shape or out of range (ignore indices such as ``-100`` must be masked
             first), bad temperature, a ``kept`` record of the wrong type, dtype, shape or device,
-            or a NaN or ``+inf`` threshold.
+            or a NaN or ``+inf`` threshold. An out-of-range target on a GPU under the default
+            policy, which reads nothing back, stops the process at a device-side assertion
+            instead (``docs/design/host-path.md``).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     _logits(logits)
@@ -273,11 +275,11 @@ def linear_token_logprobs(
 
     Raises:
         TypeError / ValueError: bad dtype, shape, device or contiguity of any tensor, NaN in
-            ``hidden`` where the NaN policy scans it (:mod:`rl_engine.utils.checks`);
-            targets out of range; a chunk size that is not a positive int or a ``vocab_chunk``
-            that is not a multiple of ``VOCAB_BLOCK``; bad temperature; a bad ``kept`` record or
-            ``logits_dtype`` other than ``None``, ``hidden``'s
-            dtype or ``torch.float32``; logits that overflow
+            ``hidden`` where the NaN policy scans it (:mod:`rl_engine.utils.checks`); targets
+            out of range (on a GPU under the default policy a device-side assertion instead); a
+            chunk size that is not a positive int or a ``vocab_chunk`` that is not a multiple of
+            ``VOCAB_BLOCK``; bad temperature; a bad ``kept`` record or ``logits_dtype`` other
+            than ``None``, ``hidden``'s dtype or ``torch.float32``; logits that overflow
             (``hidden: ...``) or that are not finite because ``weight`` holds NaN or inf
             (``weight: ...``: the weight is read for this diagnosis only when a logits row is
             not finite; ``nan_policy("raise_all")`` scans it up front).

@@ -102,7 +102,8 @@ def expert_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor) 
 
     Raises:
         TypeError / ValueError: wrong type, dtype, shape, device, non-contiguous, NaN in ``x``
-            where the NaN policy scans it, or an id outside ``[0, E)``.
+            where the NaN policy scans it, or an id outside ``[0, E)`` (on a GPU under the default
+            policy, which reads nothing back, a device-side assertion instead).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     require_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2, finite=True)
@@ -138,7 +139,9 @@ def expert_down_combine(act: torch.Tensor, w_down: torch.Tensor, weights: torch.
 
     Raises:
         TypeError / ValueError: wrong type, dtype, shape, device, non-contiguous, NaN in
-            ``act``/``weights`` where the NaN policy scans them, or an id outside ``[0, E)``.
+            ``act``/``weights`` where the NaN policy scans them, or an id outside ``[0, E)`` (on a
+            GPU under the default policy, which reads nothing back, a device-side assertion
+            instead).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     require_tensor("act", act, dtypes=FLOAT_DTYPES, ndim=3, finite=True)

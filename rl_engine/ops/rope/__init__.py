@@ -45,7 +45,9 @@ def apply_rope(
             device, is non-contiguous, contains NaN where the NaN policy scans it
             (:mod:`rl_engine.utils.checks`), a position is out of range, ``theta`` is
             not a finite float > 0, or ``rotary_dim`` is not an even int in ``[2, D]`` (the
-            message names the argument).
+            message names the argument). An out-of-range position on a GPU under the default
+            policy, which reads nothing back, stops the process at a device-side assertion
+            instead (``docs/design/host-path.md``).
         NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     require_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=3, finite=True)
