@@ -1,4 +1,4 @@
-"""``embedding``'s docstring and behaviour agree on NaN weights: under the default ``"raise"``
+"""``embedding``'s docstring and behaviour agree on NaN weights: under the default ``"auto"``
 policy the table (a parameter) is not scanned and a NaN row is copied; ``"raise_all"`` rejects it."""
 
 from __future__ import annotations
@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from rl_engine.ops.embedding import embedding
-from rl_engine.utils.checks import nan_policy
+from rl_engine.utils.checks import current_nan_policy, nan_policy
 
 
 def test_default_policy_copies_a_nan_row_as_the_docstring_says():
     doc = " ".join(embedding.__doc__.split())
     assert 'contains NaN **under** ``nan_policy("raise_all")`` only' in doc
-    assert 'under the default ``"raise"`` policy the table is not scanned' in doc
+    assert 'under the default ``"auto"`` policy the table is not scanned' in doc
+    assert current_nan_policy() == "auto"  # the docstring names the policy in effect by default
     w = torch.randn(5, 3)
     w[2, 1] = float("nan")
     out = embedding(torch.tensor([2, 0]), w)
