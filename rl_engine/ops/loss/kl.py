@@ -108,7 +108,15 @@ def masked_aggregate(
     Shapes:
         values, mask: ``[B, L]``; returns a :class:`LossOutput`.
 
-    Contract ``loss.aggregate``. Raises as :func:`kl_penalty`.
+    Contract ``loss.aggregate``.
+
+    Raises:
+        TypeError / ValueError: bad ``values`` (type, dtype, shape other than ``mask``'s, device,
+            non-contiguous, NaN where the NaN policy scans it: :mod:`rl_engine.utils.checks`),
+            ``mask`` not 0/1, unknown ``reduction``, bad ``denominator`` / ``loss_scale_factor``
+            (message names the argument). ``values`` need not be log-probabilities: no range
+            check.
+        NoEligibleImplementation: strict policy and no implementation covers the request.
     """
     return _aggregate(values, mask, reduction, denominator, loss_scale_factor, "values", "aggregate")
 
@@ -133,6 +141,6 @@ def entropy_bonus(
     Shapes:
         entropy, mask: ``[B, L]``; returns a :class:`LossOutput`.
 
-    Contract ``loss.aggregate``. Raises as :func:`kl_penalty`.
+    Contract ``loss.aggregate``. Raises as :func:`masked_aggregate` (naming ``entropy``).
     """
     return _aggregate(entropy, mask, reduction, denominator, loss_scale_factor, "entropy", "entropy")
