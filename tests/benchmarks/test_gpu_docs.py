@@ -53,3 +53,17 @@ def test_a_changed_report_makes_the_page_stale():
     entry = changed[plat]["gemm"]["summary"][0]
     entry["achieved"] = entry["achieved"] + 0.5
     assert gpu_docs.render(changed) != gpu_docs.render(reports)
+
+
+def test_a_shard_stopped_by_the_session_limit_is_called_partial():
+    """A shard that pytest's session time limit ended is named partial on the page, with pytest's
+    line; the shards of record (none stopped: the control) have no such sentence."""
+    reports = gpu_docs.load_reports()
+    plat = next(p for p, fams in reports.items() if "gpu_tests" in fams)
+    assert "is partial" not in gpu_docs.render(reports)
+    changed = copy.deepcopy(reports)
+    sh = changed[plat]["gpu_tests"]["shards"][0]
+    sh["stopped"] = "session-timeout: 380.0 sec exceeded"
+    text = gpu_docs.render(changed)
+    assert f"Shard {sh['shard']} is partial: pytest's session time limit ended it (session-timeout: 380.0 sec " \
+           f"exceeded) after {sh['tests']} tests" in text

@@ -41,3 +41,16 @@ def test_failures_need_a_cause(tmp_path):
     xml.write_text(XML)
     with pytest.raises(SystemExit, match="--why"):
         _tool().shard("rest", xml, commit="abc", command="pytest")
+
+
+def test_a_run_ended_by_the_session_time_limit_is_marked_stopped(tmp_path):
+    """The driver's ``--session-timeout`` ends a run with its junit XML written; the log's line
+    marks the shard partial. Control: a log without that line leaves the shard unmarked."""
+    xml = tmp_path / "pytest_gpu.xml"
+    xml.write_text(XML)
+    log = tmp_path / "pytest_gpu.log"
+    log.write_text("...\n!!!!!!!! xdist.dsession.Interrupted: session-timeout: 380.0 sec exceeded !!!!!!!!!\n")
+    got = _tool().shard("attention", xml, commit="abc", command="pytest", why="a cause", log=log)
+    assert got["stopped"] == "session-timeout: 380.0 sec exceeded"
+    log.write_text("3 passed in 12.50s\n")
+    assert "stopped" not in _tool().shard("attention", xml, commit="abc", command="pytest", why="a cause", log=log)

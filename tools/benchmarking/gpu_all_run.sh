@@ -29,7 +29,9 @@
 #
 # SHARD (attention | rest | all, default all) picks the tests step's default TESTS: a full GPU
 # test run takes two device calls of 600 s (one per shard); reports/gpu/h200/gpu_tests.json
-# summarises both.
+# summarises both. TESTS_TIMEOUT bounds the tests step (default 300 s; the attention shard takes
+# about 330 s at 16 workers); pytest itself stops SESSION_MARGIN (default 90) seconds earlier, so
+# a shard cut short keeps its junit XML.
 #
 # Carry .whl (pydantic & deps and the Liger-Kernel wheel, missing on the device image), made once
 # on the workstation for Python 3.12 manylinux x86_64:
@@ -99,10 +101,20 @@ for step in $STEPS; do
   t0=$(date +%s)
   case $step in
     tests)
-      timeout $(lim ${TESTS_TIMEOUT:-300}) python3 -m pytest $TESTS -m gpu -n ${XDIST:-8} -p no:cacheprovider -rs -v \
+      # pytest's own session limit (pytest-timeout >= 2.3), SESSION_MARGIN seconds (default 90) under the
+      # step's: it starts no test after it and still writes the junit XML, where the hard limit below
+      # would kill pytest before it writes anything (record_gpu_tests.py --log marks such a shard partial)
+      tl=$(lim ${TESTS_TIMEOUT:-300}); session=()
+      # (grep reads all of the help: with -q it would stop at the match, and under pipefail the
+      # help's broken pipe would fail the test)
+      if python3 -m pytest --help 2>/dev/null | grep -- --session-timeout > /dev/null; then
+        session=(--session-timeout $(( tl > ${SESSION_MARGIN:-90} + 30 ? tl - ${SESSION_MARGIN:-90} : tl / 2 )))
+      fi
+      timeout $tl python3 -m pytest $TESTS -m gpu -n ${XDIST:-8} -p no:cacheprovider -rs -v "${session[@]}" \
         --timeout $(lim ${TEST_CASE_TIMEOUT:-280}) -k "${KEXPR:-not bounded_performance}" --durations=25 --junitxml="$OUT/pytest_gpu.xml" 2>&1 \
         | grep -v -e PytestBenchmarkWarning -e 'warner(' > "$OUT/pytest_gpu.log"
       grep -E "(FAILED|ERROR|SKIPPED)" "$OUT/pytest_gpu.log" | cut -c1-200 | head -40; tail -3 "$OUT/pytest_gpu.log"
+      grep -q "session-timeout: .* sec exceeded" "$OUT/pytest_gpu.log" && echo "PARTIAL: pytest's session limit (${session[*]}) ended the shard"
       timeout $(lim ${PERF_TIMEOUT:-120}) python3 -m pytest $TESTS -m gpu -n 0 -p no:cacheprovider -rs -k bounded_performance \
         --junitxml="$OUT/pytest_gpu_perf.xml" 2>&1 | grep -v -e PytestBenchmarkWarning -e 'warner(' > "$OUT/pytest_gpu_perf.log"
       tail -3 "$OUT/pytest_gpu_perf.log" ;;

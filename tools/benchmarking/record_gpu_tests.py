@@ -5,6 +5,11 @@ workers) and ``pytest_gpu_perf.xml`` (the bounded-performance smoke, alone). Thi
 replaces the shard of the same name: command, measured commit, counts, seconds, timestamp, the
 per-module counts, the failing tests (node ids) and a ``why`` sentence for them when given.
 
+``--log pytest_gpu.log``: a run that pytest ended at its session time limit (``--session-timeout``,
+which the driver sets below the device call's limit so that the junit XML is still written) is
+marked ``"stopped"`` with pytest's line: the tests it did not reach are in no count, so such a
+shard is never a complete run.
+
     python tools/benchmarking/record_gpu_tests.py rest OUT/pytest_gpu.xml --perf OUT/pytest_gpu_perf.xml \\
         --commit bb7a58d --command "python -m pytest tests ... -m gpu -n 16" --report reports/gpu/h200/gpu_tests.json
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -29,8 +35,18 @@ def _node(case: ET.Element) -> str:
     return f"{mod}::{case.get('name')}"
 
 
+#: pytest-timeout's line when the session time limit ends a run
+STOPPED = re.compile(r"session-timeout: [0-9.]+ sec exceeded")
+
+
+def stopped_line(log: Path) -> str | None:
+    """pytest's session-timeout line in ``log`` (``None``: the run was not cut short)."""
+    m = STOPPED.search(log.read_text(encoding="utf-8", errors="replace"))
+    return m.group(0) if m else None
+
+
 def shard(name: str, xml: Path, *, commit: str, command: str, perf: Path | None = None,
-          why: str | None = None) -> dict[str, Any]:
+          why: str | None = None, log: Path | None = None) -> dict[str, Any]:
     s = _suite(xml)
     modules: dict[str, dict[str, int]] = {}
     failed = []
@@ -50,6 +66,9 @@ def shard(name: str, xml: Path, *, commit: str, command: str, perf: Path | None 
         if not why:
             raise SystemExit(f"--why: {len(failed)} tests failed; say what caused them")
         out["why"] = why
+    stopped = stopped_line(log) if log is not None else None
+    if stopped:
+        out["stopped"] = stopped
     if perf is not None:
         p = _suite(perf)
         out["bounded_performance"] = {k: int(p.get(k)) for k in ("tests", "failures", "errors", "skipped")}
@@ -64,14 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", required=True)
     ap.add_argument("--command", required=True, help="the pytest command as it ran")
     ap.add_argument("--why", default=None, help="what caused the failures (required when there are any)")
+    ap.add_argument("--log", type=Path, default=None,
+                    help="pytest_gpu.log of the run: marks a shard that pytest's session time limit ended")
     ap.add_argument("--report", type=Path, required=True, help="reports/gpu/<platform>/gpu_tests.json")
     a = ap.parse_args(argv)
     rep = json.loads(a.report.read_text(encoding="utf-8"))
-    new = shard(a.name, a.xml, commit=a.commit, command=a.command, perf=a.perf, why=a.why)
+    new = shard(a.name, a.xml, commit=a.commit, command=a.command, perf=a.perf, why=a.why, log=a.log)
     rep["shards"] = [s for s in rep["shards"] if s["shard"] != a.name] + [new]
     a.report.write_text(json.dumps(rep, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"{a.report}: shard {a.name}: {new['tests']} tests, {new['failures']} failures, {new['errors']} errors, "
-          f"{new['skipped']} skipped")
+          f"{new['skipped']} skipped" + (f"; STOPPED ({new['stopped']}): not a complete run" if new.get("stopped") else ""))
     return 0
 
 
