@@ -242,6 +242,29 @@ def neutral_cases(impl: Callable[[], Any], x: torch.Tensor) -> dict[str, Callabl
     return out
 
 
+#: the benchmark's own custom operators (:func:`dispatch_cases`), registered on first use
+_DISPATCH_OPS: dict[str, Any] = {}
+
+
+def dispatch_cases(x: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """Controls for the custom-operator layer every implementation is called through: one
+    function (a copy of ``x``) called directly (``function``), as a ``torch.library`` custom
+    operator (``custom_op``) and as one with an autograd formula, called on a tensor that needs
+    no gradient (``custom_op_autograd``, how rl_engine's operators are wired). ``custom_op`` minus
+    ``function`` is what the dispatcher adds to each implementation call, whatever it computes."""
+    if not _DISPATCH_OPS:
+        def copy_row(t: torch.Tensor) -> torch.Tensor:
+            return t.clone()
+
+        plain = torch.library.custom_op("rlk_bench::copy_row", copy_row, mutates_args=())
+        plain.register_fake(lambda t: torch.empty_like(t))
+        graded = torch.library.custom_op("rlk_bench::copy_row_autograd", copy_row, mutates_args=())
+        graded.register_fake(lambda t: torch.empty_like(t))
+        graded.register_autograd(lambda ctx, g: g)
+        _DISPATCH_OPS.update(function=copy_row, custom_op=plain, custom_op_autograd=graded)
+    return {name: (lambda f: lambda: f(x))(f) for name, f in _DISPATCH_OPS.items()}
+
+
 def _attention_cases(device, dtype, q, kn, vn, heads, kv_heads, D, ctx, rnd) -> dict[str, dict[str, Callable]]:
     attn = ops.attention
     bs = 16
@@ -324,6 +347,22 @@ def _neutral_rows(impl: Callable[[], Any], a: argparse.Namespace, dtype: torch.d
             for k, s in st.items()]
 
 
+def _dispatch_rows(a: argparse.Namespace, dtype: torch.dtype, dev: dict, ver: dict) -> list[dict]:
+    """Rows of :func:`dispatch_cases` (op ``dispatch.custom_op``); the ``function`` row's summary
+    holds each call's time and ``dispatch_us`` (custom operator minus function)."""
+    x = torch.randn(1, 256, device=a.device, dtype=dtype)
+    st = _timed_round_robin(dispatch_cases(x), a)
+    summary = {f"{k}_us": v.median * 1e3 for k, v in st.items()}
+    summary["dispatch_us"] = summary["custom_op_us"] - summary["function_us"]
+    summary["dispatch_autograd_us"] = summary["custom_op_autograd_us"] - summary["function_us"]
+    print("dispatch.custom_op       " + "  ".join(f"{k} {v:7.1f} µs" for k, v in summary.items()))
+    return [make_row(benchmark="bench_call_overhead", op="dispatch.custom_op", implementation=k,
+                     baseline=None if k == "function" else "function",
+                     config={"dtype": str(dtype).removeprefix("torch."), "calls": a.calls}, stats=s, warmup=20,
+                     device=dev, versions=ver, extra={"summary": summary} if k == "function" else None)
+            for k, s in st.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
@@ -332,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=15, help="timed loops per callable")
     ap.add_argument("--cases", default=None, help="comma-separated subset of the cases")
     ap.add_argument("--neutral", action="store_true",
-                    help="also time the interaction controls (neutral_cases) around the rms_norm implementation")
+                    help="also time the controls: neutral work around the rms_norm implementation (neutral_cases) "
+                         "and the custom-operator layer (dispatch_cases)")
     ap.add_argument("--out", required=True, help="JSON report path")
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype or ("float32" if a.device == "cpu" else "bfloat16"))
@@ -388,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
               + f"excess {excess_us:8.1f} µs  target {target:.0f} µs: {'met' if measured <= target else 'MISSED'}")
     if a.neutral:
         rows += _neutral_rows(allc["rms_norm"]["impl"], a, dtype, dev, ver)
+        rows += _dispatch_rows(a, dtype, dev, ver)
     # glibc's allocator settings change how large temporaries are returned to the OS between calls
     malloc_env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     write_report(rows, a.out, meta={"machine_load": machine_load(), "malloc_env": malloc_env})

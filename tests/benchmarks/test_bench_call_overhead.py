@@ -105,3 +105,20 @@ def test_neutral_controls_time_each_kind_alone_and_before_the_implementation(tmp
     summary = next(r["summary"] for r in rows if r["implementation"] == "impl")
     assert set(summary) == {"impl_us", "python_us", "python_interaction_us", "reductions_us",
                             "reductions_interaction_us", "allocations_us", "allocations_interaction_us"}
+    dispatch = [r for r in json.loads(out.read_text())["rows"] if r["op"] == "dispatch.custom_op"]
+    assert {r["implementation"] for r in dispatch} == {"function", "custom_op", "custom_op_autograd"}
+    summary = next(r["summary"] for r in dispatch if r["implementation"] == "function")
+    assert summary["dispatch_us"] == summary["custom_op_us"] - summary["function_us"]
+
+
+def test_dispatch_controls_compute_the_same_copy_through_each_layer():
+    """``dispatch_cases``: the function called directly, as a custom operator and as one with an
+    autograd formula return the same copy of ``x``, and the two operators go through torch's
+    dispatcher (they are ``torch.ops`` operators; the function is not)."""
+    x = torch.randn(1, 256)
+    fns = bench.dispatch_cases(x)
+    assert set(fns) == {"function", "custom_op", "custom_op_autograd"}
+    outs = {k: f() for k, f in fns.items()}
+    assert all(torch.equal(o, x) and o.data_ptr() != x.data_ptr() for o in outs.values())
+    assert hasattr(torch.ops.rlk_bench, "copy_row") and hasattr(torch.ops.rlk_bench, "copy_row_autograd")
+    assert bench.dispatch_cases(x).keys() == fns.keys()  # registered once: a second call does not re-register
