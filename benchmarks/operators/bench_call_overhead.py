@@ -339,12 +339,7 @@ def _neutral_rows(impl: Callable[[], Any], a: argparse.Namespace, dtype: torch.d
         alone = st[kind].median * 1e3
         summary[f"{kind}_us"] = alone
         summary[f"{kind}_interaction_us"] = st[f"{kind}+impl"].median * 1e3 - alone - impl_us
-    print("rms_norm.neutral         " + "  ".join(f"{k} {v:7.1f} µs" for k, v in summary.items()))
-    return [make_row(benchmark="bench_call_overhead", op="rms_norm.neutral", implementation=k,
-                     baseline=None if k == "impl" else "impl",
-                     config={"dtype": str(dtype).removeprefix("torch."), "calls": a.calls}, stats=s, warmup=20,
-                     device=dev, versions=ver, extra={"summary": summary} if k == "impl" else None)
-            for k, s in st.items()]
+    return _control_rows("rms_norm.neutral", "impl", st, summary, a, dtype, dev, ver)
 
 
 def _dispatch_rows(a: argparse.Namespace, dtype: torch.dtype, dev: dict, ver: dict) -> list[dict]:
@@ -355,11 +350,17 @@ def _dispatch_rows(a: argparse.Namespace, dtype: torch.dtype, dev: dict, ver: di
     summary = {f"{k}_us": v.median * 1e3 for k, v in st.items()}
     summary["dispatch_us"] = summary["custom_op_us"] - summary["function_us"]
     summary["dispatch_autograd_us"] = summary["custom_op_autograd_us"] - summary["function_us"]
-    print("dispatch.custom_op       " + "  ".join(f"{k} {v:7.1f} µs" for k, v in summary.items()))
-    return [make_row(benchmark="bench_call_overhead", op="dispatch.custom_op", implementation=k,
-                     baseline=None if k == "function" else "function",
+    return _control_rows("dispatch.custom_op", "function", st, summary, a, dtype, dev, ver)
+
+
+def _control_rows(op: str, base: str, st: dict[str, Any], summary: dict[str, float], a: argparse.Namespace,
+                  dtype: torch.dtype, dev: dict, ver: dict) -> list[dict]:
+    """Print a control's summary and make its rows: one per callable, each against ``base``,
+    whose row carries the summary."""
+    print(f"{op:<24s} " + "  ".join(f"{k} {v:7.1f} µs" for k, v in summary.items()))
+    return [make_row(benchmark="bench_call_overhead", op=op, implementation=k, baseline=None if k == base else base,
                      config={"dtype": str(dtype).removeprefix("torch."), "calls": a.calls}, stats=s, warmup=20,
-                     device=dev, versions=ver, extra={"summary": summary} if k == "function" else None)
+                     device=dev, versions=ver, extra={"summary": summary} if k == base else None)
             for k, s in st.items()]
 
 
