@@ -256,7 +256,7 @@ def _tests_section(rep: Mapping[str, Any], path: str) -> list[str]:
     for sh in rep["shards"]:
         if sh.get("stopped"):
             lines += ["", f"Shard {sh['shard']} is partial: pytest's session time limit ended it ({sh['stopped']}) "
-                      f"after {sh['tests']} tests; the tests it did not reach ran in no count."]
+                      f"after {sh['tests']} tests; the tests it did not reach are in no count."]
         if sh.get("why"):
             lines += ["", f"Shard {sh['shard']}: {sh['failures'] + sh['errors']} failed ("
                       + ", ".join(f"`{n}`" for n in sh.get("failed", [])) + f"). {sh['why']}"]

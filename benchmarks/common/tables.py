@@ -21,8 +21,8 @@ from typing import Any
 
 __all__ = ["comparison_rows", "markdown_tables"]
 
-#: the ``nan_policy`` labels of the entry point timed as users call it (the default policy, which
-#: scans host activations): ``"auto"``, or ``"raise"`` in reports made while that was the default
+#: the ``nan_policy`` labels of the entry point timed with its scan of host activations: the
+#: default ``"auto"``, or ``"raise"``, which scans them alike
 SCANNED = ("auto", "raise")
 
 

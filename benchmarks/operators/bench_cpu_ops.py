@@ -7,8 +7,8 @@ math, interleaved round-robin in one process. The entry point is timed twice: as
 (the default ``nan_policy("auto")``, which on the CPU scans its floating activation inputs for
 NaN and inf) and under ``nan_policy("propagate")`` (no scan), which separates the cost of
 validation from the cost of the invariant arithmetic. Rows name the policy in
-``config["nan_policy"]`` (``"auto"``; reports made while the default was ``"raise"``, which
-scans host tensors alike, name that). Each (config, variant) is one JSON row; rl-kernel rows carry
+``config["nan_policy"]`` (``"auto"``; a row named ``"raise"``, which scans host tensors alike,
+is read the same way by ``benchmarks/common/tables.py``). Each (config, variant) is one JSON row; rl-kernel rows carry
 ``ratio_vs_baseline`` = their median / the native median of the same interleaved run.
 
 The foundation's bar for ``gemm.linear`` is ≤ 2× ``F.linear`` at M ≥ 64; this script reports

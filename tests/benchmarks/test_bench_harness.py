@@ -127,7 +127,7 @@ def test_bench_cpu_ops_quick_writes_schema_rows(tmp_path):
 @pytest.mark.parametrize("scanned", ["auto", "raise"])
 def test_markdown_tables_pair_rows_by_config(scanned):
     """The scanned row pairs under either label: ``"auto"`` (the default policy) or ``"raise"``
-    (reports made while that was the default); an unknown label is not paired."""
+    (which scans host activations alike); an unknown label is not paired."""
     from benchmarks.common.tables import comparison_rows, markdown_tables
 
     stats = Stats(n=5, median=2.0, p20=1.9, p80=2.1, min=1.8, max=2.2)

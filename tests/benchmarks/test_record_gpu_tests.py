@@ -54,3 +54,18 @@ def test_a_run_ended_by_the_session_time_limit_is_marked_stopped(tmp_path):
     assert got["stopped"] == "session-timeout: 380.0 sec exceeded"
     log.write_text("3 passed in 12.50s\n")
     assert "stopped" not in _tool().shard("attention", xml, commit="abc", command="pytest", why="a cause", log=log)
+
+
+def test_the_log_beside_the_xml_is_read_by_default(tmp_path):
+    """The CLI reads ``pytest_gpu.log`` beside ``pytest_gpu.xml`` (as the driver writes them)
+    without ``--log``; a named log that does not exist is refused."""
+    xml = tmp_path / "pytest_gpu.xml"
+    xml.write_text(XML)
+    (tmp_path / "pytest_gpu.log").write_text("Interrupted: session-timeout: 50.0 sec exceeded\n")
+    report = tmp_path / "gpu_tests.json"
+    report.write_text(json.dumps({"shards": []}))
+    args = ["rest", str(xml), "--commit", "abc", "--command", "pytest", "--why", "a cause", "--report", str(report)]
+    assert _tool().main(args) == 0
+    assert json.loads(report.read_text())["shards"][0]["stopped"] == "session-timeout: 50.0 sec exceeded"
+    with pytest.raises(SystemExit):
+        _tool().main(args + ["--log", str(tmp_path / "missing.log")])

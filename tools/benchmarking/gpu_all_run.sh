@@ -103,7 +103,7 @@ for step in $STEPS; do
     tests)
       # pytest's own session limit (pytest-timeout >= 2.3), SESSION_MARGIN seconds (default 90) under the
       # step's: it starts no test after it and still writes the junit XML, where the hard limit below
-      # would kill pytest before it writes anything (record_gpu_tests.py --log marks such a shard partial)
+      # would kill pytest before it writes anything (record_gpu_tests.py marks such a shard partial from this log)
       tl=$(lim ${TESTS_TIMEOUT:-300}); session=()
       # (grep reads all of the help: with -q it would stop at the match, and under pipefail the
       # help's broken pipe would fail the test)

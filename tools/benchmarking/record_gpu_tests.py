@@ -5,10 +5,11 @@ workers) and ``pytest_gpu_perf.xml`` (the bounded-performance smoke, alone). Thi
 replaces the shard of the same name: command, measured commit, counts, seconds, timestamp, the
 per-module counts, the failing tests (node ids) and a ``why`` sentence for them when given.
 
-``--log pytest_gpu.log``: a run that pytest ended at its session time limit (``--session-timeout``,
-which the driver sets below the device call's limit so that the junit XML is still written) is
-marked ``"stopped"`` with pytest's line: the tests it did not reach are in no count, so such a
-shard is never a complete run.
+A run that pytest ended at its session time limit (``--session-timeout``, which the driver sets
+below the device call's limit so that the junit XML is still written) is marked ``"stopped"``
+with pytest's line, read from the run's log (``--log``; default: ``pytest_gpu.log`` beside the
+XML, as the driver writes it): the tests it did not reach are in no count, so such a shard is
+never a complete run.
 
     python tools/benchmarking/record_gpu_tests.py rest OUT/pytest_gpu.xml --perf OUT/pytest_gpu_perf.xml \\
         --commit bb7a58d --command "python -m pytest tests ... -m gpu -n 16" --report reports/gpu/h200/gpu_tests.json
@@ -84,11 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--command", required=True, help="the pytest command as it ran")
     ap.add_argument("--why", default=None, help="what caused the failures (required when there are any)")
     ap.add_argument("--log", type=Path, default=None,
-                    help="pytest_gpu.log of the run: marks a shard that pytest's session time limit ended")
+                    help="the run's pytest log (default: the XML's name with .log, when present): marks a shard "
+                         "that pytest's session time limit ended")
     ap.add_argument("--report", type=Path, required=True, help="reports/gpu/<platform>/gpu_tests.json")
     a = ap.parse_args(argv)
     rep = json.loads(a.report.read_text(encoding="utf-8"))
-    new = shard(a.name, a.xml, commit=a.commit, command=a.command, perf=a.perf, why=a.why, log=a.log)
+    log = a.log if a.log is not None else a.xml.with_suffix(".log")
+    if a.log is not None and not log.is_file():
+        ap.error(f"--log: no file at {log}")
+    new = shard(a.name, a.xml, commit=a.commit, command=a.command, perf=a.perf, why=a.why,
+                log=log if log.is_file() else None)
     rep["shards"] = [s for s in rep["shards"] if s["shard"] != a.name] + [new]
     a.report.write_text(json.dumps(rep, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"{a.report}: shard {a.name}: {new['tests']} tests, {new['failures']} failures, {new['errors']} errors, "
