@@ -7,7 +7,12 @@ once, here. ``wire_<op>(forward, backward)`` registers the fake (meta) implement
 custom ops and ``forward.register_autograd(...)`` with ``backward`` as the gradient; a backend
 module defines its two custom ops and calls it once.
 
-Only torch is imported here (no triton, no backend module).
+The autograd formulas call the backward op through
+:func:`rl_engine.runtime.custom_ops.call_op`: a backward pass records no graph of its own (grad
+mode is off unless ``create_graph``), so its op's body runs directly in eager mode, and the op
+runs wherever the backward is traced (``torch.compile``'s AOT autograd, a dispatch mode).
+
+Only torch and the runtime's custom-op helpers are imported here (no triton, no backend module).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from rl_engine.runtime.custom_ops import call_op
 
 __all__ = [
     "wire_linear",
@@ -72,7 +79,7 @@ def wire_linear(forward, backward) -> None:
         x, weight = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         has_bias = ctx.has_bias and ctx.needs_input_grad[2]
-        dx, dw, db = backward(grad.contiguous(), x, weight, need_dx, need_dw, has_bias)
+        dx, dw, db = call_op(backward, grad.contiguous(), x, weight, need_dx, need_dw, has_bias)
         return (dx if need_dx else None), (dw if need_dw else None), (db if has_bias else None), None
 
     forward.register_autograd(grad_fn, setup_context=setup)
@@ -93,7 +100,7 @@ def wire_rms_norm(forward, backward) -> None:
 
     def grad_fn(ctx, grad):
         x, weight = ctx.saved_tensors
-        dx, dw = backward(grad.contiguous(), x, weight, ctx.eps)
+        dx, dw = call_op(backward, grad.contiguous(), x, weight, ctx.eps)
         return dx, dw, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
@@ -118,7 +125,7 @@ def wire_fused_add_rms_norm(forward, backward) -> None:
             grad_out = torch.zeros_like(new_residual)
         if grad_residual is None:
             grad_residual = torch.zeros_like(new_residual)
-        dres, dw = backward(grad_out.contiguous(), grad_residual.contiguous(), new_residual, weight, ctx.eps)
+        dres, dw = call_op(backward, grad_out.contiguous(), grad_residual.contiguous(), new_residual, weight, ctx.eps)
         # new_residual = x + residual: both inputs receive the same gradient.
         return dres, dres, dw, None
 
@@ -142,7 +149,7 @@ def wire_apply_rope(forward, backward) -> None:
 
     def grad_fn(ctx, grad):
         (positions,) = ctx.saved_tensors
-        return backward(grad.contiguous(), positions, ctx.theta, ctx.rotary_dim), None, None, None
+        return call_op(backward, grad.contiguous(), positions, ctx.theta, ctx.rotary_dim), None, None, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
 
@@ -161,7 +168,7 @@ def wire_silu_and_mul(forward, backward) -> None:
 
     def grad_fn(ctx, grad):
         (x,) = ctx.saved_tensors
-        return backward(grad.contiguous(), x)
+        return call_op(backward, grad.contiguous(), x)
 
     forward.register_autograd(grad_fn, setup_context=setup)
 
@@ -181,7 +188,7 @@ def wire_embedding(forward, backward) -> None:
 
     def grad_fn(ctx, grad):
         (ids,) = ctx.saved_tensors
-        return None, backward(grad.contiguous(), ids, ctx.num_weights)
+        return None, call_op(backward, grad.contiguous(), ids, ctx.num_weights)
 
     forward.register_autograd(grad_fn, setup_context=setup)
 
@@ -214,7 +221,7 @@ def wire_log_softmax(forward, backward, *, prepare_grad: GradPrep) -> None:
         if grad is None:
             return None, None, None, None
         (out,) = ctx.saved_tensors
-        return backward(prepare_grad(grad), out, ctx.temperature, ctx.dtype, ctx.masked), None, None, None
+        return call_op(backward, prepare_grad(grad), out, ctx.temperature, ctx.dtype, ctx.masked), None, None, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
 
@@ -237,7 +244,7 @@ def wire_token_logprobs(forward, backward, *, prepare_grad: GradPrep) -> None:
         if grad is None:
             return None, None, None, None, None
         logits, targets, lse, kt, kb = ctx.saved_tensors
-        return backward(prepare_grad(grad), logits, targets, lse, ctx.temperature, kt, kb), None, None, None, None
+        return call_op(backward, prepare_grad(grad), logits, targets, lse, ctx.temperature, kt, kb), None, None, None, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
 
@@ -260,7 +267,7 @@ def wire_entropy(forward, backward, *, prepare_grad: GradPrep) -> None:
         if grad is None:
             return None, None, None, None
         logits, lse, ent, kt, kb = ctx.saved_tensors
-        return backward(prepare_grad(grad), logits, lse, ent, ctx.temperature, kt, kb), None, None, None
+        return call_op(backward, prepare_grad(grad), logits, lse, ent, ctx.temperature, kt, kb), None, None, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
 
@@ -293,7 +300,7 @@ def wire_varlen_attention(forward, backward) -> None:
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(q)
-        dq, dk, dv = backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.scale, ctx.window)
+        dq, dk, dv = call_op(backward, grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.scale, ctx.window)
         return dq, dk, dv, None, None, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
@@ -325,7 +332,7 @@ def wire_moe_route(forward, backward) -> None:
         if grad is None:
             return None, None, None
         logits, ids = ctx.saved_tensors
-        return backward(grad.float().contiguous(), logits, ids, ctx.renormalize), None, None
+        return call_op(backward, grad.float().contiguous(), logits, ids, ctx.renormalize), None, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
 
@@ -342,7 +349,7 @@ def wire_moe_expert_gate_up(forward, backward) -> None:
 
     def grad_fn(ctx, grad):
         x, w, ids = ctx.saved_tensors
-        dx, dw = backward(grad.contiguous(), x, w, ids)
+        dx, dw = call_op(backward, grad.contiguous(), x, w, ids)
         return dx, dw, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
@@ -364,7 +371,7 @@ def wire_moe_expert_gate_up_saving(forward, backward) -> None:
 
     def grad_fn(ctx, grad, _grad_h):
         x, w, ids, h = ctx.saved_tensors
-        dx, dw = backward(grad.contiguous(), x, w, ids, h)
+        dx, dw = call_op(backward, grad.contiguous(), x, w, ids, h)
         return dx, dw, None
 
     forward.register_autograd(grad_fn, setup_context=setup)
@@ -382,7 +389,7 @@ def wire_moe_expert_down_combine(forward, backward) -> None:
 
     def grad_fn(ctx, grad):
         act, w, weights, ids = ctx.saved_tensors
-        dact, dw, dweights = backward(grad.contiguous(), act, w, weights, ids)
+        dact, dw, dweights = call_op(backward, grad.contiguous(), act, w, weights, ids)
         return dact, dw, dweights, None
 
     forward.register_autograd(grad_fn, setup_context=setup)

@@ -12,6 +12,8 @@ Dispatch of one call::
     strict policy, none eligible  -> NoEligibleImplementation listing every rejection reason
     diagnostic policy, none       -> the float64 reference, recorded as a fallback
     provenance records the choice when a provenance.record() block is active
+    impl.fn(*args)                -> a custom op's body directly in a plain no-grad eager call,
+                                     the op otherwise (rl_engine.runtime.custom_ops)
 
 Backends are imported lazily, the first time an operator family is dispatched or listed, so
 ``import rl_engine`` imports none of them.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -32,6 +34,7 @@ from rl_engine import contracts
 from rl_engine.platforms import Platform
 from rl_engine.runtime import policy as _policy
 from rl_engine.runtime import provenance as _prov
+from rl_engine.runtime.custom_ops import eager_entry, is_custom_op
 
 __all__ = [
     "Request",
@@ -163,12 +166,19 @@ _LOADED_FAMILIES: set[str] = set()
 
 
 def register(impl: Implementation) -> Implementation:
-    """Add ``impl`` to the registry. Re-registering the same ``(op, impl_id)`` replaces it."""
+    """Add ``impl`` to the registry. Re-registering the same ``(op, impl_id)`` replaces it.
+
+    An ``fn`` that is a ``torch.library`` custom op is stored as its eager entry
+    (:func:`rl_engine.runtime.custom_ops.eager_entry`): a plain no-grad eager call runs the op's
+    body directly, every other call (autograd, ``torch.compile``, fake tensors, dispatch modes)
+    the op. Returns the stored implementation."""
     contract = contracts.load_contract(impl.op)  # an implementation of an operator without a contract is a bug
     unknown = set(impl.variants) - set(contract.variants)
     if unknown:
         raise ValueError(f"variants: {impl.impl_id} declares {sorted(unknown)}, which the {impl.op} contract does not "
                          f"define (known: {sorted(contract.variants)})")
+    if is_custom_op(impl.fn):
+        impl = replace(impl, fn=eager_entry(impl.fn))
     impls = [i for i in _REGISTRY.get(impl.op, []) if i.impl_id != impl.impl_id]
     impls.append(impl)
     impls.sort(key=lambda i: (i.priority, i.impl_id))

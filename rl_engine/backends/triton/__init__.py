@@ -19,8 +19,9 @@ Host overhead. Each operator is a ``torch.library`` custom op (fake implementati
 ``torch.compile``). In a plain eager call that needs none of it — no gradient, plain tensors,
 no dispatch or function mode, not tracing — the custom-op layer only adds host time (≈ 28 µs
 per call measured on the H200 host, more than a decode-sized GEMM's device time), so
-:func:`call_op` runs the op's Python body directly in that case and goes through the op in every
-other case. Both run the same kernels, so the bits are the same (tested on the device).
+:func:`rl_engine.runtime.custom_ops.call_op` runs the op's Python body directly in that case and
+goes through the op in every other case, as for every backend. Both run the same kernels, so
+the bits are the same (tested on the device).
 :func:`device_guard` switches the current device only when the tensor is not on it.
 """
 
@@ -30,16 +31,14 @@ import contextlib
 import functools
 import importlib.util
 from pathlib import Path
-from typing import Any, Callable, Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 import torch
 
 from rl_engine.runtime.registry import Implementation, Request, register
 
 __all__ = ["unavailable_reasons", "arch_reasons", "call_reasons", "register_triton", "device_guard", "arch_of",
-           "ArchFiles", "direct_call_ok", "call_op", "eager_entry"]
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+           "ArchFiles"]
 T = TypeVar("T")
 
 
@@ -103,41 +102,6 @@ class ArchFiles(Generic[T]):
         return None
 
 
-def direct_call_ok(args: tuple[Any, ...]) -> bool:
-    """True when calling a custom op's Python body directly is indistinguishable from calling
-    the op: not under ``torch.compile`` tracing, no ``TorchDispatchMode`` / ``TorchFunctionMode``
-    active, every tensor argument a plain ``Tensor`` or ``Parameter`` (no fake, functional or
-    subclass tensor), and no gradient to record (grad mode off, or no argument requires it)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
-        return False
-    grad = torch.is_grad_enabled()
-    for a in args:
-        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSORS or (grad and a.requires_grad)):
-            return False
-    return True
-
-
-def call_op(op: Any, *args: Any) -> Any:
-    """``op(*args)`` for a ``torch.library.custom_op`` ``op``, skipping the custom-op layer when
-    :func:`direct_call_ok` says it adds nothing (the same kernels run either way)."""
-    if direct_call_ok(args):
-        return op._init_fn(*args)
-    return op(*args)
-
-
-def eager_entry(op: Any) -> Callable[..., Any]:
-    """The registry entry for a custom op registered as is: :func:`call_op` bound to ``op``.
-    ``_init_fn`` stays visible, so dispatch order and provenance see the implementing module."""
-
-    def entry(*args: Any) -> Any:
-        return call_op(op, *args)
-
-    entry._init_fn = op._init_fn  # type: ignore[attr-defined]
-    entry.__name__ = entry.__qualname__ = getattr(op._init_fn, "__name__", "entry")
-    entry.__doc__ = op._init_fn.__doc__
-    return entry
-
-
 @functools.lru_cache(maxsize=None)
 def _triton_installed() -> bool:
     try:
@@ -187,10 +151,8 @@ def register_triton(
     (``variants``: the contract variants it implements; ``device_index_checks``: its kernels
     assert the index arguments' range where they read them: ``tl.device_assert`` in a kernel
     compiled with ``debug=True``, launched with ``sanitize_overflow=False`` so only the asserts
-    are added). A custom
-    op registered as is gets the direct eager call (:func:`eager_entry`)."""
-    if hasattr(fn, "_init_fn") and hasattr(fn, "register_fake"):
-        fn = eager_entry(fn)
+    are added). A custom op registered as is gets the registry's direct eager call
+    (:func:`rl_engine.runtime.custom_ops.eager_entry`)."""
     register(
         Implementation(
             op=op,

@@ -56,6 +56,7 @@ import torch
 
 from rl_engine.backends._customop import wire_varlen_attention
 from rl_engine.backends.cpu.common import exact_bmm
+from rl_engine.runtime.custom_ops import call_op
 from rl_engine.runtime.registry import Implementation, register
 from rl_engine.utils import portable
 
@@ -536,8 +537,9 @@ wire_varlen_attention(varlen_attention_fwd_cpu, varlen_attention_bwd_cpu)
 def varlen_attention_cpu(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, window: int | None
 ) -> torch.Tensor:
-    """Causal attention over a packed batch (arguments validated by ``rl_engine.ops.attention``)."""
-    return varlen_attention_fwd_cpu(q, k, v, cu_seqlens, scale, window)[0]
+    """Causal attention over a packed batch (arguments validated by ``rl_engine.ops.attention``;
+    the op's body directly in a plain no-grad eager call: ``call_op``)."""
+    return call_op(varlen_attention_fwd_cpu, q, k, v, cu_seqlens, scale, window)[0]
 
 
 # --------------------------------------------------------------------------- cached (rollout path)

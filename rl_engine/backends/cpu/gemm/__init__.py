@@ -19,6 +19,7 @@ import torch
 from rl_engine.backends._customop import wire_linear
 from rl_engine.backends.cpu.common import exact_matmul
 from rl_engine.utils.reductions import fixed_order_sum
+from rl_engine.runtime.custom_ops import call_op
 from rl_engine.runtime.registry import Implementation, register
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -58,8 +59,9 @@ wire_linear(linear_cpu, linear_cpu_backward)
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The registered entry (the reference's signature): ``rlk::linear_cpu``."""
-    return linear_cpu(x, weight, bias, out_dtype == torch.float32 and x.dtype != torch.float32)
+    """The registered entry (the reference's signature): ``rlk::linear_cpu`` (its body directly in
+    a plain no-grad eager call: ``call_op``)."""
+    return call_op(linear_cpu, x, weight, bias, out_dtype == torch.float32 and x.dtype != torch.float32)
 
 register(
     Implementation(

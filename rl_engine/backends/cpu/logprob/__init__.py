@@ -56,6 +56,7 @@ from rl_engine.backends.cpu.logprob.lse import (
     mask_kept,
     scale_logits,
 )
+from rl_engine.runtime.custom_ops import call_op
 from rl_engine.runtime.registry import Implementation, register
 
 __all__ = [
@@ -343,7 +344,8 @@ def _lt_backward(ctx, g_lp, g_ent, _g_lse):
     if (g_lp is None and g_ent is None) or not (need_h or need_w):
         return none
     temperature, token_chunk, vocab_chunk, fp32_logits = ctx.args
-    dh, dw = linear_token_logprobs_cpu_backward(
+    dh, dw = call_op(
+        linear_token_logprobs_cpu_backward,
         g_lp.contiguous() if g_lp is not None else None,
         g_ent.contiguous() if (g_ent is not None and ent.numel()) else None,
         hidden,
@@ -367,13 +369,14 @@ linear_token_logprobs_cpu.register_autograd(_lt_backward, setup_context=_lt_setu
 
 
 # ---------------------------------------------------------------------------------------------
-# operator-signature wrappers (what the runtime dispatches to; same signatures as the references)
+# operator-signature wrappers (what the runtime dispatches to; same signatures as the references),
+# each running its op's body directly in a plain no-grad eager call (``call_op``)
 
 
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, kept_threshold: torch.Tensor | None = None,
                 kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
-    out, lse = log_softmax_cpu(logits.reshape(-1, V), float(temperature), kept_threshold, kept_boundary)
+    out, lse = call_op(log_softmax_cpu, logits.reshape(-1, V), float(temperature), kept_threshold, kept_boundary)
     check_lse(lse, "logits", kept_threshold=kept_threshold)
     return out.reshape(logits.shape)
 
@@ -381,8 +384,8 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, kept_threshol
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
                    kept_threshold: torch.Tensor | None = None, kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
-    lp, lse = token_logprobs_cpu(logits.reshape(-1, V), targets.reshape(-1), float(temperature), kept_threshold,
-                                 kept_boundary)
+    lp, lse = call_op(token_logprobs_cpu, logits.reshape(-1, V), targets.reshape(-1), float(temperature),
+                      kept_threshold, kept_boundary)
     check_lse(lse, "logits", kept_threshold=kept_threshold)
     return lp.reshape(targets.shape)
 
@@ -390,7 +393,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 def entropy(logits: torch.Tensor, temperature: float = 1.0, *, kept_threshold: torch.Tensor | None = None,
             kept_boundary: torch.Tensor | None = None) -> torch.Tensor:
     V = logits.shape[-1]
-    ent, lse = entropy_cpu(logits.reshape(-1, V), float(temperature), kept_threshold, kept_boundary)
+    ent, lse = call_op(entropy_cpu, logits.reshape(-1, V), float(temperature), kept_threshold, kept_boundary)
     check_lse(lse, "logits", kept_threshold=kept_threshold)
     return ent.reshape(logits.shape[:-1])
 
@@ -409,7 +412,8 @@ def linear_token_logprobs(
     logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     H = hidden.shape[-1]
-    lp, ent, lse = linear_token_logprobs_cpu(
+    lp, ent, lse = call_op(
+        linear_token_logprobs_cpu,
         hidden.reshape(-1, H),
         weight,
         targets.reshape(-1),

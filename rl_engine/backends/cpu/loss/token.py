@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.runtime.custom_ops import call_op
 from rl_engine.utils.reductions import row_count_active, row_max_active, row_min_active, row_sum_active
 from rl_engine.utils import portable
 
@@ -168,7 +169,7 @@ def _policy_backward(ctx, grad_seq, _grad_stats):
     lp, old, adv, mask, w = ctx.saved_tensors
     if grad_seq is None:
         grad_seq = lp.new_zeros(lp.shape[0], dtype=torch.float32)
-    g = loss_policy_backward(grad_seq.contiguous(), lp, old, adv, mask, w, *ctx.params)
+    g = call_op(loss_policy_backward, grad_seq.contiguous(), lp, old, adv, mask, w, *ctx.params)
     return g, None, None, None, None, None, None, None, None
 
 
@@ -228,7 +229,7 @@ def _kl_backward(ctx, grad_seq, _grad_tokens):
     lp, ref, mask = ctx.saved_tensors
     if grad_seq is None:
         grad_seq = lp.new_zeros(lp.shape[0], dtype=torch.float32)
-    return loss_kl_backward(grad_seq.contiguous(), lp, ref, mask, ctx.estimator), None, None, None
+    return call_op(loss_kl_backward, grad_seq.contiguous(), lp, ref, mask, ctx.estimator), None, None, None
 
 
 loss_kl.register_autograd(_kl_backward, setup_context=_kl_setup)
@@ -266,7 +267,7 @@ def _row_sum_backward(ctx, grad_seq, _grad_tokens):
     values, mask = ctx.saved_tensors
     if grad_seq is None:
         grad_seq = values.new_zeros(values.shape[0], dtype=torch.float32)
-    return loss_masked_row_sum_backward(grad_seq.contiguous(), values, mask), None
+    return call_op(loss_masked_row_sum_backward, grad_seq.contiguous(), values, mask), None
 
 
 loss_masked_row_sum.register_autograd(_row_sum_backward, setup_context=_row_sum_setup)

@@ -35,6 +35,7 @@ import torch
 from rl_engine.backends._customop import wire_moe_expert_down_combine, wire_moe_expert_gate_up, wire_moe_route
 from rl_engine.backends.cpu.activation import silu_and_mul_cpu, silu_and_mul_cpu_backward
 from rl_engine.backends.cpu.common import exact_matmul
+from rl_engine.runtime.custom_ops import call_op
 from rl_engine.runtime.registry import Implementation, register
 from rl_engine.utils import portable
 from rl_engine.utils.reductions import fixed_order_sum
@@ -122,7 +123,7 @@ def _gate_up(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, perm: ExpertPe
 def moe_expert_gate_up_cpu(x: torch.Tensor, w_gate_up: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     T, K = ids.shape
     perm = expert_permutation(ids, w_gate_up.shape[0])
-    act = silu_and_mul_cpu(_gate_up(x, w_gate_up, ids, perm))
+    act = call_op(silu_and_mul_cpu, _gate_up(x, w_gate_up, ids, perm))
     return act.view(T, K, w_gate_up.shape[1] // 2)
 
 
@@ -133,7 +134,7 @@ def moe_expert_gate_up_cpu_backward(grad: torch.Tensor, x: torch.Tensor, w_gate_
     H = x.shape[1]
     perm = expert_permutation(ids, w_gate_up.shape[0])
     h = _gate_up(x, w_gate_up, ids, perm)
-    dh = silu_and_mul_cpu_backward(grad.reshape(T * K, -1).contiguous(), h)  # [T·K, 2I] in x.dtype
+    dh = call_op(silu_and_mul_cpu_backward, grad.reshape(T * K, -1).contiguous(), h)  # [T·K, 2I] in x.dtype
     dx_slots = torch.zeros((T * K, H), dtype=torch.float32)
     dw = torch.zeros_like(w_gate_up)
     for e, s0, s1 in perm.groups():

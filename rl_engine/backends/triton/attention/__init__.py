@@ -96,7 +96,8 @@ from __future__ import annotations
 import torch
 
 from rl_engine.backends._customop import wire_varlen_attention
-from rl_engine.backends.triton import arch_reasons, direct_call_ok, eager_entry, unavailable_reasons
+from rl_engine.backends.triton import arch_reasons, unavailable_reasons
+from rl_engine.runtime.custom_ops import direct_call_ok
 from rl_engine.runtime.registry import Implementation, Request, register
 
 __all__ = [
@@ -232,7 +233,7 @@ def _(q, k_new, v_new, k_cache, v_cache, slot_mapping, page_rows, page_size, q_s
 _GUARANTEES = frozenset({"row", "chunk", "prefill_decode", "layout", "run_to_run"})
 
 for _op, _fn in (("attention.varlen_attention", varlen_attention_triton),
-                 ("attention.cached_attention", eager_entry(cached_attention_triton))):
+                 ("attention.cached_attention", cached_attention_triton)):
     # register_triton's wiring, with this module's call check (arch + head dim)
     register(
         Implementation(

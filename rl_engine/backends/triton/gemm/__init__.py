@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from rl_engine.backends._customop import wire_linear
-from rl_engine.backends.triton import arch_reasons, call_op, unavailable_reasons
+from rl_engine.backends.triton import arch_reasons, unavailable_reasons
+from rl_engine.runtime.custom_ops import call_op
 from rl_engine.runtime.registry import Implementation, Request, register
 
 __all__ = ["linear_triton", "linear"]

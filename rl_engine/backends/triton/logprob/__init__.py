@@ -30,7 +30,8 @@ import torch
 
 from rl_engine.backends._lse_checks import check_lse
 from rl_engine.backends._customop import wire_entropy, wire_log_softmax, wire_token_logprobs
-from rl_engine.backends.triton import call_op, register_triton
+from rl_engine.backends.triton import register_triton
+from rl_engine.runtime.custom_ops import call_op
 
 __all__ = [
     "log_softmax_triton",
@@ -252,7 +253,8 @@ def _lt_backward(ctx, g_lp, g_ent, _g_lse):
     if (g_lp is None and g_ent is None) or not (need_h or need_w):
         return none
     temperature, dx_rows, dx_cols, dw_cols, fp32_logits = ctx.args
-    dh, dw = linear_token_logprobs_triton_backward(
+    dh, dw = call_op(
+        linear_token_logprobs_triton_backward,
         _f32_contiguous(g_lp) if g_lp is not None else None,
         _f32_contiguous(g_ent) if (g_ent is not None and ent.numel()) else None,
         hidden, weight, targets, lse, ent, temperature, dx_rows, dx_cols, dw_cols, need_h, need_w,

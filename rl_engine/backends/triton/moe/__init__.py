@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from rl_engine.backends._customop import wire_moe_expert_down_combine, wire_moe_expert_gate_up_saving, wire_moe_route
-from rl_engine.backends.triton import call_op, register_triton
+from rl_engine.backends.triton import register_triton
+from rl_engine.runtime.custom_ops import call_op
 
 __all__ = ["moe_route_triton", "moe_expert_gate_up_triton", "moe_expert_gate_up_triton_entry", "moe_expert_down_combine_triton"]
 
