@@ -7,17 +7,23 @@ row) three ways, interleaved in one process:
 * ``native``  the torch call an engine would make (``F.linear``, ``F.rms_norm``, SDPA, ...);
 * ``public``  the ``rl_engine.ops`` entry point under the default NaN policy (as users call it);
 * ``impl``    the implementation the registry selects for that call, called directly (its
-  custom op and kernels, without the entry point's checks and dispatch);
+  registered entry and kernels, without the entry point's checks and dispatch: the op's body
+  where nothing needs the custom-op layer, as in these no-grad calls);
 * ``entry``   the public call while the registry's selection answers with the implementation's
   output for these arguments, computed once (:func:`entry_only`): the entry point's checks,
   request and dispatch alone, without the implementation's work;
 * ``composed`` the ``entry`` call, then the ``impl`` call: the public call's work in two pieces;
 * ``unscanned`` the public call under ``nan_policy("propagate")``: without the host NaN scan of
-  its activations, the one piece of the entry point's work that runs torch operations.
+  its activations, the one piece of the entry point's work that runs torch operations;
+* ``op_layer`` the public call with every implementation called through its ``torch.library``
+  custom op (:func:`op_layer_kept`), as a call that records a gradient is: what the direct eager
+  path (:mod:`rl_engine.runtime.custom_ops`) saves, in the same run.
 
 Each row's ``extra`` carries ``overhead_us`` (public − impl: what the entry point adds to a
 call), ``unscanned_overhead_us`` (unscanned − impl: the same without the NaN scan),
-``entry_us`` (the ``entry`` call: the entry point's own work, timed alone), ``composed_us``
+``entry_us`` (the ``entry`` call: the entry point's own work, timed alone), ``op_layer_us`` and
+``direct_saving_us`` (op_layer − public: the custom-op layer's cost per public call, which the
+direct path does not pay), ``composed_us``
 and ``interaction_us`` (composed − entry − impl: what the two pieces cost together beyond their
 separate times; where ``composed_us`` ≈ ``public_us``, the public call does no work beyond the
 two pieces, and an ``overhead_us`` above ``entry_us`` is that interaction) and ``excess_us``
@@ -129,6 +135,31 @@ def _composed(entry: Callable[[], Any], impl: Callable[[], Any]) -> Callable[[],
     return run
 
 
+@contextlib.contextmanager
+def op_layer_kept() -> Iterator[None]:
+    """While active, no call takes the direct eager path: every registered entry and ``call_op``
+    calls its custom op (``rl_engine.runtime.custom_ops.direct_call_ok`` answers ``False``; its
+    own check, some 0.5 µs, is then not paid). Restored in ``finally``."""
+    from rl_engine.runtime import custom_ops
+
+    real = custom_ops.direct_call_ok
+    custom_ops.direct_call_ok = lambda args, kwargs=None: False
+    try:
+        yield
+    finally:
+        custom_ops.direct_call_ok = real
+
+
+def _op_layer(public: Callable[[], Any]) -> Callable[[], Any]:
+    """The ``op_layer`` variant: ``public`` timed under :func:`op_layer_kept` (its ``scope``)."""
+
+    def run():
+        return public()
+
+    run.scope = op_layer_kept  # type: ignore[attr-defined]
+    return run
+
+
 def _unscanned(public: Callable[[], Any]) -> Callable[[], Any]:
     """The ``unscanned`` variant: ``public`` timed under ``nan_policy("propagate")`` (its
     ``scope``, entered around each timed loop)."""
@@ -211,6 +242,7 @@ def cases(device: str, dtype: torch.dtype, H: int = 1024, heads: int = 8, kv_hea
     for fns in out.values():
         fns["composed"] = _composed(fns["entry"], fns["impl"])
         fns["unscanned"] = _unscanned(fns["public"])
+        fns["op_layer"] = _op_layer(fns["public"])
     out.update(_attention_cases(device, dtype, q, kn, vn, heads, kv_heads, D, ctx, rnd))
     return out
 
@@ -316,7 +348,7 @@ def _attention_cases(device, dtype, q, kn, vn, heads, kv_heads, D, ctx, rnd) -> 
 def _timed_round_robin(fns: dict[str, Callable[[], Any]], a: argparse.Namespace) -> dict[str, Any]:
     """Each callable's host time per call, summarised: ``a.repeats`` rounds of one ``a.calls``-call
     loop per callable, round-robin, so load drift hits every variant alike. A callable carrying a
-    ``scope`` (``entry``, ``composed``, ``unscanned``) runs its loops inside it."""
+    ``scope`` (``entry``, ``composed``, ``unscanned``, ``op_layer``) runs its loops inside it."""
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(a.repeats):
         for k, f in fns.items():
@@ -404,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         overhead_us = None if impl_ms is None else (public_ms - impl_ms) * 1e3
         unscanned_us = None if impl_ms is None else (st["unscanned"].median - impl_ms) * 1e3
         entry_us = st["entry"].median * 1e3 if "entry" in st else None
+        op_layer_us = st["op_layer"].median * 1e3 if "op_layer" in st else None
+        saving_us = None if op_layer_us is None else op_layer_us - public_ms * 1e3
         composed_us = st["composed"].median * 1e3 if "composed" in st else None
         interaction_us = (None if composed_us is None or entry_us is None or impl_ms is None
                           else composed_us - entry_us - impl_ms * 1e3)
@@ -417,14 +451,15 @@ def main(argv: list[str] | None = None) -> int:
                 extra={"summary": {"public_us": public_ms * 1e3, "native_us": native_ms * 1e3,
                                    "impl_us": None if impl_ms is None else impl_ms * 1e3,
                                    "overhead_us": overhead_us, "unscanned_overhead_us": unscanned_us,
-                                   "entry_us": entry_us, "composed_us": composed_us,
+                                   "entry_us": entry_us, "op_layer_us": op_layer_us, "direct_saving_us": saving_us,
+                                   "composed_us": composed_us,
                                    "interaction_us": interaction_us, "excess_us": excess_us,
                                    "target_us": target, "target_on": "overhead_us" if overhead_us is not None else "excess_us",
                                    "meets_target": measured <= target, "step_fixed_us": fixed_us}} if k == "native" else None,
             ))
         print(f"{name:24s} native {native_ms * 1e3:8.1f} µs  public {public_ms * 1e3:8.1f} µs  "
               + (f"impl {impl_ms * 1e3:8.1f} µs  overhead {overhead_us:6.1f} µs  unscanned {unscanned_us:6.1f} µs  "
-                 f"entry {entry_us:6.1f} µs  "
+                 f"entry {entry_us:6.1f} µs  op layer +{saving_us:5.1f} µs  "
                  f"composed {composed_us:8.1f} µs  " if impl_ms is not None else "")
               + f"excess {excess_us:8.1f} µs  target {target:.0f} µs: {'met' if measured <= target else 'MISSED'}")
     if a.neutral:

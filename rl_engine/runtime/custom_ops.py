@@ -3,7 +3,7 @@
 Each backend operator is a ``torch.library`` custom op: that is what gives it a fake
 implementation, an autograd formula and one opaque node under ``torch.compile``. A plain eager
 call that needs none of that still pays the layer's host time — the dispatcher boxes the
-arguments and calls back into Python: 8.3 µs a call on the 2-core CPU machine
+arguments and calls back into Python: 8.5 µs a call on the 2-core CPU machine
 (``bench_call_overhead.py --neutral``, ``dispatch.custom_op`` rows), ≈ 28 µs on the H200 host.
 An eager decode step makes some 400 such calls.
 

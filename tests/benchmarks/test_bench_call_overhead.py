@@ -47,7 +47,35 @@ def test_tiny_cpu_run_reports_the_entry_time_beside_the_overhead(tmp_path):
         assert s["meets_target"] == (s["overhead_us"] <= 15.0)
         assert s["interaction_us"] == pytest.approx(s["composed_us"] - s["entry_us"] - s["impl_us"])
         assert s["unscanned_overhead_us"] is not None
-    assert {r["implementation"] for r in rows} == {"native", "public", "entry", "impl", "composed", "unscanned"}
+        assert s["direct_saving_us"] == pytest.approx(s["op_layer_us"] - s["public_us"])
+    assert {r["implementation"] for r in rows} == {"native", "public", "entry", "impl", "composed", "unscanned",
+                                                   "op_layer"}
+
+
+def test_op_layer_kept_sends_every_call_through_its_custom_op_and_restores():
+    """Under ``op_layer_kept`` a no-grad public call runs its ``rlk::`` op (the profiler's
+    dispatcher event); outside it the direct path runs none (negative control); the decision
+    function is restored, also after a failed call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rl_engine.runtime import custom_ops
+
+    x, w = torch.randn(2, 8), torch.rand(8) + 0.5
+
+    def ops_run(fn):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        return [e.name for e in prof.events() if e.name.startswith("rlk::") and not e.is_user_annotation]
+
+    real = custom_ops.direct_call_ok
+    run = bench._op_layer(lambda: ops.norm.rms_norm(x, w, 1e-6))
+    with run.scope():
+        assert ops_run(run) == ["rlk::rms_norm_cpu"]
+    assert ops_run(run) == []
+    with pytest.raises(ValueError, match="^x: contains NaN"):
+        with bench.op_layer_kept():
+            ops.norm.rms_norm(torch.tensor([[float("nan")]]), torch.ones(1), 1e-6)
+    assert custom_ops.direct_call_ok is real
 
 
 def test_unscanned_runs_the_public_call_without_the_nan_scan():
