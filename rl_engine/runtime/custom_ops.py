@@ -18,11 +18,12 @@ is a range named as the op, so a trace shows ``rlk::<op>`` with the same childre
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["direct_call_ok", "call_op", "eager_entry", "is_custom_op"]
+__all__ = ["direct_call_ok", "call_op", "eager_entry", "is_custom_op", "op_range"]
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -37,10 +38,12 @@ def direct_call_ok(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) 
     """True when calling a custom op's Python body with ``args``/``kwargs`` is indistinguishable
     from calling the op: not under ``torch.compile`` tracing, no ``TorchDispatchMode`` /
     ``TorchFunctionMode`` active (fake-tensor, proxy and functionalisation modes, profilers of
-    dispatch, rl_engine's own host-read recorder), every tensor argument a plain ``Tensor`` or
+    dispatch, rl_engine's own host-read recorder), no ``torch.func`` transform active (``vmap``,
+    ``grad``: their wrapped tensors look plain), every tensor argument a plain ``Tensor`` or
     ``Parameter`` (no fake, functional or subclass tensor such as ``DTensor``), and no gradient
     to record (grad mode off, or no argument requires one). Tensors inside lists count too."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack() is not None):
         return False
     grad = torch.is_grad_enabled()
     for a in (*args, *kwargs.values()) if kwargs else args:
@@ -85,6 +88,14 @@ def eager_entry(op: Any) -> Callable[..., Any]:
     entry.__name__ = entry.__qualname__ = getattr(body, "__name__", "entry")
     entry.__doc__ = body.__doc__
     return entry
+
+
+def op_range(op: Any) -> contextlib.AbstractContextManager:
+    """Under a profiler, a ``record_function`` range named as custom op ``op`` (``rlk::<name>``)
+    for work that runs in its place; otherwise a no-op context (one flag read)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(getattr(op, "_qualname", getattr(op, "__name__", "rlk")))
+    return contextlib.nullcontext()
 
 
 def _direct(op: Any, body: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rl_engine.runtime.custom_ops import call_op, direct_call_ok, eager_entry, is_custom_op
+from rl_engine.runtime.custom_ops import call_op, direct_call_ok, eager_entry, is_custom_op, op_range
 from rl_engine.runtime.registry import implementations, register
 from tests.runtime.fake_operator import TEST_OP, fake_op, make_impl, scale_native  # noqa: F401 (fixture)
 
@@ -81,6 +81,15 @@ def test_the_direct_call_keeps_the_ops_name_in_a_profile():
     assert any(e.name == "aten::mul" and e.cpu_parent is ranges[0] for e in prof.events())  # the body runs inside it
 
 
+def test_op_range_names_work_done_in_an_ops_place_only_under_a_profiler():
+    assert type(op_range(_scale)).__name__ == "nullcontext"
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with op_range(_scale):
+            torch.ones(2).mul(3)
+    ranges = [e for e in prof.events() if e.name == "rlk_test::host_path_scale"]
+    assert [e.is_user_annotation for e in ranges] == [True]
+
+
 def test_every_case_that_needs_the_op_keeps_it():
     x, w = torch.randn(4), torch.randn(4)
     xg = x.clone().requires_grad_()
@@ -94,6 +103,9 @@ def test_every_case_that_needs_the_op_keeps_it():
         assert _op_layer_ran(lambda: call_op(_scale, x, w))
     with torch.device("cpu"):  # a TorchFunctionMode
         assert not direct_call_ok((x, w))
+    seen_in_vmap = []
+    torch.vmap(lambda row: seen_in_vmap.append(direct_call_ok((row, w))) or row)(torch.randn(2, 4))
+    assert seen_in_vmap == [False]  # a torch.func transform: its wrapped tensors look plain
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:

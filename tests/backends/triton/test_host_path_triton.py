@@ -76,6 +76,11 @@ def test_public_ops_direct_path_equals_op_path_on_gpu():
     assert same_bits(a_direct, a_op.detach())
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with torch.no_grad():
+            varlen_attention(q, *kv, cu)
+    named = [e for e in prof.events() if e.name == "rlk::varlen_attention_triton"]
+    assert named and all(e.is_user_annotation for e in named)  # the direct forward's range, not the op
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch.no_grad():
             gemm.linear(x, w)
     ops = [e for e in prof.events() if e.name.startswith("rlk::linear_triton")]
     assert ops and all(e.is_user_annotation for e in ops)  # the direct call's named range, not the op

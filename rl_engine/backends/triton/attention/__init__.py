@@ -97,7 +97,7 @@ import torch
 
 from rl_engine.backends._customop import wire_varlen_attention
 from rl_engine.backends.triton import arch_reasons, unavailable_reasons
-from rl_engine.runtime.custom_ops import direct_call_ok
+from rl_engine.runtime.custom_ops import direct_call_ok, op_range
 from rl_engine.runtime.registry import Implementation, Request, register
 
 __all__ = [
@@ -189,7 +189,8 @@ def varlen_attention_triton(
     A plain no-grad eager call (``direct_call_ok``) runs the kernels without the custom-op layer
     and without the backward's extra outputs (fp32 output, lse): same bits of ``out``."""
     if direct_call_ok((q, k, v, cu_seqlens)):
-        return _varlen_forward(q, k, v, cu_seqlens, scale, window, for_backward=False)[0]
+        with op_range(varlen_attention_fwd_triton):
+            return _varlen_forward(q, k, v, cu_seqlens, scale, window, for_backward=False)[0]
     return varlen_attention_fwd_triton(q, k, v, cu_seqlens, scale, window)[0]
 
 
