@@ -21,7 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rl_engine import ops
 from rl_engine.utils.bits import same_bits
 
-H, V, T = 32, 100, 6
+# the shapes and dtypes of tests/engine/test_no_host_sync.py, which every GPU implementation serves
+H, V, T = 256, 1000, 24
+BF16, F32 = torch.bfloat16, torch.float32
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -32,40 +34,39 @@ class _KeepOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _r(dev: str, *shape: int, dtype=torch.float32) -> torch.Tensor:
+def _r(dev: str, *shape: int, dtype=BF16, scale: float = 1.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(sum(shape) + len(shape))
-    return torch.randn(*shape, generator=g).to(dev, dtype)
+    return (torch.randn(*shape, generator=g) * scale).to(dev, dtype)
 
 
 def _ids(dev: str, n: int) -> torch.Tensor:
-    return (torch.arange(n) * 7 % V).to(dev)
+    return (torch.arange(n) * 37 % V).to(dev)
 
 
 def _cu(dev: str) -> torch.Tensor:
-    return torch.tensor([0, 2, T], dtype=torch.int32, device=dev)
+    return torch.tensor([0, 7, T], dtype=torch.int32, device=dev)
 
 
-# name -> (make inputs (device) -> list of tensors, the differentiable ones first; call; number differentiable)
+# name -> (inputs on a device, the differentiable ones first; the public call; how many differentiable)
 CASES: dict[str, tuple[Callable[[str], list[torch.Tensor]], Callable[..., object], int]] = {
-    "linear": (lambda d: [_r(d, T, H, dtype=torch.bfloat16), _r(d, 48, H, dtype=torch.bfloat16)],
-               lambda x, w: ops.gemm.linear(x, w), 2),
+    "linear": (lambda d: [_r(d, T, H), _r(d, H, H, scale=H ** -0.5)], lambda x, w: ops.gemm.linear(x, w), 2),
     "rms_norm": (lambda d: [_r(d, T, H), _r(d, H)], lambda x, w: ops.norm.rms_norm(x, w, 1e-6), 2),
-    "fused_add_rms_norm": (lambda d: [_r(d, T, H), _r(d, T, H), _r(d, H)],
+    "fused_add_rms_norm": (lambda d: [_r(d, T, H), _r(d, T, H, scale=0.5), _r(d, H)],
                            lambda x, r, w: ops.norm.fused_add_rms_norm(x, r, w, 1e-6), 3),
     "silu_and_mul": (lambda d: [_r(d, T, 2 * H)], ops.activation.silu_and_mul, 1),
-    "apply_rope": (lambda d: [_r(d, T, 4, 16), torch.arange(T, device=d)],
+    "apply_rope": (lambda d: [_r(d, T, 4, 64), torch.arange(T, device=d)],
                    lambda x, pos: ops.rope.apply_rope(x, pos, theta=1e6), 1),
     "embedding": (lambda d: [_r(d, V, H), _ids(d, T)], lambda w, ids: ops.embedding.embedding(ids, w), 1),
-    "log_softmax": (lambda d: [_r(d, T, V)], ops.logprob.log_softmax, 1),
-    "token_logprobs": (lambda d: [_r(d, T, V), _ids(d, T)], ops.logprob.token_logprobs, 1),
-    "entropy": (lambda d: [_r(d, T, V)], ops.logprob.entropy, 1),
-    "linear_token_logprobs": (lambda d: [_r(d, T, H), _r(d, V, H), _ids(d, T)],
+    "log_softmax": (lambda d: [_r(d, T, V, dtype=F32)], ops.logprob.log_softmax, 1),
+    "token_logprobs": (lambda d: [_r(d, T, V, dtype=F32), _ids(d, T)], ops.logprob.token_logprobs, 1),
+    "entropy": (lambda d: [_r(d, T, V, dtype=F32)], ops.logprob.entropy, 1),
+    "linear_token_logprobs": (lambda d: [_r(d, T, H), _r(d, V, H, scale=H ** -0.5), _ids(d, T)],
                               ops.logprob.linear_token_logprobs, 2),
-    "varlen_attention": (lambda d: [_r(d, T, 4, 16, dtype=torch.bfloat16), _r(d, T, 2, 16, dtype=torch.bfloat16),
-                                    _r(d, T, 2, 16, dtype=torch.bfloat16).mul(0.5), _cu(d)],
+    "varlen_attention": (lambda d: [_r(d, T, 4, 64), _r(d, T, 2, 64), _r(d, T, 2, 64, scale=0.5), _cu(d)],
                          ops.attention.varlen_attention, 3),
-    "moe": (lambda d: [_r(d, T, H), _r(d, 8, 32, H), _r(d, 8, H, 16), _r(d, T, 8)],
-            lambda x, wgu, wd, logits: ops.moe.experts(x, wgu, wd, *ops.moe.route(logits, 2, True)), 4),
+    "moe": (lambda d: [_r(d, T, H), _r(d, 16, 2 * 96, H, scale=H ** -0.5), _r(d, 16, H, 96, scale=96 ** -0.5),
+                       _r(d, T, 16)],
+            lambda x, wgu, wd, logits: ops.moe.experts(x, wgu, wd, *ops.moe.route(logits, 4, True)), 4),
 }
 
 
