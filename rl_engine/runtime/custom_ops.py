@@ -14,6 +14,11 @@ registered as is). The body is the function the op wraps, so both paths run the 
 operations on the same arguments: the same bits. Under ``torch.autocast`` both see the same
 casts (the op's ``Autocast`` keys fall through to its body). Under a profiler the direct call
 is a range named as the op, so a trace shows ``rlk::<op>`` with the same children either way.
+
+The decision reads torch's dispatcher state through private ``torch._C`` functions (the dispatch
+mode stack, the function-mode flag, the functorch interpreter stack, the profiler flag) and the
+op's ``_init_fn``; ``tests/runtime/test_custom_ops.py`` exercises each case, so a torch release
+that changes one of them fails there, not silently.
 """
 
 from __future__ import annotations
