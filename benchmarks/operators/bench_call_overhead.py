@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             ))
         print(f"{name:24s} native {native_ms * 1e3:8.1f} µs  public {public_ms * 1e3:8.1f} µs  "
               + (f"impl {impl_ms * 1e3:8.1f} µs  overhead {overhead_us:6.1f} µs  unscanned {unscanned_us:6.1f} µs  "
-                 f"entry {entry_us:6.1f} µs  op layer +{saving_us:5.1f} µs  "
+                 f"entry {entry_us:6.1f} µs  op layer {saving_us:+6.1f} µs  "
                  f"composed {composed_us:8.1f} µs  " if impl_ms is not None else "")
               + f"excess {excess_us:8.1f} µs  target {target:.0f} µs: {'met' if measured <= target else 'MISSED'}")
     if a.neutral:

@@ -71,23 +71,24 @@ def call_op(op: Any, *args: Any, **kwargs: Any) -> Any:
     """``op(*args, **kwargs)`` for a ``torch.library.custom_op`` ``op``, skipping the custom-op
     layer when :func:`direct_call_ok` says it adds nothing (the same operations run either way).
     Under a profiler the direct call is a ``record_function`` range named as the op
-    (``rlk::linear_cpu``), so traces keep naming the operator that ran."""
-    if direct_call_ok(args, kwargs):
-        return _direct(op, op._init_fn, args, kwargs)
-    return op(*args, **kwargs)
+    (``rlk::linear_cpu``, :func:`op_range`), so traces keep naming the operator that ran."""
+    if not direct_call_ok(args, kwargs):
+        return op(*args, **kwargs)
+    if torch._C._autograd._profiler_enabled():
+        with op_range(op):
+            return op._init_fn(*args, **kwargs)
+    return op._init_fn(*args, **kwargs)
 
 
 def eager_entry(op: Any) -> Callable[..., Any]:
     """The registry entry for a custom op registered as is: :func:`call_op` bound to ``op``.
     ``_init_fn`` stays visible, so dispatch order and provenance see the implementing module,
     and ``op`` is kept as ``custom_op`` for callers that need the op itself."""
-    body = op._init_fn
 
     def entry(*args: Any, **kwargs: Any) -> Any:
-        if direct_call_ok(args, kwargs):
-            return _direct(op, body, args, kwargs)
-        return op(*args, **kwargs)
+        return call_op(op, *args, **kwargs)
 
+    body = op._init_fn
     entry._init_fn = body  # type: ignore[attr-defined]
     entry.custom_op = op  # type: ignore[attr-defined]
     entry.__name__ = entry.__qualname__ = getattr(body, "__name__", "entry")
@@ -101,10 +102,3 @@ def op_range(op: Any) -> contextlib.AbstractContextManager:
     if torch._C._autograd._profiler_enabled():
         return torch.profiler.record_function(getattr(op, "_qualname", getattr(op, "__name__", "rlk")))
     return contextlib.nullcontext()
-
-
-def _direct(op: Any, body: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if torch._C._autograd._profiler_enabled():
-        with torch.profiler.record_function(getattr(op, "_qualname", body.__name__)):
-            return body(*args, **kwargs)
-    return body(*args, **kwargs)

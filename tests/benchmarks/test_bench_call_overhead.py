@@ -56,17 +56,10 @@ def test_op_layer_kept_sends_every_call_through_its_custom_op_and_restores():
     """Under ``op_layer_kept`` a no-grad public call runs its ``rlk::`` op (the profiler's
     dispatcher event); outside it the direct path runs none (negative control); the decision
     function is restored, also after a failed call."""
-    from torch.profiler import ProfilerActivity, profile
-
     from rl_engine.runtime import custom_ops
+    from tests.helpers.op_layer import ops_run
 
     x, w = torch.randn(2, 8), torch.rand(8) + 0.5
-
-    def ops_run(fn):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            fn()
-        return [e.name for e in prof.events() if e.name.startswith("rlk::") and not e.is_user_annotation]
-
     real = custom_ops.direct_call_ok
     run = bench._op_layer(lambda: ops.norm.rms_norm(x, w, 1e-6))
     with run.scope():

@@ -15,23 +15,15 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl_engine import ops
 from rl_engine.utils.bits import same_bits
+from tests.helpers.op_layer import KeepOpLayer, ops_run
 
 # the shapes and dtypes of tests/engine/test_no_host_sync.py, which every GPU implementation serves
 H, V, T = 256, 1000, 24
 BF16, F32 = torch.bfloat16, torch.float32
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-class _KeepOps(TorchDispatchMode):
-    """Pass every operation through unchanged; being active, it keeps the custom-op layer."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 def _r(dev: str, *shape: int, dtype=BF16, scale: float = 1.0) -> torch.Tensor:
@@ -74,14 +66,6 @@ def _flat(out) -> list[torch.Tensor]:
     return [t for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)]
 
 
-def _events(fn) -> list[str]:
-    """The ``rlk::`` custom ops that ran (dispatcher events; the direct path's ranges of the same
-    names are user annotations, left out)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return [e.name for e in prof.events() if e.name.startswith("rlk::") and not e.is_user_annotation]
-
-
 def _run(name: str, dev: str, grad: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     make, call, n_diff = CASES[name]
     args = make(dev)
@@ -102,10 +86,10 @@ def _backward(outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> list[torc
 def test_no_grad_forward_skips_the_op_layer_with_the_same_bits(name, dev):
     _run(name, dev, grad=False)  # warm-up: selections, tables, compilation
     with torch.no_grad():
-        direct_events = _events(lambda: _run(name, dev, grad=False))
+        direct_events = ops_run(lambda: _run(name, dev, grad=False))
         direct, _ = _run(name, dev, grad=False)
-        with _KeepOps():
-            kept_events = _events(lambda: _run(name, dev, grad=False))
+        with KeepOpLayer():
+            kept_events = ops_run(lambda: _run(name, dev, grad=False))
             kept, _ = _run(name, dev, grad=False)
     assert direct_events == [], direct_events
     assert kept_events, "control: under a dispatch mode the op layer runs"
@@ -116,14 +100,14 @@ def test_no_grad_forward_skips_the_op_layer_with_the_same_bits(name, dev):
 @pytest.mark.parametrize("name", list(CASES))
 def test_backward_runs_its_ops_directly_with_the_same_bits(name, dev):
     outs, leaves = _run(name, dev, grad=True)
-    assert any(not e.endswith("_backward") for e in _events(lambda: _run(name, dev, grad=True))), \
+    assert any(not e.endswith("_backward") for e in ops_run(lambda: _run(name, dev, grad=True))), \
         "a forward that records a gradient runs the op (autograd needs it)"
     grads_direct: list[torch.Tensor] = []
-    direct_events = _events(lambda: grads_direct.extend(_backward(outs, leaves)))
+    direct_events = ops_run(lambda: grads_direct.extend(_backward(outs, leaves)))
     outs, leaves = _run(name, dev, grad=True)
     grads_kept: list[torch.Tensor] = []
-    with _KeepOps():
-        kept_events = _events(lambda: grads_kept.extend(_backward(outs, leaves)))
+    with KeepOpLayer():
+        kept_events = ops_run(lambda: grads_kept.extend(_backward(outs, leaves)))
     assert not [e for e in direct_events if e.endswith("_backward")], direct_events
     assert [e for e in kept_events if e.endswith("_backward")], "control: under a dispatch mode the backward ops run"
     assert len(grads_direct) == len(grads_kept)

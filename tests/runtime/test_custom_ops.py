@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl_engine.runtime.custom_ops import call_op, direct_call_ok, eager_entry, is_custom_op, op_range
 from rl_engine.runtime.registry import implementations, register
+from tests.helpers.op_layer import KeepOpLayer, ops_run
 from tests.runtime.fake_operator import TEST_OP, fake_op, make_impl, scale_native  # noqa: F401 (fixture)
 
 
@@ -47,16 +47,8 @@ _sum.register_fake(lambda xs, scale=1.0: torch.empty_like(xs[0]))
 
 
 def _op_layer_ran(fn, name: str = "rlk_test::host_path_scale") -> bool:
-    """Whether the op itself ran (its dispatcher event; the direct path's range of the same name
-    is a user annotation)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return any(e.name == name and not e.is_user_annotation for e in prof.events())
-
-
-class _PassThrough(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
+    """Whether the op itself ran (its dispatcher event, not the direct path's range)."""
+    return name in ops_run(fn, name)
 
 
 def test_plain_no_grad_call_skips_the_op_layer():
@@ -98,7 +90,7 @@ def test_every_case_that_needs_the_op_keeps_it():
     y = call_op(_scale, xg, w)
     y.sum().backward()
     assert torch.equal(xg.grad, w)
-    with _PassThrough():
+    with KeepOpLayer():
         assert not direct_call_ok((x, w))
         assert _op_layer_ran(lambda: call_op(_scale, x, w))
     with torch.device("cpu"):  # a TorchFunctionMode
