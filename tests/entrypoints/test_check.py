@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rl_engine.entrypoints.cli import main
+from tests.helpers.op_layer import gpu_kernel_names
 from tests.helpers.qwen3 import TINY_CONFIGS, build_hf_model
 
 REQUIRED = {"model", "dtype", "device", "plan", "layouts", "compared_tokens", "mismatched_tokens",
@@ -251,7 +252,7 @@ def test_long_context_qwen3_shape_passes_bitwise_on_gpu(capsys, kv_cache):
         code, out, _ = _run(capsys, "--device", "cuda", "--dtype", "bfloat16", "--preset", "qwen3-0.6b",
                             "--extra-prompt-tokens", "1000", "--num-prompts", "8", "--kv-cache", kv_cache, "--json")
     res = json.loads(out)
-    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    names = gpu_kernel_names(prof)
     result = {k: res[k] for k in ("passed", "compared_tokens", "mismatched_tokens", "max_context", "model", "rollout",
                                   "kv_cache")}
     evidence(f"check_long_context_gpu_{kv_cache}",

@@ -148,15 +148,16 @@ def check_kernel_lists(name: str, kernels, helpers, jit_names: set[str]) -> None
 
 
 def gpu_kernel_events(call) -> list[str]:
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from tests.helpers.op_layer import gpu_kernel_names
 
     call()  # compile outside the profiled region
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
-    return sorted({e.name for e in prof.events() if e.device_type == DeviceType.CUDA})
+    return gpu_kernel_names(prof)
 
 
 def check_profiler_names(kernels_module: str | tuple[str, ...], call, must_see: set[str], tag: str) -> None:
