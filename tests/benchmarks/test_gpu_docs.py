@@ -49,7 +49,7 @@ def test_linked_plots_exist():
 def test_a_changed_report_makes_the_page_stale():
     reports = gpu_docs.load_reports()
     changed = copy.deepcopy(reports)
-    plat = next(iter(changed))
+    plat = next(p for p, fams in changed.items() if "gemm" in fams)
     entry = changed[plat]["gemm"]["summary"][0]
     entry["achieved"] = entry["achieved"] + 0.5
     assert gpu_docs.render(changed) != gpu_docs.render(reports)
@@ -67,3 +67,17 @@ def test_a_shard_stopped_by_the_session_limit_is_called_partial():
     text = gpu_docs.render(changed)
     assert f"Shard {sh['shard']} is partial: pytest's session time limit ended it (session-timeout: 380.0 sec " \
            f"exceeded) after {sh['tests']} tests" in text
+
+
+def test_a_platform_without_an_rlk_check_run_says_so():
+    """A platform whose test record holds no ``rlk check`` on CUDA gets a sentence saying so instead
+    of the table; a record with runs (the control) gets the table."""
+    reports = gpu_docs.load_reports()
+    plat = next(p for p, fams in reports.items() if fams["gpu_tests"].get("rlk_check"))
+    with_runs = gpu_docs.render({plat: reports[plat]})
+    assert "| command | compared tokens |" in with_runs and "no run of record" not in with_runs
+    changed = copy.deepcopy(reports[plat])
+    del changed["gpu_tests"]["rlk_check"]
+    text = gpu_docs.render({plat: changed})
+    assert "`rlk check` on CUDA has no run of record on this platform." in text
+    assert "| command | compared tokens |" not in text

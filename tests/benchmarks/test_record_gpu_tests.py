@@ -69,3 +69,34 @@ def test_the_log_beside_the_xml_is_read_by_default(tmp_path):
     assert json.loads(report.read_text())["shards"][0]["stopped"] == "session-timeout: 50.0 sec exceeded"
     with pytest.raises(SystemExit):
         _tool().main(args + ["--log", str(tmp_path / "missing.log")])
+
+
+def test_a_platforms_first_shard_starts_its_report(tmp_path):
+    """With no report yet, ``--env`` (the driver's env.txt) and ``--device-from`` (a record of the
+    same machine) start one; control: without them the missing report is refused, and an env.txt
+    without the version line is refused by name."""
+    xml = tmp_path / "pytest_gpu.xml"
+    xml.write_text(XML)
+    env = tmp_path / "env.txt"
+    env.write_text("== env\nNVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB\n"
+                   "torch 2.11.0+cu130 cuda 13.0 triton 3.6.0 pydantic 2.14.4 hypothesis 6.168.3 pytest 9.1.1\n")
+    device = {"name": "NVIDIA H100 80GB HBM3", "capability": "sm90", "sm_count": 132, "driver": "580.159.04",
+              "memory_mib": 81079}
+    record = tmp_path / "bench_matrix_gpu.json"
+    record.write_text(json.dumps({"platform": "h100", "device": device, "versions": {"python": "3.12.3"}}))
+    report = tmp_path / "h100" / "gpu_tests.json"
+    report.parent.mkdir()
+    args = ["rest", str(xml), "--commit", "abc", "--command", "pytest", "--why", "a cause", "--report", str(report)]
+    with pytest.raises(SystemExit):
+        _tool().main(args)
+    assert not report.exists()
+    assert _tool().main(args + ["--env", str(env), "--device-from", str(record)]) == 0
+    rep = json.loads(report.read_text())
+    assert (rep["platform"], rep["device"], rep["family"]) == ("h100", device, "gpu_tests")
+    assert rep["versions"] == {"torch": "2.11.0+cu130", "cuda": "13.0", "triton": "3.6.0", "pydantic": "2.14.4",
+                               "hypothesis": "6.168.3", "pytest": "9.1.1", "python": "3.12.3"}
+    assert [s["shard"] for s in rep["shards"]] == ["rest"]
+    env.write_text("== env\n")
+    report.unlink()
+    with pytest.raises(SystemExit, match="--env"):
+        _tool().main(args + ["--env", str(env), "--device-from", str(record)])

@@ -13,6 +13,11 @@ never a complete run.
 
     python tools/benchmarking/record_gpu_tests.py rest OUT/pytest_gpu.xml --perf OUT/pytest_gpu_perf.xml \\
         --commit bb7a58d --command "python -m pytest tests ... -m gpu -n 16" --report reports/gpu/h200/gpu_tests.json
+
+A platform's first shard starts its report: ``--env`` names the driver's ``env.txt`` of the run
+(the versions of torch, CUDA, triton, pydantic, hypothesis and pytest it printed) and
+``--device-from`` a benchmark record of the same machine whose ``device`` (name, capability, SMs,
+driver, memory) the report takes, e.g. the matrix record the same call wrote.
 """
 
 from __future__ import annotations
@@ -76,6 +81,30 @@ def shard(name: str, xml: Path, *, commit: str, command: str, perf: Path | None 
     return out
 
 
+#: the driver's version line: ``torch 2.11.0+cu130 cuda 13.0 triton 3.6.0 pydantic 2.14.4 ...``
+VERSIONS = re.compile(r"^torch (\S+) cuda (\S+) triton (\S+) pydantic (\S+) hypothesis (\S+) pytest (\S+)$", re.M)
+
+
+def new_report(env: Path, device_from: Path) -> dict[str, Any]:
+    """An empty ``gpu_tests.json`` for a platform's first shard: the versions from the driver's
+    ``env.txt``, the device (and platform) from a benchmark record of the same machine."""
+    m = VERSIONS.search(env.read_text(encoding="utf-8"))
+    if m is None:
+        raise SystemExit(f"--env: no version line ('torch X cuda Y triton Z pydantic P hypothesis H pytest T') in {env}")
+    record = json.loads(device_from.read_text(encoding="utf-8"))
+    device = record.get("device")
+    if not isinstance(device, dict) or not {"name", "capability", "sm_count"} <= set(device):
+        raise SystemExit(f"--device-from: expected a record with a top-level device (name, capability, sm_count), "
+                         f"got {device!r} in {device_from}")
+    platform = record.get("platform") or device["name"].split()[1].lower()
+    versions = dict(zip(("torch", "cuda", "triton", "pydantic", "hypothesis", "pytest"), m.groups()))
+    if "python" in record.get("versions", {}):
+        versions["python"] = record["versions"]["python"]
+    return {"schema_version": 1, "family": "gpu_tests", "platform": platform,
+            "title": "GPU test runs (every gpu-marked test, in shards) and rlk check on CUDA",
+            "device": device, "versions": versions, "notes": [], "shards": []}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("name", help="the shard's name (a shard of that name is replaced)")
@@ -88,8 +117,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="the run's pytest log (default: the XML's name with .log, when present): marks a shard "
                          "that pytest's session time limit ended")
     ap.add_argument("--report", type=Path, required=True, help="reports/gpu/<platform>/gpu_tests.json")
+    ap.add_argument("--env", type=Path, default=None,
+                    help="the driver's env.txt of the run: starts the report when it does not exist (with --device-from)")
+    ap.add_argument("--device-from", type=Path, default=None,
+                    help="a benchmark record of the same machine (its top-level device) for a new report")
     a = ap.parse_args(argv)
-    rep = json.loads(a.report.read_text(encoding="utf-8"))
+    if a.report.is_file():
+        rep = json.loads(a.report.read_text(encoding="utf-8"))
+    elif a.env is None or a.device_from is None:
+        ap.error(f"--report: no report at {a.report}; a platform's first shard needs --env and --device-from")
+    else:
+        rep = new_report(a.env, a.device_from)
     log = a.log if a.log is not None else a.xml.with_suffix(".log")
     if a.log is not None and not log.is_file():
         ap.error(f"--log: no file at {log}")
