@@ -100,3 +100,31 @@ def test_a_platforms_first_shard_starts_its_report(tmp_path):
     report.unlink()
     with pytest.raises(SystemExit, match="--env"):
         _tool().main(args + ["--env", str(env), "--device-from", str(record)])
+
+
+def test_rlk_check_runs_are_recorded_with_their_command_and_expectation(tmp_path):
+    """``--check`` turns ``rlk check --device cuda --json`` outputs into ``rlk_check`` entries: the
+    command rebuilt from the run's settings, the production plan expected to mismatch (the
+    negative control); a rerun of the same command replaces its entry; a CPU run is refused."""
+    xml = tmp_path / "pytest_gpu.xml"
+    xml.write_text(XML)
+    report = tmp_path / "gpu_tests.json"
+    report.write_text(json.dumps({"shards": []}))
+    base = {"device": "cuda", "dtype": "bfloat16", "model": "qwen3-0.6b", "extra_prompt_tokens": 1000,
+            "kv_cache": "paged", "plan": "R/R", "compared_tokens": 1404, "mismatched_tokens": 0, "max_abs_diff": 0.0,
+            "bits_digest": "ab"}
+    rr, pp = tmp_path / "rr.json", tmp_path / "pp.json"
+    rr.write_text(json.dumps(base))
+    pp.write_text(json.dumps(base | {"model": "tiny", "extra_prompt_tokens": 0, "kv_cache": "contiguous",
+                                     "plan": "P/P", "mismatched_tokens": 37, "max_abs_diff": 0.01}))
+    args = ["rest", str(xml), "--commit", "abc", "--command", "pytest", "--why", "a cause", "--report", str(report)]
+    assert _tool().main(args + ["--check", str(rr), "--check", str(pp), "--check", str(rr)]) == 0
+    checks = json.loads(report.read_text())["rlk_check"]
+    assert [(c["command"], c["mismatched_tokens"], c["expected"]) for c in checks] == [
+        ("rlk check --device cuda --dtype bfloat16 --plan P/P --json", 37,
+         "mismatches (negative control: both sides on the production plan)"),
+        ("rlk check --device cuda --dtype bfloat16 --preset qwen3-0.6b --extra-prompt-tokens 1000 --kv-cache paged "
+         "--json", 0, "0 mismatches")]
+    rr.write_text(json.dumps(base | {"device": "cpu"}))
+    with pytest.raises(SystemExit, match="--check"):
+        _tool().main(args + ["--check", str(rr)])

@@ -17,7 +17,9 @@ never a complete run.
 A platform's first shard starts its report: ``--env`` names the driver's ``env.txt`` of the run
 (the versions of torch, CUDA, triton, pydantic, hypothesis and pytest it printed) and
 ``--device-from`` a benchmark record of the same machine whose ``device`` (name, capability, SMs,
-driver, memory) the report takes, e.g. the matrix record the same call wrote.
+driver, memory) the report takes, e.g. the matrix record the same call wrote. ``--check`` adds
+the ``rlk check --device cuda ... --json`` outputs of the same call (the driver's ``check_cuda``
+step) to the report's ``rlk_check`` table.
 """
 
 from __future__ import annotations
@@ -105,6 +107,32 @@ def new_report(env: Path, device_from: Path) -> dict[str, Any]:
             "device": device, "versions": versions, "notes": [], "shards": []}
 
 
+def check_entry(path: Path) -> dict[str, Any]:
+    """One ``rlk_check`` entry from the JSON that ``rlk check --device cuda ... --json`` printed (the
+    driver's ``check_cuda`` step writes one file per run): the command, rebuilt from the run's own
+    settings, its counts and what a correct library gives (0 mismatches; on the production plan
+    ``P/P``, the negative control, mismatches)."""
+    r = json.loads(path.read_text(encoding="utf-8"))
+    missing = {"dtype", "plan", "model", "compared_tokens", "mismatched_tokens", "max_abs_diff", "bits_digest"} - set(r)
+    if missing or r.get("device") != "cuda":
+        raise SystemExit(f"--check: {path} is not the JSON of `rlk check --device cuda ... --json` "
+                         f"(missing {sorted(missing)}, device {r.get('device')!r})")
+    cmd = ["rlk check --device cuda", f"--dtype {r['dtype']}"]
+    if r["model"] != "tiny":
+        cmd.append(f"--preset {r['model']}")
+    if r.get("extra_prompt_tokens"):
+        cmd.append(f"--extra-prompt-tokens {r['extra_prompt_tokens']}")
+    if r.get("kv_cache", "contiguous") != "contiguous":
+        cmd.append(f"--kv-cache {r['kv_cache']}")
+    if r["plan"] != "R/R":
+        cmd.append(f"--plan {r['plan']}")
+    expected = ("0 mismatches" if r["plan"] == "R/R" else
+                "mismatches (negative control: both sides on the production plan)")
+    return {"command": " ".join(cmd + ["--json"]), "compared_tokens": r["compared_tokens"],
+            "mismatched_tokens": r["mismatched_tokens"], "max_abs_diff": r["max_abs_diff"],
+            "bits_digest": r["bits_digest"], "expected": expected}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("name", help="the shard's name (a shard of that name is replaced)")
@@ -121,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the driver's env.txt of the run: starts the report when it does not exist (with --device-from)")
     ap.add_argument("--device-from", type=Path, default=None,
                     help="a benchmark record of the same machine (its top-level device) for a new report")
+    ap.add_argument("--check", type=Path, action="append", default=[],
+                    help="the JSON of one `rlk check --device cuda ... --json` run of the same call (repeatable): "
+                         "replaces the report's rlk_check entry of the same command")
     a = ap.parse_args(argv)
     if a.report.is_file():
         rep = json.loads(a.report.read_text(encoding="utf-8"))
@@ -134,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     new = shard(a.name, a.xml, commit=a.commit, command=a.command, perf=a.perf, why=a.why,
                 log=log if log.is_file() else None)
     rep["shards"] = [s for s in rep["shards"] if s["shard"] != a.name] + [new]
+    for path in a.check:
+        entry = check_entry(path)
+        rep["rlk_check"] = [c for c in rep.get("rlk_check", []) if c["command"] != entry["command"]] + [entry]
     a.report.write_text(json.dumps(rep, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"{a.report}: shard {a.name}: {new['tests']} tests, {new['failures']} failures, {new['errors']} errors, "
           f"{new['skipped']} skipped" + (f"; STOPPED ({new['stopped']}): not a complete run" if new.get("stopped") else ""))
