@@ -73,8 +73,8 @@ def test_the_log_beside_the_xml_is_read_by_default(tmp_path):
 
 def test_a_platforms_first_shard_starts_its_report(tmp_path):
     """With no report yet, ``--env`` (the driver's env.txt) and ``--device-from`` (a record of the
-    same machine) start one; control: without them the missing report is refused, and an env.txt
-    without the version line is refused by name."""
+    same machine) start one; control: without them the missing report is refused, and a record
+    without its platform or an env.txt without the version line is refused by name."""
     xml = tmp_path / "pytest_gpu.xml"
     xml.write_text(XML)
     env = tmp_path / "env.txt"
@@ -96,8 +96,11 @@ def test_a_platforms_first_shard_starts_its_report(tmp_path):
     assert rep["versions"] == {"torch": "2.11.0+cu130", "cuda": "13.0", "triton": "3.6.0", "pydantic": "2.14.4",
                                "hypothesis": "6.168.3", "pytest": "9.1.1", "python": "3.12.3"}
     assert [s["shard"] for s in rep["shards"]] == ["rest"]
-    env.write_text("== env\n")
     report.unlink()
+    record.write_text(json.dumps({"device": device}))
+    with pytest.raises(SystemExit, match="--device-from"):
+        _tool().main(args + ["--env", str(env), "--device-from", str(record)])
+    env.write_text("== env\n")
     with pytest.raises(SystemExit, match="--env"):
         _tool().main(args + ["--env", str(env), "--device-from", str(record)])
 

@@ -16,8 +16,8 @@ never a complete run.
 
 A platform's first shard starts its report: ``--env`` names the driver's ``env.txt`` of the run
 (the versions of torch, CUDA, triton, pydantic, hypothesis and pytest it printed) and
-``--device-from`` a benchmark record of the same machine whose ``device`` (name, capability, SMs,
-driver, memory) the report takes, e.g. the matrix record the same call wrote. ``--check`` adds
+``--device-from`` a benchmark record of the same machine whose ``platform`` and ``device`` (name,
+capability, SMs, driver, memory) the report takes, e.g. the matrix record the same call wrote. ``--check`` adds
 the ``rlk check --device cuda ... --json`` outputs of the same call (the driver's ``check_cuda``
 step) to the report's ``rlk_check`` table.
 """
@@ -89,16 +89,16 @@ VERSIONS = re.compile(r"^torch (\S+) cuda (\S+) triton (\S+) pydantic (\S+) hypo
 
 def new_report(env: Path, device_from: Path) -> dict[str, Any]:
     """An empty ``gpu_tests.json`` for a platform's first shard: the versions from the driver's
-    ``env.txt``, the device (and platform) from a benchmark record of the same machine."""
+    ``env.txt``, the platform and device from a benchmark record of the same machine (the matrix
+    record names its platform with ``bench_matrix_gpu.platform_key``)."""
     m = VERSIONS.search(env.read_text(encoding="utf-8"))
     if m is None:
         raise SystemExit(f"--env: no version line ('torch X cuda Y triton Z pydantic P hypothesis H pytest T') in {env}")
     record = json.loads(device_from.read_text(encoding="utf-8"))
-    device = record.get("device")
-    if not isinstance(device, dict) or not {"name", "capability", "sm_count"} <= set(device):
-        raise SystemExit(f"--device-from: expected a record with a top-level device (name, capability, sm_count), "
-                         f"got {device!r} in {device_from}")
-    platform = record.get("platform") or device["name"].split()[1].lower()
+    device, platform = record.get("device"), record.get("platform")
+    if not isinstance(device, dict) or not {"name", "capability", "sm_count"} <= set(device) or not platform:
+        raise SystemExit(f"--device-from: expected a benchmark record with its platform and a top-level device "
+                         f"(name, capability, sm_count), got platform {platform!r}, device {device!r} in {device_from}")
     versions = dict(zip(("torch", "cuda", "triton", "pydantic", "hypothesis", "pytest"), m.groups()))
     if "python" in record.get("versions", {}):
         versions["python"] = record["versions"]["python"]

@@ -26,8 +26,8 @@ from rl_engine.runtime import provenance
 from rl_engine.runtime.registry import Request, implementations, make_request, select
 from rl_engine.utils.bits import same_bits
 from rl_engine.validation.common import check_row_invariance
-from tests.backends.triton._rowwise_common import defined_kernel_names, evidence, graph_us, interp, run_py
-from tests.helpers.op_layer import gpu_kernel_names
+from tests.backends.triton._rowwise_common import (defined_kernel_names, evidence, gpu_kernel_events, graph_us, interp,
+                                                   run_py)
 from tests.helpers.strategies import row_trials
 from tests.helpers.tables import assert_each_refused
 
@@ -575,8 +575,6 @@ def test_dispatch_picks_triton_on_cuda_and_records_provenance():
 @gpu
 @pytest.mark.parametrize("m", [64, 4096])
 def test_profiler_kernel_names_carry_the_prefix(m):
-    from torch.profiler import ProfilerActivity, profile
-
     defined = defined_kernel_names("rl_engine.backends.triton.gemm.kernels")
     launchable = {n for n in defined if not n.startswith("_")} - set(_kernels().DEVICE_FUNCTIONS)
     assert launchable == set(_kernels().KERNEL_NAMES)
@@ -589,12 +587,7 @@ def test_profiler_kernel_names_carry_the_prefix(m):
         xx, ww, bb = (t.clone().requires_grad_() for t in (x, w, b))
         gemm.linear(xx, ww, bb).backward(up)
 
-    call()  # compile outside the profiled region
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    names = gpu_kernel_names(prof)
+    names = gpu_kernel_events(call)
     assert names, "profiler recorded no GPU events"
     ours = sorted(n for n in names if n in defined or n.startswith("rlk"))
     evidence(f"profiler_gemm_triton_m{m}", {"all_gpu_events": names, "ours": ours})
