@@ -70,8 +70,10 @@ any page size, any packing). The rules that make this true:
   blocks, increasing, ``P = 2^fma(s, c, -lse·log2 e)`` recomputed) and ``rlk_attn_bwd_dkdv`` (each 64-key
   block of a sequence and kv head over the query blocks that see it, increasing, ``g = 0..G-1``).
 
-Head dims 32, 64 and 128 are supported; others are rejected by the call check (a reason in the
-strict-policy error). The rollout layout must be what ``rl_engine.ops.attention.cached_attention``
+Head dims 32, 64, 128 and 256 are supported (``configs.HEAD_DIMS``; the Hopper warpgroup kernels
+take ``D = 128``, every other head dim runs the portable kernels, and ``D = 256`` decode steps walk
+one key block a step, ``configs.multi_block_steps``); others are rejected by the call check (a
+reason in the strict-policy error). The rollout layout must be what ``rl_engine.ops.attention.cached_attention``
 builds (a sequence's query rows contiguous, in batch order, at consecutive positions).
 
 Modules, by role (none imports a module above it in this list; ``launch`` imports the Hopper
@@ -97,6 +99,7 @@ import torch
 
 from rl_engine.backends._customop import wire_varlen_attention
 from rl_engine.backends.triton import arch_reasons, unavailable_reasons
+from rl_engine.backends.triton.attention.configs import HEAD_DIMS
 from rl_engine.runtime.custom_ops import direct_call_ok, op_range
 from rl_engine.runtime.registry import Implementation, Request, register
 
@@ -110,8 +113,8 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float32, torch.bfloat16)
-#: Head dims the kernels are built for (powers of two; ``tl.dot`` needs ``D >= 16``).
-SUPPORTED_HEAD_DIMS = (32, 64, 128)
+#: Head dims the kernels are built for (``configs.HEAD_DIMS``: powers of two, ``tl.dot`` needs ``D >= 16``).
+SUPPORTED_HEAD_DIMS = HEAD_DIMS
 
 
 def _launch():

@@ -53,6 +53,8 @@ __all__ = [
     "score_scale",
     "split_runs",
     "supported_head_dim",
+    "HEAD_DIMS",
+    "multi_block_steps",
     "select_prefill",
     "select_decode",
     "select_backward",
@@ -227,13 +229,13 @@ def load_tables(path: str | Path) -> dict[str, ConfigTable]:
         rows: ConfigTable = {}
         for row in table.rows:
             key = (getattr(torch, row.dtype), row.head_dim)
-            if row.head_dim not in _HEAD_DIMS:
-                raise ValueError(f"{path}: {name}: head_dim {row.head_dim} is not one of {_HEAD_DIMS}")
+            if row.head_dim not in HEAD_DIMS:
+                raise ValueError(f"{path}: {name}: head_dim {row.head_dim} is not one of {HEAD_DIMS}")
             if key in rows:
                 raise ValueError(f"{path}: {name}: ({row.dtype}, {row.head_dim}) appears twice")
             rows[key] = AttnConfig(row.config.block_m, row.config.num_warps, row.config.num_stages)
         if name in _COMPLETE:
-            gaps = [(n, d) for n in get_args(DtypeName) for d in _HEAD_DIMS if (getattr(torch, n), d) not in rows]
+            gaps = [(n, d) for n in get_args(DtypeName) for d in HEAD_DIMS if (getattr(torch, n), d) not in rows]
             if gaps:
                 raise ValueError(f"{path}: {name}: expected a row for every dtype and head dim, missing {gaps}")
         out[name] = rows
@@ -265,7 +267,11 @@ CANDIDATE_CONFIGS: dict[str, tuple[AttnConfig, ...]] = {
 }
 
 
-_HEAD_DIMS = (32, 64, 128)
+#: The head dims the kernels are built for: powers of two (``tl.arange``), at least 16
+#: (``tl.dot``), every one with a row in each complete table.
+HEAD_DIMS = (32, 64, 128, 256)
+#: The largest head dim whose decode steps walk two or four key blocks a step (``multi_block_steps``).
+MULTI_BLOCK_MAX_HEAD_DIM = 128
 
 
 def split_runs(dtype: torch.dtype) -> bool:
@@ -276,7 +282,17 @@ def split_runs(dtype: torch.dtype) -> bool:
 
 
 def supported_head_dim(d: int) -> bool:
-    return d in _HEAD_DIMS
+    return d in HEAD_DIMS
+
+
+def multi_block_steps(head_dim: int) -> bool:
+    """Whether a decode step at ``head_dim`` may walk two or four key blocks a step
+    (``pair_blocks``, ``quad_blocks``). Each pipeline stage of such a step holds two or four key
+    blocks and their values: at ``D = 128``, 16-bit, 64 / 128 KiB a stage; at ``D = 256`` twice
+    that, so two stages of two blocks (256 KiB) or one of four already exceed an sm90 SM's
+    228 KiB of shared memory. ``D = 256`` walks one block a step (the same blocks in the same
+    order: the same bits)."""
+    return head_dim <= MULTI_BLOCK_MAX_HEAD_DIM
 
 
 def select_prefill(dtype: torch.dtype, head_dim: int, page_size: int | None = None, *,
@@ -424,14 +440,17 @@ def shipped_forward_configs(dtype: torch.dtype, head_dim: int) -> list[AttnConfi
     """Every forward configuration a call can use for ``(dtype, head_dim)`` on any architecture
     with a table in the package (the tests cover each): the prefill tiles, the decode tiles (fewer
     and many pairs), and the few-programs decode tiles with every value slicing ``value_slices``
-    can choose, each with one and two blocks per step (``pair_blocks``)."""
+    can choose, each with one and two blocks per step (``pair_blocks``; one only where
+    ``multi_block_steps`` is False)."""
     out: list[AttnConfig] = []
     for arch in shipped_arches():
+        multi = multi_block_steps(head_dim)
         few = [replace(select_decode(dtype, head_dim, page, few=True, arch=arch), unroll=u) for page in (None, 1)
-               for u in (1, 2)]
+               for u in ((1, 2) if multi else (1,))]
         # sliced: by value_slices' rule; a sliced step also walks four blocks a step (quad_blocks)
         sliced = [replace(t, v_slices=v) for c in few for v in (2, 4, 8)
-                  if v <= MAX_V_SLICES and head_dim // v >= MIN_V_COLUMNS for t in (c, quad_tile(c))]
+                  if v <= MAX_V_SLICES and head_dim // v >= MIN_V_COLUMNS
+                  for t in ((c, quad_tile(c)) if multi else (c,))]
         for cfg in (select_prefill(dtype, head_dim, arch=arch), select_prefill(dtype, head_dim, page_size=1, arch=arch),
                     *(select_decode(dtype, head_dim, page, many=many, arch=arch) for page in (None, 1)
                       for many in (False, True)),

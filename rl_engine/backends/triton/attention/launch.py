@@ -452,9 +452,10 @@ def cached_forward(q, k_rows, v_rows, page_rows, page_size, q_seq, q_pos, scale,
         programs = (B if decode_only else -(-T * G // cfg.block_m) + B) * Hkv * ns
         if few and current_tuning().auto_value_slices:
             cfg = replace(cfg, v_slices=configs.value_slices(programs, D, q.device, small_pages=small_pages))
-        if few_tile and configs.quad_blocks(cfg.v_slices):
+        multi = few_tile and configs.multi_block_steps(D)
+        if multi and configs.quad_blocks(cfg.v_slices):
             cfg = configs.quad_tile(cfg)
-        elif few_tile and configs.pair_blocks(programs * cfg.v_slices, P > 1, q.device):
+        elif multi and configs.pair_blocks(programs * cfg.v_slices, P > 1, q.device):
             cfg = replace(cfg, unroll=2)
     else:
         cfg = configs.select_prefill(q.dtype, D, page_size if P > 1 else None, arch=arch_of(q.device))

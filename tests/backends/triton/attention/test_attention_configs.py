@@ -75,21 +75,27 @@ def test_interpreter_shipped_configs_cover_every_selection(monkeypatch):
     def uncovered():
         missing = []
         for dt in (torch.float32, torch.bfloat16, torch.float16):
-            for d in (32, 64, 128):
+            for d in C.HEAD_DIMS:
                 shipped = C.shipped_forward_configs(dt, d)
                 chosen = [C.select_prefill(dt, d, page) for page in (None, 16, 64, 256)]
                 chosen += [C.select_decode(dt, d, page, few=few, many=many) for page in (None, 16, 64, 256)
                            for few in (False, True) for many in (False, True)]
                 slicings = {C.value_slices(n, d, cuda, small) for n in range(1, 300) for small in (False, True)}
                 for page in (None, 16, 64, 256):  # cached_forward: the few tile, sliced, paired by pair_blocks
-                    unrolls = {2 if C.pair_blocks(n, page is not None, cuda) else 1 for n in range(1, 300)}
+                    multi = C.multi_block_steps(d)
+                    unrolls = {2 if multi and C.pair_blocks(n, page is not None, cuda) else 1 for n in range(1, 300)}
                     few = C.select_decode(dt, d, page, few=True)
-                    chosen += [replace(C.quad_tile(few) if C.quad_blocks(v) else replace(few, unroll=u), v_slices=v)
+                    chosen += [replace(C.quad_tile(few) if multi and C.quad_blocks(v) else replace(few, unroll=u),
+                                       v_slices=v)
                                for v in slicings for u in unrolls]  # cached_forward's order
                 missing += [(dt, d, c) for c in chosen if c not in shipped]
         return missing
 
     assert uncovered() == []
+    # D = 256 walks one block a step: two or four blocks' keys and values a stage exceed an SM's
+    # shared memory, so none of its shipped tiles walks more
+    assert C.HEAD_DIMS[-1] == 256 and not C.multi_block_steps(256) and C.multi_block_steps(128)
+    assert all(c.unroll == 1 for dt in (torch.float32, torch.bfloat16) for c in C.shipped_forward_configs(dt, 256))
     shipped = C.shipped_forward_configs
     assert C.few_programs(16, 8, torch.device("cuda")) and not C.few_programs(17, 8, torch.device("cuda"))
     assert C.few_programs(1, 8, torch.device("cuda", 0))

@@ -60,8 +60,8 @@ def test_unsupported_head_dim_is_rejected_with_a_reason(op):
     sm90 = type(cpu)(family="cuda", arch="sm90", device_name="x", torch_version="t", triton_version=None,
                      cuda_version=None, hip_version=None)
     req = Request(op, sm90, torch.bfloat16, contracts.load_contract(op).guarantees, {"head_dim": 96})
-    assert call_reasons(req) == ["head_dim 96 not supported by the Triton attention kernels (supported: [32, 64, 128])"]
-    for d in (32, 64, 128):
+    assert call_reasons(req) == ["head_dim 96 not supported by the Triton attention kernels (supported: [32, 64, 128, 256])"]
+    for d in (32, 64, 128, 256):
         assert call_reasons(Request(op, sm90, torch.bfloat16, frozenset(), {"head_dim": d})) == []
     sm75 = type(cpu)(family="cuda", arch="sm75", device_name="x", torch_version="t", triton_version=None,
                      cuda_version=None, hip_version=None)

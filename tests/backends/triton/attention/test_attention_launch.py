@@ -91,13 +91,14 @@ def packing_case(draw, max_len=300):
         draw(st.permutations(range(n)))[: draw(st.integers(1, n))],
     ]
     return dict(lens=lens, orders=orders, hkv=draw(st.sampled_from([1, 2])), g=draw(st.sampled_from([1, 4])),
-                d=draw(st.sampled_from([32, 64, 128])), window=draw(st.one_of(st.none(), st.integers(1, 130))),
+                d=draw(st.sampled_from([32, 64, 128, 256])), window=draw(st.one_of(st.none(), st.integers(1, 130))),
                 seed=draw(st.integers(0, 2**31 - 1)))
 
 
 # bf16 (the speed path) runs hypothesis examples; fp32 (IEEE products by FMA: every new shape,
 # head dim or window specialisation recompiles slow kernels) runs fixed cases with the same
-# checkers and the same coverage: empty and 1-token sequences, GQA, windows, head dims 32/64/128,
+# checkers and the same coverage: empty and 1-token sequences, GQA, windows, head dims 32/64/128
+# (fp32 at D = 256: test_accuracy_forward_and_grads and the shipped-configuration test),
 # KV split crossings (long contexts, below), paged page sizes 16/64/256, chunked and decode runs.
 PACKING_EXAMPLES = 40
 ROLLOUT_EXAMPLES = 30
@@ -149,7 +150,7 @@ def attention_case(draw, max_len=300, max_seqs=3):
     return dict(
         hkv=draw(st.sampled_from([1, 2])),
         g=draw(st.sampled_from([1, 4])),
-        d=draw(st.sampled_from([32, 64, 128])),
+        d=draw(st.sampled_from([32, 64, 128, 256])),
         lens=draw(st.lists(st.integers(1, max_len), min_size=1, max_size=max_seqs)),
         window=draw(st.one_of(st.none(), st.none(), st.integers(1, 160))),
         scale=draw(st.one_of(st.none(), st.floats(0.03, 0.4))),

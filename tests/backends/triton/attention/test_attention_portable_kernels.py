@@ -50,13 +50,16 @@ from tests.backends.triton.attention._attention_common import (
 
 
 @interp
-@pytest.mark.parametrize("window", [None, 7])
-def test_interpreter_kernels_accuracy_and_path_bits(window):
+@pytest.mark.parametrize("window,d", [(None, 32), (7, 32), (7, 256)])
+def test_interpreter_kernels_accuracy_and_path_bits(window, d):
+    """The kernels' forward and backward against the float64 reference (contract tolerances), and
+    the rows on the decode path and two other tiles raw-bit equal to the prefill rows; at the
+    smallest and the largest supported head dim."""
     from rl_engine.backends.triton.attention import configs as C
     from rl_engine.backends.triton.attention import launch as L
 
-    q, k, v, cu = make_qkv([5, 40, 1], 1, 2, 32, "float32", seed=3)
-    scale = 32**-0.5
+    q, k, v, cu = make_qkv([5, 40, 1], 1, 2, d, "float32", seed=3)
+    scale = d**-0.5
     out, lse, _ = L.varlen_forward(q, k, v, cu, scale, window)
     ref = varlen_attention_f64(q.double(), k.double(), v.double(), cu, scale, window)
     tol = contracts.tolerance(OPS[0], torch.float32, "forward")
@@ -553,8 +556,9 @@ def test_offline_sm90_decode_kernels_are_pipelined_without_spills():
         ([1100], 1, 4, 128, None, None),  # crosses a KV split
         ([2100, 5], 2, 1, 64, 1500, None),  # two splits, window across a split boundary
         ([257, 3], 1, 4, 64, 1, None),  # window 1: each query sees only itself
+        ([1100, 70], 2, 2, 256, 600, None),  # D = 256 (the portable kernels, one block a step)
     ],
-    ids=["ragged", "gqa4", "window50-d128", "split-d128", "2splits-window", "window1"],
+    ids=["ragged", "gqa4", "window50-d128", "split-d128", "2splits-window", "window1", "split-window-d256"],
 )
 def test_accuracy_forward_and_grads(dtype, lens, hkv, g, d, window, scale):
     if dtype == "float32" and d == 128 and lens != [1100]:
@@ -604,7 +608,7 @@ def test_split_merge_specialisation_gives_the_same_bits(dtype, window):
 
 @gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
 @pytest.mark.parametrize("g", [1, 4])
 def test_every_shipped_config_and_path_gives_the_same_rows(dtype, d, g):
     """Kernel level: the varlen rows (prefill config) against the decode path, the prefill path
@@ -627,6 +631,10 @@ def test_every_shipped_config_and_path_gives_the_same_rows(dtype, d, g):
     runs |= {(c, "decode") for c in C.CANDIDATE_CONFIGS["decode"]}
     if dt == torch.float32:  # fp32 tiles are 2x the bytes: keep to what fits in shared memory
         runs = {(c, p) for c, p in runs if c in shipped or (c.block_m <= 64 and c.num_stages <= 2)}
+    if d == 256:  # a stage of a 64-key block's keys and values is 64 KiB at 16 bits, 128 KiB in fp32
+        stage = 2 * 64 * d * dt.itemsize
+        runs = {(c, p) for c, p in runs
+                if c in shipped or (c.block_m <= 64 and c.num_stages * c.unroll * stage <= 128 * 1024)}
     seen = []
     for cfg, path in sorted(runs, key=lambda r: (r[0].key, r[1])):
         out, lse, _ = L.varlen_forward(q, k, v, cu, scale, None, path=path, config=cfg)
@@ -701,7 +709,8 @@ def test_paired_blocks_give_the_same_rows(dtype, d, g, window):
 
 @gpu
 @pytest.mark.parametrize("dtype,d,g,window", [("bfloat16", 128, 4, None), ("bfloat16", 64, 1, 300),
-                                              ("float16", 128, 4, None), ("float32", 128, 4, None)])
+                                              ("float16", 128, 4, None), ("float32", 128, 4, None),
+                                              ("bfloat16", 256, 2, None)])
 def test_tma_loads_give_the_same_rows(dtype, d, g, window):
     """``AttentionTuning.tma_loads`` (on by default) on the H200: the train path's forward with its key / value blocks
     copied by TMA (``tma_eligible``) gives the rows, lse and fp32 rows of the pointer loads, over
@@ -735,7 +744,7 @@ def test_tma_loads_give_the_same_rows(dtype, d, g, window):
 @gpu
 @pytest.mark.parametrize(  # each head dim and group size on each dtype, not every product (compile time)
     "dtype,d,g", [("float32", 32, 1), ("float32", 64, 4), ("float32", 128, 4), ("bfloat16", 32, 4),
-                  ("bfloat16", 64, 1), ("bfloat16", 128, 1), ("bfloat16", 128, 4)])
+                  ("bfloat16", 64, 1), ("bfloat16", 128, 1), ("bfloat16", 128, 4), ("bfloat16", 256, 2)])
 def test_value_slices_give_the_same_rows(dtype, d, g, monkeypatch):
     """``AttnConfig.v_slices`` on the GPU: every value slicing of the few-programs decode tiles
     (``shipped_forward_configs``), and the many-programs decode tiles sliced in two and four (the
@@ -755,8 +764,10 @@ def test_value_slices_give_the_same_rows(dtype, d, g, monkeypatch):
     ref, ref_lse, _ = L.varlen_forward(q, k, v, cu, scale, None)
     # every valid slicing (16 columns or more) of the few-programs tiles: the benchmark's @v rows;
     # the shipped list holds those the rule can pick (at most 4 slices of at least 32 columns)
-    few = [replace(C.select_decode(dt, d, page, few=True), unroll=u) for page in (None, 16) for u in (1, 2)]
-    few += [C.quad_tile(c) for c in few if c.unroll == 1]  # pair_blocks, quad_blocks
+    multi = C.multi_block_steps(d)  # D = 256 walks one block a step
+    few = [replace(C.select_decode(dt, d, page, few=True), unroll=u) for page in (None, 16)
+           for u in ((1, 2) if multi else (1,))]
+    few += [C.quad_tile(c) for c in few if c.unroll == 1 and multi]  # pair_blocks, quad_blocks
     sliced = [replace(c, v_slices=v) for c in few for v in (2, 4, 8) if d // v >= 16]
     shipped = {c for c in C.shipped_forward_configs(dt, d) if c.v_slices > 1}
     assert shipped <= set(sliced)
@@ -797,7 +808,7 @@ def test_value_slices_give_the_same_rows(dtype, d, g, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("dtype,d,g,window", [("bfloat16", 128, 4, None), ("bfloat16", 64, 1, 300),
-                                              ("bfloat16", 32, 2, None)])
+                                              ("bfloat16", 32, 2, None), ("bfloat16", 256, 2, None)])
 def test_decode_tma_loads_give_the_same_rows(dtype, d, g, window, monkeypatch, tuned):
     """Decode steps over a contiguous cache (``decode_tma_eligible``: on by default on the H200)
     load the blocks every row of a tile sees by TMA copies and the masked blocks by clamped
