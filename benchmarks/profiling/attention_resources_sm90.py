@@ -299,7 +299,7 @@ def _loop_barriers(ptx: str) -> int:
 
 
 def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: int = 128, group: int = 4) -> Iterator[Variant]:
-    """The shipped forward launches for 16-bit inputs (Qwen3-8B: D = 128, G = 4, no window)."""
+    """The shipped forward launches for 16-bit inputs (default Qwen3-8B: D = 128, G = 4, no window)."""
     import torch
     from dataclasses import replace
 
@@ -314,11 +314,12 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
             tiles = {C.select_decode(torch.bfloat16, head_dim, page): (1,),
                      C.select_decode(torch.bfloat16, head_dim, page, many=True): (1,)}
             few = C.select_decode(torch.bfloat16, head_dim, page, few=True)
-            for u in (1, 2):
+            multi = C.multi_block_steps(head_dim)  # D = 256: one block a step
+            for u in (1, 2) if multi else (1,):
                 tiles[replace(few, unroll=u)] = (1, *(v for v in (2, 4, 8) if head_dim // v >= 16))
-            # four blocks a step where the step is sliced (configs.quad_blocks), at value_slices' slicings
-            tiles[C.quad_tile(few)] = tuple(v for v in (2, 4) if v <= C.MAX_V_SLICES
-                                                  and head_dim // v >= C.MIN_V_COLUMNS)
+            if multi:  # four blocks a step where the step is sliced (configs.quad_blocks), at value_slices' slicings
+                tiles[C.quad_tile(few)] = tuple(v for v in (2, 4) if v <= C.MAX_V_SLICES
+                                                and head_dim // v >= C.MIN_V_COLUMNS)
             few_tiles = {replace(few, unroll=u) for u in (1, 2)} | {C.quad_tile(few)}
             for base, slicings in tiles.items():
                 # the grid order configs.split_grid_order's rule gives: splits first for the
@@ -338,9 +339,10 @@ def variants(kinds: Sequence[str] = ("decode", "prefill", "combine"), head_dim: 
         # contiguous cache its unmasked run by TMA copies (eligibility.decode_tma_eligible); unsliced,
         # one or two blocks a step (configs.pair_blocks), sliced, four (configs.quad_blocks)
         few = C.select_decode(torch.bfloat16, head_dim, None, few=True)
-        one_split = [replace(C.quad_tile(few) if C.quad_blocks(vs) else few, v_slices=vs)
+        multi = C.multi_block_steps(head_dim)
+        one_split = [replace(C.quad_tile(few) if multi and C.quad_blocks(vs) else few, v_slices=vs)
                      for vs in (1, 2, 4) if vs <= C.MAX_V_SLICES and head_dim // vs >= C.MIN_V_COLUMNS]
-        for cfg in one_split + [replace(few, unroll=2)]:
+        for cfg in one_split + ([replace(few, unroll=2)] if multi else []):
             vs = cfg.v_slices
             yield Variant(f"fwd contiguous {cfg.key} one=True tma", "rlk_attn_fwd",
                           {**common, "page_size": 1, "DV": head_dim // vs, "BLOCK_M": cfg.block_m, "PAGED": False,
@@ -384,6 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="also the train path's Gluon forward (hopper_warpgroup.rlk_attn_fwd_wg; needs Triton 3.6)")
     ap.add_argument("--no-divisibility", action="store_true",
                     help="compile without the divisibility a real launch specialises (negative control)")
+    ap.add_argument("--head-dim", type=int, default=128,
+                    help="the head dim of the portable kernels' launches (configs.HEAD_DIMS; default 128)")
     args = ap.parse_args(argv)
     kinds = tuple(k for k in args.kernels.split(",") if k)
     if not kinds or any(k not in ("decode", "prefill", "combine") for k in kinds):
@@ -430,7 +434,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{r.label:60s} regs {r.registers:3d}  spill {r.spill_store_bytes:4d} B  "
                   f"smem {r.shared_bytes // 1024:3d} KiB  TMA copies {r.tma_copies:3d}  "
                   f"barriers/step {r.barriers_per_step:3d}  {r.seconds:5.1f} s", flush=True)
-    todo = list(variants(kinds))
+    from rl_engine.backends.triton.attention.configs import HEAD_DIMS
+
+    if args.head_dim not in HEAD_DIMS:
+        ap.error(f"--head-dim: expected one of {list(HEAD_DIMS)}, got {args.head_dim}")
+    todo = list(variants(kinds, head_dim=args.head_dim))
     for i, v in enumerate(todo, 1):
         r = compile_sm90(v, divisibility=not args.no_divisibility)
         rows.append({**asdict(r), "pipelined": r.pipelined, "num_warps": v.num_warps, "num_stages": v.num_stages})
