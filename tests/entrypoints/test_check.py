@@ -252,7 +252,7 @@ def test_long_context_qwen3_shape_passes_bitwise_on_gpu(capsys, kv_cache):
         code, out, _ = _run(capsys, "--device", "cuda", "--dtype", "bfloat16", "--preset", "qwen3-0.6b",
                             "--extra-prompt-tokens", "1000", "--num-prompts", "8", "--kv-cache", kv_cache, "--json")
     res = json.loads(out)
-    names = gpu_kernel_names(prof)
+    names = set(gpu_kernel_names(prof))
     result = {k: res[k] for k in ("passed", "compared_tokens", "mismatched_tokens", "max_context", "model", "rollout",
                                   "kv_cache")}
     evidence(f"check_long_context_gpu_{kv_cache}",

@@ -123,12 +123,25 @@ def _launch():
     return launch
 
 
+#: The largest head dim of fp32 train-path calls: the backward's ``rlk_attn_bwd_dkdv`` holds a
+#: 64-key block's keys and values and a 64-position block of queries and output gradients, which
+#: at ``D = 256`` in fp32 need 288 KiB of shared memory (Triton's ``OutOfResources`` on the H100),
+#: more than an sm90 SM's 227 KiB a program. fp32 rollout calls (no backward) take every head dim.
+FP32_TRAIN_MAX_HEAD_DIM = 128
+
+
 def call_reasons(request: Request) -> list[str]:
-    """Per-call eligibility (pure): the device arch and the head dim."""
+    """Per-call eligibility (pure): the device arch, the head dim, and fp32 train-path calls up to
+    ``FP32_TRAIN_MAX_HEAD_DIM``."""
     reasons = arch_reasons(request.platform.family, request.platform.arch)
     d = request.features.get("head_dim")
     if d is not None and d not in SUPPORTED_HEAD_DIMS:
         reasons.append(f"head_dim {d} not supported by the Triton attention kernels (supported: {list(SUPPORTED_HEAD_DIMS)})")
+    elif (d is not None and d > FP32_TRAIN_MAX_HEAD_DIM and request.dtype == torch.float32
+          and request.op == "attention.varlen_attention"):
+        reasons.append(f"head_dim {d} in float32 not supported on the train path by the Triton attention kernels: its "
+                       f"backward needs more shared memory than an SM has (fp32 up to head_dim "
+                       f"{FP32_TRAIN_MAX_HEAD_DIM}; bfloat16 up to {SUPPORTED_HEAD_DIMS[-1]})")
     return reasons
 
 
@@ -160,6 +173,9 @@ def _device_offsets(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Ten
 
 def _varlen_forward(q, k, v, cu_seqlens, scale, window, *, for_backward: bool):
     _check_head_dim(q.shape[2])
+    if for_backward and q.dtype == torch.float32 and q.shape[2] > FP32_TRAIN_MAX_HEAD_DIM:
+        raise ValueError(f"q: head_dim {q.shape[2]} in float32 has no Triton backward (fp32 up to head_dim "
+                         f"{FP32_TRAIN_MAX_HEAD_DIM}: the backward needs more shared memory than an SM has)")
     # the longest sequence picks the launch specialisation only (sequences of at most 1024 tokens
     # skip the split merge): free from host offsets, one synchronisation from device offsets
     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0

@@ -63,6 +63,13 @@ def test_unsupported_head_dim_is_rejected_with_a_reason(op):
     assert call_reasons(req) == ["head_dim 96 not supported by the Triton attention kernels (supported: [32, 64, 128, 256])"]
     for d in (32, 64, 128, 256):
         assert call_reasons(Request(op, sm90, torch.bfloat16, frozenset(), {"head_dim": d})) == []
+    # fp32 at D = 256: the rollout path only (the train path's backward does not fit shared memory)
+    fp32 = call_reasons(Request(op, sm90, torch.float32, frozenset(), {"head_dim": 256}))
+    assert fp32 == ([] if op != "attention.varlen_attention"
+                    else [f"head_dim 256 in float32 not supported on the train path by the Triton attention kernels: "
+                          f"its backward needs more shared memory than an SM has (fp32 up to head_dim 128; bfloat16 "
+                          f"up to 256)"])
+    assert call_reasons(Request(op, sm90, torch.float32, frozenset(), {"head_dim": 128})) == []
     sm75 = type(cpu)(family="cuda", arch="sm75", device_name="x", torch_version="t", triton_version=None,
                      cuda_version=None, hip_version=None)
     assert any("sm80" in r for r in call_reasons(Request(op, sm75, torch.bfloat16, frozenset(), {"head_dim": 64})))

@@ -31,6 +31,7 @@ from rl_engine.backends.triton.attention.tuning import attention_tuning, current
 from rl_engine.ops.attention import varlen_attention
 from rl_engine.reference.attention import varlen_attention_f64
 from rl_engine.runtime import provenance
+from rl_engine.runtime.registry import NoEligibleImplementation
 from rl_engine.utils.bits import same_bits
 from tests.backends.triton._rowwise_common import evidence
 from tests.backends.triton.attention._attention_common import (
@@ -561,10 +562,17 @@ def test_offline_sm90_decode_kernels_are_pipelined_without_spills():
     ids=["ragged", "gqa4", "window50-d128", "split-d128", "2splits-window", "window1", "split-window-d256"],
 )
 def test_accuracy_forward_and_grads(dtype, lens, hkv, g, d, window, scale):
+    from rl_engine.backends.triton.attention import FP32_TRAIN_MAX_HEAD_DIM
+
     if dtype == "float32" and d == 128 and lens != [1100]:
         d = 64  # fp32 at D = 128 (FMA products, the slowest kernels to compile): the split case only
     q, k, v, cu = make_qkv(lens, hkv, g, d, dtype, seed=sum(lens))
     qq, kk, vv = (t.cuda().requires_grad_() for t in (q, k, v))
+    if dtype == "float32" and d > FP32_TRAIN_MAX_HEAD_DIM:
+        # no fp32 backward at D = 256 (shared memory): the strict policy names the reason
+        with pytest.raises(NoEligibleImplementation, match=f"head_dim {d} in float32 not supported on the train path"):
+            varlen_attention(qq, kk, vv, cu.cuda(), scale=scale, window=window)
+        return
     with provenance.record() as recs:
         out = varlen_attention(qq, kk, vv, cu.cuda(), scale=scale, window=window)
     assert recs[-1].impl_id == IMPL
