@@ -125,3 +125,32 @@ def test_parts_of_other_commits_or_overlapping_cases_are_refused(tmp_path, secon
     out = tmp_path / "matrix.json"
     r = subprocess.run([sys.executable, str(TOOL), *map(str, paths), "--out", str(out)], capture_output=True, text=True)
     assert r.returncode == 2 and message in r.stderr and not out.exists(), r.stderr
+
+
+def test_carry_keeps_the_earlier_points_the_new_parts_do_not_measure(tmp_path):
+    """``--carry``: the earlier record's points that the new parts do not measure stay, with their
+    profiled reasons and their commit named in ``meta.carried`` and a note; a point measured again
+    takes the new measurement. Negative control: a record of another device is refused by name."""
+    old = dict(_part(["decode: x [graph]", "decode: z [graph]", "lmhead: w [graph]"], "bench --families decode,lmhead",
+                     commit="0ld0ld0"), miss_reasons=[{"case": "lmhead: w [graph]", "reason": "4 products",
+                                                       "evidence": "ncu", "source": "profile"}])
+    new = _part(["decode: z [graph]", "gemm: y M=1 [graph]"], "bench --families gemm --presets d256")
+    paths = {n: tmp_path / f"{n}.json" for n in ("old", "new")}
+    paths["old"].write_text(json.dumps(old))
+    paths["new"].write_text(json.dumps(new))
+    out = tmp_path / "matrix.json"
+    r = subprocess.run([sys.executable, str(TOOL), str(paths["new"]), "--out", str(out), "--carry", str(paths["old"])],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    assert [s["case"] for s in rec["summary"]] == ["decode: z [graph]", "gemm: y M=1 [graph]", "decode: x [graph]",
+                                                   "lmhead: w [graph]"]
+    assert [row["case"] for row in rec["rows"]] == [s["case"] for s in rec["summary"]]
+    assert rec["commit"] == "abc1234" and rec["meta"]["carried"]["commit"] == "0ld0ld0"
+    assert rec["meta"]["carried"]["points"] == 2 and rec["meta"]["carried"]["families"] == ["decode", "lmhead"]
+    assert any("carried over from the run at 0ld0ld0" in n for n in rec["notes"])
+    assert {m["case"]: m["reason"] for m in rec["miss_reasons"]}["lmhead: w [graph]"] == "4 products"
+    paths["old"].write_text(json.dumps(dict(old, device={"name": "NVIDIA H100"})))
+    r = subprocess.run([sys.executable, str(TOOL), str(paths["new"]), "--out", str(tmp_path / "x" / "matrix.json"),
+                        "--carry", str(paths["old"])], capture_output=True, text=True)
+    assert r.returncode == 2 and "--carry: device" in r.stderr, r.stderr

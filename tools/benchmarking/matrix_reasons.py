@@ -18,6 +18,11 @@ summary, rows); the record ``reports/gpu/<platform>/matrix.json`` adds ``miss_re
 
 A miss with none of these is left without a reason (the page says "not yet profiled").
 
+``--carry RECORD`` keeps an earlier record's points that none of the raw parts measures (its
+summary entries and rows, and their profiled reasons), for a run that measures only some families
+again: the earlier record must be of the same platform, device and versions; its points keep
+their own commit, which the record names in ``meta.carried`` and in a note the page prints.
+
 The full matrix takes more than one device call, so it runs family by family
 (``MATRIX_ARGS="--families decode,lmhead"``, then the others); several raw reports given together
 are merged into one record: they must share the platform, the measured commit, the device and
@@ -130,6 +135,44 @@ def merge_reports(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+#: what a carried record must share with the new parts (its commit may be an earlier one)
+CARRY_SHARED = ("family", "platform", "device", "versions")
+
+
+def carry_over(report: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    """``report`` with the points of the earlier record ``old`` that it does not measure: their
+    summary entries and rows appended, ``meta.carried`` naming ``old``'s commit, command,
+    timestamp and the carried cases' count (``ValueError`` naming the field where ``old`` is of
+    another platform, device or versions). Nothing carried: ``report`` unchanged."""
+    for key in CARRY_SHARED:
+        if old.get(key) != report.get(key):
+            raise ValueError(f"{key} {old.get(key)!r} differs from the raw reports' {report.get(key)!r}; only "
+                             "points of the same platform, device and versions carry over")
+    measured = {s["case"] for s in report["summary"]}
+    summary = [s for s in old["summary"] if s["case"] not in measured]
+    if not summary:
+        return report
+    cases = {s["case"] for s in summary}
+    out = dict(report)
+    out["summary"] = report["summary"] + summary
+    out["rows"] = report["rows"] + [r for r in old["rows"] if r.get("case") in cases]
+    families = sorted({s["case"].split(":", 1)[0] for s in summary})  # "decode: ..." -> decode
+    out["meta"] = dict(report.get("meta", {}), carried={"commit": old["commit"], "command": old["command"],
+                                                        "timestamp": old["timestamp"], "points": len(summary),
+                                                        "families": families})
+    return out
+
+
+def carried_note(report: dict[str, Any]) -> str | None:
+    """The page's sentence on the carried points (``None`` when none are)."""
+    c = report.get("meta", {}).get("carried")
+    if not c:
+        return None
+    return (f"{c['points']} points of the {', '.join(c['families'])} famil{'y' if len(c['families']) == 1 else 'ies'} "
+            f"are carried over from the run at {c['commit']} ({c['timestamp']}), not measured again at "
+            f"{report['commit']}.")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("raw", type=Path, nargs="+",
@@ -140,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-evidence", default=None,
                     help="where the host cost is measured (default: reports/gpu/<platform>/host_overhead.json)")
     ap.add_argument("--note", action="append", default=[], help="a sentence for the page (repeatable)")
+    ap.add_argument("--carry", type=Path, default=None,
+                    help="an earlier record whose points the raw parts do not measure are kept, at their commit")
     a = ap.parse_args(argv)
     if a.out.name != "matrix.json":
         ap.error(f"--out: expected a file named matrix.json, got {a.out.name}")
@@ -158,12 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, json.JSONDecodeError) as exc:
         ap.error(f"--reasons: {exc}")
     kept: dict[str, dict[str, Any]] = {}
-    if a.keep_from is not None:
-        old = json.loads(a.keep_from.read_text(encoding="utf-8"))
-        kept = {r["case"]: r for r in old.get("miss_reasons", []) if r.get("source") == "profile"}
+    for earlier in (a.keep_from, a.carry):
+        if earlier is not None:
+            old = json.loads(earlier.read_text(encoding="utf-8"))
+            kept.update({r["case"]: r for r in old.get("miss_reasons", []) if r.get("source") == "profile"})
+    if a.carry is not None:
+        try:
+            report = carry_over(report, json.loads(a.carry.read_text(encoding="utf-8")))
+        except ValueError as exc:
+            ap.error(f"--carry: {exc}")
     host = a.host_evidence or f"reports/gpu/{report['platform']}/host_overhead.json"
     report["miss_reasons"] = miss_reasons(report, rules, kept, host)
-    report["notes"] = list(a.note)
+    report["notes"] = list(a.note) + [n for n in (carried_note(report),) if n]
     a.out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     misses = sum(1 for s in report["summary"] if s.get("met") is False)
     print(f"wrote {a.out}: {misses} misses, {len(report['miss_reasons'])} with a reason")
