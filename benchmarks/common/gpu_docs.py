@@ -273,8 +273,21 @@ def _tests_section(rep: Mapping[str, Any], path: str) -> list[str]:
               "|---|---|---|---|---|"]
     for c in rep["rlk_check"]:
         lines.append(f"| `{c['command']}` | {c['compared_tokens']} | {c['mismatched_tokens']} | "
-                     f"{_num(c['max_abs_diff'])} | {c['expected']} |")
+                     f"{_num(c['max_abs_diff'])} | {c['expected']}{'' if check_as_expected(c) else ' ✗'} |")
+    missed = [c["command"] for c in rep["rlk_check"] if not check_as_expected(c)]
+    if missed:
+        lines += ["", "✗: not the expected outcome — " + "; ".join(
+            f"`{m}` (a negative control that found no mismatch cannot show, at that shape, that the check "
+            f"would catch one)" if "P/P" in m else f"`{m}`" for m in missed) + "."]
     return lines
+
+
+def check_as_expected(run: Mapping[str, Any]) -> bool:
+    """Whether an ``rlk check`` run of record came out as its ``expected`` says: ``0 mismatches``
+    for the rl-kernel plan, some mismatches for a negative control."""
+    if run["expected"].startswith("0 mismatches"):
+        return run["mismatched_tokens"] == 0
+    return run["mismatched_tokens"] > 0
 
 
 def render(reports: Mapping[str, Mapping[str, Mapping[str, Any]]], *, images: bool = True) -> str:

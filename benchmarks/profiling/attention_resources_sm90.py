@@ -86,6 +86,10 @@ class Resources:
     #: ``ptx_multiset_digest``: the same instructions in the same numbers, in any order
     ptx_digest: str = ""
     ptx_multiset_digest: str = ""
+    #: tensor-core products in the PTX: Hopper's asynchronous warpgroup MMAs (``wgmma.mma_async``,
+    #: which Triton emits for tiles of at least 64 rows a warpgroup) and Ampere-style ``mma.sync``
+    wgmma: int = 0
+    mma_sync: int = 0
 
     @property
     def pipelined(self) -> bool:
@@ -175,7 +179,8 @@ def _assembled(compiled, label: str, kernel: str, t0: float, no_frame_is_zero: b
                      spill_load_bytes=num(r"(\d+) bytes spill loads", True),
                      cp_async=len(re.findall(r"cp\.async\.c[ag]\.", ptx)), ptx_lines=ptx.count("\n"),
                      seconds=round(time.perf_counter() - t0, 2), tma_copies=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-                     shared_bytes=int(compiled.metadata.shared))
+                     shared_bytes=int(compiled.metadata.shared), wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+                     mma_sync=len(re.findall(r"\bmma\.sync", ptx)))
 
 
 def ptx_digest(ptx: str, ordered: bool = True) -> str:
@@ -443,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = compile_sm90(v, divisibility=not args.no_divisibility)
         rows.append({**asdict(r), "pipelined": r.pipelined, "num_warps": v.num_warps, "num_stages": v.num_stages})
         print(f"[{i:2d}/{len(todo)}] {r.label:52s} regs {r.registers:3d}  spill {r.spill_store_bytes:4d} B  "
-              f"smem {r.shared_bytes // 1024:3d} KiB  "
+              f"smem {r.shared_bytes // 1024:3d} KiB  wgmma {r.wgmma:3d}  mma.sync {r.mma_sync:3d}  "
               f"{'pipelined' if r.pipelined else 'NOT pipelined':13s} ptx {r.ptx_lines:5d} lines  {r.seconds:5.1f} s",
               flush=True)
     report = {"schema_version": 1, "tool": "attention_resources_sm90", "target": "cuda sm_90 (offline)",

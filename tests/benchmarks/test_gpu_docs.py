@@ -81,3 +81,22 @@ def test_a_platform_without_an_rlk_check_run_says_so():
     text = gpu_docs.render({plat: changed})
     assert "`rlk check` on CUDA has no run of record on this platform." in text
     assert "| command | compared tokens |" not in text
+
+
+def test_an_rlk_check_run_off_its_expected_outcome_is_marked():
+    """A negative control (``P/P``) that found no mismatch, or an rl-kernel run that found some, is
+    marked ✗ with a sentence; the runs as expected (the control) carry no mark."""
+    reports = gpu_docs.load_reports()
+    plat = next(p for p, fams in reports.items() if fams["gpu_tests"].get("rlk_check"))
+    changed = copy.deepcopy(reports[plat])
+    runs = changed["gpu_tests"]["rlk_check"]
+    runs[:] = [dict(runs[0], command="rlk check --device cuda --json", expected="0 mismatches", mismatched_tokens=0),
+               dict(runs[0], command="rlk check --device cuda --plan P/P --json",
+                    expected="mismatches (negative control: both sides on the production plan)", mismatched_tokens=12)]
+    text = gpu_docs.render({plat: changed})
+    assert "not the expected outcome" not in text and " ✗ |" not in text.split("`rlk check` on CUDA")[-1]
+    runs[1]["mismatched_tokens"] = 0
+    runs[0]["mismatched_tokens"] = 3
+    text = gpu_docs.render({plat: changed})
+    assert "production plan) ✗ |" in text and "| 0 mismatches ✗ |" in text
+    assert "a negative control that found no mismatch cannot show" in text
