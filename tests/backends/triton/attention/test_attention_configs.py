@@ -312,3 +312,39 @@ def test_interpreter_few_pairs_decode_tile_rule(monkeypatch):
     asked.clear()
     step(8192)
     assert asked == [(False, True)]
+
+
+@interp
+def test_interpreter_head_dim_256_decode_walks_one_block_a_step(monkeypatch):
+    """``launch.cached_forward`` on the few-programs decode tile (forced on the CPU: fewer pairs
+    than SMs, one wave, two value slices) walks one key block a step at ``D = 256``
+    (``configs.multi_block_steps``: two or four blocks' keys and values a stage exceed an SM's
+    shared memory) and gives the rows of the varlen forward; the control: at ``D = 32`` the same
+    step takes the four-block walk (``quad_blocks``)."""
+    from rl_engine.backends.triton.attention import configs as C
+    from rl_engine.backends.triton.attention import launch as L
+    from tests.backends.triton.attention._attention_common import make_qkv
+
+    monkeypatch.setattr(C, "few_programs", lambda seqs, heads, device: True)
+    monkeypatch.setattr(C, "one_wave", lambda programs, device: True)
+    monkeypatch.setattr(C, "value_slices", lambda programs, d, device, small_pages=False: 2)
+    seen = []
+    attend = L.attend
+    monkeypatch.setattr(L, "attend", lambda *a, **kw: seen.append(kw["config"]) or attend(*a, **kw))
+    for d in (256, 32):
+        lens = [40, 70]
+        q, k, v, cu = make_qkv(lens, 1, 2, d, "float32", seed=d)
+        ref = L.varlen_forward(q, k, v, cu, d**-0.5, None)[0]
+        last = (cu[1:] - 1).long()
+        out = L.cached_forward(q[last].contiguous(), k, v, cu[:-1].to(torch.int64)[:, None].contiguous(), 128,
+                               torch.arange(2), torch.tensor(lens) - 1, d**-0.5, None, path="decode",
+                               decode_only=True)
+        assert same_bits(out, ref[last]), d
+        assert seen[-1].v_slices == 2 and seen[-1].unroll == (1 if d == 256 else 4), (d, seen[-1])
+    # negative control: without the rule, D = 256 would take the four-block walk
+    monkeypatch.setattr(C, "multi_block_steps", lambda d: True)
+    q, k, v, cu = make_qkv([40, 70], 1, 2, 256, "float32", seed=256)
+    last = (cu[1:] - 1).long()
+    L.cached_forward(q[last].contiguous(), k, v, cu[:-1].to(torch.int64)[:, None].contiguous(), 128, torch.arange(2),
+                     torch.tensor([39, 69]), 256**-0.5, None, path="decode", decode_only=True)
+    assert seen[-1].unroll == 4
