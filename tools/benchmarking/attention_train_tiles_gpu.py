@@ -29,15 +29,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common.harness import cuda_graphs_interleaved_ms, device_info, summarize, versions  # noqa: E402
+from rl_engine.utils.bits import same_bits  # noqa: E402
 from tools.benchmarking.attention_decode_gpu import parse_config  # noqa: E402
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(_bits(a), _bits(b)))
 
 
 def parse_mix(text: str) -> list[int]:
@@ -86,7 +79,7 @@ def main(argv=None) -> int:
         def f(cfg=cfg):
             return L.varlen_forward(q, k, v, cu, scale, None, config=cfg, max_seqlen=max(lens), for_backward=False)[0]
         try:
-            ok = same(f(), ref)
+            ok = bool(same_bits(f(), ref))
         except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result
             errors[f"fwd {name}"] = f"{type(e).__name__}: {str(e)[:200]}"
             continue
@@ -98,7 +91,7 @@ def main(argv=None) -> int:
         def b(cfg=cfg):
             return L.varlen_backward(grad, q, k, v, out32, lse, cu, scale, None, config=cfg)
         try:
-            ok = all(same(x, y) for x, y in zip(b(), ref_grads))
+            ok = all(same_bits(x, y) for x, y in zip(b(), ref_grads))
         except Exception as e:  # noqa: BLE001
             errors[f"bwd {name}"] = f"{type(e).__name__}: {str(e)[:200]}"
             continue

@@ -202,14 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         rules = load_rules(a.reasons) if a.reasons else []
     except (ValueError, json.JSONDecodeError) as exc:
         ap.error(f"--reasons: {exc}")
-    kept: dict[str, dict[str, Any]] = {}
-    for earlier in (a.keep_from, a.carry):
-        if earlier is not None:
-            old = json.loads(earlier.read_text(encoding="utf-8"))
-            kept.update({r["case"]: r for r in old.get("miss_reasons", []) if r.get("source") == "profile"})
-    if a.carry is not None:
+    earlier = {name: json.loads(path.read_text(encoding="utf-8"))
+               for name, path in (("keep_from", a.keep_from), ("carry", a.carry)) if path is not None}
+    kept = {r["case"]: r for old in earlier.values() for r in old.get("miss_reasons", [])
+            if r.get("source") == "profile"}
+    if "carry" in earlier:
         try:
-            report = carry_over(report, json.loads(a.carry.read_text(encoding="utf-8")))
+            report = carry_over(report, earlier["carry"])
         except ValueError as exc:
             ap.error(f"--carry: {exc}")
     host = a.host_evidence or f"reports/gpu/{report['platform']}/host_overhead.json"

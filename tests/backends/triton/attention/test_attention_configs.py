@@ -323,7 +323,6 @@ def test_interpreter_head_dim_256_decode_walks_one_block_a_step(monkeypatch):
     step takes the four-block walk (``quad_blocks``)."""
     from rl_engine.backends.triton.attention import configs as C
     from rl_engine.backends.triton.attention import launch as L
-    from tests.backends.triton.attention._attention_common import make_qkv
 
     monkeypatch.setattr(C, "few_programs", lambda seqs, heads, device: True)
     monkeypatch.setattr(C, "one_wave", lambda programs, device: True)
