@@ -11,6 +11,8 @@
 # (tools/benchmarking/moe_profile_gpu.py: the MoE layer kernel by kernel, MOE_PROFILE_ARGS), moe_ncu (its rlk_moe kernels
 # over one forward+backward under ncu, a CSV; MOE_NCU_ARGS, e.g. --tokens 1024), bench_attention_extra (BENCH_ATTENTION_EXTRA_ARGS), bench_attention_configs, bench_logprob, debug_logprob, bench_gemm,
 # train_tiles (tools/benchmarking/attention_train_tiles_gpu.py: train-path tiles of one head dim; TRAIN_TILES_ARGS),
+# gemm_tiles (tools/benchmarking/gemm_tiles_gpu.py: gemm.linear tiles at the matrix's shapes of some M; writes the
+# tile table into this tree, so the steps after it run with it; GEMM_TILES_ARGS, which must hold --commit SHA),
 # check_cuda (`rlk check --device cuda`: fp32 and bf16 R/R, the P/P control, bf16 R/R past the first KV
 # split at Qwen3-0.6B's dimensions over contiguous and paged caches; CHECK_RUNS overrides), ablation
 # (tools/benchmarking/attention_ablation_gpu.py), sweep (tools/benchmarking/gemm_sweep.py),
@@ -156,6 +158,11 @@ for step in $STEPS; do
         timeout $(lim ${SWEEP2_TIMEOUT:-200}) python3 tools/benchmarking/gemm_sweep.py --out "$OUT/gemm_sweep2.json" $SWEEP2_ARGS \
           > "$OUT/gemm_sweep2.log" 2>&1; grep -E "BEST|error|Error" "$OUT/gemm_sweep2.log" | cut -c1-300 | tail -30
       fi ;;
+    gemm_tiles)  # measure gemm.linear tiles at the matrix's shapes of some M; writes the tile table into this tree (later steps use it) and $OUT
+      timeout $(lim ${GEMM_TILES_TIMEOUT:-240}) python3 tools/benchmarking/gemm_tiles_gpu.py --out "$OUT/bench_gemm_tiles.json" \
+        --max-seconds $(( $(lim ${GEMM_TILES_TIMEOUT:-240}) - 20 )) ${GEMM_TILES_ARGS:-} > "$OUT/gemm_tiles.log" 2>&1
+      echo "rc=$?"; grep -E "^M=[0-9]+:|precompiled|wrote|stopped|Error" "$OUT/gemm_tiles.log" | cut -c1-300 | tail -20
+      cp rl_engine/backends/triton/gemm/tile_tables/*.json "$OUT/" 2>/dev/null ;;
     train_tiles)  # train-path tiles of one head dim, bits and time beside SDPA (tools/benchmarking/attention_train_tiles_gpu.py)
       timeout $(lim ${TRAIN_TILES_TIMEOUT:-180}) python3 tools/benchmarking/attention_train_tiles_gpu.py \
         --out "$OUT/bench_attention_train_tiles.json" ${TRAIN_TILES_ARGS:-} > "$OUT/attention_train_tiles.log" 2>&1

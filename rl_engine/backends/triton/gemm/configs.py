@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -69,6 +70,20 @@ class TileConfig:
     def key(self) -> str:
         flags = "".join(f"_{f}" for f in ("tma", "persistent", "warp_specialize", "epilogue_subtile") if getattr(self, f))
         return f"{self.block_m}x{self.block_n}x{self.block_k}_w{self.num_warps}_s{self.num_stages}_g{self.group_m}{flags}"
+
+    @classmethod
+    def from_key(cls, key: str) -> TileConfig:
+        """The configuration whose :attr:`key` is ``key`` (``"64x128x64_w4_s4_g8_tma_persistent"``)."""
+        m = _KEY.fullmatch(key)
+        if m is None:
+            raise ValueError(f"key: expected BMxBNxBK_wWARPS_sSTAGES_gGROUP[_tma][_persistent][_warp_specialize]"
+                             f"[_epilogue_subtile], got {key!r}")
+        bm, bn, bk, w, s, g = (int(v) for v in m.groups()[:6])
+        return cls(bm, bn, bk, w, s, g, **{f: bool(v) for f, v in zip(_FLAGS, m.groups()[6:])})
+
+
+_FLAGS = ("tma", "persistent", "warp_specialize", "epilogue_subtile")
+_KEY = re.compile(r"(\d+)x(\d+)x(\d+)_w(\d+)_s(\d+)_g(\d+)" + "".join(f"(_{f})?" for f in _FLAGS))
 
 
 C = TileConfig
