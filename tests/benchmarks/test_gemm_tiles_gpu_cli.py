@@ -92,7 +92,7 @@ def test_written_rows_select_as_chosen_and_leave_other_m_alone(tmp_path):
     tool = _tool()
     base = json.loads(configs.table_path("sm90").read_text())
     res = tool.choose_bands(measurements())
-    for m in (256, 1024):  # 256 replaces a bucket's rows; 1024 adds a bucket under 2048's
+    for m in (256, 512):  # 256 replaces a bucket's rows; 512 adds a bucket under the next one's
         tab = tool.apply_bands(base, m, res["bands"], "test")
         path = tmp_path / f"t{m}.json"
         path.write_text(json.dumps(tab))
@@ -108,8 +108,9 @@ def test_written_rows_select_as_chosen_and_leave_other_m_alone(tmp_path):
             for mm in (1, 16, 64, 4096, 16384):  # other buckets: unchanged
                 for n in (1024, 4096, 151936):
                     assert sel(fwd[dt], mm, n) == sel(old[dt], mm, n)
-            if m == 1024:
-                assert sel(fwd[dt], 2048, 1024) == sel(old[dt], 2048, 1024)
+            if m == 512:
+                assert sel(fwd[dt], 1024, 1024) == sel(old[dt], 1024, 1024)
+                assert sel(fwd[dt], 256, 1024) == sel(old[dt], 256, 1024)
         assert fwd[torch.float32] == old[torch.float32]
     with pytest.raises(ValueError, match="unbounded"):
         tool.apply_bands(base, 256, res["bands"][:1], "test")

@@ -25,7 +25,8 @@ keeps its rows for that M.
 first row of a larger bound where there were none) for bf16 and fp16 (same operand width and
 tensor-core rate; fp32 runs other kernels), each band bounded by its largest N and the last one
 unbounded. So the rows serve every M above the next smaller bound up to the measured M.
-``--rebuild REPORT`` writes the table again from an earlier run's report, without a GPU.
+``--rebuild REPORT`` writes the table again from an earlier run's report, without a GPU
+(``--keep OTHER``: another run's M values, same device and commit, join it).
 
     python3 tools/benchmarking/gemm_tiles_gpu.py --out $OUT/gemm_tiles.json --ms 256,1024 --commit $(git rev-parse --short HEAD)
 
@@ -234,9 +235,22 @@ def measure(m: int, case: str, k: int, n: int, cands: Sequence[C], repeats: int)
             continue
         fns[cfg.key] = lambda x, w, cfg=cfg: kernels.forward(x, w, None, config=cfg)
     calls, reps = bench._iters(m, k, n)
-    ts = bench.time_interleaved(fns, inputs, mode="graph", n=calls, reps=max(repeats, reps))
-    row["cublas_us"] = statistics.median(ts.pop("cublas"))
-    row["us"] = {key: statistics.median(v) for key, v in ts.items()}
+    # each graph keeps its calls' outputs alive: at large M x N (an LM head at M = 16384 is 4 GiB a
+    # call) the candidates are timed a few at a time, cuBLAS in every group, so that the graphs fit in
+    # half the free memory; a group's times are scaled by its cuBLAS time to the first group's
+    per_fn = calls * m * n * x0.element_size()
+    group = max(1, int(0.5 * torch.cuda.mem_get_info()[0] // per_fn) - 1)
+    names = [key for key in fns if key != "cublas"]
+    row["us"], row["groups"] = {}, 0
+    for i in range(0, len(names), group):
+        ts = bench.time_interleaved({"cublas": fns["cublas"], **{key: fns[key] for key in names[i:i + group]}},
+                                    inputs, mode="graph", n=calls, reps=max(repeats, reps))
+        cublas = statistics.median(ts.pop("cublas"))
+        row.setdefault("cublas_us", cublas)
+        row["us"].update({key: statistics.median(v) * row["cublas_us"] / cublas for key, v in ts.items()})
+        row["groups"] += 1
+        del ts
+        torch.cuda.empty_cache()
     row["us"].update({key: None for key in row["rejected"]})
     row["calls_per_sample"] = calls
     return row
@@ -254,10 +268,13 @@ def write(report: dict, table_path: Path, out: Path) -> None:
                     f"{report['source']['commit']}: tools/benchmarking/gemm_tiles_gpu.py)")
             table = apply_bands(table, int(m_key), res["bands"], note)
     if any(res["changed"] for res in report["choices"].values()):
+        import bench_matrix_gpu as matrix
+
         src = dict(table["source"])
         src["mid_m_tiles"] = (f"rows max_m in {sorted(int(k) for k, r in report['choices'].items() if r['changed'])}: "
-                              f"{report['source']['command']} on the {report['device']['name']} at "
-                              f"{report['source']['commit']} (reports/gpu/<platform>/gemm_tiles.json)")
+                              f"{_portable(report['source']['command'])} on the {report['device']['name']} at "
+                              f"{report['source']['commit']} (reports/gpu/{matrix.platform_key(report['device']['name'])}"
+                              f"/gemm_tiles.json)")
         table = dict(table, source=src)
     configs.GemmTable.model_validate(table)
     table_path.write_text(json.dumps(table, indent=1) + "\n")
@@ -265,14 +282,34 @@ def write(report: dict, table_path: Path, out: Path) -> None:
     out.write_text(json.dumps(report, indent=1) + "\n")
 
 
+def _portable(command: str) -> str:
+    """``command`` without the arguments that only name the measuring machine's files and limits."""
+    words, out = command.split(), []
+    for w in words:
+        if out and out[-1] in ("--out", "--max-seconds", "--table"):
+            out.pop()
+            continue
+        out.append(w)
+    return " ".join(out)
+
+
 def rebuild(report_path: Path, table_path: Path | None, args) -> int:
     """Choose and write the rows of an earlier run's report again (its measurements, no GPU)."""
     from rl_engine.backends.triton.gemm import configs
 
     rep = json.loads(report_path.read_text())
+    for extra in args.keep or ():  # another run's M values, measured at the same commit on the same device
+        other = json.loads(Path(extra).read_text())
+        if (other["device"]["name"], other["source"]["commit"]) != (rep["device"]["name"], rep["source"]["commit"]):
+            raise SystemExit(f"--keep {extra}: expected a run on the {rep['device']['name']} at "
+                             f"{rep['source']['commit']}, got {other['device']['name']} at {other['source']['commit']}")
+        added = {m: rows for m, rows in other["measurements"].items() if m not in rep["measurements"] and rows}
+        rep["measurements"].update(added)
+        rep["source"].setdefault("kept", []).append(f"{_portable(other['source']['command'])}: M = {', '.join(added)}")
     rep["choices"] = {m: choose_bands(rows, tolerance=args.tolerance, max_bands=args.max_bands,
                                       min_shapes=args.min_band_shapes, min_gain=args.min_gain)
                       for m, rows in rep["measurements"].items() if rows}
+    rep["source"]["command"] = _portable(rep["source"]["command"])
     if args.commit:
         rep["source"]["commit"] = args.commit
     path = table_path or configs.table_path(rep["arch"])
@@ -290,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     "copy of the tree may carry another checkout's git history)")
     ap.add_argument("--rebuild", type=Path, default=None, metavar="REPORT",
                     help="choose and write the rows from an earlier run's report (no GPU, nothing measured)")
+    ap.add_argument("--keep", action="append", default=None, metavar="REPORT",
+                    help="with --rebuild: another run's report (same device and commit) whose M values join (repeatable)")
     ap.add_argument("--table", default=None, help="tile table to write (default: the package's tile_tables/<arch>.json)")
     ap.add_argument("--ms", default="256,1024", help="M values, comma-separated (each writes rows bounded by it)")
     ap.add_argument("--presets", default=None, help="the matrix's GEMM presets to measure, comma-separated (default all)")

@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matrix_gate_gpu import FAILING, SCRIPT  # noqa: E402 - the gate's statuses and its matrix script
 
-TITLE = "Performance-parity gate: the quick matrix under CUDA graphs, the working tree against a baseline revision"
+TITLE = "Performance-parity gate: benchmark-matrix points under CUDA graphs, the working tree against a baseline revision"
 
 
 def parse_env(text: str) -> tuple[dict[str, str], dict[str, str]]:
