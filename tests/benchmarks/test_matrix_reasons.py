@@ -146,10 +146,44 @@ def test_carry_keeps_the_earlier_points_the_new_parts_do_not_measure(tmp_path):
     assert [s["case"] for s in rec["summary"]] == ["decode: z [graph]", "gemm: y M=1 [graph]", "decode: x [graph]",
                                                    "lmhead: w [graph]"]
     assert [row["case"] for row in rec["rows"]] == [s["case"] for s in rec["summary"]]
-    assert rec["commit"] == "abc1234" and rec["meta"]["carried"]["commit"] == "0ld0ld0"
-    assert rec["meta"]["carried"]["points"] == 2 and rec["meta"]["carried"]["families"] == ["decode", "lmhead"]
+    assert rec["commit"] == "abc1234" and [c["commit"] for c in rec["meta"]["carried"]] == ["0ld0ld0"]
+    # a benchmark's rows hold family, case and mode apart: they travel with their summary entry
+    real = dict(old, rows=[{"family": "decode", "case": "x", "mode": "graph", "role": role} for role in ("ours", "baseline")]
+                + [{"family": "decode", "case": "z", "mode": "graph", "role": "ours"}])
+    paths["real"] = tmp_path / "real.json"
+    paths["real"].write_text(json.dumps(real))
+    out_real = tmp_path / "real" / "matrix.json"
+    out_real.parent.mkdir()
+    r = subprocess.run([sys.executable, str(TOOL), str(paths["new"]), "--out", str(out_real), "--carry", str(paths["real"])],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert [row.get("role") for row in json.loads(out_real.read_text())["rows"][2:]] == ["ours", "baseline"]
+    assert rec["meta"]["carried"][0]["points"] == 2 and rec["meta"]["carried"][0]["families"] == ["decode", "lmhead"]
     assert any("carried over from the run at 0ld0ld0" in n for n in rec["notes"])
     assert {m["case"]: m["reason"] for m in rec["miss_reasons"]}["lmhead: w [graph]"] == "4 products"
+    assert {s["case"]: s.get("measured_at") for s in rec["summary"]}["decode: x [graph]"] == "0ld0ld0"
+    # a second generation: carried from that record, each point keeps the run that measured it
+    newer = _part(["gemm: y M=1 [graph]", "lmhead: w [graph]"], "bench --families gemm,lmhead", commit="n3wn3w0")
+    paths["newer"] = tmp_path / "newer.json"
+    paths["newer"].write_text(json.dumps(newer))
+    out2 = tmp_path / "g2" / "matrix.json"
+    out2.parent.mkdir()
+    r = subprocess.run([sys.executable, str(TOOL), str(paths["newer"]), "--out", str(out2), "--carry", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rec2 = json.loads(out2.read_text())
+    assert {s["case"]: s.get("measured_at") for s in rec2["summary"]} == {
+        "gemm: y M=1 [graph]": None, "lmhead: w [graph]": None, "decode: z [graph]": "abc1234", "decode: x [graph]": "0ld0ld0"}
+    assert [(c["commit"], c["points"]) for c in rec2["meta"]["carried"]] == [("abc1234", 1), ("0ld0ld0", 1)]
+    assert sum("carried over from the run at" in n for n in rec2["notes"]) == 2
+    # negative control: a record of the single-origin form whose entries carry no stamps is ambiguous
+    legacy = dict(rec, meta=dict(rec["meta"], carried=rec["meta"]["carried"][0]),
+                  summary=[{k: v for k, v in e.items() if k != "measured_at"} for e in rec["summary"]])
+    paths["legacy"] = tmp_path / "legacy.json"
+    paths["legacy"].write_text(json.dumps(legacy))
+    r = subprocess.run([sys.executable, str(TOOL), str(paths["newer"]), "--out", str(tmp_path / "g3" / "matrix.json"),
+                        "--carry", str(paths["legacy"])], capture_output=True, text=True)
+    assert r.returncode == 2 and "measured_at" in r.stderr, r.stderr
     paths["old"].write_text(json.dumps(dict(old, device={"name": "NVIDIA H100"})))
     r = subprocess.run([sys.executable, str(TOOL), str(paths["new"]), "--out", str(tmp_path / "x" / "matrix.json"),
                         "--carry", str(paths["old"])], capture_output=True, text=True)

@@ -51,7 +51,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd-configs", default="", help="comma-separated backward tile keys besides the shipped one")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--calls", type=int, default=3, help="calls per CUDA graph replay")
-    args = ap.parse_args(argv)
+    ap.add_argument("--commit", default=None, help="the measured tree's commit (the device's copy may carry another "
+                                                   "checkout's git history)")
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(raw)
     if not torch.cuda.is_available():
         print("attention_train_tiles_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -122,7 +125,10 @@ def main(argv=None) -> int:
         print(f"{r['pass']:9s} {r['config']:24s} {r['ms']:9.3f} ms  bits {'equal' if r['bits_equal'] else 'DIFFER'}"
               + (f"  {r['sdpa_ratio']:.3f} of SDPA" if "sdpa_ratio" in r else ""), flush=True)
     print("sdpa", sdpa, "errors", errors, flush=True)
-    report = {"schema_version": 1, "tool": "attention_train_tiles_gpu", "device": device_info("cuda"),
+    report = {"schema_version": 1, "tool": "attention_train_tiles_gpu", "commit": args.commit,
+              "command": "python3 tools/benchmarking/attention_train_tiles_gpu.py "
+                         + " ".join(a for i, a in enumerate(raw) if a != "--out" and (i == 0 or raw[i - 1] != "--out")),
+              "device": device_info("cuda"),
               "versions": versions(), "case": {"head_dim": d, "heads": [hq, hkv], "lens": lens, "dtype": "bfloat16"},
               "shipped": {"forward": shipped_fwd.key, "backward": shipped_bwd.key}, "rows": rows, "sdpa_ms": sdpa,
               "errors": errors}

@@ -139,11 +139,35 @@ def merge_reports(parts: list[dict[str, Any]]) -> dict[str, Any]:
 CARRY_SHARED = ("family", "platform", "device", "versions")
 
 
+def row_label(row: dict[str, Any]) -> str | None:
+    """The summary label of a report row: ``"<family>: <case> [<mode>]"`` (a row holds its family,
+    case and mode apart; one without them is labelled by its ``case``)."""
+    if "family" in row and "mode" in row and "case" in row:
+        return f"{row['family']}: {row['case']} [{row['mode']}]"
+    return row.get("case")
+
+
+def _origins(old: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``commit -> {command, timestamp}`` of every run whose points ``old`` holds: its own and those
+    it carried (``meta.carried``: one origin, or a list of them)."""
+    out = {old["commit"]: {"command": old["command"], "timestamp": old["timestamp"]}}
+    carried = old.get("meta", {}).get("carried") or []
+    for c in [carried] if isinstance(carried, dict) else carried:
+        out[c["commit"]] = {"command": c["command"], "timestamp": c["timestamp"]}
+    return out
+
+
 def carry_over(report: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
     """``report`` with the points of the earlier record ``old`` that it does not measure: their
-    summary entries and rows appended, ``meta.carried`` naming ``old``'s commit, command,
-    timestamp and the carried cases' count (``ValueError`` naming the field where ``old`` is of
-    another platform, device or versions). Nothing carried: ``report`` unchanged."""
+    summary entries, each stamped ``measured_at`` (the commit of the run that measured it: ``old``'s
+    own for its unstamped entries, kept where ``old`` carried it from an earlier run), and rows
+    appended; ``meta.carried`` has one entry per such run (commit, command, timestamp, the carried
+    cases' count and families). Nothing carried: ``report`` unchanged.
+
+    Raises:
+        ValueError: ``old`` is of another platform, device or versions (naming the field), or it
+            carries points of several runs without stamping which run measured each.
+    """
     for key in CARRY_SHARED:
         if old.get(key) != report.get(key):
             raise ValueError(f"{key} {old.get(key)!r} differs from the raw reports' {report.get(key)!r}; only "
@@ -152,25 +176,35 @@ def carry_over(report: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
     summary = [s for s in old["summary"] if s["case"] not in measured]
     if not summary:
         return report
+    origins = _origins(old)
+    legacy = old.get("meta", {}).get("carried")
+    if isinstance(legacy, dict) and not any("measured_at" in s for s in old["summary"]):
+        # a record written before the stamps: its own and its carried entries look alike
+        raise ValueError(f"the earlier record carries points of {sorted(origins)} but its summary entries do not say "
+                         "which run measured each (measured_at)")
+    summary = [dict(s, measured_at=s.get("measured_at", old["commit"])) for s in summary]
+    unknown = sorted({s["measured_at"] for s in summary} - set(origins))
+    if unknown:
+        raise ValueError(f"summary entries measured at {unknown}, a run the earlier record does not name")
     cases = {s["case"] for s in summary}
     out = dict(report)
     out["summary"] = report["summary"] + summary
-    out["rows"] = report["rows"] + [r for r in old["rows"] if r.get("case") in cases]
-    families = sorted({s["case"].split(":", 1)[0] for s in summary})  # "decode: ..." -> decode
-    out["meta"] = dict(report.get("meta", {}), carried={"commit": old["commit"], "command": old["command"],
-                                                        "timestamp": old["timestamp"], "points": len(summary),
-                                                        "families": families})
+    out["rows"] = report["rows"] + [r for r in old["rows"] if row_label(r) in cases]
+    carried = []
+    for commit in dict.fromkeys(s["measured_at"] for s in summary):
+        mine = [s for s in summary if s["measured_at"] == commit]
+        carried.append(dict(commit=commit, **origins[commit], points=len(mine),
+                            families=sorted({s["case"].split(":", 1)[0] for s in mine})))  # "decode: ..." -> decode
+    out["meta"] = dict(report.get("meta", {}), carried=carried)
     return out
 
 
-def carried_note(report: dict[str, Any]) -> str | None:
-    """The page's sentence on the carried points (``None`` when none are)."""
-    c = report.get("meta", {}).get("carried")
-    if not c:
-        return None
-    return (f"{c['points']} points of the {', '.join(c['families'])} famil{'y' if len(c['families']) == 1 else 'ies'} "
-            f"are carried over from the run at {c['commit']} ({c['timestamp']}), not measured again at "
-            f"{report['commit']}.")
+def carried_notes(report: dict[str, Any]) -> list[str]:
+    """The page's sentences on the carried points, one per run they come from."""
+    carried = report.get("meta", {}).get("carried") or []
+    return [(f"{c['points']} points of the {', '.join(c['families'])} famil{'y' if len(c['families']) == 1 else 'ies'} "
+             f"are carried over from the run at {c['commit']} ({c['timestamp']}), not measured again at "
+             f"{report['commit']}.") for c in ([carried] if isinstance(carried, dict) else carried)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--carry: {exc}")
     host = a.host_evidence or f"reports/gpu/{report['platform']}/host_overhead.json"
     report["miss_reasons"] = miss_reasons(report, rules, kept, host)
-    report["notes"] = list(a.note) + [n for n in (carried_note(report),) if n]
+    report["notes"] = list(a.note) + carried_notes(report)
     a.out.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     misses = sum(1 for s in report["summary"] if s.get("met") is False)
     print(f"wrote {a.out}: {misses} misses, {len(report['miss_reasons'])} with a reason")
