@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                          "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
               "selection": {"tolerance": args.tolerance, "max_bands": args.max_bands,
                             "min_band_shapes": args.min_band_shapes, "min_gain": args.min_gain},
-              "measurements": {}, "choices": {}}
+              "measurements": {}, "choices": {}, "base_table": json.loads(configs.table_path(arch).read_text())}
     for m in ms:
         rows = []
         for case, k, n in shapes[m]:
