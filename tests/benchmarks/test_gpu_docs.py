@@ -69,6 +69,24 @@ def test_a_shard_stopped_by_the_session_limit_is_called_partial():
            f"exceeded) after {sh['tests']} tests" in text
 
 
+def test_a_shard_without_a_bounded_performance_run_says_not_run():
+    """A rerun of a few tests records no bounded-performance run: its row says "not run" where a
+    shard with one (the control) gives passed / skipped."""
+    reports = gpu_docs.load_reports()
+    plat = next(p for p, fams in reports.items() if "gpu_tests" in fams)
+    changed = copy.deepcopy(reports)
+    shards = changed[plat]["gpu_tests"]["shards"]
+    with_perf = next(s for s in shards if "bounded_performance" in s)
+    rerun = dict(with_perf, shard="a rerun")
+    del rerun["bounded_performance"]
+    shards.append(rerun)
+    text = gpu_docs.render(changed)
+    row = next(line for line in text.splitlines() if line.startswith("| a rerun |"))
+    assert row.endswith("| not run |")
+    control = next(line for line in text.splitlines() if line.startswith(f"| {with_perf['shard']} |"))
+    assert "not run" not in control and control.rstrip(" |").split("|")[-1].strip().count("/") == 1
+
+
 def test_a_platform_without_an_rlk_check_run_says_so():
     """A platform whose test record holds no ``rlk check`` on CUDA gets a sentence saying so instead
     of the table; a record with runs (the control) gets the table."""

@@ -33,7 +33,8 @@
 # SHARD (attention | rest | all, default all) picks the tests step's default TESTS: a full GPU
 # test run takes two device calls of 600 s (one per shard); reports/gpu/h200/gpu_tests.json
 # summarises both. TESTS_TIMEOUT bounds the tests step (default 300 s; the attention shard takes
-# about 330 s at 16 workers); pytest itself stops SESSION_MARGIN (default 90) seconds earlier, so
+# about 330 s at 16 workers on an H200, 209 s on an H100, where 16 workers sharing 80 GB ran two fp32
+# long-context tests out of memory: use XDIST=12 there); pytest itself stops SESSION_MARGIN (default 90) seconds earlier, so
 # a shard cut short keeps its junit XML.
 #
 # Carry .whl (pydantic & deps and the Liger-Kernel wheel, missing on the device image), made once
