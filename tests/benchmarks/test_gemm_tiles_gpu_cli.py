@@ -151,6 +151,7 @@ def test_tile_config_keys_round_trip_and_candidates_are_distinct():
     (["--commit", "x", "--ms", "256"], "--out"),
     (["--out", "o.json", "--commit", "x", "--max-bands", "0"], "--max-bands"),
     (["--out", "o.json", "--commit", "x", "--tolerance", "-1"], "--tolerance"),
+    (["--out", "o.json", "--commit", "x", "--compile-workers", "-1"], "--compile-workers"),
     (["--out", "o.json", "--commit", "x", "--ms", "256", "--presets", "nope"], "no matrix GEMM shape"),
 ])
 def test_bad_arguments_are_refused_by_name(args, message):

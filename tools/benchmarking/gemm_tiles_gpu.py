@@ -320,6 +320,14 @@ def rebuild(report_path: Path, table_path: Path | None, args) -> int:
     return 0
 
 
+def _m_values(text: str) -> list[int]:
+    """``--ms``: positive M values, comma-separated."""
+    values = [v for v in text.split(",") if v]
+    if not values or not all(v.isdigit() and int(v) > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive M values, comma-separated, got {text!r}")
+    return [int(v) for v in values]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="JSON of every measurement and choice (required unless --rebuild)")
@@ -330,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="append", default=None, metavar="REPORT",
                     help="with --rebuild: another run's report (same device and commit) whose M values join (repeatable)")
     ap.add_argument("--table", default=None, help="tile table to write (default: the package's tile_tables/<arch>.json)")
-    ap.add_argument("--ms", default="256,1024", help="M values, comma-separated (each writes rows bounded by it)")
+    ap.add_argument("--ms", type=_m_values, default=[256, 1024],
+                    help="M values, comma-separated (each writes rows bounded by it)")
     ap.add_argument("--presets", default=None, help="the matrix's GEMM presets to measure, comma-separated (default all)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--tolerance", type=float, default=0.02, help="slowest a band's configuration may be against a "
@@ -344,16 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("max_bands", "min_band_shapes", "repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: expected a positive count, got {getattr(args, name)}")
+    if args.compile_workers < 0:
+        ap.error(f"--compile-workers: expected a count >= 0, got {args.compile_workers}")
     if args.tolerance < 0 or args.min_gain < 0:
         ap.error(f"--tolerance, --min-gain: expected fractions >= 0, got {args.tolerance}, {args.min_gain}")
     if args.rebuild is not None:
         return rebuild(args.rebuild, Path(args.table) if args.table else None, args)
-    try:
-        ms = [int(v) for v in args.ms.split(",") if v]
-    except ValueError:
-        ms = []
-    if not ms or min(ms) < 1:
-        ap.error(f"--ms: expected positive M values, comma-separated, got {args.ms!r}")
+    ms = args.ms
     if args.out is None:
         ap.error("--out: required (unless --rebuild)")
     if not args.commit:
@@ -366,8 +372,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gemm_tiles_gpu: needs a CUDA device", file=sys.stderr)
         return 1
-    if args.compile_workers < 0:
-        ap.error(f"--compile-workers: expected a count >= 0, got {args.compile_workers}")
 
     from benchmarks.common.harness import device_info, versions
     from rl_engine.backends.triton.gemm import configs
