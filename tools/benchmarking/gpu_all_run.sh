@@ -13,8 +13,10 @@
 # train_tiles (tools/benchmarking/attention_train_tiles_gpu.py: train-path tiles of one head dim; TRAIN_TILES_ARGS),
 # gemm_tiles (tools/benchmarking/gemm_tiles_gpu.py: gemm.linear tiles at the matrix's shapes of some M; writes the
 # tile table into this tree, so the steps after it run with it; GEMM_TILES_ARGS, which must hold --commit SHA),
-# check_cuda (`rlk check --device cuda`: fp32 and bf16 R/R, the P/P control, bf16 R/R past the first KV
-# split at Qwen3-0.6B's dimensions over contiguous and paged caches; CHECK_RUNS overrides), ablation
+# check_cuda (`rlk check --device cuda`: fp32 and bf16 R/R at the tiny default; bf16 R/R past the first KV
+# split at Qwen3-0.6B's dimensions over contiguous and paged caches, and the P/P control at that shape, where
+# native torch's prefill and decode shapes differ on a GPU (at the tiny default they may not: docs/check.md);
+# CHECK_RUNS overrides), ablation
 # (tools/benchmarking/attention_ablation_gpu.py), sweep (tools/benchmarking/gemm_sweep.py),
 # host_overhead (tools/benchmarking/host_overhead_gpu.py; HOST_PROFILE: ';'-separated cases to cProfile), overhead (benchmarks/operators/bench_call_overhead.py),
 # matrix (benchmarks/operators/bench_matrix_gpu.py, MATRIX_ARGS, default --quick), gate (the parity gate:
@@ -140,9 +142,10 @@ for step in $STEPS; do
         --out "$OUT/bench_attention_configs.json" ${BENCH_ATTENTION_CONFIGS_ARGS:-} > "$OUT/bench_attention_configs.log" 2>&1
       tail -40 "$OUT/bench_attention_configs.log" ;;
     check_cuda)  # the main job end to end on the GPU: rl-kernel train vs rollout log-probs, then the native control
-      # the last two: past the first 1024-key KV split at Qwen3-0.6B's dimensions (split-parallel
-      # decode), contiguous and paged rollout caches; CHECK_RUNS (';'-separated argument sets) overrides
-      IFS=';' read -ra check_runs <<< "${CHECK_RUNS:---dtype float32;--dtype bfloat16;--dtype bfloat16 --plan P/P;--dtype bfloat16 --preset qwen3-0.6b --extra-prompt-tokens 1000;--dtype bfloat16 --preset qwen3-0.6b --extra-prompt-tokens 1000 --kv-cache paged}"
+      # the last three: past the first 1024-key KV split at Qwen3-0.6B's dimensions (split-parallel
+      # decode), contiguous and paged rollout caches, and the P/P control at that shape; CHECK_RUNS
+      # (';'-separated argument sets) overrides
+      IFS=';' read -ra check_runs <<< "${CHECK_RUNS:---dtype float32;--dtype bfloat16;--dtype bfloat16 --preset qwen3-0.6b --extra-prompt-tokens 1000;--dtype bfloat16 --preset qwen3-0.6b --extra-prompt-tokens 1000 --plan P/P;--dtype bfloat16 --preset qwen3-0.6b --extra-prompt-tokens 1000 --kv-cache paged}"
       for args in "${check_runs[@]}"; do
         echo "-- rlk check --device cuda $args"
         timeout $(lim ${CHECK_TIMEOUT:-120}) python3 -c 'import sys; from rl_engine.entrypoints.cli import main; sys.exit(main())' check --device cuda $args --json \
