@@ -162,3 +162,13 @@ def test_bad_arguments_are_refused_by_name(args, message):
 def test_without_cuda_the_tool_says_so():
     r = run("--out", "o.json", "--commit", "x", "--ms", "256", "--presets", "qwen3-0.6b")
     assert r.returncode == 1 and "needs a CUDA device" in r.stderr
+
+
+def test_precompile_rows_keep_the_specialisation_of_m():
+    """Precompile launches use 256 rows for a multiple of 16 above 256 (Triton specialises an int on
+    == 1 and % 16 only, so the same kernel compiles); 1, 16, 64, 256 and a row count that is not a
+    multiple of 16 stay as they are (the control: those specialise differently)."""
+    tool = _tool()
+    assert [tool.compile_rows(m) for m in (1, 16, 64, 256, 1024, 4096, 16384)] == [1, 16, 64, 256, 256, 256, 256]
+    assert tool.compile_rows(1000) == 1000 and tool.compile_rows(300) == 300
+    assert all(tool.compile_rows(m) % 16 == 0 for m in (1024, 4096, 16384))

@@ -180,6 +180,15 @@ def _config_json(cfg: C) -> dict:
     return {k: v for k, v in d.items() if not (isinstance(v, bool) and not v)}
 
 
+def compile_rows(m: int) -> int:
+    """The rows a precompile launch uses for ``m``: 256 for a multiple of 16 above 256, ``m``
+    itself otherwise. Triton specialises an integer argument only on being 1 or a multiple of 16,
+    so the one-program-a-tile kernels compile as ``m`` rows run them, while a worker's operands stay
+    small (an LM head's output at M = 16,384 is 4 GiB); a persistent kernel's tile-range arguments
+    may specialise otherwise, and the measuring process then compiles that one itself."""
+    return 256 if m > 256 and m % 16 == 0 else m
+
+
 def _compile_worker(jobs: list[tuple[int, int, int, str]]) -> list[str]:
     """Launch each ``(M, K, N, config key)`` once on zeros (a spawned process: fills Triton's
     on-disk cache, which the measuring process then loads instead of compiling); returns errors."""
@@ -381,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.table) if args.table else configs.table_path(arch)
     t0 = time.perf_counter()
     if args.compile_workers:
-        jobs = sorted({(m, k, n, c.key) for m in ms for _, k, n in shapes[m] for c in candidates(m)})
-        precompile([j for j in jobs], args.compile_workers)
+        jobs = sorted({(compile_rows(m), k, n, c.key) for m in ms for _, k, n in shapes[m] for c in candidates(m)})
+        precompile(jobs, args.compile_workers)
         print(f"precompiled {len(jobs)} launches in {args.compile_workers} processes: {time.perf_counter() - t0:.0f} s",
               flush=True)
     report = {"schema_version": 1, "family": "gemm_tiles", "arch": arch, "device": device_info("cuda"),
