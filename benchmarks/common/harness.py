@@ -345,6 +345,25 @@ def versions() -> dict[str, str | None]:
     }
 
 
+def portable_command(script: str, argv: Sequence[str], drop: Sequence[str] = ("--out",)) -> str:
+    """``python3 <script> <argv>`` for a report's ``command``, without the options in ``drop`` and
+    their values (``--opt value`` or ``--opt=value``): those name the measuring machine's files and
+    limits, not what was measured."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in drop:
+            skip = True
+            continue
+        if a.split("=", 1)[0] in drop and "=" in a:
+            continue
+        out.append(a)
+    return " ".join(["python3", script, *out])
+
+
 def device_info(device: str = "cpu") -> dict[str, Any]:
     """``{"type", "name", "platform", "threads"}`` of ``device``."""
     from rl_engine.platforms import platform_of

@@ -192,3 +192,14 @@ def test_cprofile_text_lists_the_profiled_calls_by_own_and_cumulative_time():
     assert "Ordered by: internal time" in text and "Ordered by: cumulative time" in text
     fn_rows = [ln.split() for ln in text.splitlines() if ln.rstrip().endswith("(fn)")]
     assert fn_rows and all(r[0] == "7" for r in fn_rows)  # fn profiled 7 times, in both listings
+
+
+def test_portable_command_drops_the_machine_local_options_only():
+    """``portable_command``: the options named in ``drop`` leave with their values, in either
+    spelling; every other argument stays in order (the control: ``--commit`` is kept)."""
+    from benchmarks.common.harness import portable_command
+
+    argv = ["--out", "/tmp/x.json", "--ms", "256,1024", "--max-seconds=250", "--commit", "abc1234"]
+    assert portable_command("tools/t.py", argv, ("--out", "--max-seconds")) == \
+        "python3 tools/t.py --ms 256,1024 --commit abc1234"
+    assert portable_command("tools/t.py", argv) == "python3 tools/t.py --ms 256,1024 --max-seconds=250 --commit abc1234"

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common.harness import cuda_graphs_interleaved_ms, device_info, summarize, versions  # noqa: E402
+from benchmarks.common.harness import (  # noqa: E402
+    cuda_graphs_interleaved_ms, device_info, portable_command, summarize, versions)
 from rl_engine.utils.bits import same_bits  # noqa: E402
 from tools.benchmarking.attention_decode_gpu import parse_config  # noqa: E402
 
@@ -126,8 +127,7 @@ def main(argv=None) -> int:
               + (f"  {r['sdpa_ratio']:.3f} of SDPA" if "sdpa_ratio" in r else ""), flush=True)
     print("sdpa", sdpa, "errors", errors, flush=True)
     report = {"schema_version": 1, "tool": "attention_train_tiles_gpu", "commit": args.commit,
-              "command": "python3 tools/benchmarking/attention_train_tiles_gpu.py "
-                         + " ".join(a for i, a in enumerate(raw) if a != "--out" and (i == 0 or raw[i - 1] != "--out")),
+              "command": portable_command("tools/benchmarking/attention_train_tiles_gpu.py", raw),
               "device": device_info("cuda"),
               "versions": versions(), "case": {"head_dim": d, "heads": [hq, hkv], "lens": lens, "dtype": "bfloat16"},
               "shipped": {"forward": shipped_fwd.key, "backward": shipped_bwd.key}, "rows": rows, "sdpa_ms": sdpa,

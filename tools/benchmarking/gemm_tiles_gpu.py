@@ -16,8 +16,8 @@ cuBLAS, the configuration the tile table selects now (the *incumbent*) and every
 ``--max-bands`` bands of consecutive N (shapes with equal N share a band), each band served by
 one configuration; the cut minimises the sum over shapes of ``time / cuBLAS time``. A
 configuration may serve a band only if at every shape of the band it is accepted and at most
-``--tolerance`` slower than that shape's incumbent — a change that loses somewhere is not
-shipped — and a band holds at least ``--min-band-shapes`` shapes, so no row is a rule that one
+``--tolerance`` slower than that shape's incumbent (no row trades one shape's time for
+another's), and a band holds at least ``--min-band-shapes`` shapes, so no row is a rule that one
 shape exercises. When the best cut does not lower the summed ratio by ``--min-gain``, the table
 keeps its rows for that M.
 
@@ -163,8 +163,8 @@ def apply_bands(table: dict, m: int, bands: Sequence[dict], note: str, dtypes: S
     forward = [r for r in table["forward"] if not (r["dtype"] in dtypes and r.get("max_m") == m)]
     for dt in dtypes:
         new = [{"dtype": dt, "max_m": m, "max_n": b["max_n"], "config": _config_json(C.from_key(b["config"])),
-                "note": f"{note}; time/cuBLAS summed over {len(b['cases'])} shapes: {b['ratio_sum']:.2f} "
-                        f"(the previous rows': {b['incumbent_ratio_sum']:.2f})"} for b in bands]
+                "note": f"{note}; time/cuBLAS summed over its {len(b['cases'])} shapes: {b['ratio_sum']:.2f}"}
+               for b in bands]
         at = next((i for i, r in enumerate(forward)
                    if r["dtype"] == dt and (r.get("max_m") is None or r["max_m"] > m)), None)
         if at is None:
@@ -269,8 +269,7 @@ def write(report: dict, table_path: Path, out: Path) -> None:
     """The report, and the table with every M's chosen bands (validated, then loaded back)."""
     from rl_engine.backends.triton.gemm import configs
 
-    table = json.loads(table_path.read_text()) if "base_table" not in report else report["base_table"]
-    report["base_table"] = table
+    table = report["base_table"]  # the table the run measured against (main stores it; rebuild reads it back)
     for m_key, res in sorted(report["choices"].items(), key=lambda kv: int(kv[0])):
         if res["changed"]:
             note = (f"M <= {m_key} (measured at M = {m_key} on the {report['device']['name']}, "
@@ -281,7 +280,7 @@ def write(report: dict, table_path: Path, out: Path) -> None:
 
         src = dict(table["source"])
         src["mid_m_tiles"] = (f"rows max_m in {sorted(int(k) for k, r in report['choices'].items() if r['changed'])}: "
-                              f"{_portable(report['source']['command'])} on the {report['device']['name']} at "
+                              f"{report['source']['command']} on the {report['device']['name']} at "
                               f"{report['source']['commit']} (reports/gpu/{matrix.platform_key(report['device']['name'])}"
                               f"/gemm_tiles.json)")
         table = dict(table, source=src)
@@ -289,17 +288,6 @@ def write(report: dict, table_path: Path, out: Path) -> None:
     table_path.write_text(json.dumps(table, indent=1) + "\n")
     configs.load_table(table_path)
     out.write_text(json.dumps(report, indent=1) + "\n")
-
-
-def _portable(command: str) -> str:
-    """``command`` without the arguments that only name the measuring machine's files and limits."""
-    words, out = command.split(), []
-    for w in words:
-        if out and out[-1] in ("--out", "--max-seconds", "--table"):
-            out.pop()
-            continue
-        out.append(w)
-    return " ".join(out)
 
 
 def rebuild(report_path: Path, table_path: Path | None, args) -> int:
@@ -314,11 +302,10 @@ def rebuild(report_path: Path, table_path: Path | None, args) -> int:
                              f"{rep['source']['commit']}, got {other['device']['name']} at {other['source']['commit']}")
         added = {m: rows for m, rows in other["measurements"].items() if m not in rep["measurements"] and rows}
         rep["measurements"].update(added)
-        rep["source"].setdefault("kept", []).append(f"{_portable(other['source']['command'])}: M = {', '.join(added)}")
+        rep["source"].setdefault("kept", []).append(f"{other['source']['command']}: M = {', '.join(added)}")
     rep["choices"] = {m: choose_bands(rows, tolerance=args.tolerance, max_bands=args.max_bands,
                                       min_shapes=args.min_band_shapes, min_gain=args.min_gain)
                       for m, rows in rep["measurements"].items() if rows}
-    rep["source"]["command"] = _portable(rep["source"]["command"])
     if args.commit:
         rep["source"]["commit"] = args.commit
     path = table_path or configs.table_path(rep["arch"])
@@ -382,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gemm_tiles_gpu: needs a CUDA device", file=sys.stderr)
         return 1
 
-    from benchmarks.common.harness import device_info, versions
+    from benchmarks.common.harness import device_info, portable_command, versions
     from rl_engine.backends.triton.gemm import configs
     from rl_engine.backends.triton.gemm.kernels import arch_of
 
@@ -396,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     report = {"schema_version": 1, "family": "gemm_tiles", "arch": arch, "device": device_info("cuda"),
               "versions": versions(),
-              "source": {"command": "python3 tools/benchmarking/gemm_tiles_gpu.py " + " ".join(argv or sys.argv[1:]),
+              "source": {"command": portable_command("tools/benchmarking/gemm_tiles_gpu.py", argv or sys.argv[1:],
+                                                     ("--out", "--max-seconds", "--table")),
                          "commit": args.commit,
                          "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
               "selection": {"tolerance": args.tolerance, "max_bands": args.max_bands,
