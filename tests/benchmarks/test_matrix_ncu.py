@@ -4,6 +4,7 @@ summary of ncu's CSV per point and side (kernels named ``"<case> | <side>"`` by 
 from __future__ import annotations
 
 import csv
+import fnmatch
 import io
 import json
 import shlex
@@ -101,3 +102,57 @@ def test_short_names_and_argument_errors(capsys):
     with pytest.raises(SystemExit):
         tool.main(["--summary", "/nonexistent.csv"])
     assert "no such file" in capsys.readouterr().err
+
+
+def test_within_narrows_the_record_misses(tmp_path, capsys):
+    rec = tmp_path / "matrix.json"
+    record = {"summary": RECORD["summary"] + [
+        {"case": "gemm: qwen3-8b.qkv K=4096 N=6144 M=256 [graph]", "family": "gemm", "mode": "graph", "met": False}]}
+    rec.write_text(json.dumps(record))
+    assert tool.main(["--command", "--record", str(rec), "--families", "gemm", "--within", "*M=256,*M=1024"]) == 0
+    cmd = shlex.split(capsys.readouterr().out)
+    assert cmd[cmd.index("--cases") + 1] == "qwen3-8b.qkv K=4096 N=6144 M=256"
+    # negative control: without --within the M = 64 miss is profiled too
+    assert tool.main(["--command", "--record", str(rec), "--families", "gemm"]) == 0
+    cmd = shlex.split(capsys.readouterr().out)
+    assert cmd[cmd.index("--cases") + 1].split(",") == ["qwen3-8b.qkv K=4096 N=6144 M=64", "qwen3-8b.qkv K=4096 N=6144 M=256"]
+    with pytest.raises(SystemExit):
+        tool.main(["--command", "--record", str(rec), "--families", "gemm", "--within", "*M=4096"])
+    assert "no points to profile" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.main(["--command", "--cases", "x", "--within", "*M=256"])
+    assert "--within" in capsys.readouterr().err
+
+
+def test_reasons_out_gives_each_profiled_point_both_sides_counters(tmp_path, capsys):
+    """The reasons file matches each point's graph row (and no other row: brackets are literal)
+    and cites both sides' device time, launches and longest launch's counters."""
+    path = tmp_path / "gemm.csv"
+    t = "gpu__time_duration.sum"
+    case = "qwen3-8b.qkv K=4096 N=6144 M=256"
+    path.write_text(_csv([
+        (f"{case} | ours/rlk_linear_fwd_tma", {t: "30000", "sm__throughput.avg.pct_of_peak_sustained_elapsed": "40.5",
+                                               "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": "2.5",
+                                               "launch__registers_per_thread": "168"}),
+        (f"{case} | torch.F.linear/nvjet_sm90_splitK", {t: "20000"}),
+        (f"{case} | torch.F.linear/splitKreduce_kernel", {t: "1000"}),
+        ("other case | ours/rlk_linear_fwd_tma", {t: "1000"}),  # no baseline side: no reason
+    ]))
+    out = tmp_path / "reasons.json"
+    args = ["--summary", str(path), "--commit", "abc1234", "--reasons-out", str(out), "--family", "gemm",
+            "--evidence", "reports/gpu/h100/matrix_ncu.json", "--device", "H100"]
+    assert tool.main(args) == 0
+    (rule,) = json.loads(out.read_text())
+    assert fnmatch.fnmatchcase(f"gemm: {case} [graph]", rule["cases"])
+    assert not fnmatch.fnmatchcase(f"gemm: {case} [eager]", rule["cases"])
+    assert not fnmatch.fnmatchcase(f"gemm: {case} g", rule["cases"])
+    assert "ours 30.0 us in 1 launch(es) (rlk_linear_fwd_tma)" in rule["reason"]
+    assert "torch.F.linear 21.0 us in 2 launch(es) (nvjet_sm90_splitK, splitKreduce_kernel)" in rule["reason"]
+    assert "SM 40.5 % of peak" in rule["reason"] and "168 registers" in rule["reason"] and "wait 2.50" in rule["reason"]
+    assert rule["evidence"] == "reports/gpu/h100/matrix_ncu.json (ncu, abc1234): 30.0 us vs 21.0 us"
+    # the reasons file is what matrix_reasons.py reads
+    reasons_tool = load_script("tools/benchmarking/matrix_reasons.py")
+    assert reasons_tool.load_rules(out)[0]["cases"] == rule["cases"]
+    with pytest.raises(SystemExit):
+        tool.main(["--summary", str(path), "--reasons-out", str(out), "--family", "gemm"])
+    assert "--reasons-out" in capsys.readouterr().err

@@ -209,7 +209,7 @@ for step in $STEPS; do
       timeout $(lim ${MOE_PROFILE_TIMEOUT:-120}) python3 tools/benchmarking/moe_profile_gpu.py --out "$OUT/bench_moe_profile.json" \
         ${MOE_PROFILE_ARGS:-} > "$OUT/moe_profile.log" 2>&1; echo "rc=$?"; tail -60 "$OUT/moe_profile.log" | cut -c1-220 ;;
     matrix_ncu)  # Nsight Compute counters of a matrix record's graph-mode misses, ours and each baseline, one ncu run per
-      # family so a time limit keeps the families finished (tools/benchmarking/matrix_ncu.py; MATRIX_NCU_ARGS, e.g. --record R)
+      # family so a time limit keeps the families finished (tools/benchmarking/matrix_ncu.py; MATRIX_NCU_ARGS, e.g. --record R --within "*M=256")
       for fam in ${MATRIX_NCU_FAMILIES:-gemm attention decode}; do
         ncu_cmd=$(python3 tools/benchmarking/matrix_ncu.py --command --families "$fam" ${MATRIX_NCU_ARGS:-}) || continue
         PATH="$PATH:/usr/local/cuda/bin" timeout $(lim ${MATRIX_NCU_TIMEOUT:-200}) bash -c "exec $ncu_cmd" \

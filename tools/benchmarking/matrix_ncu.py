@@ -13,15 +13,23 @@ occupancy, registers, warp stall reasons).
 side, every launch's counters and the side's device time; it prints one line per side: device
 time, launches, and the longest launch's SM, DRAM and tensor-pipe shares, active warps,
 registers per thread and its two largest stall reasons — what ``matrix_reasons.py --reasons``
-cites as the measured reason of a miss.
+cites as the measured reason of a miss. ``--reasons-out FILE --family F --evidence PATH`` writes
+those lines as that reasons file: one ``{cases, reason, evidence}`` entry per profiled point of
+family ``F`` (its graph row), the reason giving both sides' device time and launches and each
+side's longest launch's counters.
+
+``--within PATTERNS`` narrows the record's misses to the case labels that match one of the
+comma-separated shell-style patterns (``"*M=256,*M=1024"``: the GEMM misses at two M values).
 
     eval "$(python3 tools/benchmarking/matrix_ncu.py --command --families gemm)" > gemm_ncu.csv
-    python3 tools/benchmarking/matrix_ncu.py --summary gemm_ncu.csv --out matrix_ncu.json
+    python3 tools/benchmarking/matrix_ncu.py --summary gemm_ncu.csv --out matrix_ncu.json \\
+        --reasons-out reasons.json --family gemm --evidence reports/gpu/h100/matrix_ncu.json
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import shlex
 import sys
@@ -99,9 +107,14 @@ def summarize(paths: list[Path]) -> dict:
             "points": list(points.values()), "unattributed": unattributed}
 
 
+def _longest(s: dict) -> dict:
+    """The side's launch of the longest device time."""
+    return max(s["launches"], key=lambda x: x["metrics"].get("gpu__time_duration.sum") or 0.0)
+
+
 def side_line(side: str, s: dict) -> str:
     """One printed line: device time, launches and the longest launch's counters."""
-    main = max(s["launches"], key=lambda x: x["metrics"].get("gpu__time_duration.sum") or 0.0)
+    main = _longest(s)
     m = main["metrics"]
 
     def pct(key: str) -> str:
@@ -117,6 +130,53 @@ def side_line(side: str, s: dict) -> str:
             f"warps {pct('sm__warps_active%act')}%  regs {int(regs) if isinstance(regs, float) else '-'}  stalls: {top}")
 
 
+def side_counters(s: dict) -> str:
+    """The longest launch's counters of one side, as a reason's clause."""
+    main = _longest(s)
+    m = main["metrics"]
+
+    def pct(key: str) -> str:
+        v = m.get(key)
+        return f"{v:.1f} %" if isinstance(v, float) else "-"
+
+    stalls = sorted(((m.get(f"stall_{k}"), k) for k in STALLS if isinstance(m.get(f"stall_{k}"), float)), reverse=True)
+    regs = m.get("launch__registers_per_thread")
+    top = ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for v, k in stalls[:2]) or "-"
+    return (f"{main['kernel']} grid {main['grid']}, SM {pct('sm__throughput%el')} of peak, DRAM "
+            f"{pct('dram__throughput%el')}, tensor pipe {pct('sm__pipe_tensor_cycles_active%act')} active, warps "
+            f"{pct('sm__warps_active%act')} active, {int(regs) if isinstance(regs, float) else '-'} registers, "
+            f"stalls per issue: {top}")
+
+
+def _pattern(label: str) -> str:
+    """``label`` as an fnmatch pattern that matches only itself (``[``, ``]``, ``*``, ``?`` bracketed)."""
+    return "".join(f"[{c}]" if c in "[]*?" else c for c in label)
+
+
+def reasons(rep: dict, family: str, evidence: str, device: str) -> list[dict[str, str]]:
+    """``matrix_reasons.py --reasons`` entries for every point of ``rep`` with our side and at
+    least one baseline (the graph row of ``family: <case>``)."""
+    out = []
+    for point in rep["points"]:
+        sides = point["sides"]
+        if "ours" not in sides or len(sides) < 2:
+            continue
+        ours = sides["ours"]
+        base_name, base = min(((n, s) for n, s in sides.items() if n != "ours"), key=lambda x: x[1]["device_us"])
+
+        def kernels(s: dict) -> str:
+            return ", ".join(dict.fromkeys(x["kernel"] for x in s["launches"]))
+
+        text = (f"ncu on the {device}: ours {ours['device_us']:.1f} us in {len(ours['launches'])} launch(es) "
+                f"({kernels(ours)}), {base_name} {base['device_us']:.1f} us in {len(base['launches'])} launch(es) "
+                f"({kernels(base)}). Ours, longest launch: {side_counters(ours)}. {base_name}, longest launch: "
+                f"{side_counters(base)}.")
+        commit = f", {rep['commit']}" if rep.get("commit") else ""
+        out.append({"cases": _pattern(f"{family}: {point['case']} [graph]"), "reason": text,
+                    "evidence": f"{evidence} (ncu{commit}): {ours['device_us']:.1f} us vs {base['device_us']:.1f} us"})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--command", action="store_true", help="print the ncu command line and exit")
@@ -124,15 +184,26 @@ def main(argv: list[str] | None = None) -> int:
                     help="matrix record whose graph-mode misses are profiled (with --command)")
     ap.add_argument("--cases", default=None, help="comma-separated case patterns instead of the record's misses")
     ap.add_argument("--families", default=None, help="comma-separated families to keep (gemm, attention, decode, lmhead)")
+    ap.add_argument("--within", default=None,
+                    help="comma-separated shell-style patterns: keep the record's misses whose case matches one")
     ap.add_argument("--metrics", default=",".join(NCU_METRICS), help="ncu metrics (comma-separated)")
     ap.add_argument("--python", default=sys.executable, help="interpreter ncu launches")
     ap.add_argument("--summary", type=Path, nargs="+", default=None, metavar="CSV", help="ncu --csv outputs to summarise")
     ap.add_argument("--out", type=Path, default=None, help="JSON summary (with --summary)")
     ap.add_argument("--commit", default=None, help="the profiled tree's commit, recorded in the summary")
+    ap.add_argument("--reasons-out", type=Path, default=None,
+                    help="with --summary: write matrix_reasons.py --reasons entries for the profiled points")
+    ap.add_argument("--family", default=None, help="with --reasons-out: the family of the profiled points")
+    ap.add_argument("--evidence", default=None, help="with --reasons-out: where the summary is kept (the record)")
+    ap.add_argument("--device", default=None, help="with --reasons-out: the profiled device's name, for the reasons")
     a = ap.parse_args(argv)
     families = [f for f in a.families.split(",") if f] if a.families else None
     if a.command == (a.summary is not None):
         ap.error("expected exactly one of --command and --summary")
+    if a.within and (not a.command or a.cases):
+        ap.error("--within: narrows the record's misses (with --command, without --cases)")
+    if a.reasons_out is not None and (a.command or not (a.family and a.evidence and a.device)):
+        ap.error("--reasons-out: with --summary, and --family, --evidence and --device too")
     if a.command:
         if a.cases:
             cases = [c for c in a.cases.split(",") if c]
@@ -140,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
             if not a.record.is_file():
                 ap.error(f"--record: no such file {str(a.record)!r}")
             cases = record_misses(json.loads(a.record.read_text(encoding="utf-8")), families)
+            if a.within:
+                pats = [p for p in a.within.split(",") if p]
+                cases = [c for c in cases if any(fnmatch.fnmatchcase(c, p) for p in pats)]
         if not cases:
             ap.error("no points to profile: the record has no graph-mode miss in these families (or --cases is empty)")
         print(shlex.join(command(cases, a.metrics, families, a.python)))
@@ -160,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.out is not None:
         a.out.write_text(json.dumps(rep, indent=1) + "\n", encoding="utf-8")
         print(f"wrote {a.out}: {len(rep['points'])} points")
+    if a.reasons_out is not None:
+        rules = reasons(rep, a.family, a.evidence, a.device)
+        a.reasons_out.write_text(json.dumps(rules, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {a.reasons_out}: {len(rules)} reasons")
     return 0 if rep["points"] else 1
 
 
