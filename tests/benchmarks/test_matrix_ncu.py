@@ -135,7 +135,8 @@ def test_reasons_out_gives_each_profiled_point_both_sides_counters(tmp_path, cap
                                                "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": "2.5",
                                                "launch__registers_per_thread": "168"}),
         (f"{case} | torch.F.linear/nvjet_sm90_splitK", {t: "20000"}),
-        (f"{case} | torch.F.linear/splitKreduce_kernel", {t: "1000"}),
+        (f"{case} | torch.F.linear/void cublasLt::splitKreduce_kernel<(int)32, float>(cublasLt::Params<T6>, const T4 *)",
+         {t: "1000"}),
         ("other case | ours/rlk_linear_fwd_tma", {t: "1000"}),  # no baseline side: no reason
     ]))
     out = tmp_path / "reasons.json"
@@ -147,7 +148,7 @@ def test_reasons_out_gives_each_profiled_point_both_sides_counters(tmp_path, cap
     assert not fnmatch.fnmatchcase(f"gemm: {case} [eager]", rule["cases"])
     assert not fnmatch.fnmatchcase(f"gemm: {case} g", rule["cases"])
     assert "ours 30.0 us in 1 launch(es) (rlk_linear_fwd_tma)" in rule["reason"]
-    assert "torch.F.linear 21.0 us in 2 launch(es) (nvjet_sm90_splitK, splitKreduce_kernel)" in rule["reason"]
+    assert "torch.F.linear 21.0 us in 2 launch(es) (nvjet_sm90_splitK, cublasLt::splitKreduce_kernel)" in rule["reason"]
     assert "SM 40.5 % of peak" in rule["reason"] and "168 registers" in rule["reason"] and "wait 2.50" in rule["reason"]
     assert rule["evidence"] == "reports/gpu/h100/matrix_ncu.json (ncu, abc1234): 30.0 us vs 21.0 us"
     # the reasons file is what matrix_reasons.py reads

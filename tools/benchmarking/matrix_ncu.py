@@ -142,10 +142,17 @@ def side_counters(s: dict) -> str:
     stalls = sorted(((m.get(f"stall_{k}"), k) for k in STALLS if isinstance(m.get(f"stall_{k}"), float)), reverse=True)
     regs = m.get("launch__registers_per_thread")
     top = ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for v, k in stalls[:2]) or "-"
-    return (f"{main['kernel']} grid {main['grid']}, SM {pct('sm__throughput%el')} of peak, DRAM "
+    return (f"{kernel_label(main['kernel'])} grid {main['grid']}, SM {pct('sm__throughput%el')} of peak, DRAM "
             f"{pct('dram__throughput%el')}, tensor pipe {pct('sm__pipe_tensor_cycles_active%act')} active, warps "
             f"{pct('sm__warps_active%act')} active, {int(regs) if isinstance(regs, float) else '-'} registers, "
             f"stalls per issue: {top}")
+
+
+def kernel_label(name: str) -> str:
+    """A kernel's name without its C++ template arguments and parameter list
+    (``void cublasLt::splitKreduce_kernel<...>(...)`` -> ``cublasLt::splitKreduce_kernel``)."""
+    name = name.split("(", 1)[0].split("<", 1)[0].strip()
+    return name.removeprefix("void ").strip() or name
 
 
 def _pattern(label: str) -> str:
@@ -165,7 +172,7 @@ def reasons(rep: dict, family: str, evidence: str, device: str) -> list[dict[str
         base_name, base = min(((n, s) for n, s in sides.items() if n != "ours"), key=lambda x: x[1]["device_us"])
 
         def kernels(s: dict) -> str:
-            return ", ".join(dict.fromkeys(x["kernel"] for x in s["launches"]))
+            return ", ".join(dict.fromkeys(kernel_label(x["kernel"]) for x in s["launches"]))
 
         text = (f"ncu on the {device}: ours {ours['device_us']:.1f} us in {len(ours['launches'])} launch(es) "
                 f"({kernels(ours)}), {base_name} {base['device_us']:.1f} us in {len(base['launches'])} launch(es) "
