@@ -62,13 +62,18 @@ _PW = dict(_P, warp_specialize=True)
 def candidates(m: int) -> list[C]:
     """Tiles measured at ``m`` rows: at mid-sized M the output has few tiles (Qwen3-0.6B's o_proj
     at M = 256 is 32 tiles of 64 × 128 on 132 SMs), so narrower and shorter tiles that fill the SMs
-    join the compute-bound ones; the persistent ones walk the tiles one program an SM."""
+    join the compute-bound ones; the persistent ones walk the tiles one program an SM. At M ≤ 256
+    the 64-row tiles also run with 8 warps: with one tile an SM, the 4-warp tile keeps 6 % of the
+    SM's warp slots busy where cuBLAS keeps 13–15 % (ncu, reports/gpu/h100/matrix_ncu.json), and
+    twice the warps put twice the loads of the weight stream in flight."""
     out = [C(64, 32, 128, 4, 4, tma=True), C(64, 64, 64, 4, 6, tma=True), C(64, 64, 128, 4, 4, tma=True),
            C(64, 128, 64, 4, 4, tma=True), C(64, 128, 128, 4, 3, tma=True), C(128, 64, 64, 4, 4, tma=True),
            C(128, 128, 64, 4, 4, tma=True), C(128, 128, 64, 4, 4, **_P), C(64, 128, 64, 4, 4, **_P),
            C(128, 64, 64, 4, 4, **_P)]
     if m <= 256:
-        out += [C(16, 64, 128, 4, 4, tma=True), C(32, 64, 128, 4, 4, tma=True), C(64, 256, 64, 4, 3, tma=True)]
+        out += [C(16, 64, 128, 4, 4, tma=True), C(32, 64, 128, 4, 4, tma=True), C(64, 256, 64, 4, 3, tma=True),
+                C(64, 128, 64, 8, 4, tma=True), C(64, 128, 128, 8, 3, tma=True), C(64, 256, 64, 8, 3, tma=True),
+                C(64, 64, 128, 8, 4, tma=True)]
     else:
         out += [C(128, 128, 64, 4, 5, tma=True), C(128, 256, 64, 8, 3, **_PW), C(128, 128, 64, 8, 4, **_PW)]
     return out
