@@ -22,7 +22,8 @@
 # matrix (benchmarks/operators/bench_matrix_gpu.py, MATRIX_ARGS, default --quick), gate (the parity gate:
 # tools/benchmarking/matrix_gate_gpu.py, the matrix of this tree against GATE_BASE, default .whl/base.tgz
 # made by `git archive --format=tar.gz -o .whl/base.tgz BASE rl_engine`; GATE_ARGS, default --quick --modes graph;
-#   GATE_ACCEPT='PATTERN=REASON': one reviewed trade the gate passes as 'accepted'),
+#   GATE_ACCEPT='PATTERN=REASON': one reviewed trade the gate passes as 'accepted'; GATE_SKIP_SAME=1: no gate when
+#   this tree's rl_engine equals GATE_BASE's, as after a tile step that kept the table's rows),
 # matrix_ncu (tools/benchmarking/matrix_ncu.py: ncu counters of the matrix record's graph misses; MATRIX_NCU_FAMILIES,
 # MATRIX_NCU_ARGS), breakdown
 # (tools/benchmarking/attention_breakdown_gpu.py), e2e (benchmarks/e2e/bench_hf_qwen3.py: transformers'
@@ -189,12 +190,22 @@ for step in $STEPS; do
         --max-seconds $maxs ${MATRIX_ARGS:---quick} > "$OUT/bench_matrix_gpu.log" 2>&1
       grep -E "MISSED|targets met|stopped|error" "$OUT/bench_matrix_gpu.log" | cut -c1-220 | tail -60 ;;
     gate)  # parity gate: fails when a point is > 5 % slower than GATE_BASE or its bits differ (runs alternate)
-      gl=$(lim ${GATE_TIMEOUT:-540})
-      timeout $gl python3 tools/benchmarking/matrix_gate_gpu.py --base base=${GATE_BASE:-.whl/base.tgz} --new new=. \
-        --rounds ${GATE_ROUNDS:-2} --out-dir "$OUT/gate" --work /tmp/rlk_gate_trees --deadline $(( gl > 20 ? gl - 10 : gl )) \
-        ${GATE_ACCEPT:+--accept "$GATE_ACCEPT"} -- ${GATE_ARGS:---quick --modes graph} > "$OUT/matrix_gate.log" 2>&1
-      echo "gate rc=$?"
-      cp "$OUT/gate/matrix_gate.json" "$OUT/bench_matrix_gate.json" 2>/dev/null; tail -80 "$OUT/matrix_gate.log" | cut -c1-240 ;;
+      # GATE_SKIP_SAME=1: no gate when this tree's rl_engine is GATE_BASE's (a tile step that kept its rows)
+      same=0
+      if [ "${GATE_SKIP_SAME:-0}" = 1 ] && [ -f "${GATE_BASE:-.whl/base.tgz}" ]; then
+        rm -rf /tmp/rlk_gate_same && mkdir -p /tmp/rlk_gate_same && tar -C /tmp/rlk_gate_same -xzf "${GATE_BASE:-.whl/base.tgz}" \
+          && diff -rq -x __pycache__ /tmp/rlk_gate_same/rl_engine rl_engine > /dev/null && same=1
+      fi
+      if [ "$same" = 1 ]; then
+        echo "gate skipped: rl_engine is the baseline's (GATE_SKIP_SAME=1)"
+      else
+        gl=$(lim ${GATE_TIMEOUT:-540})
+        timeout $gl python3 tools/benchmarking/matrix_gate_gpu.py --base base=${GATE_BASE:-.whl/base.tgz} --new new=. \
+          --rounds ${GATE_ROUNDS:-2} --out-dir "$OUT/gate" --work /tmp/rlk_gate_trees --deadline $(( gl > 20 ? gl - 10 : gl )) \
+          ${GATE_ACCEPT:+--accept "$GATE_ACCEPT"} -- ${GATE_ARGS:---quick --modes graph} > "$OUT/matrix_gate.log" 2>&1
+        echo "gate rc=$?"
+        cp "$OUT/gate/matrix_gate.json" "$OUT/bench_matrix_gate.json" 2>/dev/null; tail -80 "$OUT/matrix_gate.log" | cut -c1-240
+      fi ;;
     e2e)  # end to end through transformers; the report is rewritten after each section: a time limit keeps what finished
       timeout $(lim ${E2E_TIMEOUT:-540}) python3 benchmarks/e2e/bench_hf_qwen3.py --out "$OUT/bench_hf_qwen3.json" \
         ${E2E_ARGS:-} > "$OUT/bench_hf_qwen3.log" 2>&1; echo "rc=$?"; grep -v -i warn "$OUT/bench_hf_qwen3.log" | tail -40 ;;
