@@ -13,7 +13,9 @@ and ``met`` (true / false / null). ``gpu_tests.json`` holds the GPU test-run sum
 skipped per shard and per module) and the ``rlk check --device cuda`` results. ``matrix.json``,
 when present, is the public-API benchmark matrix (``benchmarks/operators/bench_matrix_gpu.py``'s
 report as written, optionally with ``miss_reasons``: ``[{"case", "reason", "evidence"}]`` naming
-what the profiler showed for a missed point); it is rendered with its misses first.
+what the profiler showed for a missed point); it is rendered with its misses first. Another
+family's record may carry ``miss_reasons`` too (``tools/benchmarking/record_gpu_report.py
+--reasons``): its missed points are then listed under its table, each with its reason.
 
 The page is text generated from those files and nothing else, so
 ``tests/benchmarks/test_gpu_docs.py`` regenerates it in memory and fails when the committed page
@@ -126,6 +128,23 @@ def _summary_table(summary: Sequence[Mapping[str, Any]]) -> list[str]:
         if "max_us" in s:
             extra = f" (to {_num(s['max_us'])})"
         lines.append(f"| {s['case']} | {s['metric']} | {_cell(s)}{extra} | {s['target']} |")
+    return lines
+
+
+def _miss_lines(rep: Mapping[str, Any]) -> list[str]:
+    """The family's missed points with their recorded reasons, for a record that carries
+    ``miss_reasons`` (``tools/benchmarking/record_gpu_report.py --reasons``); none otherwise."""
+    if "miss_reasons" not in rep:
+        return []
+    reasons = {r["case"]: r for r in rep["miss_reasons"]}
+    missed = [s for s in rep["summary"] if s.get("met") is False]
+    if not missed:
+        return []
+    lines = ["", "Misses and their measured reasons:", ""]
+    for s in missed:
+        r = reasons.get(s["case"])
+        lines.append(f"* {s['case']} ({_num(s['achieved'])}, target {s['target']}): "
+                     + (f"{r['reason']} ({r['evidence']})" if r else "no reason recorded"))
     return lines
 
 
@@ -321,6 +340,7 @@ def render(reports: Mapping[str, Mapping[str, Mapping[str, Any]]], *, images: bo
                 lines += _attention_table(rep["summary"])
             else:
                 lines += _summary_table(rep["summary"])
+            lines += _miss_lines(rep)
             lines.append("")
             if images:
                 lines += [f"![{fam} on {plat}](img/{plat}_{fam}.png)", ""]

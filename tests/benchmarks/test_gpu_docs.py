@@ -118,3 +118,22 @@ def test_an_rlk_check_run_off_its_expected_outcome_is_marked():
     text = gpu_docs.render({plat: changed})
     assert "production plan) ✗ |" in text and "| 0 mismatches ✗ |" in text
     assert "a negative control that found no mismatch cannot show" in text
+
+
+def test_a_family_with_miss_reasons_lists_its_misses_with_their_reasons():
+    """A record with ``miss_reasons`` gets its missed points listed under its table, each with its
+    reason or "no reason recorded"; without the key (the control) no such list appears."""
+    reports = gpu_docs.load_reports()
+    changed = copy.deepcopy(reports)
+    plat, fam = next((p, f) for p, fams in changed.items() for f, rep in fams.items()
+                     if f not in ("gpu_tests", "matrix") and any(s.get("met") is False for s in rep["summary"]))
+    rep = changed[plat][fam]
+    rep.pop("miss_reasons", None)
+    without = gpu_docs.render(changed, images=False)
+    missed = [s for s in rep["summary"] if s.get("met") is False]
+    rep["miss_reasons"] = [{"case": missed[0]["case"], "reason": "a planted reason", "evidence": "planted.json"}]
+    text = gpu_docs.render(changed, images=False)
+    assert "a planted reason (planted.json)" in text and "a planted reason" not in without
+    assert text.count("Misses and their measured reasons:") == without.count("Misses and their measured reasons:") + 1
+    if len(missed) > 1:
+        assert f"* {missed[1]['case']} (" in text and "no reason recorded" in text

@@ -119,3 +119,73 @@ def test_host_overhead_rows_become_untargeted_entries_and_keep_the_profiles(tmp_
         ("cublas", 22.3, None, None), ("public_nan", 134.1, None, True)]
     assert rep["versions"] == {"torch": "2.11", "triton": "3.6.0", "cuda": "13.0"} and rep["device"] == DEVICE
     assert rep["cprofile"] == {"kernels": "text"} and rep["command"] == "python x.py --profile kernels"
+
+
+def _e2e_record(tmp_path: Path) -> Path:
+    gen = {"mode": "eager", "sampling": "greedy"}
+    rows = [_row("generate", "transformers", 10.0, config=gen, mismatched=900, compared=1000),
+            _row("generate", "rl_engine", 25.0, config=gen, ratio_vs_baseline=2.5, mismatched=0, compared=1000),
+            _row("train_step", "rl_engine", 1.0, config={"layout": "packed"}, ratio_vs_baseline=1.0,
+                 layout_mismatched=0, layout_compared=10)]
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"command": "c", "rows": rows}))
+    out = _platform(tmp_path) / "e2e_hf.json"
+    assert _tool().main(["e2e_hf", str(raw), "--commit", "abc", "--out", str(out)]) == 0
+    return out
+
+
+def test_reasons_name_each_missed_point_and_update_a_record_in_place(tmp_path, capsys):
+    """``--reasons`` gives each missed point the first matching rule's reason (met points get
+    none); without a raw report it rewrites only the record's ``miss_reasons``."""
+    out = _e2e_record(tmp_path)
+    before = json.loads(out.read_text())
+    assert "miss_reasons" not in before
+    rules = tmp_path / "reasons.json"
+    rules.write_text(json.dumps([{"cases": "generate eager *", "reason": "host-bound launches", "evidence": "host.json"},
+                                 {"cases": "*", "reason": "never used for a met point", "evidence": "x"}]))
+    assert _tool().main(["e2e_hf", "--reasons", str(rules), "--out", str(out)]) == 0
+    after = json.loads(out.read_text())
+    assert after["miss_reasons"] == [{"case": "generate eager greedy", "reason": "host-bound launches",
+                                      "evidence": "host.json"}]
+    assert {k: v for k, v in after.items() if k != "miss_reasons"} == before
+    assert "1 misses with a reason" in capsys.readouterr().out
+    # negative control: a rule that matches no miss leaves the miss unexplained, and says so
+    rules.write_text(json.dumps([{"cases": "train *", "reason": "r", "evidence": "e"}]))
+    assert _tool().main(["e2e_hf", "--reasons", str(rules), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["miss_reasons"] == []
+    assert "no reason for the missed point 'generate eager greedy'" in capsys.readouterr().out
+
+
+def test_reasons_arguments_are_checked(tmp_path, capsys):
+    out = _e2e_record(tmp_path)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"cases": "*", "reason": ""}]))
+    for argv, msg in ((["e2e_hf", "--out", str(out)], "raw: expected"),
+                      (["e2e_hf", "--reasons", str(bad), "--out", str(out)], "--reasons:"),
+                      (["e2e_hf", "--reasons", str(bad), "--out", str(out), "--commit", "abc"], "raw: expected"),
+                      (["e2e_hf", str(tmp_path / "raw.json"), "--out", str(out)], "--commit: expected"),
+                      (["moe", "--reasons", str(bad), "--out", str(out.with_name("moe.json"))], "raw: expected")):
+        with pytest.raises(SystemExit):
+            _tool().main(argv)
+        assert msg in capsys.readouterr().err
+
+
+def test_merge_keeps_the_reasons_of_kept_points_only(tmp_path):
+    """A run that measures generate again drops generate's old reason (its new point has none
+    until --reasons), and keeps the reason of the training point it did not measure."""
+    out = _e2e_record(tmp_path)
+    rec = json.loads(out.read_text())
+    rec["summary"] = [dict(s, met=False) if s["case"] == "train step, packed" else s for s in rec["summary"]]
+    rows = [dict(r, ratio_vs_baseline=1.5) if r["op"] == "train_step" else r for r in rec["rows"]]
+    rec["rows"] = rows
+    rec["miss_reasons"] = [{"case": "generate eager greedy", "reason": "old", "evidence": "e"},
+                           {"case": "train step, packed", "reason": "kept", "evidence": "e"}]
+    out.write_text(json.dumps(rec))
+    gen = {"mode": "eager", "sampling": "greedy"}
+    raw = tmp_path / "gen.json"
+    raw.write_text(json.dumps({"command": "c", "rows": [
+        _row("generate", "transformers", 10.0, config=gen, mismatched=900, compared=1000),
+        _row("generate", "rl_engine", 30.0, config=gen, ratio_vs_baseline=3.0, mismatched=0, compared=1000)]}))
+    assert _tool().main(["e2e_hf", str(raw), "--commit", "def", "--out", str(out), "--merge"]) == 0
+    merged = json.loads(out.read_text())
+    assert merged["miss_reasons"] == [{"case": "train step, packed", "reason": "kept", "evidence": "e"}]

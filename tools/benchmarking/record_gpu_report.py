@@ -25,11 +25,20 @@ Families and their targets:
         --out reports/gpu/h200/moe.json
     python tools/benchmarking/record_gpu_report.py e2e_hf OUT/bench_hf_qwen3.json --commit eef99fc \\
         --out reports/gpu/h200/e2e_hf.json --merge    # a generate-only run keeps the training rows
+
+A missed point's measured reason goes in with ``--reasons FILE`` (``matrix_reasons.py``'s format: a
+JSON list of ``{"cases": PATTERN, "reason", "evidence"}``, the first shell-style pattern that matches
+a missed point's case gives its reason), written as the record's ``miss_reasons``, which the
+generated page prints under the family's table. Without a raw report, ``--reasons`` updates the
+reasons of the existing ``--out`` record and changes nothing else:
+
+    python tools/benchmarking/record_gpu_report.py e2e_hf --reasons reasons.json --out reports/gpu/h200/e2e_hf.json
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import sys
 from collections.abc import Callable
@@ -37,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from matrix_reasons import load_rules  # noqa: E402 - the reasons file's format and its validation
 
 TITLES = {
     "call_overhead": "Host cost of one small call through the public API on the GPU (decode-sized rows, bf16)",
@@ -179,7 +190,7 @@ def merge(rep: dict, existing: dict) -> dict:
     did not measure (operation, mode, sampling, layout, tokens, kind) — a run that measured one
     section or one setting replaces only those rows. Every row says the commit it was measured at
     (``measured_commit``), the report's ``commit`` lists the commits by operation, and the existing
-    notes follow the run's own."""
+    notes follow the run's own; a kept point that still misses keeps its ``miss_reasons`` entry."""
     if existing.get("family") != rep["family"]:
         raise SystemExit(f"--merge: the existing record is of family {existing.get('family')!r}, not {rep['family']!r}")
     new_ops = {r["op"] for r in rep["rows"]}
@@ -193,32 +204,77 @@ def merge(rep: dict, existing: dict) -> dict:
         by_commit.setdefault(r["measured_commit"], set()).add(r["op"])
     commit = "; ".join(f"{c} ({', '.join(sorted(ops))})" for c, ops in by_commit.items())
     notes = list(rep["notes"]) + [n for n in existing.get("notes", []) if n not in rep["notes"]]
-    return dict(rep, rows=rows, summary=summary, commit=commit, notes=notes)
+    out = dict(rep, rows=rows, summary=summary, commit=commit, notes=notes)
+    # a kept point that still misses keeps its recorded reason; a point this run measured has none
+    # until --reasons gives it one
+    measured_cases = {s["case"] for s in rep["summary"]}
+    missed = {s["case"] for s in summary if s.get("met") is False}
+    kept_reasons = [r for r in existing.get("miss_reasons", []) if r["case"] in missed and r["case"] not in measured_cases]
+    if kept_reasons:
+        out["miss_reasons"] = kept_reasons
+    return out
+
+
+def attach_reasons(rep: dict, rules: list[dict[str, str]]) -> list[str]:
+    """Set ``rep["miss_reasons"]``: one ``{case, reason, evidence}`` entry per missed summary point
+    that a rule matches (the first rule whose pattern matches its case), in the summary's order;
+    returns the missed cases no rule matches."""
+    out, unexplained = [], []
+    for s in rep["summary"]:
+        if s.get("met") is not False:
+            continue
+        rule = next((r for r in rules if fnmatch.fnmatchcase(s["case"], r["cases"])), None)
+        if rule is None:
+            unexplained.append(s["case"])
+        else:
+            out.append({"case": s["case"], "reason": rule["reason"], "evidence": rule["evidence"]})
+    rep["miss_reasons"] = out
+    return unexplained
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("family", choices=sorted(SUMMARIES))
-    ap.add_argument("raw", type=Path, help="the benchmark's JSON as the device run wrote it")
-    ap.add_argument("--commit", required=True, help="commit of the measured tree")
+    ap.add_argument("raw", type=Path, nargs="?", default=None,
+                    help="the benchmark's JSON as the device run wrote it (omitted: --reasons updates the --out record)")
+    ap.add_argument("--commit", default=None, help="commit of the measured tree (with the raw report)")
     ap.add_argument("--out", type=Path, required=True, help="reports/gpu/<platform>/<family>.json")
     ap.add_argument("--note", action="append", default=[], help="a sentence for the page (repeatable)")
     ap.add_argument("--command", default=None, help="the command the device ran (default: the raw report's)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the existing record's rows of the settings this run did not measure (e.g. the "
                          "training step and the eager rows when the run measured static-compiled generate only)")
+    ap.add_argument("--reasons", type=Path, default=None,
+                    help="JSON list of {cases, reason, evidence}: the measured reason of each missed point")
     a = ap.parse_args(argv)
     if a.out.stem != a.family:
         ap.error(f"--out: expected a file named {a.family}.json, got {a.out.name}")
     if a.merge and not a.out.exists():
         ap.error(f"--merge: {a.out} does not exist")
-    rep = record(a.family, json.loads(a.raw.read_text(encoding="utf-8")), commit=a.commit, out=a.out, notes=a.note,
-                 command=a.command)
-    if a.merge:
-        rep = merge(rep, json.loads(a.out.read_text(encoding="utf-8")))
+    if a.raw is None and (a.reasons is None or a.merge or a.note or a.command or a.commit or not a.out.exists()):
+        ap.error("raw: expected the device run's JSON, or --reasons alone to update an existing --out record")
+    if a.raw is not None and not a.commit:
+        ap.error("--commit: expected the measured tree's commit with a raw report")
+    try:
+        rules = load_rules(a.reasons) if a.reasons is not None else None
+    except (OSError, ValueError) as exc:
+        ap.error(f"--reasons: {exc}")
+    if a.raw is None:
+        rep = json.loads(a.out.read_text(encoding="utf-8"))
+        if rep.get("family") != a.family:
+            ap.error(f"--out: the record is of family {rep.get('family')!r}, not {a.family!r}")
+    else:
+        rep = record(a.family, json.loads(a.raw.read_text(encoding="utf-8")), commit=a.commit, out=a.out,
+                     notes=a.note, command=a.command)
+        if a.merge:
+            rep = merge(rep, json.loads(a.out.read_text(encoding="utf-8")))
+    if rules is not None:
+        for case in attach_reasons(rep, rules):
+            print(f"no reason for the missed point {case!r}")
     a.out.write_text(json.dumps(rep, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     met = [s["met"] for s in rep["summary"] if s["met"] is not None]
-    print(f"wrote {a.out}: {len(rep['rows'])} rows, targets met {sum(met)} of {len(met)}")
+    print(f"wrote {a.out}: {len(rep['rows'])} rows, targets met {sum(met)} of {len(met)}, "
+          f"{len(rep.get('miss_reasons', []))} misses with a reason")
     return 0
 
 
