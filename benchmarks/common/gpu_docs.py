@@ -143,7 +143,8 @@ def _miss_lines(rep: Mapping[str, Any]) -> list[str]:
     lines = ["", "Misses and their measured reasons:", ""]
     for s in missed:
         r = reasons.get(s["case"])
-        lines.append(f"* {s['case']} ({_num(s['achieved'])}, target {s['target']}): "
+        impl = f", {s['implementation']}" if s.get("implementation") else ""
+        lines.append(f"* {s['case']}{impl} ({_num(s['achieved'])}, target {s['target']}): "
                      + (f"{r['reason']} ({r['evidence']})" if r else "no reason recorded"))
     return lines
 

@@ -137,3 +137,23 @@ def test_a_family_with_miss_reasons_lists_its_misses_with_their_reasons():
     assert text.count("Misses and their measured reasons:") == without.count("Misses and their measured reasons:") + 1
     if len(missed) > 1:
         assert f"* {missed[1]['case']} (" in text and "no reason recorded" in text
+
+
+def _unexplained(rep) -> list[str]:
+    reasons = {r["case"] for r in rep.get("miss_reasons", [])}
+    return [s["case"] for s in rep.get("summary", []) if s.get("met") is False and s["case"] not in reasons]
+
+
+def test_every_missed_point_of_record_has_a_measured_reason():
+    """Each point a benchmark of record misses carries its measured reason (``miss_reasons``), so
+    the page never shows a miss without one; a planted miss without a reason (negative control)
+    is found."""
+    reports = gpu_docs.load_reports()
+    missing = {(plat, fam): _unexplained(rep) for plat, fams in reports.items() for fam, rep in fams.items()
+               if fam != "gpu_tests" and _unexplained(rep)}
+    assert not missing, missing
+    plat, fams = next(iter(reports.items()))
+    fam, rep = next((f, r) for f, r in fams.items() if f != "gpu_tests")
+    planted = copy.deepcopy(rep)
+    planted["summary"].append({"case": "planted", "metric": "m", "achieved": 2.0, "target": "≤ 1", "met": False})
+    assert _unexplained(planted) == ["planted"]

@@ -164,7 +164,9 @@ def test_reasons_arguments_are_checked(tmp_path, capsys):
                       (["e2e_hf", "--reasons", str(bad), "--out", str(out)], "--reasons:"),
                       (["e2e_hf", "--reasons", str(bad), "--out", str(out), "--commit", "abc"], "raw: expected"),
                       (["e2e_hf", str(tmp_path / "raw.json"), "--out", str(out)], "--commit: expected"),
-                      (["moe", "--reasons", str(bad), "--out", str(out.with_name("moe.json"))], "raw: expected")):
+                      (["moe", "--reasons", str(bad), "--out", str(out.with_name("moe.json"))], "raw: expected"),
+                      (["gemm", str(tmp_path / "raw.json"), "--commit", "a", "--out", str(out.with_name("gemm.json"))],
+                       "family: expected one of")):
         with pytest.raises(SystemExit):
             _tool().main(argv)
         assert msg in capsys.readouterr().err

@@ -30,7 +30,8 @@ A missed point's measured reason goes in with ``--reasons FILE`` (``matrix_reaso
 JSON list of ``{"cases": PATTERN, "reason", "evidence"}``, the first shell-style pattern that matches
 a missed point's case gives its reason), written as the record's ``miss_reasons``, which the
 generated page prints under the family's table. Without a raw report, ``--reasons`` updates the
-reasons of the existing ``--out`` record and changes nothing else:
+reasons of the existing ``--out`` record of any family (``gemm`` and ``attention`` included, whose
+records other tools write) and changes nothing else:
 
     python tools/benchmarking/record_gpu_report.py e2e_hf --reasons reasons.json --out reports/gpu/h200/e2e_hf.json
 """
@@ -234,7 +235,8 @@ def attach_reasons(rep: dict, rules: list[dict[str, str]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("family", choices=sorted(SUMMARIES))
+    ap.add_argument("family", help=f"the record's family: {', '.join(sorted(SUMMARIES))} with a raw report; any "
+                                   "family's record with --reasons alone")
     ap.add_argument("raw", type=Path, nargs="?", default=None,
                     help="the benchmark's JSON as the device run wrote it (omitted: --reasons updates the --out record)")
     ap.add_argument("--commit", default=None, help="commit of the measured tree (with the raw report)")
@@ -253,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--merge: {a.out} does not exist")
     if a.raw is None and (a.reasons is None or a.merge or a.note or a.command or a.commit or not a.out.exists()):
         ap.error("raw: expected the device run's JSON, or --reasons alone to update an existing --out record")
+    if a.raw is not None and a.family not in SUMMARIES:
+        ap.error(f"family: expected one of {', '.join(sorted(SUMMARIES))} with a raw report, got {a.family!r}")
     if a.raw is not None and not a.commit:
         ap.error("--commit: expected the measured tree's commit with a raw report")
     try:
