@@ -107,45 +107,40 @@ def summarize(paths: list[Path]) -> dict:
             "points": list(points.values()), "unattributed": unattributed}
 
 
-def _longest(s: dict) -> dict:
-    """The side's launch of the longest device time."""
-    return max(s["launches"], key=lambda x: x["metrics"].get("gpu__time_duration.sum") or 0.0)
+#: the shares of peak a side's line gives, by the summary's short metric names
+SHARES = {"sm": "sm__throughput%el", "dram": "dram__throughput%el", "tensor": "sm__pipe_tensor_cycles_active%act",
+          "warps": "sm__warps_active%act"}
+
+
+def longest_counters(s: dict) -> tuple[dict, dict[str, float | None], int | None, list[tuple[str, float]]]:
+    """The side's launch of the longest device time, its shares of peak (``SHARES``; ``None``
+    where ncu gave none), its registers per thread and its two largest stall reasons."""
+    main = max(s["launches"], key=lambda x: x["metrics"].get("gpu__time_duration.sum") or 0.0)
+    m = main["metrics"]
+    shares = {k: (m.get(v) if isinstance(m.get(v), float) else None) for k, v in SHARES.items()}
+    regs = m.get("launch__registers_per_thread")
+    stalls = sorted(((m.get(f"stall_{k}"), k) for k in STALLS if isinstance(m.get(f"stall_{k}"), float)), reverse=True)
+    return main, shares, int(regs) if isinstance(regs, float) else None, [(k, v) for v, k in stalls[:2]]
 
 
 def side_line(side: str, s: dict) -> str:
     """One printed line: device time, launches and the longest launch's counters."""
-    main = _longest(s)
-    m = main["metrics"]
-
-    def pct(key: str) -> str:
-        v = m.get(key)
-        return f"{v:5.1f}" if isinstance(v, float) else "    -"
-
-    stalls = sorted(((m.get(f"stall_{k}"), k) for k in STALLS if isinstance(m.get(f"stall_{k}"), float)), reverse=True)
-    top = ", ".join(f"{k} {v:.2f}" for v, k in stalls[:2])
-    regs = m.get("launch__registers_per_thread")
+    main, sh, regs, stalls = longest_counters(s)
+    pct = {k: f"{v:5.1f}" if v is not None else "    -" for k, v in sh.items()}
+    top = ", ".join(f"{k} {v:.2f}" for k, v in stalls)
     return (f"  {side:18s} {s['device_us']:9.1f} us  {len(s['launches']):2d} launches | longest {main['kernel'][:40]} "
-            f"grid {main['grid']}: "
-            f"SM {pct('sm__throughput%el')}%  DRAM {pct('dram__throughput%el')}%  tensor {pct('sm__pipe_tensor_cycles_active%act')}%  "
-            f"warps {pct('sm__warps_active%act')}%  regs {int(regs) if isinstance(regs, float) else '-'}  stalls: {top}")
+            f"grid {main['grid']}: SM {pct['sm']}%  DRAM {pct['dram']}%  tensor {pct['tensor']}%  "
+            f"warps {pct['warps']}%  regs {regs if regs is not None else '-'}  stalls: {top}")
 
 
 def side_counters(s: dict) -> str:
     """The longest launch's counters of one side, as a reason's clause."""
-    main = _longest(s)
-    m = main["metrics"]
-
-    def pct(key: str) -> str:
-        v = m.get(key)
-        return f"{v:.1f} %" if isinstance(v, float) else "-"
-
-    stalls = sorted(((m.get(f"stall_{k}"), k) for k in STALLS if isinstance(m.get(f"stall_{k}"), float)), reverse=True)
-    regs = m.get("launch__registers_per_thread")
-    top = ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for v, k in stalls[:2]) or "-"
-    return (f"{kernel_label(main['kernel'])} grid {main['grid']}, SM {pct('sm__throughput%el')} of peak, DRAM "
-            f"{pct('dram__throughput%el')}, tensor pipe {pct('sm__pipe_tensor_cycles_active%act')} active, warps "
-            f"{pct('sm__warps_active%act')} active, {int(regs) if isinstance(regs, float) else '-'} registers, "
-            f"stalls per issue: {top}")
+    main, sh, regs, stalls = longest_counters(s)
+    pct = {k: f"{v:.1f} %" if v is not None else "-" for k, v in sh.items()}
+    top = ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in stalls) or "-"
+    return (f"{kernel_label(main['kernel'])} grid {main['grid']}, SM {pct['sm']} of peak, DRAM {pct['dram']}, "
+            f"tensor pipe {pct['tensor']} active, warps {pct['warps']} active, "
+            f"{regs if regs is not None else '-'} registers, stalls per issue: {top}")
 
 
 def kernel_label(name: str) -> str:
