@@ -191,7 +191,7 @@ def merge(rep: dict, existing: dict) -> dict:
     did not measure (operation, mode, sampling, layout, tokens, kind) — a run that measured one
     section or one setting replaces only those rows. Every row says the commit it was measured at
     (``measured_commit``), the report's ``commit`` lists the commits by operation, and the existing
-    notes follow the run's own; a kept point that still misses keeps its ``miss_reasons`` entry."""
+    notes follow the run's own; a kept point that misses in the merged summary keeps its ``miss_reasons`` entry."""
     if existing.get("family") != rep["family"]:
         raise SystemExit(f"--merge: the existing record is of family {existing.get('family')!r}, not {rep['family']!r}")
     new_ops = {r["op"] for r in rep["rows"]}
@@ -206,7 +206,7 @@ def merge(rep: dict, existing: dict) -> dict:
     commit = "; ".join(f"{c} ({', '.join(sorted(ops))})" for c, ops in by_commit.items())
     notes = list(rep["notes"]) + [n for n in existing.get("notes", []) if n not in rep["notes"]]
     out = dict(rep, rows=rows, summary=summary, commit=commit, notes=notes)
-    # a kept point that still misses keeps its recorded reason; a point this run measured has none
+    # a kept point that misses in the merged summary keeps its recorded reason; a point this run measured has none
     # until --reasons gives it one
     measured_cases = {s["case"] for s in rep["summary"]}
     missed = {s["case"] for s in summary if s.get("met") is False}
