@@ -359,6 +359,42 @@ def test_static_cache_inductor_generate_same_bits(models):
     model.__dict__.pop("_compiled_call", None)
 
 
+@pytest.mark.gpu
+def test_cuda_graph_decode_step_replays_the_eager_bits(models):
+    """On a GPU, ``generate`` with the static RlkCache and the decode step compiled by inductor in
+    mode ``"reduce-overhead"`` (CUDA graphs: the step is captured once and replayed at every
+    token) gives the eager installed model's tokens and log-probs bit for bit, and the training
+    forward's log-probs (the eager run passes ``disable_compile``: on CUDA, transformers compiles a
+    static cache's decode step by itself). Negative control: plain transformers' graphed decode
+    step, checked against the installed training forward of its own tokens, mismatches."""
+    from transformers import CompileConfig
+
+    model = copy.deepcopy(models["bfloat16"]).cuda()
+    ids, mask = (t.cuda() for t in _prompts(model.config.vocab_size, [6, 2, 4], seed=5))
+    graphs = CompileConfig(backend="inductor", mode="reduce-overhead")
+    torch._dynamo.reset()
+    with install(model):
+        eager = generate_with_logprobs(model, ids, mask, max_new_tokens=6, cache_implementation="static",
+                                       disable_compile=True)
+        assert "_compiled_call" not in model.__dict__
+        graphed = generate_with_logprobs(model, ids, mask, max_new_tokens=6, cache_implementation="static",
+                                         compile_config=graphs)
+        assert "_compiled_call" in model.__dict__  # transformers really ran the compiled decode step
+        with torch.no_grad():
+            train = train_token_logprobs(model, graphed.sequences, graphed.attention_mask, graphed.prompt_len)
+    assert torch.equal(eager.sequences, graphed.sequences)
+    assert same_bits(eager.logprobs, graphed.logprobs).equal
+    assert same_bits(graphed.logprobs, train).equal
+    model.__dict__.pop("_compiled_call", None)
+    torch._dynamo.reset()
+    plain = generate_with_logprobs(model, ids, mask, max_new_tokens=6, cache_implementation="static",
+                                   compile_config=graphs)
+    with install(model), torch.no_grad():
+        plain_train = train_token_logprobs(model, plain.sequences, plain.attention_mask, plain.prompt_len)
+    assert same_bits(plain.logprobs, plain_train).mismatched > 0
+    model.__dict__.pop("_compiled_call", None)
+
+
 def test_generate_hook_conflict_is_detected(models):
     import types
 
