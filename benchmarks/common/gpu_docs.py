@@ -131,6 +131,14 @@ def _summary_table(summary: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+def _reason_text(r: Mapping[str, Any] | None, missing: str) -> str:
+    """A ``miss_reasons`` entry as the page prints it: the reason, then its evidence in
+    parentheses; ``missing`` when there is no entry."""
+    if r is None:
+        return missing
+    return f"{r['reason']} ({r['evidence']})" if r.get("evidence") else r["reason"]
+
+
 def _miss_lines(rep: Mapping[str, Any]) -> list[str]:
     """The family's missed points with their recorded reasons, for a record that carries
     ``miss_reasons`` (``tools/benchmarking/record_gpu_report.py --reasons``); none otherwise."""
@@ -145,7 +153,7 @@ def _miss_lines(rep: Mapping[str, Any]) -> list[str]:
         r = reasons.get(s["case"])
         impl = f", {s['implementation']}" if s.get("implementation") else ""
         lines.append(f"* {s['case']}{impl} ({_num(s['achieved'])}, target {s['target']}): "
-                     + (f"{r['reason']} ({r['evidence']})" if r else "no reason recorded"))
+                     + _reason_text(r, "no reason recorded"))
     return lines
 
 
@@ -215,8 +223,7 @@ def _matrix_section(rep: Mapping[str, Any], path: str, plat: str, images: bool) 
         lines += ["| case | achieved | target | reason |", "|---|---|---|---|"]
         for s in misses:
             r = reasons.get(s["case"])
-            why = s.get("error") or (f"{r['reason']} ({r['evidence']})" if r and r.get("evidence") else
-                                     r["reason"] if r else "not yet profiled")
+            why = s.get("error") or _reason_text(r, "not yet profiled")
             lines.append(f"| {s['case']} | {_mcell(s)} | {s['target']} | {str(why).replace('|', '/')} |")
         lines.append("")
     points: dict[str, dict[str, dict[str, Mapping[str, Any]]]] = {}

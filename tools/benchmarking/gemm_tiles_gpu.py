@@ -3,7 +3,7 @@
 For each M of ``--ms`` every GEMM point of the benchmark matrix at that M
 (``benchmarks/operators/bench_matrix_gpu.py``: each preset's qkv / o_proj / gate_up / down,
 Llama-3-8B's MLP and LM head, the ragged shapes; ``--presets`` narrows them) runs, in bf16,
-cuBLAS, the configuration the tile table selects now (the *incumbent*) and every candidate of
+cuBLAS, the configuration the tile table selects at the run (the *incumbent*) and every candidate of
 :func:`candidates` through ``kernels.forward``:
 
 * **bits**: a candidate whose output differs from the incumbent's on raw bits, or that fails to

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import glob
 import json
 import shlex
 import sys
@@ -150,11 +151,6 @@ def kernel_label(name: str) -> str:
     return name.removeprefix("void ").strip() or name
 
 
-def _pattern(label: str) -> str:
-    """``label`` as an fnmatch pattern that matches only itself (``[``, ``]``, ``*``, ``?`` bracketed)."""
-    return "".join(f"[{c}]" if c in "[]*?" else c for c in label)
-
-
 def reasons(rep: dict, family: str, evidence: str, device: str) -> list[dict[str, str]]:
     """``matrix_reasons.py --reasons`` entries for every point of ``rep`` with our side and at
     least one baseline (the graph row of ``family: <case>``)."""
@@ -174,7 +170,7 @@ def reasons(rep: dict, family: str, evidence: str, device: str) -> list[dict[str
                 f"({kernels(base)}). Ours, longest launch: {side_counters(ours)}. {base_name}, longest launch: "
                 f"{side_counters(base)}.")
         commit = f", {rep['commit']}" if rep.get("commit") else ""
-        out.append({"cases": _pattern(f"{family}: {point['case']} [graph]"), "reason": text,
+        out.append({"cases": glob.escape(f"{family}: {point['case']} [graph]"), "reason": text,
                     "evidence": f"{evidence} (ncu{commit}): {ours['device_us']:.1f} us vs {base['device_us']:.1f} us"})
     return out
 

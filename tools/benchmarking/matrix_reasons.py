@@ -65,6 +65,11 @@ def load_rules(path: Path) -> list[dict[str, str]]:
     return rules
 
 
+def rule_for(case: str, rules: list[dict[str, str]]) -> dict[str, str] | None:
+    """The first rule whose ``cases`` pattern (shell-style) matches ``case``, or None."""
+    return next((r for r in rules if fnmatch.fnmatchcase(case, r["cases"])), None)
+
+
 def miss_reasons(report: dict[str, Any], rules: list[dict[str, str]], kept: dict[str, dict[str, Any]],
                  host_evidence: str) -> list[dict[str, Any]]:
     """One entry per missed point that has a reason (module docstring), in the summary's order."""
@@ -74,7 +79,7 @@ def miss_reasons(report: dict[str, Any], rules: list[dict[str, str]], kept: dict
         if s.get("met") is not False:
             continue
         case = s["case"]
-        rule = next((r for r in rules if fnmatch.fnmatchcase(case, r["cases"])), None)
+        rule = rule_for(case, rules)
         if rule is not None:
             out.append({"case": case, "reason": rule["reason"], "evidence": rule["evidence"], "source": "profile"})
             continue
@@ -179,7 +184,7 @@ def carry_over(report: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
     origins = _origins(old)
     legacy = old.get("meta", {}).get("carried")
     if isinstance(legacy, dict) and not any("measured_at" in s for s in old["summary"]):
-        # a record written before the stamps: its own and its carried entries look alike
+        # a record without measured_at stamps: its own and its carried entries look alike
         raise ValueError(f"the earlier record carries points of {sorted(origins)} but its summary entries do not say "
                          "which run measured each (measured_at)")
     summary = [dict(s, measured_at=s.get("measured_at", old["commit"])) for s in summary]

@@ -39,7 +39,6 @@ records other tools write) and changes nothing else:
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import sys
 from collections.abc import Callable
@@ -48,7 +47,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from matrix_reasons import load_rules  # noqa: E402 - the reasons file's format and its validation
+from matrix_reasons import load_rules, rule_for  # noqa: E402 - the reasons file: format, validation, matching
 
 TITLES = {
     "call_overhead": "Host cost of one small call through the public API on the GPU (decode-sized rows, bf16)",
@@ -224,7 +223,7 @@ def attach_reasons(rep: dict, rules: list[dict[str, str]]) -> list[str]:
     for s in rep["summary"]:
         if s.get("met") is not False:
             continue
-        rule = next((r for r in rules if fnmatch.fnmatchcase(s["case"], r["cases"])), None)
+        rule = rule_for(s["case"], rules)
         if rule is None:
             unexplained.append(s["case"])
         else:
