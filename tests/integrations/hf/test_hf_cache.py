@@ -360,7 +360,7 @@ def test_static_cache_inductor_generate_same_bits(models):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_step_replays_the_eager_bits(models):
+def test_cuda_graph_decode_step_replays_the_eager_bits():
     """On a GPU, ``generate`` with the static RlkCache and the decode step compiled by inductor in
     mode ``"reduce-overhead"`` (CUDA graphs: the step is captured once and replayed at every
     token) gives the eager installed model's tokens and log-probs bit for bit, and the training
@@ -369,7 +369,9 @@ def test_cuda_graph_decode_step_replays_the_eager_bits(models):
     step, checked against the installed training forward of its own tokens, mismatches."""
     from transformers import CompileConfig
 
-    model = copy.deepcopy(models["bfloat16"]).cuda()
+    # head_dim 32: the GPU kernels take 32, 64, 128 and 256 (the module's model has 16)
+    model = build_hf_model(TINY_CONFIGS["h32-gqa6-untied-3l"]).to(torch.bfloat16).cuda()
+    model.generation_config.pad_token_id = PAD
     ids, mask = (t.cuda() for t in _prompts(model.config.vocab_size, [6, 2, 4], seed=5))
     graphs = CompileConfig(backend="inductor", mode="reduce-overhead")
     torch._dynamo.reset()
