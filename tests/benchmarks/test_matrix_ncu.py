@@ -70,10 +70,11 @@ def test_summary_groups_launches_by_point_and_side(tmp_path, capsys):
         (f"{case} | torch.F.linear/nvjet_sm90", {t: "25,000"}),
     ]))
     out = tmp_path / "s.json"
-    assert tool.main(["--summary", str(path), "--out", str(out), "--commit", "abc1234"]) == 0
+    assert tool.main(["--summary", f"gemm={path}", "--out", str(out), "--commit", "abc1234"]) == 0
     rep = json.loads(out.read_text())
-    assert rep["commit"] == "abc1234"
+    assert rep["runs"] == [{"sources": [str(path)], "commit": "abc1234", "command": None, "device": None, "kernels": None}]
     (point,) = rep["points"]
+    assert (point["family"], point["run"]) == ("gemm", 0)
     ours = point["sides"]["ours"]
     assert point["case"] == case and ours["device_us"] == 32.0
     assert [(x["kernel"], x["thread"]) for x in ours["launches"]] == [("rlk_linear_fwd_tma", "range"),
@@ -89,8 +90,11 @@ def test_summary_of_an_output_without_metric_rows_fails(tmp_path, capsys):
     path = tmp_path / "empty.csv"
     path.write_text("==PROF== Connected to process\n==ERROR== the profiler could not start\n")
     assert read_launches(path) == []
-    assert tool.main(["--summary", str(path)]) == 1
+    assert tool.main(["--summary", str(path), "--family", "gemm"]) == 1
     assert "no ncu launches" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tool.main(["--summary", str(path)])
+    assert "names no family" in capsys.readouterr().err
 
 
 def test_short_names_and_argument_errors(capsys):
@@ -100,7 +104,7 @@ def test_short_names_and_argument_errors(capsys):
         tool.main([])
     assert "exactly one of --command and --summary" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        tool.main(["--summary", "/nonexistent.csv"])
+        tool.main(["--summary", "gemm=/nonexistent.csv"])
     assert "no such file" in capsys.readouterr().err
 
 
@@ -140,7 +144,7 @@ def test_reasons_out_gives_each_profiled_point_both_sides_counters(tmp_path, cap
         ("other case | ours/rlk_linear_fwd_tma", {t: "1000"}),  # no baseline side: no reason
     ]))
     out = tmp_path / "reasons.json"
-    args = ["--summary", str(path), "--commit", "abc1234", "--reasons-out", str(out), "--family", "gemm",
+    args = ["--summary", f"gemm={path}", "--commit", "abc1234", "--reasons-out", str(out),
             "--evidence", "reports/gpu/h100/matrix_ncu.json", "--device", "H100"]
     assert tool.main(args) == 0
     (rule,) = json.loads(out.read_text())
@@ -155,5 +159,64 @@ def test_reasons_out_gives_each_profiled_point_both_sides_counters(tmp_path, cap
     reasons_tool = load_script("tools/benchmarking/matrix_reasons.py")
     assert reasons_tool.load_rules(out)[0]["cases"] == rule["cases"]
     with pytest.raises(SystemExit):
-        tool.main(["--summary", str(path), "--reasons-out", str(out), "--family", "gemm"])
+        tool.main(["--summary", f"gemm={path}", "--reasons-out", str(out), "--device", "H100"])
     assert "--reasons-out" in capsys.readouterr().err
+
+
+def test_kernels_narrows_the_profile_and_gives_our_side_its_reason(tmp_path, capsys):
+    """``--kernels`` puts ncu's kernel-name filter on the command line; a point of such a run with
+    no baseline launch gets a reason of our side alone, naming the filter (without the filter, a
+    point with one side gets none: the negative control)."""
+    rec = tmp_path / "matrix.json"
+    rec.write_text(json.dumps(RECORD))
+    assert tool.main(["--command", "--record", str(rec), "--families", "decode", "--kernels", "rlk_|flash_fwd"]) == 0
+    cmd = shlex.split(capsys.readouterr().out)
+    assert cmd[cmd.index("--kernel-name") + 1] == "regex:rlk_|flash_fwd"
+    assert cmd[cmd.index("--kernel-name-base") + 1] == "function" and cmd.index("--kernel-name") < cmd.index("--profile")
+    path = tmp_path / "decode.csv"
+    case = "qwen3-8b B=1 ctx=1024 contiguous"
+    path.write_text(_csv([(f"{case} | ours/rlk_attn_split_wgt", {"gpu__time_duration.sum": "11000"})]))
+    out = tmp_path / "reasons.json"
+    common = ["--summary", f"decode={path}", "--reasons-out", str(out), "--evidence", "E", "--device", "H100"]
+    assert tool.main(common + ["--kernels", "rlk_|flash_fwd", "--commit", "abc1234"]) == 0
+    (rule,) = json.loads(out.read_text())
+    assert fnmatch.fnmatchcase(f"decode: {case} [graph]", rule["cases"])
+    assert "only the kernels whose name matches 'rlk_|flash_fwd'" in rule["reason"]
+    assert "ours 11.0 us in 1 launch(es) (rlk_attn_split_wgt)" in rule["reason"]
+    assert rule["evidence"] == "E (ncu, abc1234): ours 11.0 us"
+    assert tool.main(common) == 0
+    assert json.loads(out.read_text()) == []
+
+
+def test_merge_adds_a_run_and_replaces_the_points_it_profiles_again(tmp_path, capsys):
+    """``--merge``: the record's points of another family or case keep their run; a point
+    profiled again takes the new run's counters; a record of another device or of other metrics
+    is refused and the output is not written."""
+    t = "gpu__time_duration.sum"
+    first, second = tmp_path / "a.csv", tmp_path / "b.csv"
+    first.write_text(_csv([("p1 | ours/rlk_a", {t: "1000"}), ("p2 | ours/rlk_a", {t: "2000"})]))
+    second.write_text(_csv([("p2 | ours/rlk_a", {t: "5000"}), ("p3 | ours/rlk_b", {t: "3000"})]))
+    rec, out = tmp_path / "record.json", tmp_path / "merged.json"
+    assert tool.main(["--summary", f"gemm={first}", "--out", str(rec), "--commit", "c1", "--device", "H100"]) == 0
+    assert tool.main(["--summary", f"gemm={second}", "--out", str(out), "--merge", str(rec), "--commit", "c2",
+                      "--device", "H100", "--run-command", "STEPS=matrix_ncu ..."]) == 0
+    merged = json.loads(out.read_text())
+    assert [r["commit"] for r in merged["runs"]] == ["c1", "c2"] and merged["runs"][1]["command"] == "STEPS=matrix_ncu ..."
+    got = {p["case"]: (p["run"], p["sides"]["ours"]["device_us"]) for p in merged["points"]}
+    assert got == {"p1": (0, 1.0), "p2": (1, 5.0), "p3": (1, 3.0)}
+    # the same case of another family is another point
+    assert tool.main(["--summary", f"attention={second}", "--out", str(out), "--merge", str(rec), "--device", "H100"]) == 0
+    assert len(json.loads(out.read_text())["points"]) == 4
+    out.unlink()
+    with pytest.raises(SystemExit):
+        tool.main(["--summary", f"gemm={second}", "--out", str(out), "--merge", str(rec), "--device", "H200"])
+    assert "one record per device" in capsys.readouterr().err and not out.exists()
+    old = json.loads(rec.read_text())
+    rec.write_text(json.dumps(dict(old, metrics=old["metrics"][:3])))
+    with pytest.raises(SystemExit):
+        tool.main(["--summary", f"gemm={second}", "--out", str(out), "--merge", str(rec), "--device", "H100"])
+    assert "metrics differ" in capsys.readouterr().err and not out.exists()
+    rec.write_text(json.dumps(dict(old, schema_version=1)))
+    with pytest.raises(SystemExit):
+        tool.main(["--summary", f"gemm={second}", "--out", str(out), "--merge", str(rec)])
+    assert "schema_version 2" in capsys.readouterr().err

@@ -220,14 +220,17 @@ for step in $STEPS; do
       timeout $(lim ${MOE_PROFILE_TIMEOUT:-120}) python3 tools/benchmarking/moe_profile_gpu.py --out "$OUT/bench_moe_profile.json" \
         ${MOE_PROFILE_ARGS:-} > "$OUT/moe_profile.log" 2>&1; echo "rc=$?"; tail -60 "$OUT/moe_profile.log" | cut -c1-220 ;;
     matrix_ncu)  # Nsight Compute counters of a matrix record's graph-mode misses, ours and each baseline, one ncu run per
-      # family so a time limit keeps the families finished (tools/benchmarking/matrix_ncu.py; MATRIX_NCU_ARGS, e.g. --record R --within "*M=256")
+      # family so a time limit keeps the families finished (tools/benchmarking/matrix_ncu.py; MATRIX_NCU_ARGS, e.g. --record R --within "*M=256";
+      # --kernels REGEX profiles only the kernels it matches: ncu fails on cuDNN's fused SDPA kernel and then writes nothing)
       for fam in ${MATRIX_NCU_FAMILIES:-gemm attention decode}; do
         ncu_cmd=$(python3 tools/benchmarking/matrix_ncu.py --command --families "$fam" ${MATRIX_NCU_ARGS:-}) || continue
         PATH="$PATH:/usr/local/cuda/bin" timeout $(lim ${MATRIX_NCU_TIMEOUT:-200}) bash -c "exec $ncu_cmd" \
           > "$OUT/matrix_ncu_$fam.csv" 2> "$OUT/matrix_ncu_$fam.log"
         echo "$fam rc=$?"; grep -h "==ERROR==" "$OUT/matrix_ncu_$fam".* | head -5; tail -4 "$OUT/matrix_ncu_$fam.log" | cut -c1-220
       done
-      python3 tools/benchmarking/matrix_ncu.py --summary "$OUT"/matrix_ncu_*.csv --out "$OUT/matrix_ncu.json" | cut -c1-300 | head -150 ;;
+      parts=(); for fam in ${MATRIX_NCU_FAMILIES:-gemm attention decode}; do
+        [ -s "$OUT/matrix_ncu_$fam.csv" ] && parts+=("$fam=$OUT/matrix_ncu_$fam.csv"); done
+      python3 tools/benchmarking/matrix_ncu.py --summary "${parts[@]}" --out "$OUT/matrix_ncu.json" | cut -c1-300 | head -150 ;;
     moe_ncu)  # Nsight Compute counters of the rlk_moe kernels over one forward+backward (moe_profile_gpu.py --single, 16,384 tokens)
       ncu_cmd=$(python3 tools/benchmarking/moe_profile_gpu.py --ncu-command ${MOE_NCU_ARGS:-}) && echo "$ncu_cmd" | cut -c1-220 \
         && PATH="$PATH:/usr/local/cuda/bin" timeout $(lim ${MOE_NCU_TIMEOUT:-200}) bash -c "exec $ncu_cmd" > "$OUT/moe_ncu.csv" 2> "$OUT/moe_ncu.log"

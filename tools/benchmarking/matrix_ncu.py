@@ -13,17 +13,27 @@ occupancy, registers, warp stall reasons).
 side, every launch's counters and the side's device time; it prints one line per side: device
 time, launches, and the longest launch's SM, DRAM and tensor-pipe shares, active warps,
 registers per thread and its two largest stall reasons — what ``matrix_reasons.py --reasons``
-cites as the measured reason of a miss. ``--reasons-out FILE --family F --evidence PATH`` writes
-those lines as that reasons file: one ``{cases, reason, evidence}`` entry per profiled point of
-family ``F`` (its graph row), the reason giving both sides' device time and launches and each
-side's longest launch's counters.
+cites as the measured reason of a miss. ``--reasons-out FILE --evidence PATH --device NAME``
+writes those lines as that reasons file: one ``{cases, reason, evidence}`` entry per profiled
+point (its graph row), the reason giving both sides' device time and launches and each side's
+longest launch's counters.
 
 ``--within PATTERNS`` narrows the record's misses to the case labels that match one of the
 comma-separated shell-style patterns (``"*M=256,*M=1024"``: the GEMM misses at two M values).
+``--kernels REGEX`` profiles only the kernels whose function name matches: ncu fails on cuDNN's
+fused SDPA kernel (``==ERROR== Failed to profile "cudnn_generated_fort_native_sdpa..."``) and then
+writes no CSV at all, so the attention and decode families run with ``"rlk_|flash_fwd|..."`` and
+their reasons give our side's counters alone.
+
+A record (``reports/gpu/<platform>/matrix_ncu.json``) is a list of ``runs`` (sources, commit,
+command, device, kernel pattern) and ``points`` (family, case, the run that profiled it, sides);
+``--merge RECORD`` adds this summary's run to a record, its points replacing the record's of the
+same family and case.
 
     eval "$(python3 tools/benchmarking/matrix_ncu.py --command --families gemm)" > gemm_ncu.csv
-    python3 tools/benchmarking/matrix_ncu.py --summary gemm_ncu.csv --out matrix_ncu.json \\
-        --reasons-out reasons.json --family gemm --evidence reports/gpu/h100/matrix_ncu.json
+    python3 tools/benchmarking/matrix_ncu.py --summary gemm=gemm_ncu.csv --out matrix_ncu.json \\
+        --commit "$(git rev-parse --short HEAD)" --device "NVIDIA H100 80GB HBM3" \\
+        --reasons-out reasons.json --evidence reports/gpu/h100/matrix_ncu.json
 """
 
 from __future__ import annotations
@@ -62,18 +72,24 @@ def record_misses(record: dict, families: list[str] | None = None, mode: str = "
     return out
 
 
-def command(cases: list[str], metrics: str, families: list[str] | None, python: str) -> list[str]:
-    """The ncu command line over ``bench_matrix_gpu.py --profile --cases ...``."""
+def command(cases: list[str], metrics: str, families: list[str] | None, python: str,
+            kernels: str | None = None) -> list[str]:
+    """The ncu command line over ``bench_matrix_gpu.py --profile --cases ...``; ``kernels``, a
+    regular expression on the kernel's function name, profiles only the launches it matches (ncu
+    fails on some library kernels, such as cuDNN's fused SDPA, and then writes no CSV at all)."""
     cmd = ["ncu", "--target-processes", "all", "--profile-from-start", "off", "--clock-control", "none", "--nvtx",
-           "--print-nvtx-rename", "kernel", "--csv", "--print-units", "base", "--metrics", metrics,
-           python, BENCH, "--profile", "--cases", ",".join(cases)]
+           "--print-nvtx-rename", "kernel", "--csv", "--print-units", "base", "--metrics", metrics]
+    if kernels:
+        cmd += ["--kernel-name-base", "function", "--kernel-name", f"regex:{kernels}"]
+    cmd += [python, BENCH, "--profile", "--cases", ",".join(cases)]
     if families:
         cmd += ["--families", ",".join(families)]
     return cmd
 
 
-def summarize(paths: list[Path]) -> dict:
-    """Per point, per side: launches (id, kernel, grid, block, counters) and the device time in µs.
+def summarize(parts: list[tuple[str | None, Path]]) -> dict:
+    """Per point of each ``(family, csv)`` part, per side: launches (id, kernel, grid, block,
+    counters) and the device time in µs; one run (``runs[0]``), its sources the CSVs.
 
     ncu renames a kernel ``"<case> | <side>/<kernel>"`` (the innermost NVTX range, then the
     kernel's own name). NVTX ranges belong to the thread that pushed them, so a backward's kernels
@@ -81,9 +97,9 @@ def summarize(paths: list[Path]) -> dict:
     between ``cudaProfilerStart`` and ``cudaProfilerStop``, so an unnamed launch belongs to the
     named launch before it in the same output (``"thread": "other"``). Unnamed launches before any
     named one stay ``unattributed``."""
-    points: dict[str, dict] = {}
+    points: dict[tuple[str | None, str], dict] = {}
     unattributed: list[dict] = []
-    for path in paths:
+    for family, path in parts:
         current: tuple[str, str] | None = None
         for launch in read_launches(path):
             name = launch["kernel"] or ""
@@ -95,17 +111,36 @@ def summarize(paths: list[Path]) -> dict:
             elif current is not None:
                 (case, side), kernel, thread = current, name, "other"
             else:
-                unattributed.append(launch)
+                unattributed.append(dict(launch, run=0))
                 continue
-            entry = points.setdefault(case, {"case": case, "sides": {}})
+            entry = points.setdefault((family, case), {"case": case, "family": family, "run": 0, "sides": {}})
             s = entry["sides"].setdefault(side, {"launches": [], "device_us": 0.0})
             s["launches"].append({"id": launch["id"], "kernel": kernel, "thread": thread, "grid": launch["grid"],
                                   "block": launch["block"], "metrics": launch["metrics"]})
             t = launch["metrics"].get("gpu__time_duration.sum")
             if isinstance(t, float):
                 s["device_us"] += t / 1000.0  # ncu's base unit: ns
-    return {"schema_version": 1, "family": "matrix_ncu", "metrics": list(NCU_METRICS), "sources": [str(p) for p in paths],
-            "points": list(points.values()), "unattributed": unattributed}
+    return {"schema_version": 2, "family": "matrix_ncu", "metrics": list(NCU_METRICS),
+            "runs": [{"sources": [str(p) for _, p in parts]}], "points": list(points.values()), "unattributed": unattributed}
+
+
+def merge(old: dict, new: dict) -> dict:
+    """``new`` (one run) added to the record ``old``: ``old``'s points that ``new`` profiles again
+    (same family and case) give way to ``new``'s; the others keep their own run. Runs keep their
+    order, so a point's ``run`` index stays valid."""
+    if old.get("schema_version") != 2 or not isinstance(old.get("runs"), list):
+        raise ValueError("expected a matrix_ncu record of schema_version 2 (with 'runs')")
+    if old.get("metrics") != new["metrics"]:
+        raise ValueError("the record's metrics differ from this profile's: profile again with the record's --metrics")
+    devices = {r.get("device") for r in old["runs"] + new["runs"] if r.get("device")}
+    if len(devices) > 1:
+        raise ValueError(f"one record per device: the runs name {sorted(devices)}")
+    base = len(old["runs"])
+    fresh = {(p["family"], p["case"]) for p in new["points"]}
+    points = [p for p in old["points"] if (p["family"], p["case"]) not in fresh]
+    points += [dict(p, run=p["run"] + base) for p in new["points"]]
+    unattributed = old["unattributed"] + [dict(x, run=x["run"] + base) for x in new["unattributed"]]
+    return dict(old, runs=old["runs"] + new["runs"], points=points, unattributed=unattributed)
 
 
 #: the shares of peak a side's line gives, by the summary's short metric names
@@ -151,25 +186,39 @@ def kernel_label(name: str) -> str:
     return name.removeprefix("void ").strip() or name
 
 
-def reasons(rep: dict, family: str, evidence: str, device: str) -> list[dict[str, str]]:
-    """``matrix_reasons.py --reasons`` entries for every point of ``rep`` with our side and at
-    least one baseline (the graph row of ``family: <case>``)."""
+def kernels(s: dict) -> str:
+    """A side's distinct kernels, in launch order."""
+    return ", ".join(dict.fromkeys(kernel_label(x["kernel"]) for x in s["launches"]))
+
+
+def reasons(rep: dict, evidence: str) -> list[dict[str, str]]:
+    """``matrix_reasons.py --reasons`` entries for every point of the one-run summary ``rep`` with
+    our side and at least one baseline (the graph row of ``<family>: <case>``); where the run
+    profiled only some kernels (its ``kernels`` pattern) and no baseline launch matched, our side
+    alone."""
+    (run,) = rep["runs"]
+    device, commit = run["device"], f", {run['commit']}" if run.get("commit") else ""
     out = []
     for point in rep["points"]:
-        sides = point["sides"]
-        if "ours" not in sides or len(sides) < 2:
+        sides, family = point["sides"], point["family"]
+        if "ours" not in sides:
             continue
         ours = sides["ours"]
+        if len(sides) < 2:
+            if not run.get("kernels"):
+                continue
+            out.append({"cases": glob.escape(f"{family}: {point['case']} [graph]"),
+                        "reason": (f"ncu on the {device}, profiling only the kernels whose name matches "
+                                   f"{run['kernels']!r} (no baseline kernel matched): ours {ours['device_us']:.1f} us "
+                                   f"in {len(ours['launches'])} launch(es) ({kernels(ours)}). Ours, longest launch: "
+                                   f"{side_counters(ours)}."),
+                        "evidence": f"{evidence} (ncu{commit}): ours {ours['device_us']:.1f} us"})
+            continue
         base_name, base = min(((n, s) for n, s in sides.items() if n != "ours"), key=lambda x: x[1]["device_us"])
-
-        def kernels(s: dict) -> str:
-            return ", ".join(dict.fromkeys(kernel_label(x["kernel"]) for x in s["launches"]))
-
         text = (f"ncu on the {device}: ours {ours['device_us']:.1f} us in {len(ours['launches'])} launch(es) "
                 f"({kernels(ours)}), {base_name} {base['device_us']:.1f} us in {len(base['launches'])} launch(es) "
                 f"({kernels(base)}). Ours, longest launch: {side_counters(ours)}. {base_name}, longest launch: "
                 f"{side_counters(base)}.")
-        commit = f", {rep['commit']}" if rep.get("commit") else ""
         out.append({"cases": glob.escape(f"{family}: {point['case']} [graph]"), "reason": text,
                     "evidence": f"{evidence} (ncu{commit}): {ours['device_us']:.1f} us vs {base['device_us']:.1f} us"})
     return out
@@ -186,22 +235,32 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated shell-style patterns: keep the record's misses whose case matches one")
     ap.add_argument("--metrics", default=",".join(NCU_METRICS), help="ncu metrics (comma-separated)")
     ap.add_argument("--python", default=sys.executable, help="interpreter ncu launches")
-    ap.add_argument("--summary", type=Path, nargs="+", default=None, metavar="CSV", help="ncu --csv outputs to summarise")
+    ap.add_argument("--kernels", default=None, metavar="REGEX",
+                    help="profile only kernels whose function name matches REGEX (with --command); with --summary: "
+                         "the REGEX the profile used, recorded, and points without a baseline launch get our side's reason")
+    ap.add_argument("--summary", nargs="+", default=None, metavar="[FAMILY=]CSV",
+                    help="ncu --csv outputs to summarise, each FAMILY=CSV or a CSV of --family's points")
     ap.add_argument("--out", type=Path, default=None, help="JSON summary (with --summary)")
-    ap.add_argument("--commit", default=None, help="the profiled tree's commit, recorded in the summary")
+    ap.add_argument("--merge", type=Path, default=None, metavar="RECORD",
+                    help="with --summary --out: add this run to RECORD (a matrix_ncu record), whose points it does not "
+                         "profile again keep their own run")
+    ap.add_argument("--commit", default=None, help="the profiled tree's commit, recorded in the run")
+    ap.add_argument("--run-command", default=None, help="the command that made the CSVs, recorded in the run")
     ap.add_argument("--reasons-out", type=Path, default=None,
                     help="with --summary: write matrix_reasons.py --reasons entries for the profiled points")
-    ap.add_argument("--family", default=None, help="with --reasons-out: the family of the profiled points")
+    ap.add_argument("--family", default=None, help="with --summary: the family of the points of a CSV given without FAMILY=")
     ap.add_argument("--evidence", default=None, help="with --reasons-out: where the summary is kept (the record)")
-    ap.add_argument("--device", default=None, help="with --reasons-out: the profiled device's name, for the reasons")
+    ap.add_argument("--device", default=None, help="with --summary: the profiled device's name, recorded in the run")
     a = ap.parse_args(argv)
     families = [f for f in a.families.split(",") if f] if a.families else None
     if a.command == (a.summary is not None):
         ap.error("expected exactly one of --command and --summary")
     if a.within and (not a.command or a.cases):
         ap.error("--within: narrows the record's misses (with --command, without --cases)")
-    if a.reasons_out is not None and (a.command or not (a.family and a.evidence and a.device)):
-        ap.error("--reasons-out: with --summary, and --family, --evidence and --device too")
+    if a.reasons_out is not None and (a.command or not (a.evidence and a.device)):
+        ap.error("--reasons-out: with --summary, and --evidence and --device too")
+    if a.merge is not None and (a.command or a.out is None):
+        ap.error("--merge: with --summary and --out")
     if a.command:
         if a.cases:
             cases = [c for c in a.cases.split(",") if c]
@@ -214,13 +273,20 @@ def main(argv: list[str] | None = None) -> int:
                 cases = [c for c in cases if any(fnmatch.fnmatchcase(c, p) for p in pats)]
         if not cases:
             ap.error("no points to profile: the record has no graph-mode miss in these families (or --cases is empty)")
-        print(shlex.join(command(cases, a.metrics, families, a.python)))
+        print(shlex.join(command(cases, a.metrics, families, a.python, a.kernels)))
         return 0
-    missing = [str(p) for p in a.summary if not p.is_file()]
+    parts = []
+    for item in a.summary:
+        family, sep, path = item.rpartition("=")
+        family = family if sep else a.family
+        if not family:
+            ap.error(f"--summary: {item!r} names no family: give FAMILY=CSV, or --family")
+        parts.append((family, Path(path)))
+    missing = [str(p) for _, p in parts if not p.is_file()]
     if missing:
         ap.error(f"--summary: no such file {', '.join(missing)}")
-    rep = summarize(list(a.summary))
-    rep["commit"] = a.commit
+    rep = summarize(parts)
+    rep["runs"][0].update(commit=a.commit, command=a.run_command, device=a.device, kernels=a.kernels)
     for point in rep["points"]:
         print(point["case"])
         for side, s in point["sides"].items():
@@ -230,10 +296,16 @@ def main(argv: list[str] | None = None) -> int:
     if not rep["points"] and not rep["unattributed"]:
         print("no ncu launches in " + ", ".join(map(str, a.summary)))
     if a.out is not None:
-        a.out.write_text(json.dumps(rep, indent=1) + "\n", encoding="utf-8")
-        print(f"wrote {a.out}: {len(rep['points'])} points")
+        record = rep
+        if a.merge is not None:
+            try:
+                record = merge(json.loads(a.merge.read_text(encoding="utf-8")), rep)
+            except (OSError, ValueError) as exc:
+                ap.error(f"--merge: {exc}")
+        a.out.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {a.out}: {len(record['points'])} points")
     if a.reasons_out is not None:
-        rules = reasons(rep, a.family, a.evidence, a.device)
+        rules = reasons(rep, a.evidence)
         a.reasons_out.write_text(json.dumps(rules, indent=1) + "\n", encoding="utf-8")
         print(f"wrote {a.reasons_out}: {len(rules)} reasons")
     return 0 if rep["points"] else 1
