@@ -95,6 +95,10 @@ def test_summary_of_an_output_without_metric_rows_fails(tmp_path, capsys):
     with pytest.raises(SystemExit):
         tool.main(["--summary", str(path)])
     assert "names no family" in capsys.readouterr().err
+    odd = tmp_path / "run=1"
+    odd.mkdir()
+    (odd / "empty.csv").write_text(path.read_text())
+    assert tool.main(["--summary", str(odd / "empty.csv"), "--family", "gemm"]) == 1  # '=' in a path is no family
 
 
 def test_short_names_and_argument_errors(capsys):

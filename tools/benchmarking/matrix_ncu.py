@@ -277,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parts = []
     for item in a.summary:
-        family, sep, path = item.rpartition("=")
-        family = family if sep else a.family
+        family, sep, path = item.partition("=")
+        if not (sep and family.isidentifier()):  # a bare CSV path (which may itself hold '=')
+            family, path = a.family, item
         if not family:
             ap.error(f"--summary: {item!r} names no family: give FAMILY=CSV, or --family")
         parts.append((family, Path(path)))
