@@ -65,7 +65,7 @@ def candidates(m: int) -> list[C]:
     join the compute-bound ones; the persistent ones walk the tiles one program an SM. At M ≤ 256
     the 64-row tiles also run with 8 warps: with one tile an SM, the 4-warp tile keeps 6 % of the
     SM's warp slots busy where cuBLAS keeps 13–15 % (ncu, reports/gpu/h100/matrix_ncu.json). On
-    the H100 the 8-warp tiles ran 1.11–1.71× cuBLAS at the matrix's M = 256 shapes (N = 5,003
+    the H100 the 8-warp tiles measure 1.11–1.71× cuBLAS at the matrix's M = 256 shapes (N = 5,003
     aside), the table's 4-warp tiles 1.07–1.45× (docs/operators/gemm-gpu.md)."""
     out = [C(64, 32, 128, 4, 4, tma=True), C(64, 64, 64, 4, 6, tma=True), C(64, 64, 128, 4, 4, tma=True),
            C(64, 128, 64, 4, 4, tma=True), C(64, 128, 128, 4, 3, tma=True), C(128, 64, 64, 4, 4, tma=True),

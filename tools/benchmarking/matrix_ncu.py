@@ -200,26 +200,25 @@ def reasons(rep: dict, evidence: str) -> list[dict[str, str]]:
     device, commit = run["device"], f", {run['commit']}" if run.get("commit") else ""
     out = []
     for point in rep["points"]:
-        sides, family = point["sides"], point["family"]
+        sides = point["sides"]
         if "ours" not in sides:
             continue
         ours = sides["ours"]
+        cases = glob.escape(f"{point['family']}: {point['case']} [graph]")
+        mine = f"ours {ours['device_us']:.1f} us in {len(ours['launches'])} launch(es) ({kernels(ours)})"
         if len(sides) < 2:
-            if not run.get("kernels"):
-                continue
-            out.append({"cases": glob.escape(f"{family}: {point['case']} [graph]"),
-                        "reason": (f"ncu on the {device}, profiling only the kernels whose name matches "
-                                   f"{run['kernels']!r} (no baseline kernel matched): ours {ours['device_us']:.1f} us "
-                                   f"in {len(ours['launches'])} launch(es) ({kernels(ours)}). Ours, longest launch: "
-                                   f"{side_counters(ours)}."),
-                        "evidence": f"{evidence} (ncu{commit}): ours {ours['device_us']:.1f} us"})
+            if run.get("kernels"):
+                out.append({"cases": cases,
+                            "reason": (f"ncu on the {device}, profiling only the kernels whose name matches "
+                                       f"{run['kernels']!r} (no baseline kernel matched): {mine}. Ours, longest "
+                                       f"launch: {side_counters(ours)}."),
+                            "evidence": f"{evidence} (ncu{commit}): ours {ours['device_us']:.1f} us"})
             continue
         base_name, base = min(((n, s) for n, s in sides.items() if n != "ours"), key=lambda x: x[1]["device_us"])
-        text = (f"ncu on the {device}: ours {ours['device_us']:.1f} us in {len(ours['launches'])} launch(es) "
-                f"({kernels(ours)}), {base_name} {base['device_us']:.1f} us in {len(base['launches'])} launch(es) "
-                f"({kernels(base)}). Ours, longest launch: {side_counters(ours)}. {base_name}, longest launch: "
-                f"{side_counters(base)}.")
-        out.append({"cases": glob.escape(f"{family}: {point['case']} [graph]"), "reason": text,
+        text = (f"ncu on the {device}: {mine}, {base_name} {base['device_us']:.1f} us in {len(base['launches'])} "
+                f"launch(es) ({kernels(base)}). Ours, longest launch: {side_counters(ours)}. {base_name}, longest "
+                f"launch: {side_counters(base)}.")
+        out.append({"cases": cases, "reason": text,
                     "evidence": f"{evidence} (ncu{commit}): {ours['device_us']:.1f} us vs {base['device_us']:.1f} us"})
     return out
 
